@@ -1,0 +1,39 @@
+# CircuitKit + Gradian. `make demo` sets up a venv and runs the pipeline on the built-in tiny
+# GPT-2; `make test` runs the test suite. VENV=... picks another virtual environment.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_STAGES ?= [data]
+
+.PHONY: setup demo test test-slow lint bench fixtures clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/python -m circuitkit.run stages=$(DEMO_STAGES) hydra.run.dir=outputs/demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+lint: setup
+	$(BIN)/ruff check .
+
+fixtures: setup
+	$(BIN)/python scripts/make_tiny_models.py
+
+BENCH_SCRIPTS := $(wildcard scripts/bench_*.py)
+bench: setup
+	@test -n "$(BENCH_SCRIPTS)" || { echo "no benchmark scripts in scripts/ yet"; exit 1; }
+	@set -e; for script in $(BENCH_SCRIPTS); do $(BIN)/python "$$script"; done
+
+clean:
+	rm -rf outputs multirun .cache .pytest_cache

@@ -1,0 +1,54 @@
+"""`circuitkit` command line.
+
+    circuitkit run [overrides...]       same as `python -m circuitkit.run [overrides...]`
+    circuitkit config [overrides...]    print the composed, validated config and exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.syntax import Syntax
+
+_console = Console(stderr=True)
+
+
+def _cmd_config(overrides: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    from circuitkit.config import ConfigError, compose
+
+    try:
+        cfg, _typed = compose(overrides)
+    except ConfigError as err:
+        _console.print(f"[bold red]error:[/bold red] {err}")
+        return 2
+    Console().print(Syntax(OmegaConf.to_yaml(cfg), "yaml"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="circuitkit", description="Circuit discovery on Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="run the pipeline (Hydra overrides follow)", add_help=False)
+    sub.add_parser("config", help="print the composed config for the given overrides", add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from circuitkit.run import main as run_main
+
+        run_main(rest)
+        return 0
+    if command == "config":
+        return _cmd_config(rest)
+    parser.parse_args(argv)  # prints the usage error for unknown commands
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""Typed configuration schema, registered in Hydra's ConfigStore, and strict validation.
+
+Every config group (`model`, `discovery`, `pruning`, `grads`, `preflight`) has a dataclass
+here. YAML files under `conf/` only set values. Validation is strict: an unknown key, a
+wrong type or an out-of-range value raises :class:`ConfigError` naming the key, the value
+and what is allowed, before any work starts. Overrides are checked before Hydra composes
+(so `discovery.memory_efficient=true` gets our message, not Hydra's), and the composed
+config is checked again (choices, ranges, cross-field rules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+ALL_STAGES = ("preflight", "data", "attribution", "pruning", "grads")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key that cannot be used; the message says what to change."""
+
+
+def _f(default: Any, doc: str, *, choices: Iterable[Any] | None = None, ge: float | None = None,
+       gt: float | None = None, lt: float | None = None, le: float | None = None) -> Any:
+    """A dataclass field with its documentation and allowed values in the metadata."""
+    meta = {"doc": doc, "choices": tuple(choices) if choices else None, "ge": ge, "gt": gt, "lt": lt, "le": le}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelShape:
+    """Shape of a model, known without loading weights (used by the memory estimate)."""
+
+    family: Optional[str] = _f(None, "architecture family", choices=("gpt2", "gpt_neox", "llama", "gemma3"))
+    n_layers: Optional[int] = _f(None, "transformer blocks", ge=1)
+    n_heads: Optional[int] = _f(None, "attention (query) heads per layer", ge=1)
+    n_kv_heads: Optional[int] = _f(None, "key/value heads per layer (GQA when < n_heads)", ge=1)
+    head_dim: Optional[int] = _f(None, "width of one head", ge=1)
+    d_model: Optional[int] = _f(None, "residual stream width", ge=1)
+    d_mlp: Optional[int] = _f(None, "MLP hidden width", ge=1)
+    vocab_size: Optional[int] = _f(None, "vocabulary size (rows of the unembedding)", ge=1)
+    n_params: Optional[int] = _f(None, "parameter count", ge=1)
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("builtin:tiny-gpt2", "hub name, local directory, or builtin:NAME (a local fixture)")
+    revision: Optional[str] = _f(None, "hub revision (branch, tag or commit); null = default branch")
+    precision: str = _f("bfloat16", "weight dtype", choices=("bfloat16", "float16", "float32"))
+    trust_remote_code: bool = _f(False, "allow model code from the hub; off unless you set it")
+    attn_implementation: str = _f("sdpa", "attention kernel", choices=("sdpa", "eager"))
+    shape: ModelShape = field(default_factory=ModelShape, metadata={"doc": "shape known without loading"})
+
+
+@dataclass
+class DataParams:
+    num_examples: int = _f(128, "examples used for attribution", ge=1)
+    eval_examples: int = _f(64, "held-out examples for faithfulness", ge=1)
+    data_path: Optional[str] = _f(None, "file or directory for the mmlu and jsonl tasks")
+    seq_len: int = _f(128, "sequence length of synthetic tasks (induction)", ge=8)
+
+
+@dataclass
+class DiscoveryConfig:
+    algorithm: str = _f("eap-ig", "attribution method", choices=("eap", "eap-ig", "clean-corrupted", "exact"))
+    level: str = _f("node", "score nodes or edges", choices=("node", "edge"))
+    task: str = _f("induction", "task that supplies clean/corrupted pairs",
+                   choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
+    metric: str = _f("logit_diff", "scalar per example", choices=("logit_diff", "prob_diff", "logprob", "kl"))
+    ig_steps: Optional[int] = _f(5, "integration steps of EAP-IG (null = 30, 1 = EAP)", ge=1)
+    batch_size: int = _f(4, "examples per forward/backward pass", ge=1)
+    data_params: DataParams = field(default_factory=DataParams, metadata={"doc": "task data"})
+
+
+@dataclass
+class PruningConfig:
+    scope: str = _f("heads", "what is pruned", choices=("heads", "edges"))
+    target_sparsity: float = _f(0.5, "fraction of heads (or edges) removed", ge=0.0, lt=1.0)
+    rank_by: str = _f("abs", "order of removal: lowest |score| or lowest signed score", choices=("abs", "signed"))
+    ablation: str = _f("mean", "value given to removed heads", choices=("mean", "zero", "corrupted"))
+
+
+@dataclass
+class GradsConfig:
+    enabled: bool = _f(True, "run the gradient-indexing stage")
+    data_path: Optional[str] = _f(None, "JSONL training data (prompt+completion or messages)")
+    batch_size: int = _f(8, "rows per forward/backward (first memory lever)", ge=1)
+    max_seq_length: int = _f(512, "tokens per row after truncation (second memory lever)", ge=2)
+    on_truncation: str = _f("warn", "when a completion is cut", choices=("warn", "error", "drop"))
+    truncation_side: str = _f("right", "what truncation removes", choices=("right", "prompt_left"))
+    loss_reduction: str = _f("sum", "per-example loss over supervised tokens", choices=("sum", "mean"))
+    module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks")
+    projection: str = _f("kronecker", "random projection kind", choices=("kronecker", "dense"))
+    projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients", ge=1)
+    projection_seed: int = _f(0, "seed of the projection matrices", ge=0)
+    storage_dtype: str = _f("float16", "dtype of stored rows", choices=("float16", "bfloat16", "float32"))
+    rows_per_shard: int = _f(4096, "rows per safetensors shard", ge=1)
+    num_shards: int = _f(1, "workers splitting the data", ge=1)
+    shard_index: int = _f(0, "this worker's share, 0 <= shard_index < num_shards", ge=0)
+    index_dir: Optional[str] = _f(None, "where the index goes; null = <run dir>/index")
+
+
+@dataclass
+class PreflightConfig:
+    on_exceed: str = _f("error", "when the estimate exceeds free memory", choices=("error", "warn"))
+    headroom: float = _f(0.9, "fraction of free device memory a run may plan to use", gt=0.0, le=1.0)
+
+
+@dataclass
+class AppConfig:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "model group"})
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig, metadata={"doc": "discovery group"})
+    pruning: PruningConfig = field(default_factory=PruningConfig, metadata={"doc": "pruning group"})
+    grads: GradsConfig = field(default_factory=GradsConfig, metadata={"doc": "grads group"})
+    preflight: PreflightConfig = field(default_factory=PreflightConfig, metadata={"doc": "preflight group"})
+    stages: list[str] = _f(list(ALL_STAGES), "stages to run, in pipeline order", choices=ALL_STAGES)
+    output_path: Optional[str] = _f(None, "where circuit.pt is written; null = <run dir>/circuit.pt")
+    seed: int = _f(0, "seed for data sampling and anything random", ge=0)
+    skip_completed: bool = _f(True, "skip stages whose artifacts and config hash match the manifest")
+
+
+GROUPS = {"model": ModelConfig, "discovery": DiscoveryConfig, "pruning": PruningConfig,
+          "grads": GradsConfig, "preflight": PreflightConfig}
+
+
+def register_configs() -> None:
+    """Register the root schema `schema` in Hydra's ConfigStore.
+
+    `conf/config.yaml` lists it first in its defaults, so every group file is merged into its
+    typed dataclass (ModelConfig, DiscoveryConfig, ...). Group-level entries are not stored:
+    they would show up as a bogus choice (`model=schema`) in Hydra's option lists.
+    """
+    ConfigStore.instance().store(name="schema", node=AppConfig)
+
+
+register_configs()
+
+
+# --------------------------------------------------------------------------- validation
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe_allowed(tp: Any, optional: bool, meta: Mapping[str, Any]) -> str:
+    parts = []
+    if meta.get("choices"):
+        parts.append("one of " + ", ".join(repr(c) for c in meta["choices"]))
+    else:
+        name = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp)
+        if typing.get_origin(tp) is list:
+            name = "a list of strings"
+        parts.append(name or str(tp))
+    bounds = []
+    if meta.get("ge") is not None:
+        bounds.append(f">= {meta['ge']}")
+    if meta.get("gt") is not None:
+        bounds.append(f"> {meta['gt']}")
+    if meta.get("le") is not None:
+        bounds.append(f"<= {meta['le']}")
+    if meta.get("lt") is not None:
+        bounds.append(f"< {meta['lt']}")
+    if bounds:
+        parts.append(" and ".join(bounds))
+    if optional:
+        parts.append("or null")
+    return " ".join(parts)
+
+
+def _find_leaf_elsewhere(name: str, cls: type = AppConfig, prefix: str = "") -> list[str]:
+    """Full paths of schema keys called `name` anywhere in the schema."""
+    found = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        if f.name == name:
+            found.append(path)
+        tp, _ = _unwrap_optional(_type_hints(cls)[f.name])
+        if dataclasses.is_dataclass(tp):
+            found.extend(_find_leaf_elsewhere(name, tp, path + "."))
+    return found
+
+
+def unknown_key_error(path: str, cls: type) -> ConfigError:
+    """The error for `path` whose last part is not a field of `cls`."""
+    block, _, key = path.rpartition(".")
+    valid = [f.name for f in dataclasses.fields(cls)]
+    where = f"'{block}'" if block else "the top level"
+    msg = f"Unknown config key '{path}': '{key}' is not a key of {where}."
+    elsewhere = [p for p in _find_leaf_elsewhere(key) if p != path]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if elsewhere:
+        msg += f" '{key}' belongs at {' or '.join(elsewhere)}: set it there instead."
+    elif close:
+        prefix = f"{block}." if block else ""
+        msg += f" Did you mean '{prefix}{close[0]}'?"
+    msg += f" Valid keys of {where}: {', '.join(valid)}."
+    if key in ("memory_efficient", "use_half_precision_activations"):
+        msg += (" This key does nothing in CircuitKit (older docs of similar tools accept it silently);"
+                " the memory levers are discovery.batch_size, discovery.ig_steps,"
+                " discovery.data_params.num_examples and model.precision.")
+    return ConfigError(msg)
+
+
+def _check_value(path: str, value: Any, tp: Any, meta: Mapping[str, Any]) -> Any:
+    """Validate one leaf value; returns it (ints accepted for floats)."""
+    base, optional = _unwrap_optional(tp)
+    allowed = _describe_allowed(base, optional, meta)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"Config key '{path}' is null, but it must be {allowed}.")
+    if typing.get_origin(base) is list:
+        if not isinstance(value, (list, tuple, ListConfig)):
+            raise ConfigError(f"Config key '{path}' = {value!r} must be {allowed}.")
+        items = list(value)
+        for item in items:
+            if not isinstance(item, str):
+                raise ConfigError(f"Config key '{path}' contains {item!r} ({type(item).__name__});"
+                                  f" it must be {allowed}.")
+            if meta.get("choices") and item not in meta["choices"]:
+                raise ConfigError(f"Config key '{path}' contains {item!r}; each entry must be {allowed}.")
+        return items
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(base, True)
+    if not ok:
+        raise ConfigError(f"Config key '{path}' = {value!r} ({type(value).__name__}) has the wrong type;"
+                          f" it must be {allowed}.")
+    if meta.get("choices") and value not in meta["choices"]:
+        close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"Config key '{path}' = {value!r} is not allowed; it must be {allowed}.{hint}")
+    for bound, test in (("ge", lambda v, b: v >= b), ("gt", lambda v, b: v > b),
+                        ("le", lambda v, b: v <= b), ("lt", lambda v, b: v < b)):
+        if meta.get(bound) is not None and not test(value, meta[bound]):
+            raise ConfigError(f"Config key '{path}' = {value!r} is out of range; it must be {allowed}.")
+    return float(value) if base is float else value
+
+
+def _validate_block(data: Mapping[str, Any], cls: type, prefix: str) -> Any:
+    hints = _type_hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise unknown_key_error(f"{prefix}{key}", cls)
+    kwargs = {}
+    for name, f in names.items():
+        path = f"{prefix}{name}"
+        tp, optional = _unwrap_optional(hints[name])
+        if name not in data:
+            continue
+        value = data[name]
+        if dataclasses.is_dataclass(tp):
+            if value is None and optional:
+                kwargs[name] = None
+                continue
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"Config key '{path}' = {value!r} must be a block of keys"
+                                  f" ({', '.join(x.name for x in dataclasses.fields(tp))}).")
+            kwargs[name] = _validate_block(value, tp, path + ".")
+        else:
+            kwargs[name] = _check_value(path, value, hints[name], f.metadata)
+    return cls(**kwargs)
+
+
+def _check_cross_fields(cfg: AppConfig) -> None:
+    g = cfg.grads
+    if g.shard_index >= g.num_shards:
+        raise ConfigError(f"Config key 'grads.shard_index' = {g.shard_index} must be < grads.num_shards"
+                          f" = {g.num_shards} (workers are numbered 0..num_shards-1).")
+    order = [s for s in ALL_STAGES if s in cfg.stages]
+    if list(cfg.stages) != order:
+        raise ConfigError(f"Config key 'stages' = {list(cfg.stages)} must list stages in pipeline order"
+                          f" {list(ALL_STAGES)}; e.g. stages=[{','.join(order)}].")
+    if len(set(cfg.stages)) != len(cfg.stages):
+        raise ConfigError(f"Config key 'stages' = {list(cfg.stages)} names a stage twice.")
+
+
+def validate(cfg: DictConfig | Mapping[str, Any] | AppConfig) -> AppConfig:
+    """Check a composed config (or a plain dict shaped like it) and return the typed AppConfig.
+
+    Missing keys take the schema defaults; anything unknown, mistyped or out of range raises
+    ConfigError naming the key, the value and what is allowed.
+    """
+    if isinstance(cfg, AppConfig):
+        cfg = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    elif isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"A config must be a mapping of groups to keys, got {type(cfg).__name__}.")
+    data = {k: v for k, v in cfg.items() if k != "hydra"}
+    typed = _validate_block(data, AppConfig, "")
+    _check_cross_fields(typed)
+    return typed
+
+
+def _schema_at(path: list[str]) -> tuple[type | None, Any, Mapping[str, Any] | None]:
+    """Walk the schema along `path`; returns (block class, leaf type, leaf metadata)."""
+    cls: type = AppConfig
+    for i, part in enumerate(path):
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise unknown_key_error(".".join(path[: i + 1]), cls)
+        tp, _ = _unwrap_optional(_type_hints(cls)[part])
+        if i == len(path) - 1:
+            return cls, _type_hints(cls)[part], names[part].metadata
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(f"Config key '{'.'.join(path[: i + 1])}' is a value, not a block;"
+                              f" '{'.'.join(path)}' does not exist.")
+        cls = tp
+    return cls, None, None
+
+
+def check_overrides(overrides: Iterable[str]) -> None:
+    """Validate command-line overrides against the schema before Hydra composes them.
+
+    Group choices (`model=gpt2`) are left to Hydra, which lists the available options;
+    `hydra.*` overrides are Hydra's own. Every other key must exist in the schema and its
+    value (each value of a sweep) must have the right type and range.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    for ov in parsed:
+        key = ov.key_or_group
+        if key.startswith("hydra.") or key == "hydra" or ov.is_delete():
+            continue
+        parts = key.split(".")
+        if len(parts) == 1 and parts[0] in GROUPS and ov.package is None:
+            continue  # a group choice such as model=gpt2
+        _, leaf_tp, meta = _schema_at(parts)
+        if leaf_tp is None or meta is None:
+            continue
+        base, _ = _unwrap_optional(leaf_tp)
+        if dataclasses.is_dataclass(base):
+            continue
+        values = list(ov.sweep_iterator()) if ov.is_sweep_override() else [ov.value()]
+        for v in values:
+            _check_value(key, v, leaf_tp, meta)
+
+
+def compose(overrides: Iterable[str] = (), config_name: str = "config") -> tuple[DictConfig, AppConfig]:
+    """Compose the config like `python -m circuitkit.run` would, with Hydra's compose API.
+
+    Returns the composed DictConfig and its validated AppConfig.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = list(overrides)
+    check_overrides(overrides)
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    return cfg, validate(cfg)
+
+
+def to_dict(cfg: AppConfig) -> dict[str, Any]:
+    """The typed config as plain Python containers (for hashing, manifests and circuit.pt)."""
+    return dataclasses.asdict(cfg)
+
+
+def iter_keys(cls: type = AppConfig, prefix: str = "") -> Iterable[tuple[str, Any, Mapping[str, Any]]]:
+    """Every leaf key of the schema as (path, type, metadata); used by the docs check."""
+    hints = _type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, _ = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            yield from iter_keys(tp, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", hints[f.name], f.metadata

@@ -1,0 +1,266 @@
+"""The pipeline: stages in order, the run directory, manifest.json and resume.
+
+Each stage declares the config blocks it reads. Its config hash covers those blocks and the
+hashes of the stages before it, so changing `discovery.ig_steps` reruns attribution and
+everything after it, and nothing before. A rerun in the same run directory skips a stage
+whose manifest entry is `ok` with the same config hash and whose artifacts still have the
+recorded sha256.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from circuitkit.config import AppConfig, to_dict
+from circuitkit.device import get_device, measure_peak, module_bytes
+from circuitkit.io import atomic_write_json, sha256_file, sha256_json
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+VERSIONED_PACKAGES = ("circuitkit", "torch", "transformers", "tokenizers", "hydra-core", "omegaconf",
+                      "safetensors", "rich", "numpy")
+
+
+class PipelineError(RuntimeError):
+    """A stage failed; the manifest records which and why, earlier artifacts are kept."""
+
+
+class StageNotBuiltError(PipelineError):
+    """A selected stage does not exist in this version."""
+
+
+@dataclass
+class StageResult:
+    """What a stage hands back: its artifact files and its headline numbers."""
+
+    artifacts: list[Path] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)  # JSON-able headline results
+    estimated_peak_bytes: int | None = None
+
+
+@dataclass
+class Stage:
+    """A pipeline stage: `run(ctx)` does the work, `blocks` are the config keys it reads."""
+
+    name: str
+    blocks: tuple[str, ...]
+    run: Callable[[RunContext], StageResult] | None  # None: not built in this version
+    not_built_reason: str = ""
+
+
+class RunContext:
+    """Shared state of one pipeline run: config, run dir, console, the lazily loaded model.
+
+    Stages hand results to later stages through `ctx.state`; a skipped stage's results are
+    reloaded from its artifacts by the stage that needs them.
+    """
+
+    def __init__(self, cfg: AppConfig, run_dir: Path, console: Console | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.console = console or Console(stderr=True)
+        self.state: dict[str, Any] = {}
+        self._loaded = None
+
+    @property
+    def model_loaded(self) -> bool:
+        return self._loaded is not None
+
+    def model(self):
+        """The LoadedModel for `cfg.model`, loaded on first use."""
+        if self._loaded is None:
+            from circuitkit.models.loading import load_model
+
+            with self.console.status(f"Loading {self.cfg.model.name} ({self.cfg.model.precision})"):
+                self._loaded = load_model(self.cfg.model)
+        return self._loaded
+
+    def resident_bytes(self) -> int:
+        return module_bytes(self._loaded.model) if self._loaded is not None else 0
+
+
+_REGISTRY: dict[str, Stage] = {}
+
+
+def register_stage(stage: Stage) -> Stage:
+    """Make a stage available to `stages=[...]`."""
+    _REGISTRY[stage.name] = stage
+    return stage
+
+
+def stage_registry() -> dict[str, Stage]:
+    import circuitkit.stages  # noqa: F401  (registers the stages)
+
+    return _REGISTRY
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of the packages that decide results, plus Python's."""
+    out = {"python": platform.python_version()}
+    for pkg in VERSIONED_PACKAGES:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _block_value(cfg_dict: dict[str, Any], dotted: str) -> Any:
+    node: Any = cfg_dict
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def stage_hashes(cfg: AppConfig, stages: list[Stage]) -> dict[str, str]:
+    """Config hash per stage: its own blocks plus the hash of the stage before it."""
+    cfg_dict = to_dict(cfg)
+    hashes, previous = {}, ""
+    for stage in stages:
+        own = {b: _block_value(cfg_dict, b) for b in stage.blocks}
+        hashes[stage.name] = sha256_json({"blocks": own, "previous": previous})
+        previous = hashes[stage.name]
+    return hashes
+
+
+def load_manifest(run_dir: Path) -> dict[str, Any]:
+    import json
+
+    path = Path(run_dir) / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise PipelineError(f"{path} is not valid JSON ({err}); move it away to start this run dir afresh.") from err
+
+
+def _artifacts_intact(run_dir: Path, recorded: dict[str, dict[str, Any]]) -> bool:
+    for rel, info in recorded.items():
+        path = run_dir / rel
+        if not path.is_file() or sha256_file(path) != info.get("sha256"):
+            return False
+    return True
+
+
+def _artifact_record(run_dir: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for p in paths:
+        p = Path(p)
+        rel = str(p.relative_to(run_dir)) if p.is_relative_to(run_dir) else str(p)
+        out[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    return out
+
+
+def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
+                 overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run `cfg.stages` in order in `run_dir`; returns the manifest (also written to disk).
+
+    Raises StageNotBuiltError before any work if a selected stage does not exist yet, and
+    PipelineError when a stage fails (after recording the failure in the manifest).
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    registry = stage_registry()
+    selected = [registry[name] for name in cfg.stages]
+    missing = [s for s in selected if s.run is None]
+    if missing:
+        built = [n for n, s in registry.items() if s.run is not None]
+        lines = "; ".join(f"'{s.name}': {s.not_built_reason}" for s in missing)
+        raise StageNotBuiltError(
+            f"Selected stage(s) not built in this version: {lines}. Stages available now: {', '.join(built)}."
+            f" Choose them explicitly, e.g. stages=[{','.join(n for n in cfg.stages if n in built)}].")
+
+    ctx = RunContext(cfg, run_dir, console)
+    hashes = stage_hashes(cfg, selected)
+    manifest = load_manifest(run_dir)
+    manifest.update({
+        "format_version": MANIFEST_FORMAT,
+        "run_dir": str(run_dir.resolve()),
+        "config_hash": sha256_json(to_dict(cfg)),
+        "config": to_dict(cfg),
+        "overrides": list(overrides or []),
+        "versions": package_versions(),
+        "device": str(get_device()),
+        "command": " ".join(sys.argv),
+    })
+    manifest.setdefault("stages", {})
+    manifest_path = run_dir / MANIFEST
+    atomic_write_json(manifest_path, manifest)
+
+    upstream_ran = False  # once a stage runs, the ones after it read fresh inputs and run too
+    for stage in selected:
+        prior = manifest["stages"].get(stage.name, {})
+        if (cfg.skip_completed and not upstream_ran and prior.get("status") == "ok" and prior.get("config_hash") == hashes[stage.name]
+                and _artifacts_intact(run_dir, prior.get("artifacts", {}))):
+            ctx.console.print(f"[dim]stage {stage.name}: up to date (config hash and artifacts match), skipped[/dim]")
+            prior["skipped_on_rerun"] = True
+            continue
+        upstream_ran = True
+        entry: dict[str, Any] = {"status": "running", "config_hash": hashes[stage.name],
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        manifest["stages"][stage.name] = entry
+        atomic_write_json(manifest_path, manifest)
+        ctx.console.rule(f"stage {stage.name}")
+        t0 = time.perf_counter()
+        try:
+            with measure_peak(resident_bytes=ctx.resident_bytes()) as peak:
+                result = stage.run(ctx)
+        except Exception as err:
+            entry.update(status="failed", wall_s=round(time.perf_counter() - t0, 3),
+                         error=f"{type(err).__name__}: {err}")
+            atomic_write_json(manifest_path, manifest)
+            raise PipelineError(f"stage '{stage.name}' failed: {type(err).__name__}: {err}"
+                                f" (manifest: {manifest_path})") from err
+        entry.update(
+            status="ok" if result.summary.get("status") != "skipped" else "skipped",
+            wall_s=round(time.perf_counter() - t0, 3),
+            estimated_peak_bytes=result.estimated_peak_bytes,
+            measured_peak_bytes=peak.peak_bytes,
+            peak_method=peak.method,
+            artifacts=_artifact_record(run_dir, result.artifacts),
+            summary=result.summary,
+            finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+        atomic_write_json(manifest_path, manifest)
+    print_manifest_table(manifest, ctx.console)
+    return manifest
+
+
+def print_manifest_table(manifest: dict[str, Any], console: Console) -> None:
+    """One row per stage: status, wall time, peak memory, artifacts."""
+    table = Table(title=f"run {manifest.get('run_dir', '')}")
+    for col in ("stage", "status", "wall s", "est. peak MiB", "measured peak MiB", "artifacts"):
+        table.add_column(col)
+
+    def mib(b: int | None) -> str:
+        return "-" if b is None else f"{b / 2**20:.1f}"
+
+    for name, e in manifest.get("stages", {}).items():
+        status = e.get("status", "?") + (" (cached)" if e.get("skipped_on_rerun") else "")
+        table.add_row(name, status, f"{e.get('wall_s', 0):.2f}", mib(e.get("estimated_peak_bytes")),
+                      mib(e.get("measured_peak_bytes")), ", ".join(e.get("artifacts", {})))
+    console.print(table)
+
+
+def headline(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Flat headline results of a run (stage summaries), for sweep summaries."""
+    out: dict[str, Any] = {}
+    for name, e in manifest.get("stages", {}).items():
+        for key, value in (e.get("summary") or {}).items():
+            if isinstance(value, (int, float, str, bool)) or value is None:
+                out[f"{name}.{key}"] = value
+    return out
+
