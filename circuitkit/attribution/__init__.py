@@ -1,0 +1,69 @@
+"""Attribution: EAP / EAP-IG / clean-corrupted gradients, and exact patching as the oracle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from circuitkit.attribution.eap import AttributionScores, attribute, graph_of
+from circuitkit.attribution.exact import exact_patching
+from circuitkit.attribution.graph import Graph
+from circuitkit.config import DiscoveryConfig
+from circuitkit.io import atomic_save_safetensors
+from circuitkit.models.adapters import ModelAdapter
+from circuitkit.tasks.base import TaskData
+
+__all__ = ["AttributionScores", "Graph", "attribute", "exact_patching", "run_attribution", "save_scores",
+           "load_scores", "graph_of"]
+
+
+def run_attribution(adapter: ModelAdapter, data: TaskData, cfg: DiscoveryConfig,
+                    progress: bool = True) -> AttributionScores:
+    """Scores for `cfg.algorithm` at `cfg.level` over `data` in batches of `cfg.batch_size`."""
+    if cfg.algorithm == "exact":
+        return exact_patching(adapter, data, cfg.level, cfg.metric, cfg.batch_size, progress)
+    return attribute(adapter, data, cfg.algorithm, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress)
+
+
+def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str, str] | None = None) -> Path:
+    """scores.safetensors: head (L, H), mlp (L,), embed (1,), edges (n_up, n_down) if computed.
+
+    Metadata (strings): node names of the edge matrix's rows and columns as JSON, the metric
+    means on clean and corrupted inputs, and how the scores were computed.
+    """
+    g = scores.graph
+    tensors = {"head_scores": scores.head.float(), "mlp_scores": scores.mlp.float(),
+               "embed_score": scores.embed.float().reshape(1)}
+    meta = {"graph": json.dumps({"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
+                                 "parallel_residual": g.parallel_residual}),
+            "metric_clean": repr(scores.metric_clean), "metric_corrupted": repr(scores.metric_corrupted),
+            "n_examples": str(scores.n_examples), "info": json.dumps(scores.info)}
+    if scores.edges is not None:
+        tensors["edge_scores"] = scores.edges.float()
+        meta["upstream_nodes"] = json.dumps(g.upstream)
+        meta["downstream_nodes"] = json.dumps(g.downstream)
+    meta.update(extra_metadata or {})
+    return atomic_save_safetensors(path, tensors, meta)
+
+
+def load_scores(path: Path) -> AttributionScores:
+    """Read scores.safetensors back into AttributionScores."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata()
+        t = {k: fh.get_tensor(k) for k in fh.keys()}
+    graph = Graph(**json.loads(meta["graph"]))
+    return AttributionScores(t["head_scores"], t["mlp_scores"], t["embed_score"][0], graph, t.get("edge_scores"),
+                             float(meta["metric_clean"]), float(meta["metric_corrupted"]), int(meta["n_examples"]),
+                             json.loads(meta["info"]))
+
+
+def top_heads(head_scores: torch.Tensor, k: int = 5, by_abs: bool = True) -> list[tuple[int, int, float]]:
+    """The k highest-scoring heads as (layer, head, score)."""
+    flat = head_scores.flatten()
+    order = (flat.abs() if by_abs else flat).argsort(descending=True)[:k]
+    H = head_scores.shape[1]
+    return [(int(i) // H, int(i) % H, float(flat[i])) for i in order]

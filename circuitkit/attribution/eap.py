@@ -1,0 +1,308 @@
+"""EAP and EAP-IG at node and edge level, through hooks on the Hugging Face model.
+
+With Δ_u = a_u(x) - a_u(x̃) and interpolated input embeddings e_k = ẽ + α_k (e - ẽ):
+
+    node:  s(u)   = Σ_positions Δ_u · (1/m) Σ_k ∂m/∂a_u (e_k)
+    edge:  s(u→v) = Σ_positions Δ_u · (1/m) Σ_k ∂m/∂in_v (e_k)
+
+`eap-ig` uses α_k = k/m for k = 1..m (m = ig_steps; null means 30), so m = 1 is EAP.
+`clean-corrupted` averages the gradients at α = 0 and α = 1. Scores are float32 means over
+examples whatever the model dtype; parameters stay frozen (only activation gradients).
+
+The gradient at head h's own residual input never materialises H copies of the residual:
+g_res = norm_backward(x, W_Q[h]ᵀ g_q[h]) from the gradient g_q of the query projection output,
+and likewise per KV head for K and V (GQA native).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from circuitkit.attribution.graph import Graph
+from circuitkit.attribution.metrics import answer_logits, compute_metric
+from circuitkit.attribution.norms import norm_backward
+from circuitkit.models.adapters import ModelAdapter
+from circuitkit.tasks.base import TaskData
+
+DEFAULT_IG_STEPS = 30  # used when discovery.ig_steps is null
+
+
+@dataclass
+class AttributionScores:
+    """Scores averaged over examples (float32)."""
+
+    head: torch.Tensor  # (n_layers, n_heads)
+    mlp: torch.Tensor  # (n_layers,)
+    embed: torch.Tensor  # () the input embedding node
+    graph: Graph
+    edges: torch.Tensor | None = None  # (n_upstream, n_downstream); 0 where no edge exists
+    metric_clean: float = float("nan")  # mean metric on clean inputs
+    metric_corrupted: float = float("nan")
+    n_examples: int = 0
+    info: dict = field(default_factory=dict)
+
+
+def interpolation_points(algorithm: str, ig_steps: int | None) -> list[float]:
+    """The α values at which gradients are taken."""
+    if algorithm == "eap":
+        return [1.0]
+    if algorithm == "clean-corrupted":
+        return [0.0, 1.0]
+    if algorithm == "eap-ig":
+        m = DEFAULT_IG_STEPS if ig_steps is None else ig_steps
+        if m < 1:
+            raise ValueError(f"discovery.ig_steps={ig_steps} must be >= 1 (1 is EAP)")
+        return [k / m for k in range(1, m + 1)]
+    raise ValueError(f"algorithm {algorithm!r} is not gradient-based; use circuitkit.attribution.exact")
+
+
+def graph_of(adapter: ModelAdapter) -> Graph:
+    return Graph(adapter.n_layers, adapter.n_heads, adapter.n_kv_heads, adapter.parallel_residual)
+
+
+class _Hooks:
+    """Registers forward hooks and removes them all on exit."""
+
+    def __init__(self) -> None:
+        self.handles: list = []
+
+    def pre(self, module, fn, with_kwargs: bool = False) -> None:
+        self.handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+
+    def post(self, module, fn) -> None:
+        self.handles.append(module.register_forward_hook(fn))
+
+    def __enter__(self) -> _Hooks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _first(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _replace_first(args, kwargs, value):
+    if args:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": value}
+
+
+def _head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total: torch.Tensor | None) -> torch.Tensor:
+    """What each head writes to the residual: (B, T, H, dh) -> (H, B, T, d_model) float32.
+
+    Post-norm models (Gemma 3): γ ⊙ (W_O[h] z_h) / rms(total attention output), which sums
+    exactly to the layer's write.
+    """
+    w_o, _ = adapter.o_weights(layer)
+    writes = torch.einsum("bthe,hde->hbtd", z.float(), w_o.float())
+    norm = adapter.post_attn_norm(layer)
+    if norm is not None:
+        spec = adapter.norm_spec(norm)
+        total = attn_total.float()
+        writes = writes * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + spec.eps) * spec.weight.float()
+    return writes
+
+
+@torch.no_grad()
+def _cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, edges: bool) -> dict:
+    """Forward pass recording what each node writes (float32), and the logits."""
+    L = adapter.n_layers
+    rec: dict = {"z": [None] * L, "mlp": [None] * L, "attn_total": [None] * L}
+    with _Hooks() as hk:
+        def embed_hook(module, args, kwargs):
+            rec["embed"] = _first(args, kwargs).detach()
+        hk.pre(adapter.blocks[0], embed_hook, with_kwargs=True)
+        for layer in range(L):
+            def z_hook(module, args, layer=layer):
+                rec["z"][layer] = args[0].detach()
+            hk.pre(adapter.o_proj(layer), z_hook)
+
+            def mlp_hook(module, args, out, layer=layer):
+                rec["mlp"][layer] = (out[0] if isinstance(out, tuple) else out).detach()
+            hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
+            if edges and adapter.post_attn_norm(layer) is not None:
+                def total_hook(module, args, layer=layer):
+                    rec["attn_total"][layer] = args[0].detach()
+                hk.pre(adapter.post_attn_norm(layer), total_hook)
+        rec["logits"] = adapter.model(input_ids=ids, attention_mask=mask).logits
+    return rec
+
+
+def _deltas(adapter: ModelAdapter, clean: dict, corrupt: dict, edges: bool) -> dict:
+    """Δ = clean - corrupted, float32: per node value (node level) and per write (edge level)."""
+    L, H = adapter.n_layers, adapter.n_heads
+    d = {
+        "embed": clean["embed"].float() - corrupt["embed"].float(),
+        "z": [(clean["z"][i].float() - corrupt["z"][i].float()).unflatten(-1, (H, adapter.head_dim))
+              for i in range(L)],
+        "mlp": [clean["mlp"][i].float() - corrupt["mlp"][i].float() for i in range(L)],
+    }
+    if edges:
+        rows = [d["embed"].unsqueeze(0)]
+        for layer in range(L):
+            zc = clean["z"][layer].unflatten(-1, (H, adapter.head_dim))
+            zx = corrupt["z"][layer].unflatten(-1, (H, adapter.head_dim))
+            rows.append(_head_writes(adapter, layer, zc, clean["attn_total"][layer])
+                        - _head_writes(adapter, layer, zx, corrupt["attn_total"][layer]))
+            rows.append(d["mlp"][layer].unsqueeze(0))
+        d["up"] = torch.cat(rows)  # (n_upstream, B, T, d_model)
+    return d
+
+
+class _GradientSums:
+    """Running sums over interpolation points of the gradients the scores need (float32)."""
+
+    def __init__(self, adapter: ModelAdapter, edges: bool) -> None:
+        self.adapter, self.edges = adapter, edges
+        L = adapter.n_layers
+        self.embed = None
+        self.z: list = [None] * L
+        self.mlp: list = [None] * L
+        self.inputs: list = [None] * L  # edge level: (per_layer_inputs, B, T, d_model) per layer
+        self.logits = None
+
+    @staticmethod
+    def _add(total, g):
+        # copy=True: autograd hands the same gradient tensor to several hooks (residual adds)
+        return g.to(torch.float32, copy=True) if total is None else total.add_(g)
+
+    def add_layer_inputs(self, layer: int, x_attn, grads_qkv: dict, x_mlp, g_mlp_in) -> None:
+        """Residual-space gradients of every input of `layer`, through its own path only."""
+        a = self.adapter
+        w = a.qkv_weights(layer)
+        attn_spec = a.norm_spec(a.attn_norm(layer))
+        parts = []
+        for key, weight in (("q", w.w_q), ("k", w.w_k), ("v", w.w_v)):
+            # (B, T, n, dh) x (n, dh, d_model) -> (n, B, T, d_model): the norm output's gradient
+            g_norm_out = torch.einsum("btne,ned->nbtd", grads_qkv[key].float(), weight.float())
+            parts.append(norm_backward(attn_spec, x_attn, g_norm_out))
+        mlp_spec = a.norm_spec(a.mlp_norm(layer))
+        parts.append(norm_backward(mlp_spec, x_mlp, g_mlp_in.float().unsqueeze(0)))
+        self.inputs[layer] = self._add(self.inputs[layer], torch.cat(parts))
+
+
+def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: TaskData, metric: str,
+                  clean_answer: torch.Tensor, sums: _GradientSums) -> None:
+    """One forward+backward at input embedding e_k, adding the needed gradients to `sums`."""
+    L = adapter.n_layers
+    edges = sums.edges
+    saved: dict = {"x_attn": [None] * L, "x_mlp": [None] * L, "qkv": [dict() for _ in range(L)],
+                   "g_mlp_in": [None] * L}
+    e_k = e_k.detach().requires_grad_(True)
+    with _Hooks() as hk:
+        hk.pre(adapter.blocks[0], lambda m, args, kwargs: _replace_first(args, kwargs, e_k), with_kwargs=True)
+        for layer in range(L):
+            def z_hook(module, args, layer=layer):
+                args[0].register_hook(lambda g: setattr_list(sums.z, layer, sums._add(sums.z[layer], g)))
+            hk.pre(adapter.o_proj(layer), z_hook)
+
+            def mlp_hook(module, args, out, layer=layer):
+                t = out[0] if isinstance(out, tuple) else out
+                t.register_hook(lambda g: setattr_list(sums.mlp, layer, sums._add(sums.mlp[layer], g)))
+            hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
+            if not edges:
+                continue
+
+            def attn_norm_hook(module, args, out, layer=layer):
+                saved["x_attn"][layer] = args[0].detach()
+            hk.post(adapter.attn_norm(layer), attn_norm_hook)
+            for site in adapter.qkv_sites(layer):
+                def qkv_hook(module, args, out, site=site, layer=layer):
+                    out.register_hook(lambda g: saved["qkv"][layer].update(site.split(g)))
+                hk.post(site.module, qkv_hook)
+
+            def mlp_norm_hook(module, args, out, layer=layer):
+                saved["x_mlp"][layer] = args[0].detach()
+                out.register_hook(lambda g: setattr_list(saved["g_mlp_in"], layer, g))
+            hk.post(adapter.mlp_norm(layer), mlp_norm_hook)
+        if edges:
+            def final_hook(module, args, kwargs):
+                _first(args, kwargs).register_hook(lambda g: setattr(sums, "logits", sums._add(sums.logits, g)))
+            hk.pre(adapter.final_norm, final_hook, with_kwargs=True)
+        logits = adapter.model(input_ids=ids, attention_mask=mask).logits
+        values = compute_metric(metric, logits, batch, clean_answer)
+        (grad_embed,) = torch.autograd.grad(values.sum(), e_k)
+    sums.embed = sums._add(sums.embed, grad_embed)
+    if edges:
+        for layer in range(L):
+            sums.add_layer_inputs(layer, saved["x_attn"][layer], saved["qkv"][layer],
+                                  saved["x_mlp"][layer], saved["g_mlp_in"][layer])
+
+
+def setattr_list(lst: list, i: int, value) -> None:
+    lst[i] = value
+
+
+def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _GradientSums, n_points: int,
+                  out: dict) -> None:
+    """Contract Δ with the mean gradients and add this batch's per-example sums to `out`."""
+    H = adapter.n_heads
+    for layer in range(adapter.n_layers):
+        gz = sums.z[layer].unflatten(-1, (H, adapter.head_dim))
+        out["head"][layer] += torch.einsum("bthe,bthe->h", delta["z"][layer], gz) / n_points
+        out["mlp"][layer] += (delta["mlp"][layer] * sums.mlp[layer]).sum() / n_points
+    out["embed"] += (delta["embed"] * sums.embed).sum() / n_points
+    if sums.edges:
+        up = delta["up"].flatten(1)  # (n_upstream, B*T*d_model)
+        for layer in range(adapter.n_layers):
+            cols = graph.layer_columns(layer)
+            g = sums.inputs[layer].flatten(1)  # (per_layer_inputs, B*T*d_model)
+            n_attn, n_mlp = graph.upstream_before_attn(layer), graph.upstream_before_mlp(layer)
+            out["edges"][:n_attn, cols.start:cols.stop - 1] += up[:n_attn] @ g[:-1].T / n_points
+            out["edges"][:n_mlp, cols.stop - 1] += up[:n_mlp] @ g[-1] / n_points
+        out["edges"][:, graph.logits_column] += up @ sums.logits.flatten() / n_points
+
+
+def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", level: str = "node",
+              metric: str = "logit_diff", ig_steps: int | None = 5, batch_size: int = 4,
+              progress: bool = True) -> AttributionScores:
+    """EAP / EAP-IG / clean-corrupted scores of every node (and edge, if level='edge').
+
+    data: TaskData with N pairs; scores are means over the N examples, independent of
+    batch_size. Returns AttributionScores with head (L, H), mlp (L,), embed () and, at edge
+    level, edges (n_upstream, n_downstream).
+    """
+    alphas = interpolation_points(algorithm, ig_steps)
+    edges = level == "edge"
+    graph = graph_of(adapter)
+    device = next(adapter.model.parameters()).device
+    dtype = adapter.embed.weight.dtype
+    L, H = adapter.n_layers, adapter.n_heads
+    out = {"head": torch.zeros(L, H, device=device), "mlp": torch.zeros(L, device=device),
+           "embed": torch.zeros((), device=device)}
+    if edges:
+        out["edges"] = torch.zeros(len(graph.upstream), len(graph.downstream), device=device)
+    metric_clean = metric_corrupt = 0.0
+    n_batches = (len(data) + batch_size - 1) // batch_size
+    with Progress(TextColumn(f"{algorithm} {level}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), disable=not progress, transient=True) as bar:
+        task = bar.add_task("attribution", total=n_batches)
+        for batch in data.batches(batch_size):
+            batch = batch.to(device)
+            clean = _cached_run(adapter, batch.clean_ids, batch.attention_mask, edges)
+            corrupt = _cached_run(adapter, batch.corrupted_ids, batch.attention_mask, edges)
+            clean_answer = answer_logits(clean["logits"], batch)
+            metric_clean += compute_metric(metric, clean["logits"], batch, clean_answer).sum().item()
+            metric_corrupt += compute_metric(metric, corrupt["logits"], batch, clean_answer).sum().item()
+            delta = _deltas(adapter, clean, corrupt, edges)
+            e_clean, e_corrupt = clean["embed"].float(), corrupt["embed"].float()
+            del clean, corrupt
+            sums = _GradientSums(adapter, edges)
+            for alpha in alphas:
+                e_k = (e_corrupt + alpha * (e_clean - e_corrupt)).to(dtype)
+                _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k, batch, metric, clean_answer, sums)
+            _batch_scores(adapter, graph, delta, sums, len(alphas), out)
+            bar.advance(task)
+    n = len(data)
+    return AttributionScores(
+        head=(out["head"] / n).cpu(), mlp=(out["mlp"] / n).cpu(), embed=(out["embed"] / n).cpu(), graph=graph,
+        edges=(out["edges"] / n).cpu() if edges else None, metric_clean=metric_clean / n,
+        metric_corrupted=metric_corrupt / n, n_examples=n,
+        info={"algorithm": algorithm, "level": level, "metric": metric, "ig_steps": len(alphas) if algorithm == "eap-ig" else None,
+              "batch_size": batch_size})
