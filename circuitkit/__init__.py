@@ -1,3 +1,13 @@
 """CircuitKit: circuit discovery (EAP, EAP-IG) and head pruning on Hugging Face causal LMs."""
 
 __version__ = "0.1.0"
+
+
+def discover_circuit(cfg, run_dir=None):
+    """Run the circuit stages from a plain dict; see circuitkit.api.discover_circuit."""
+    from circuitkit.api import discover_circuit as _discover
+
+    return _discover(cfg, run_dir)
+
+
+__all__ = ["discover_circuit", "__version__"]

@@ -2,6 +2,7 @@
 
     circuitkit run [overrides...]       same as `python -m circuitkit.run [overrides...]`
     circuitkit config [overrides...]    print the composed, validated config and exit
+    circuitkit show CIRCUIT.pt          summary table and kept heads of a saved circuit
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the pipeline (Hydra overrides follow)", add_help=False)
     sub.add_parser("config", help="print the composed config for the given overrides", add_help=False)
+    show = sub.add_parser("show", help="summarize a circuit.pt")
+    show.add_argument("path", help="circuit.pt written by the pruning stage")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
@@ -46,6 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "config":
         return _cmd_config(rest)
+    if command == "show":
+        from circuitkit.circuit import show_circuit
+
+        args = parser.parse_args(argv)
+        try:
+            show_circuit(args.path)
+        except (FileNotFoundError, ValueError) as err:
+            _console.print(f"[bold red]error:[/bold red] {err}")
+            return 2
+        return 0
     parser.parse_args(argv)  # prints the usage error for unknown commands
     return 2
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -113,12 +113,14 @@ class PeakMemory:
 
 
 @contextmanager
-def measure_peak(device: torch.device | None = None, resident_bytes: int = 0) -> Iterator[PeakMemory]:
+def measure_peak(device: torch.device | None = None,
+                 resident_bytes: Callable[[], int] = lambda: 0) -> Iterator[PeakMemory]:
     """Measure the peak memory of the enclosed block.
 
     CUDA: `torch.cuda.max_memory_allocated` after a reset (includes everything resident).
-    CPU and MPS: the peak of live tensor bytes created inside the block plus `resident_bytes`
-    (pass the bytes of weights loaded before the block, so the figure is comparable to CUDA's).
+    CPU and MPS: the peak of live tensor bytes created by ops inside the block plus
+    `resident_bytes()` read at the end (the model's weights: loading them from safetensors
+    does not go through tensor ops), so the figure is comparable to CUDA's.
     """
     device = device or get_device()
     result = PeakMemory()
@@ -137,7 +139,7 @@ def measure_peak(device: torch.device | None = None, resident_bytes: int = 0) ->
         with tracker:
             yield result
     finally:
-        result.peak_bytes = int(tracker.peak_bytes + resident_bytes)
+        result.peak_bytes = int(tracker.peak_bytes + resident_bytes())
         result.method = "live tensor bytes (dispatch tracker) + resident weights"
 
 

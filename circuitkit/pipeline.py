@@ -33,6 +33,11 @@ VERSIONED_PACKAGES = ("circuitkit", "torch", "transformers", "tokenizers", "hydr
                       "safetensors", "rich", "numpy")
 
 
+def make_console() -> Console:
+    """Console on stderr; 120 columns when not a terminal so logged tables stay readable."""
+    return Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+
+
 class PipelineError(RuntimeError):
     """A stage failed; the manifest records which and why, earlier artifacts are kept."""
 
@@ -70,7 +75,7 @@ class RunContext:
     def __init__(self, cfg: AppConfig, run_dir: Path, console: Console | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.console = console or Console(stderr=True)
+        self.console = console or make_console()
         self.state: dict[str, Any] = {}
         self._loaded = None
 
@@ -216,7 +221,7 @@ def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
         ctx.console.rule(f"stage {stage.name}")
         t0 = time.perf_counter()
         try:
-            with measure_peak(resident_bytes=ctx.resident_bytes()) as peak:
+            with measure_peak(resident_bytes=ctx.resident_bytes) as peak:
                 result = stage.run(ctx)
         except Exception as err:
             entry.update(status="failed", wall_s=round(time.perf_counter() - t0, 3),

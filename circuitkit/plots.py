@@ -34,3 +34,26 @@ def head_heatmap(head_scores: torch.Tensor, path: Path, title: str, kept: torch.
     _atomic(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
     return Path(path)
+
+
+def faithfulness_curve(rows: list[dict], path: Path, title: str) -> Path:
+    """Faithfulness against the percentage of heads (or edges) kept, log-scaled x axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["percent_kept"] for r in rows]
+    fs = [r["faithfulness"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    ax.plot(xs, fs, marker="o")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("% kept")
+    ax.set_ylabel("faithfulness")
+    ax.set_title(title)
+    fig.tight_layout()
+    _atomic(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    plt.close(fig)
+    return Path(path)

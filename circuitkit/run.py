@@ -13,12 +13,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
 
 from circuitkit.config import CONF_DIR, ConfigError, check_overrides, validate
-from circuitkit.pipeline import PipelineError, run_pipeline
+from circuitkit.pipeline import PipelineError, make_console, run_pipeline
 
-_console = Console(stderr=True)
+_console = make_console()
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
                      "--cfg", "-c", "--package", "-p", "--experimental-rerun"}

@@ -65,6 +65,14 @@ def _auto_class(path: str, revision: str | None, trust_remote_code: bool):
     return AutoModelForCausalLM
 
 
+def _quiet_transformers() -> None:
+    """Our own progress and tables replace transformers' per-file bars; its warnings still show."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+
+
 def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedModel:
     """Load `cfg.name` at `cfg.revision` in `cfg.precision`, frozen, in eval mode, on `device`.
 
@@ -77,6 +85,7 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
                     " and is meant for reference/accuracy checks.", cfg.precision, cfg.precision)
     if cfg.trust_remote_code:
         log.warning("model.trust_remote_code=true: code from '%s' will run on this machine.", cfg.name)
+    _quiet_transformers()
     path = resolve_model_path(cfg.name)
     device = device or get_device()
     auto = _auto_class(path, cfg.revision, cfg.trust_remote_code)

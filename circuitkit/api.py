@@ -1,0 +1,56 @@
+"""Python API: `discover_circuit(dict)` runs the circuit stages from a plain dict.
+
+    from circuitkit import discover_circuit
+    circuit = discover_circuit({
+        "model": {"name": "google/gemma-3-4b-it", "precision": "bfloat16"},
+        "discovery": {"algorithm": "eap-ig", "task": "mmlu", "level": "node", "ig_steps": 3,
+                      "batch_size": 1, "data_params": {"num_examples": 64}},
+        "pruning": {"target_sparsity": 0.3, "scope": "heads"},
+        "output_path": "./circuit.pt",
+    })
+
+The dict is validated against the same schema as the YAML config (unknown keys, wrong types
+and out-of-range values raise ConfigError); missing keys take the schema defaults.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+from circuitkit.circuit import load_circuit
+from circuitkit.config import validate
+from circuitkit.pipeline import run_pipeline, stage_registry
+
+CIRCUIT_STAGES = ("preflight", "data", "attribution", "pruning")
+
+
+def _default_stages() -> list[str]:
+    """The circuit stages; the memory preflight joins them once it is built."""
+    registry = stage_registry()
+    return [s for s in CIRCUIT_STAGES if s != "preflight" or registry[s].run is not None]
+
+
+def discover_circuit(cfg: dict[str, Any], run_dir: str | Path | None = None) -> dict[str, Any]:
+    """Validate `cfg`, run preflight/data/attribution/pruning, write `output_path`, return the circuit.
+
+    run_dir: where the stages write their artifacts and manifest.json (default: beside
+    output_path as `<stem>_run/`, else `outputs/discover/<timestamp>`). Returns the dict
+    stored in circuit.pt (see circuitkit.circuit).
+    """
+    cfg = copy.deepcopy(dict(cfg))
+    cfg.setdefault("stages", _default_stages())
+    typed = validate(cfg)
+    if run_dir is None:
+        if typed.output_path:
+            out = Path(typed.output_path)
+            run_dir = out.parent / f"{out.stem}_run"
+        else:
+            run_dir = Path("outputs") / "discover" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    manifest = run_pipeline(typed, Path(run_dir))
+    path = manifest["stages"]["pruning"]["summary"]["circuit_path"] if "pruning" in typed.stages else None
+    if path is None:
+        raise ValueError("discover_circuit needs the pruning stage to produce a circuit; include 'pruning' in stages.")
+    return load_circuit(Path(path))

@@ -1,0 +1,102 @@
+"""circuit.pt: the pruned circuit as tensors and plain types, and how to use it.
+
+    torch.load("circuit.pt", weights_only=True) -> dict with
+        format_version, model_name, model_revision, head_mask (L, H) bool (True = kept),
+        head_scores (L, H), mlp_scores (L,), embed_score (), edge_scores (n_up, n_down) or None,
+        mean_z (L, T, H * head_dim) (for mean ablation) or None, ablation, rank_by,
+        target_sparsity, achieved_sparsity, n_heads_removed, metrics {full, empty, circuit,
+        faithfulness}, curve [rows], cpr, cmd, config (resolved), versions
+
+`apply_circuit(adapter, circuit)` ablates the removed heads of a freshly loaded model, so a
+circuit can be evaluated on any prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from circuitkit.io import atomic_torch_save
+from circuitkit.models.adapters import ModelAdapter
+from circuitkit.pruning import ablate_heads
+
+FORMAT_VERSION = 1
+
+
+def save_circuit(path: Path, circuit: dict[str, Any]) -> Path:
+    """Write circuit.pt atomically (only tensors and plain Python types)."""
+    return atomic_torch_save(Path(path), {"format_version": FORMAT_VERSION, **circuit})
+
+
+def load_circuit(path: Path) -> dict[str, Any]:
+    """Read circuit.pt with weights_only=True (no pickle code runs)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; the pruning stage writes it (see output_path).")
+    circuit = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(circuit, dict) or "head_mask" not in circuit:
+        raise ValueError(f"{path} is not a CircuitKit circuit (no head_mask).")
+    return circuit
+
+
+@contextmanager
+def apply_circuit(adapter: ModelAdapter, circuit: dict[str, Any], ablation: str | None = None) -> Iterator[None]:
+    """Run the model as the circuit: removed heads ablated ('mean' or 'zero').
+
+    The circuit's own ablation is used unless `ablation` is given; a circuit pruned with
+    'corrupted' ablation needs an explicit 'mean' or 'zero' here, since an arbitrary prompt
+    has no corrupted counterpart.
+    """
+    ablation = ablation or circuit["ablation"]
+    mask = circuit["head_mask"]
+    if tuple(mask.shape) != (adapter.n_layers, adapter.n_heads):
+        raise ValueError(f"circuit head_mask is {tuple(mask.shape)} but the model has"
+                         f" {adapter.n_layers} layers x {adapter.n_heads} heads; was it made for {circuit['model_name']}?")
+    if ablation == "corrupted":
+        raise ValueError("this circuit was pruned with corrupted ablation; pass ablation='mean' or 'zero' to"
+                         " apply it to arbitrary prompts.")
+    if ablation == "mean" and circuit.get("mean_z") is None:
+        raise ValueError("the circuit stores no mean activations; pass ablation='zero'.")
+    device = next(adapter.model.parameters()).device
+    values = [None] * adapter.n_layers if ablation == "zero" else [v.to(device)[None] for v in circuit["mean_z"]]
+    with ablate_heads(adapter, ~mask.bool(), values):
+        yield
+
+
+def show_circuit(path: Path, console: Console | None = None) -> None:
+    """Print a summary table and the kept heads of circuit.pt."""
+    c = load_circuit(path)
+    console = console or Console()
+    summary = Table(title=f"circuit {path}", show_header=False)
+    summary.add_column("key")
+    summary.add_column("value")
+    mask = c["head_mask"]
+    metrics = c.get("metrics", {})
+    rows = [
+        ("model", f"{c['model_name']}" + (f" @ {c['model_revision']}" if c.get("model_revision") else "")),
+        ("heads kept", f"{int(mask.sum())} of {mask.numel()} ({mask.shape[0]} layers x {mask.shape[1]} heads)"),
+        ("target / achieved sparsity", f"{c['target_sparsity']:.3f} / {c['achieved_sparsity']:.3f}"),
+        ("ranking, ablation", f"{c['rank_by']}, {c['ablation']}"),
+        ("metric full / empty / circuit", " / ".join(f"{metrics.get(k, float('nan')):.4g}"
+                                                     for k in ("full", "empty", "circuit"))),
+        ("faithfulness", f"{metrics.get('faithfulness', float('nan')):.4f}"),
+        ("CPR / CMD", f"{c.get('cpr', float('nan')):.4f} / {c.get('cmd', float('nan')):.4f}"),
+        ("edge scores", "yes" if c.get("edge_scores") is not None else "no"),
+    ]
+    for key, value in rows:
+        summary.add_row(key, value)
+    console.print(summary)
+    kept = Table(title="kept heads (by score)")
+    for col in ("layer", "head", "score"):
+        kept.add_column(col, justify="right")
+    scores = c["head_scores"]
+    order = sorted(mask.nonzero().tolist(), key=lambda lh: -abs(float(scores[lh[0], lh[1]])))
+    for layer, head in order:
+        kept.add_row(str(layer), str(head), f"{float(scores[layer, head]):+.4g}")
+    console.print(kept)

@@ -1,0 +1,189 @@
+"""Head-level (and edge-level) pruning to a target sparsity, and faithfulness.
+
+Heads are removed lowest score first (`rank_by: abs` on |score|, `signed` on the score) and
+ablated through a hook on z, the input of the attention output projection:
+
+    mean       the mean of z over the task's clean examples at each position
+    zero       0
+    corrupted  z from the corrupted prompt of the same example
+
+Faithfulness on held-out examples: f = (m(circuit) - m(empty)) / (m(full) - m(empty)), where
+"empty" ablates every head (MLPs and embeddings always stay).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from circuitkit.attribution.eap import _cached_run, _Hooks
+from circuitkit.attribution.metrics import answer_logits, compute_metric
+from circuitkit.models.adapters import ModelAdapter
+from circuitkit.tasks.base import TaskData
+
+log = logging.getLogger(__name__)
+CURVE_PERCENTS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+
+
+@dataclass
+class HeadSelection:
+    mask: torch.Tensor  # (n_layers, n_heads) bool, True = kept
+    n_removed: int
+    achieved_sparsity: float
+
+
+def select_heads(head_scores: torch.Tensor, target_sparsity: float, rank_by: str = "abs") -> HeadSelection:
+    """Keep the highest-ranked heads; remove round(target_sparsity * n_heads) of them.
+
+    Warns when the target rounds to no head removed although it is above 0.
+    """
+    if not 0.0 <= target_sparsity < 1.0:
+        raise ValueError(f"pruning.target_sparsity={target_sparsity} must be in [0, 1)")
+    n_total = head_scores.numel()
+    n_removed = round(target_sparsity * n_total)
+    if target_sparsity > 0 and n_removed == 0:
+        log.warning("pruning.target_sparsity=%s removes 0 of %d heads after rounding to whole heads;"
+                    " achieved sparsity 0.0 (the circuit is the full model). Raise it to at least %.3g to"
+                    " remove one head.", target_sparsity, n_total, 0.5 / n_total)
+    return HeadSelection(keep_top(head_scores, n_total - n_removed, rank_by), n_removed, n_removed / n_total)
+
+
+def keep_top(scores: torch.Tensor, n_keep: int, rank_by: str = "abs", valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool mask (shape of `scores`) keeping the `n_keep` best entries among `valid` ones."""
+    key = (scores.abs() if rank_by == "abs" else scores).float().flatten().clone()
+    if valid is not None:
+        key[~valid.flatten()] = -math.inf
+    mask = torch.zeros(key.numel(), dtype=torch.bool)
+    if n_keep > 0:
+        mask[key.argsort(descending=True, stable=True)[:n_keep]] = True
+    if valid is not None:
+        mask &= valid.flatten()
+    return mask.view(scores.shape)
+
+
+@torch.no_grad()
+def mean_z(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tensor:
+    """Mean of z over the clean examples at each position: (n_layers, T, n_heads * head_dim) float32.
+
+    Positions past an example's end are left out of that position's mean.
+    """
+    device = next(adapter.model.parameters()).device
+    total, count = None, None
+    for batch in data.batches(batch_size):
+        batch = batch.to(device)
+        rec = _cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=False)
+        z = torch.stack([zl.float() for zl in rec["z"]])  # (L, B, T, H*dh)
+        w = batch.attention_mask.float()[None, :, :, None]
+        part, n = (z * w).sum(1), w.sum(1)
+        total = part if total is None else total + part
+        count = n if count is None else count + n
+    return (total / count.clamp(min=1)).cpu()
+
+
+def fit_positions(values: torch.Tensor, n_positions: int) -> torch.Tensor:
+    """(..., T, D) -> (..., n_positions, D): truncate, or extend with the mean over positions."""
+    T = values.shape[-2]
+    if n_positions <= T:
+        return values[..., :n_positions, :]
+    extra = values.mean(-2, keepdim=True).expand(*values.shape[:-2], n_positions - T, values.shape[-1])
+    return torch.cat([values, extra], dim=-2)
+
+
+@contextmanager
+def ablate_heads(adapter: ModelAdapter, removed: torch.Tensor, values: list[torch.Tensor | None]) -> Iterator[None]:
+    """Replace z of removed heads (mask (L, H), True = removed) with `values[layer]`.
+
+    values[layer]: (B or 1, T, H * head_dim), or None for zeros.
+    """
+    dh = adapter.head_dim
+    with _Hooks() as hk:
+        for layer in range(adapter.n_layers):
+            heads = removed[layer].nonzero().flatten().tolist()
+            if not heads:
+                continue
+
+            def hook(module, args, layer=layer, heads=heads):
+                z = args[0].clone()
+                for h in heads:
+                    sl = slice(h * dh, (h + 1) * dh)
+                    v = values[layer]
+                    z[..., sl] = 0 if v is None else fit_positions(v, z.shape[-2])[..., sl].to(z.dtype).expand_as(z[..., sl])
+                return (z, *args[1:])
+            hk.pre(adapter.o_proj(layer), hook)
+        yield
+
+
+class Evaluator:
+    """Mean metric on held-out examples with a set of heads ablated."""
+
+    def __init__(self, adapter: ModelAdapter, data: TaskData, metric: str, ablation: str,
+                 mean_values: torch.Tensor | None, batch_size: int) -> None:
+        self.adapter, self.metric, self.ablation, self.batch_size = adapter, metric, ablation, batch_size
+        device = next(adapter.model.parameters()).device
+        self.batches = []
+        for batch in data.batches(batch_size):
+            batch = batch.to(device)
+            clean = _cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=False)
+            corrupt_z = None
+            if ablation == "corrupted":
+                corrupt_z = _cached_run(adapter, batch.corrupted_ids, batch.attention_mask, edges=False)["z"]
+            self.batches.append((batch, answer_logits(clean["logits"], batch), corrupt_z))
+        self.mean_values = None if mean_values is None else [v.to(device)[None] for v in mean_values]
+        self.n = len(data)
+
+    def _values(self, corrupt_z):
+        if self.ablation == "zero":
+            return [None] * self.adapter.n_layers
+        if self.ablation == "corrupted":
+            return corrupt_z
+        return self.mean_values
+
+    @torch.no_grad()
+    def __call__(self, removed: torch.Tensor | None) -> float:
+        total = 0.0
+        for batch, clean_answer, corrupt_z in self.batches:
+            if removed is None or not removed.any():
+                logits = self.adapter.model(input_ids=batch.clean_ids, attention_mask=batch.attention_mask).logits
+            else:
+                with ablate_heads(self.adapter, removed, self._values(corrupt_z)):
+                    logits = self.adapter.model(input_ids=batch.clean_ids, attention_mask=batch.attention_mask).logits
+            total += compute_metric(self.metric, logits, batch, clean_answer).sum().item()
+        return total / self.n
+
+
+def faithfulness(m_circuit: float, m_full: float, m_empty: float) -> float:
+    """(m(circuit) - m(empty)) / (m(full) - m(empty)); nan when full and empty coincide."""
+    denom = m_full - m_empty
+    return (m_circuit - m_empty) / denom if abs(denom) > 1e-12 else float("nan")
+
+
+def head_curve(evaluate: Evaluator, head_scores: torch.Tensor, rank_by: str, m_full: float,
+               m_empty: float) -> list[dict]:
+    """Faithfulness when keeping CURVE_PERCENTS of the heads (rounded to whole heads)."""
+    n_total = head_scores.numel()
+    rows, cache = [], {}
+    for pct in CURVE_PERCENTS:
+        n_keep = round(pct / 100 * n_total)
+        if n_keep not in cache:
+            kept = keep_top(head_scores, n_keep, rank_by)
+            cache[n_keep] = evaluate(~kept)
+        rows.append({"percent_kept": pct, "n_kept": n_keep, "metric": cache[n_keep],
+                     "faithfulness": faithfulness(cache[n_keep], m_full, m_empty)})
+    return rows
+
+
+def curve_areas(rows: list[dict]) -> tuple[float, float]:
+    """(CPR, CMD): trapezoid areas of f and of |1 - f| over the fraction kept (0..1)."""
+    xs = [r["percent_kept"] / 100 for r in rows]
+    fs = [r["faithfulness"] for r in rows]
+    cpr = cmd = 0.0
+    for i in range(1, len(xs)):
+        dx = xs[i] - xs[i - 1]
+        cpr += dx * (fs[i] + fs[i - 1]) / 2
+        cmd += dx * (abs(1 - fs[i]) + abs(1 - fs[i - 1])) / 2
+    return cpr, cmd
