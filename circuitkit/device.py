@@ -80,15 +80,21 @@ class _LiveTensorBytes(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self.live_bytes -= self._live.pop(key, 0)
 
-    def _track(self, t: torch.Tensor) -> None:
+    @staticmethod
+    def _storage(t: torch.Tensor):
         if t.device.type != "cpu" or t.is_meta:
-            return
+            return None
         try:
-            storage = t.untyped_storage()
+            return t.untyped_storage()
         except (RuntimeError, NotImplementedError):
+            return None
+
+    def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
+        storage = self._storage(t)
+        if storage is None:
             return
         key = storage._cdata
-        if key in self._live:
+        if key in self._live or key in inputs:  # a view or in-place result allocates nothing
             return
         nbytes = storage.nbytes()
         self._live[key] = nbytes
@@ -98,9 +104,13 @@ class _LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = set()
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and (storage := self._storage(t)) is not None:
+                inputs.add(storage._cdata)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track(t, inputs)
         return out
 
 

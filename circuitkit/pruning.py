@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from circuitkit.attribution.eap import _cached_run, _Hooks
+from circuitkit.attribution.eap import HookSet, cached_run
 from circuitkit.attribution.metrics import answer_logits, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.tasks.base import TaskData
@@ -76,7 +76,7 @@ def mean_z(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tens
     total, count = None, None
     for batch in data.batches(batch_size):
         batch = batch.to(device)
-        rec = _cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=False)
+        rec = cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=False)
         z = torch.stack([zl.float() for zl in rec["z"]])  # (L, B, T, H*dh)
         w = batch.attention_mask.float()[None, :, :, None]
         part, n = (z * w).sum(1), w.sum(1)
@@ -101,7 +101,7 @@ def ablate_heads(adapter: ModelAdapter, removed: torch.Tensor, values: list[torc
     values[layer]: (B or 1, T, H * head_dim), or None for zeros.
     """
     dh = adapter.head_dim
-    with _Hooks() as hk:
+    with HookSet() as hk:
         for layer in range(adapter.n_layers):
             heads = removed[layer].nonzero().flatten().tolist()
             if not heads:
@@ -128,10 +128,10 @@ class Evaluator:
         self.batches = []
         for batch in data.batches(batch_size):
             batch = batch.to(device)
-            clean = _cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=False)
+            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=False)
             corrupt_z = None
             if ablation == "corrupted":
-                corrupt_z = _cached_run(adapter, batch.corrupted_ids, batch.attention_mask, edges=False)["z"]
+                corrupt_z = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, edges=False)["z"]
             self.batches.append((batch, answer_logits(clean["logits"], batch), corrupt_z))
         self.mean_values = None if mean_values is None else [v.to(device)[None] for v in mean_values]
         self.n = len(data)

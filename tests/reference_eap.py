@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from circuitkit.attribution.eap import _cached_run, _deltas, _Hooks, _replace_first, graph_of, interpolation_points
+from circuitkit.attribution.eap import (
+    HookSet,
+    cached_run,
+    deltas,
+    graph_of,
+    interpolation_points,
+    replace_first,
+)
 from circuitkit.attribution.metrics import answer_logits, compute_metric
 
 
@@ -33,8 +40,8 @@ def _input_grads(adapter, batch, e_k, layer, metric, clean_answer, which):
         out = torch.einsum("nbtd,ned->btne", attn_spec.apply(xs), weight.float())
         return out if bias is None else out + bias.float()
 
-    with _Hooks() as hk:
-        hk.pre(adapter.blocks[0], lambda m, a, k: _replace_first(a, k, e_k), with_kwargs=True)
+    with HookSet() as hk:
+        hk.pre(adapter.blocks[0], lambda m, a, k: replace_first(a, k, e_k), with_kwargs=True)
         live = {}
         hk.post(adapter.attn_norm(layer), lambda m, args, out: live.__setitem__("x", args[0]))
         for site in adapter.qkv_sites(layer) if which == "attn" else []:
@@ -60,14 +67,14 @@ def _input_grads(adapter, batch, e_k, layer, metric, clean_answer, which):
 
 
 def _logits_grad(adapter, batch, e_k, metric, clean_answer):
-    with _Hooks() as hk:
-        hk.pre(adapter.blocks[0], lambda m, a, k: _replace_first(a, k, e_k), with_kwargs=True)
+    with HookSet() as hk:
+        hk.pre(adapter.blocks[0], lambda m, a, k: replace_first(a, k, e_k), with_kwargs=True)
         leaf = {}
 
         def final_hook(module, args, kwargs):
             x = (args[0] if args else kwargs["hidden_states"]).detach().requires_grad_(True)
             leaf["x"] = x
-            return _replace_first(args, kwargs, x)
+            return replace_first(args, kwargs, x)
         hk.pre(adapter.final_norm, final_hook, with_kwargs=True)
         logits = adapter.model(input_ids=batch.clean_ids, attention_mask=batch.attention_mask).logits
         value = compute_metric(metric, logits, batch, clean_answer).sum()
@@ -82,10 +89,10 @@ def reference_edge_scores(adapter, data, algorithm="eap-ig", metric="logit_diff"
     scores = torch.zeros(mask.shape)
     dtype = adapter.embed.weight.dtype
     for batch in data.batches(len(data)):
-        clean = _cached_run(adapter, batch.clean_ids, batch.attention_mask, True)
-        corrupt = _cached_run(adapter, batch.corrupted_ids, batch.attention_mask, True)
+        clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, True)
+        corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, True)
         clean_answer = answer_logits(clean["logits"], batch)
-        up = _deltas(adapter, clean, corrupt, True)["up"].flatten(1)
+        up = deltas(adapter, clean, corrupt, True)["up"].flatten(1)
         for alpha in alphas:
             e_k = (corrupt["embed"].float() + alpha * (clean["embed"].float() - corrupt["embed"].float())).to(dtype)
             cols = []

@@ -63,7 +63,7 @@ def graph_of(adapter: ModelAdapter) -> Graph:
     return Graph(adapter.n_layers, adapter.n_heads, adapter.n_kv_heads, adapter.parallel_residual)
 
 
-class _Hooks:
+class HookSet:
     """Registers forward hooks and removes them all on exit."""
 
     def __init__(self) -> None:
@@ -75,7 +75,7 @@ class _Hooks:
     def post(self, module, fn) -> None:
         self.handles.append(module.register_forward_hook(fn))
 
-    def __enter__(self) -> _Hooks:
+    def __enter__(self) -> HookSet:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -83,11 +83,11 @@ class _Hooks:
             h.remove()
 
 
-def _first(args, kwargs):
+def first_input(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _replace_first(args, kwargs, value):
+def replace_first(args, kwargs, value):
     if args:
         return (value, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": value}
@@ -110,13 +110,13 @@ def _head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total:
 
 
 @torch.no_grad()
-def _cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, edges: bool) -> dict:
+def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, edges: bool) -> dict:
     """Forward pass recording what each node writes (float32), and the logits."""
     L = adapter.n_layers
     rec: dict = {"z": [None] * L, "mlp": [None] * L, "attn_total": [None] * L}
-    with _Hooks() as hk:
+    with HookSet() as hk:
         def embed_hook(module, args, kwargs):
-            rec["embed"] = _first(args, kwargs).detach()
+            rec["embed"] = first_input(args, kwargs).detach()
         hk.pre(adapter.blocks[0], embed_hook, with_kwargs=True)
         for layer in range(L):
             def z_hook(module, args, layer=layer):
@@ -134,7 +134,7 @@ def _cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, ed
     return rec
 
 
-def _deltas(adapter: ModelAdapter, clean: dict, corrupt: dict, edges: bool) -> dict:
+def deltas(adapter: ModelAdapter, clean: dict, corrupt: dict, edges: bool) -> dict:
     """Δ = clean - corrupted, float32: per node value (node level) and per write (edge level)."""
     L, H = adapter.n_layers, adapter.n_heads
     d = {
@@ -195,8 +195,8 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
     saved: dict = {"x_attn": [None] * L, "x_mlp": [None] * L, "qkv": [dict() for _ in range(L)],
                    "g_mlp_in": [None] * L}
     e_k = e_k.detach().requires_grad_(True)
-    with _Hooks() as hk:
-        hk.pre(adapter.blocks[0], lambda m, args, kwargs: _replace_first(args, kwargs, e_k), with_kwargs=True)
+    with HookSet() as hk:
+        hk.pre(adapter.blocks[0], lambda m, args, kwargs: replace_first(args, kwargs, e_k), with_kwargs=True)
         for layer in range(L):
             def z_hook(module, args, layer=layer):
                 args[0].register_hook(lambda g: setattr_list(sums.z, layer, sums._add(sums.z[layer], g)))
@@ -223,7 +223,7 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
             hk.post(adapter.mlp_norm(layer), mlp_norm_hook)
         if edges:
             def final_hook(module, args, kwargs):
-                _first(args, kwargs).register_hook(lambda g: setattr(sums, "logits", sums._add(sums.logits, g)))
+                first_input(args, kwargs).register_hook(lambda g: setattr(sums, "logits", sums._add(sums.logits, g)))
             hk.pre(adapter.final_norm, final_hook, with_kwargs=True)
         logits = adapter.model(input_ids=ids, attention_mask=mask).logits
         values = compute_metric(metric, logits, batch, clean_answer)
@@ -285,12 +285,12 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
         task = bar.add_task("attribution", total=n_batches)
         for batch in data.batches(batch_size):
             batch = batch.to(device)
-            clean = _cached_run(adapter, batch.clean_ids, batch.attention_mask, edges)
-            corrupt = _cached_run(adapter, batch.corrupted_ids, batch.attention_mask, edges)
+            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, edges)
+            corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, edges)
             clean_answer = answer_logits(clean["logits"], batch)
             metric_clean += compute_metric(metric, clean["logits"], batch, clean_answer).sum().item()
             metric_corrupt += compute_metric(metric, corrupt["logits"], batch, clean_answer).sum().item()
-            delta = _deltas(adapter, clean, corrupt, edges)
+            delta = deltas(adapter, clean, corrupt, edges)
             e_clean, e_corrupt = clean["embed"].float(), corrupt["embed"].float()
             del clean, corrupt
             sums = _GradientSums(adapter, edges)

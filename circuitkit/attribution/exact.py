@@ -15,12 +15,12 @@ from rich.progress import Progress
 
 from circuitkit.attribution.eap import (
     AttributionScores,
-    _cached_run,
-    _deltas,
-    _first,
-    _Hooks,
-    _replace_first,
+    HookSet,
+    cached_run,
+    deltas,
+    first_input,
     graph_of,
+    replace_first,
 )
 from circuitkit.attribution.metrics import answer_logits, compute_metric
 from circuitkit.models.adapters import ModelAdapter
@@ -28,7 +28,7 @@ from circuitkit.tasks.base import TaskData
 
 
 def _metric(adapter, batch, metric, clean_answer, hooks_fn=None) -> torch.Tensor:
-    with torch.no_grad(), _Hooks() as hk:
+    with torch.no_grad(), HookSet() as hk:
         if hooks_fn is not None:
             hooks_fn(hk)
         logits = adapter.model(input_ids=batch.clean_ids, attention_mask=batch.attention_mask).logits
@@ -38,7 +38,7 @@ def _metric(adapter, batch, metric, clean_answer, hooks_fn=None) -> torch.Tensor
 def _node_patches(adapter: ModelAdapter, corrupt: dict):
     """(kind, index, install) for every node; install(hk) patches it to its corrupted value."""
     H, dh = adapter.n_heads, adapter.head_dim
-    yield "embed", None, lambda hk: hk.pre(adapter.blocks[0], lambda m, a, k: _replace_first(a, k, corrupt["embed"]),
+    yield "embed", None, lambda hk: hk.pre(adapter.blocks[0], lambda m, a, k: replace_first(a, k, corrupt["embed"]),
                                            with_kwargs=True)
     for layer in range(adapter.n_layers):
         for h in range(H):
@@ -61,7 +61,7 @@ def _edge_patch(adapter: ModelAdapter, graph, column: int, delta_u: torch.Tensor
     """install(hk) that shifts downstream input `column` by -delta_u (B, T, d_model)."""
     if column == graph.logits_column:
         def install(hk):
-            hk.pre(adapter.final_norm, lambda m, a, k: _replace_first(a, k, _first(a, k) - delta_u.to(_first(a, k).dtype)),
+            hk.pre(adapter.final_norm, lambda m, a, k: replace_first(a, k, first_input(a, k) - delta_u.to(first_input(a, k).dtype)),
                    with_kwargs=True)
         return install
     layer, j = divmod(column, graph.per_layer_inputs)
@@ -113,8 +113,8 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
         task = bar.add_task(f"exact {level}", total=n_batches)
         for batch in data.batches(batch_size):
             batch = batch.to(device)
-            clean = _cached_run(adapter, batch.clean_ids, batch.attention_mask, level == "edge")
-            corrupt = _cached_run(adapter, batch.corrupted_ids, batch.attention_mask, level == "edge")
+            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, level == "edge")
+            corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, level == "edge")
             clean_answer = answer_logits(clean["logits"], batch)
             m_clean = compute_metric(metric, clean["logits"], batch, clean_answer)
             m_clean_total += m_clean.sum().item()
@@ -128,7 +128,7 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
                 else:
                     mlp[idx] += s
             if edges is not None:
-                up = _deltas(adapter, clean, corrupt, edges=True)["up"]
+                up = deltas(adapter, clean, corrupt, edges=True)["up"]
                 for u, v in edge_mask.nonzero().tolist():
                     install = _edge_patch(adapter, graph, v, up[u])
                     edges[u, v] += (m_clean - _metric(adapter, batch, metric, clean_answer, install)).sum().cpu()
