@@ -29,9 +29,26 @@ from circuitkit.pruning import ablate_heads
 FORMAT_VERSION = 1
 
 
+def _plain(value: Any, where: str) -> Any:
+    """Tensors and plain Python types only, so weights_only=True loads it without pickle code."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    for plain in (bool, int, float, str):  # also subclasses, such as torch.__version__
+        if isinstance(value, plain):
+            return plain(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return value.item()
+    raise TypeError(f"circuit field {where} holds a {type(value).__name__}; only tensors and plain types are stored.")
+
+
 def save_circuit(path: Path, circuit: dict[str, Any]) -> Path:
     """Write circuit.pt atomically (only tensors and plain Python types)."""
-    return atomic_torch_save(Path(path), {"format_version": FORMAT_VERSION, **circuit})
+    payload = {"format_version": FORMAT_VERSION, **circuit}
+    return atomic_torch_save(Path(path), {k: _plain(v, k) for k, v in payload.items()})
 
 
 def load_circuit(path: Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -162,16 +162,19 @@ def faithfulness(m_circuit: float, m_full: float, m_empty: float) -> float:
     return (m_circuit - m_empty) / denom if abs(denom) > 1e-12 else float("nan")
 
 
-def head_curve(evaluate: Evaluator, head_scores: torch.Tensor, rank_by: str, m_full: float,
-               m_empty: float) -> list[dict]:
-    """Faithfulness when keeping CURVE_PERCENTS of the heads (rounded to whole heads)."""
-    n_total = head_scores.numel()
+def sparsity_curve(evaluate_kept: Callable[[torch.Tensor], float], scores: torch.Tensor, rank_by: str,
+                   m_full: float, m_empty: float, valid: torch.Tensor | None = None) -> list[dict]:
+    """Faithfulness when keeping CURVE_PERCENTS of the heads or edges (rounded to whole ones).
+
+    evaluate_kept(mask) -> metric, with mask shaped like `scores` (True = kept); `valid`
+    marks which entries exist (edges), default all.
+    """
+    n_total = int(valid.sum()) if valid is not None else scores.numel()
     rows, cache = [], {}
     for pct in CURVE_PERCENTS:
         n_keep = round(pct / 100 * n_total)
         if n_keep not in cache:
-            kept = keep_top(head_scores, n_keep, rank_by)
-            cache[n_keep] = evaluate(~kept)
+            cache[n_keep] = evaluate_kept(keep_top(scores, n_keep, rank_by, valid))
         rows.append({"percent_kept": pct, "n_kept": n_keep, "metric": cache[n_keep],
                      "faithfulness": faithfulness(cache[n_keep], m_full, m_empty)})
     return rows

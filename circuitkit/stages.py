@@ -91,69 +91,103 @@ def attribution_scores(ctx: RunContext):
     return ctx.state["scores"]
 
 
-def _pruning(ctx: RunContext) -> StageResult:
-    """Remove the lowest-ranked heads, measure faithfulness on held-out pairs, write circuit.pt."""
+def _write_curve(ctx: RunContext, curve: list[dict], title: str) -> list[Path]:
     import csv
 
+    from circuitkit.plots import faithfulness_curve
+
+    path = ctx.run_dir / "faithfulness_curve.csv"
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(curve[0]))
+        writer.writeheader()
+        writer.writerows(curve)
+    return [path, faithfulness_curve(curve, ctx.run_dir / "faithfulness_curve.png", title)]
+
+
+def _pruning(ctx: RunContext) -> StageResult:
+    """Remove the lowest-ranked heads (or edges), measure faithfulness on held-out pairs, write circuit.pt."""
     from circuitkit.circuit import save_circuit
     from circuitkit.config import to_dict
     from circuitkit.pipeline import package_versions
-    from circuitkit.plots import faithfulness_curve, head_heatmap
-    from circuitkit.pruning import Evaluator, curve_areas, faithfulness, head_curve, mean_z, select_heads
+    from circuitkit.plots import head_heatmap
+    from circuitkit.pruning import (
+        Evaluator,
+        curve_areas,
+        faithfulness,
+        keep_top,
+        mean_z,
+        select_heads,
+        sparsity_curve,
+    )
 
     p, d = ctx.cfg.pruning, ctx.cfg.discovery
-    if p.scope != "heads":
-        raise ValueError(f"pruning.scope={p.scope!r}: edge-level circuits are not evaluated in this version;"
-                         " use pruning.scope=heads.")
     scores = attribution_scores(ctx)
-    loaded = ctx.model()
-    adapter = loaded.adapter
+    if p.scope == "edges" and scores.edges is None:
+        raise ValueError("pruning.scope=edges needs edge scores, but attribution ran at node level:"
+                         " set discovery.level=edge (or pruning.scope=heads).")
+    adapter = ctx.model().adapter
     data = task_data(ctx)
     n_attr = d.data_params.num_examples
     held_out = data[n_attr:]
     if len(held_out) == 0:
         raise ValueError("no held-out examples for faithfulness: set discovery.data_params.eval_examples >= 1.")
-    means = mean_z(adapter, data[:n_attr], d.batch_size) if p.ablation == "mean" else None
-    evaluate = Evaluator(adapter, held_out, d.metric, p.ablation, means, d.batch_size)
-    selection = select_heads(scores.head, p.target_sparsity, p.rank_by)
-    all_heads = torch.ones_like(selection.mask)
-    m_full, m_empty = evaluate(None), evaluate(all_heads)
-    m_circuit = evaluate(~selection.mask)
-    f = faithfulness(m_circuit, m_full, m_empty)
-    curve = head_curve(evaluate, scores.head, p.rank_by, m_full, m_empty)
-    cpr, cmd = curve_areas(curve)
 
-    curve_csv = ctx.run_dir / "faithfulness_curve.csv"
-    with open(curve_csv, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(curve[0]))
-        writer.writeheader()
-        writer.writerows(curve)
-    curve_png = faithfulness_curve(curve, ctx.run_dir / "faithfulness_curve.png",
-                                   f"{d.task}: CPR {cpr:.3f}, CMD {cmd:.3f}")
+    circuit: dict = {}
+    if p.scope == "heads":
+        means = mean_z(adapter, data[:n_attr], d.batch_size) if p.ablation == "mean" else None
+        evaluator = Evaluator(adapter, held_out, d.metric, p.ablation, means, d.batch_size)
+
+        def evaluate_kept(kept):
+            return evaluator(~kept)
+        selection = select_heads(scores.head, p.target_sparsity, p.rank_by)
+        kept, valid, ranked = selection.mask, None, scores.head
+        head_mask, achieved, n_removed = selection.mask, selection.achieved_sparsity, selection.n_removed
+        circuit["mean_z"] = means
+    else:
+        from circuitkit.pruning_edges import EdgeEvaluator, mean_writes
+
+        means = mean_writes(adapter, data[:n_attr], d.batch_size) if p.ablation == "mean" else None
+        evaluate_kept = EdgeEvaluator(adapter, held_out, d.metric, p.ablation, means, d.batch_size)
+        valid, ranked = scores.graph.edge_mask(), scores.edges
+        n_total = int(valid.sum())
+        n_removed = round(p.target_sparsity * n_total)
+        kept = keep_top(scores.edges, n_total - n_removed, p.rank_by, valid)
+        achieved = n_removed / n_total
+        g = scores.graph
+        head_mask = torch.tensor([[bool(kept[g.head_index(layer, h)].any()) for h in range(g.n_heads)]
+                                  for layer in range(g.n_layers)])
+        circuit.update(edge_mask=kept, mean_z=None, upstream_nodes=g.upstream, downstream_nodes=g.downstream)
+    m_full = evaluate_kept(torch.ones_like(kept) if valid is None else valid)
+    m_empty = evaluate_kept(torch.zeros_like(kept))
+    m_circuit = evaluate_kept(kept)
+    f = faithfulness(m_circuit, m_full, m_empty)
+    curve = sparsity_curve(evaluate_kept, ranked, p.rank_by, m_full, m_empty, valid)
+    cpr, cmd = curve_areas(curve)
+    curve_files = _write_curve(ctx, curve, f"{d.task}, {p.scope}: CPR {cpr:.3f}, CMD {cmd:.3f}")
     circuit_png = head_heatmap(scores.head, ctx.run_dir / "circuit_heads.png",
-                               f"kept heads (outlined), sparsity {selection.achieved_sparsity:.2f}", selection.mask)
+                               f"kept heads (outlined), {p.scope} sparsity {achieved:.2f}", head_mask)
     metrics = {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f}
     out_path = Path(ctx.cfg.output_path) if ctx.cfg.output_path else ctx.run_dir / "circuit.pt"
     save_circuit(out_path, {
-        "model_name": ctx.cfg.model.name, "model_revision": ctx.cfg.model.revision,
-        "head_mask": selection.mask, "head_scores": scores.head, "mlp_scores": scores.mlp,
-        "embed_score": scores.embed, "edge_scores": scores.edges, "mean_z": means,
+        **circuit, "model_name": ctx.cfg.model.name, "model_revision": ctx.cfg.model.revision, "scope": p.scope,
+        "head_mask": head_mask, "head_scores": scores.head, "mlp_scores": scores.mlp,
+        "embed_score": scores.embed, "edge_scores": scores.edges,
         "ablation": p.ablation, "rank_by": p.rank_by, "target_sparsity": p.target_sparsity,
-        "achieved_sparsity": selection.achieved_sparsity, "n_heads_removed": selection.n_removed,
+        "achieved_sparsity": achieved, "n_removed": n_removed, "n_heads_removed": int((~head_mask).sum()),
         "metrics": metrics, "curve": curve, "cpr": cpr, "cmd": cmd, "n_eval_examples": len(held_out),
         "config": to_dict(ctx.cfg), "versions": package_versions(),
     })
-    ctx.state["circuit_mask"] = selection.mask
-    table = Table(title=f"circuit: {int(selection.mask.sum())} of {selection.mask.numel()} heads kept")
+    unit = "heads" if p.scope == "heads" else "edges"
+    table = Table(title=f"circuit: {int(kept.sum())} of {kept.numel() if valid is None else int(valid.sum())} {unit} kept")
     for col in ("target sparsity", "achieved", "m(full)", "m(empty)", "m(circuit)", "faithfulness", "CPR", "CMD"):
         table.add_column(col, justify="right")
-    table.add_row(f"{p.target_sparsity:.3f}", f"{selection.achieved_sparsity:.3f}", f"{m_full:.4g}", f"{m_empty:.4g}",
+    table.add_row(f"{p.target_sparsity:.3f}", f"{achieved:.3f}", f"{m_full:.4g}", f"{m_empty:.4g}",
                   f"{m_circuit:.4g}", f"{f:.3f}", f"{cpr:.3f}", f"{cmd:.3f}")
     ctx.console.print(table)
-    return StageResult([out_path, curve_csv, curve_png, circuit_png], {
-        "faithfulness": f, "achieved_sparsity": selection.achieved_sparsity,
-        "heads_kept": int(selection.mask.sum()), "metric_full": m_full, "metric_empty": m_empty,
-        "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path)})
+    return StageResult([out_path, *curve_files, circuit_png], {
+        "faithfulness": f, "achieved_sparsity": achieved, "scope": p.scope,
+        "heads_kept": int(head_mask.sum()), f"{unit}_kept": int(kept.sum()), "metric_full": m_full,
+        "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path)})
 
 
 register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), None,
