@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from circuitkit.attribution.eap import HookSet, cached_run
-from circuitkit.attribution.metrics import answer_logits, compute_metric
+from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.tasks.base import TaskData
 
@@ -76,7 +76,7 @@ def mean_z(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tens
     total, count = None, None
     for batch in data.batches(batch_size):
         batch = batch.to(device)
-        rec = cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=False)
+        rec = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
         z = torch.stack([zl.float() for zl in rec["z"]])  # (L, B, T, H*dh)
         w = batch.attention_mask.float()[None, :, :, None]
         part, n = (z * w).sum(1), w.sum(1)
@@ -128,11 +128,12 @@ class Evaluator:
         self.batches = []
         for batch in data.batches(batch_size):
             batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=False)
+            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
             corrupt_z = None
             if ablation == "corrupted":
-                corrupt_z = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, edges=False)["z"]
-            self.batches.append((batch, answer_logits(clean["logits"], batch), corrupt_z))
+                corrupt_z = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos,
+                                       edges=False)["z"]
+            self.batches.append((batch, clean["logits"].float(), corrupt_z))
         self.mean_values = None if mean_values is None else [v.to(device)[None] for v in mean_values]
         self.n = len(data)
 
@@ -147,11 +148,12 @@ class Evaluator:
     def __call__(self, removed: torch.Tensor | None) -> float:
         total = 0.0
         for batch, clean_answer, corrupt_z in self.batches:
+            args = (self.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
             if removed is None or not removed.any():
-                logits = self.adapter.model(input_ids=batch.clean_ids, attention_mask=batch.attention_mask).logits
+                logits = answer_forward(*args)
             else:
                 with ablate_heads(self.adapter, removed, self._values(corrupt_z)):
-                    logits = self.adapter.model(input_ids=batch.clean_ids, attention_mask=batch.attention_mask).logits
+                    logits = answer_forward(*args)
             total += compute_metric(self.metric, logits, batch, clean_answer).sum().item()
         return total / self.n
 

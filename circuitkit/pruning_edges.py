@@ -23,7 +23,7 @@ from circuitkit.attribution.eap import (
     graph_of,
     replace_first,
 )
-from circuitkit.attribution.metrics import answer_logits, compute_metric
+from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.pruning import fit_positions
 from circuitkit.tasks.base import TaskData
@@ -47,7 +47,8 @@ def mean_writes(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch
     total = count = None
     for batch in data.batches(batch_size):
         batch = batch.to(device)
-        writes = upstream_writes(adapter, cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=True))
+        writes = upstream_writes(adapter, cached_run(adapter, batch.clean_ids, batch.attention_mask,
+                                                     batch.answer_pos, edges=True))
         w = batch.attention_mask.float()[None, :, :, None]
         part, n = (writes * w).sum(1), w.sum(1)
         total = part if total is None else total + part
@@ -124,15 +125,15 @@ class EdgeEvaluator:
         self.batches = []
         for batch in data.batches(batch_size):
             batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, edges=True)
+            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=True)
             if ablation == "corrupted":
-                corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, edges=True)
+                corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=True)
                 ablated = upstream_writes(adapter, clean) - deltas(adapter, clean, corrupt, edges=True)["up"]
             elif ablation == "mean":
                 ablated = fit_positions(mean_values.to(device), batch.clean_ids.shape[1]).unsqueeze(1)
             else:
                 ablated = torch.zeros(1, 1, 1, 1, device=device)
-            self.batches.append((batch, answer_logits(clean["logits"], batch), ablated))
+            self.batches.append((batch, clean["logits"].float(), ablated))
         self.n = len(data)
 
     @torch.no_grad()
@@ -143,6 +144,6 @@ class EdgeEvaluator:
             with HookSet() as hk:
                 if kept is not None:
                     _install_edge_circuit(self.adapter, hk, ~kept.to(ablated.device), ablated)
-                logits = self.adapter.model(input_ids=batch.clean_ids, attention_mask=batch.attention_mask).logits
+                logits = answer_forward(self.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
             total += compute_metric(self.metric, logits, batch, clean_answer).sum().item()
         return total / self.n

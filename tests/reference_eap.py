@@ -89,8 +89,8 @@ def reference_edge_scores(adapter, data, algorithm="eap-ig", metric="logit_diff"
     scores = torch.zeros(mask.shape)
     dtype = adapter.embed.weight.dtype
     for batch in data.batches(len(data)):
-        clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, True)
-        corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, True)
+        clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, True)
+        corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, True)
         clean_answer = answer_logits(clean["logits"], batch)
         up = deltas(adapter, clean, corrupt, True)["up"].flatten(1)
         for alpha in alphas:

@@ -22,7 +22,7 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from circuitkit.attribution.graph import Graph
-from circuitkit.attribution.metrics import answer_logits, compute_metric
+from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.attribution.norms import norm_backward
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.tasks.base import TaskData
@@ -110,8 +110,9 @@ def _head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total:
 
 
 @torch.no_grad()
-def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, edges: bool) -> dict:
-    """Forward pass recording what each node writes (float32), and the logits."""
+def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, answer_pos: torch.Tensor,
+               edges: bool) -> dict:
+    """Forward pass recording what each node writes, and the answer logits (B, V)."""
     L = adapter.n_layers
     rec: dict = {"z": [None] * L, "mlp": [None] * L, "attn_total": [None] * L}
     with HookSet() as hk:
@@ -130,7 +131,7 @@ def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, edg
                 def total_hook(module, args, layer=layer):
                     rec["attn_total"][layer] = args[0].detach()
                 hk.pre(adapter.post_attn_norm(layer), total_hook)
-        rec["logits"] = adapter.model(input_ids=ids, attention_mask=mask).logits
+        rec["logits"] = answer_forward(adapter.model, ids, mask, answer_pos)
     return rec
 
 
@@ -225,7 +226,7 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
             def final_hook(module, args, kwargs):
                 first_input(args, kwargs).register_hook(lambda g: setattr(sums, "logits", sums._add(sums.logits, g)))
             hk.pre(adapter.final_norm, final_hook, with_kwargs=True)
-        logits = adapter.model(input_ids=ids, attention_mask=mask).logits
+        logits = answer_forward(adapter.model, ids, mask, batch.answer_pos)
         values = compute_metric(metric, logits, batch, clean_answer)
         (grad_embed,) = torch.autograd.grad(values.sum(), e_k)
     sums.embed = sums._add(sums.embed, grad_embed)
@@ -285,9 +286,9 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
         task = bar.add_task("attribution", total=n_batches)
         for batch in data.batches(batch_size):
             batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, edges)
-            corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, edges)
-            clean_answer = answer_logits(clean["logits"], batch)
+            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges)
+            corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges)
+            clean_answer = clean["logits"].float()
             metric_clean += compute_metric(metric, clean["logits"], batch, clean_answer).sum().item()
             metric_corrupt += compute_metric(metric, corrupt["logits"], batch, clean_answer).sum().item()
             delta = deltas(adapter, clean, corrupt, edges)

@@ -22,7 +22,7 @@ from circuitkit.attribution.eap import (
     graph_of,
     replace_first,
 )
-from circuitkit.attribution.metrics import answer_logits, compute_metric
+from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.tasks.base import TaskData
 
@@ -31,7 +31,7 @@ def _metric(adapter, batch, metric, clean_answer, hooks_fn=None) -> torch.Tensor
     with torch.no_grad(), HookSet() as hk:
         if hooks_fn is not None:
             hooks_fn(hk)
-        logits = adapter.model(input_ids=batch.clean_ids, attention_mask=batch.attention_mask).logits
+        logits = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
     return compute_metric(metric, logits, batch, clean_answer)
 
 
@@ -113,9 +113,9 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
         task = bar.add_task(f"exact {level}", total=n_batches)
         for batch in data.batches(batch_size):
             batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, level == "edge")
-            corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, level == "edge")
-            clean_answer = answer_logits(clean["logits"], batch)
+            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, level == "edge")
+            corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, level == "edge")
+            clean_answer = clean["logits"].float()
             m_clean = compute_metric(metric, clean["logits"], batch, clean_answer)
             m_clean_total += m_clean.sum().item()
             m_corrupt_total += compute_metric(metric, corrupt["logits"], batch, clean_answer).sum().item()

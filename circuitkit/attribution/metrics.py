@@ -18,8 +18,22 @@ from circuitkit.tasks.base import TaskData
 METRICS = ("logit_diff", "prob_diff", "logprob", "kl")
 
 
+def answer_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                   answer_pos: torch.Tensor) -> torch.Tensor:
+    """Forward pass that projects only the answer positions onto the vocabulary: (B, V).
+
+    `logits_to_keep` skips the unembedding of every other position, which saves
+    B * (T - 1) * V logits (and their gradient) per pass; the values are the model's own.
+    """
+    keep, inverse = torch.unique(answer_pos, return_inverse=True)
+    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits  # (B, k, V)
+    return logits[torch.arange(ids.shape[0], device=logits.device), inverse.to(logits.device)]
+
+
 def answer_logits(logits: torch.Tensor, batch: TaskData) -> torch.Tensor:
-    """(B, T, V) -> (B, V) float32 logits at each example's answer position."""
+    """(B, T, V) -> (B, V) float32 logits at each example's answer position ((B, V) passes through)."""
+    if logits.dim() == 2:
+        return logits.float()
     idx = batch.answer_pos.to(logits.device)
     return logits[torch.arange(logits.shape[0], device=logits.device), idx].float()
 
@@ -33,7 +47,7 @@ def _gather(values: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, t
 
 def compute_metric(name: str, logits: torch.Tensor, batch: TaskData,
                    clean_answer_logits: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-example metric (B,) in float32 from full logits (B, T, V).
+    """Per-example metric (B,) in float32 from logits (B, T, V), or answer logits (B, V).
 
     `clean_answer_logits` (B, V) is needed by `kl` (the clean run's answer logits).
     """
