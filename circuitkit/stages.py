@@ -18,6 +18,17 @@ SCORES_FILE = "scores.safetensors"
 HEATMAP_FILE = "head_scores.png"
 
 
+def split_sizes(n_rows: int, n_attr: int, n_eval: int) -> tuple[int, int]:
+    """Attribution / held-out counts: as configured, or in the same ratio when a data file has
+    fewer rows than asked for (at least one of each)."""
+    if n_rows >= n_attr + n_eval:
+        return n_attr, n_eval
+    if n_rows < 2:
+        raise ValueError(f"the task yielded {n_rows} example(s); attribution and faithfulness need at least 2.")
+    attr = min(n_rows - 1, max(1, round(n_rows * n_attr / (n_attr + n_eval))))
+    return attr, n_rows - attr
+
+
 def _data(ctx: RunContext) -> StageResult:
     """Build the task's clean/corrupted pairs: attribution examples, then held-out examples."""
     from circuitkit.tasks import build_task
@@ -26,17 +37,26 @@ def _data(ctx: RunContext) -> StageResult:
     loaded = ctx.model()
     n_attr, n_eval = d.data_params.num_examples, d.data_params.eval_examples
     data = build_task(d.task, loaded.tokenizer, loaded.path, d.data_params, n_attr + n_eval, ctx.cfg.seed)
+    attr, held_out = split_sizes(len(data), n_attr, n_eval)
+    if (attr, held_out) != (n_attr, n_eval):
+        ctx.console.print(f"[yellow]warning:[/yellow] {d.task} has {len(data)} rows, fewer than the"
+                          f" {n_attr} + {n_eval} asked for: using {attr} for attribution and {held_out} held out.")
     path = data.save(ctx.run_dir / DATA_FILE, metadata={
-        "task": d.task, "num_examples": str(n_attr), "eval_examples": str(n_eval), "model": ctx.cfg.model.name})
-    ctx.state["data"] = data
-    ctx.console.print(f"{d.task}: {n_attr} attribution + {n_eval} held-out pairs,"
+        "task": d.task, "num_examples": str(attr), "eval_examples": str(held_out), "model": ctx.cfg.model.name})
+    ctx.state["data"], ctx.state["n_attr"] = data, attr
+    ctx.console.print(f"{d.task}: {attr} attribution + {held_out} held-out pairs,"
                       f" {data.clean_ids.shape[1]} tokens (padded)")
-    return StageResult([path], {"task": d.task, "num_examples": n_attr, "eval_examples": n_eval,
+    return StageResult([path], {"task": d.task, "num_examples": attr, "eval_examples": held_out,
                                 "seq_len": int(data.clean_ids.shape[1])})
 
 
 def task_data(ctx: RunContext):
-    """The data stage's pairs: from this run, or from data.safetensors in the run dir."""
+    """(pairs, number used for attribution): from this run, or from data.safetensors in the run dir.
+
+    The pairs after the first `number` are the held-out ones.
+    """
+    from safetensors import safe_open
+
     from circuitkit.tasks import TaskData
 
     if "data" not in ctx.state:
@@ -44,7 +64,9 @@ def task_data(ctx: RunContext):
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: run the data stage first (add 'data' to stages).")
         ctx.state["data"] = TaskData.load(path)
-    return ctx.state["data"]
+        with safe_open(str(path), framework="pt") as fh:
+            ctx.state["n_attr"] = int(fh.metadata()["num_examples"])
+    return ctx.state["data"], ctx.state["n_attr"]
 
 
 def _attribution(ctx: RunContext) -> StageResult:
@@ -54,7 +76,8 @@ def _attribution(ctx: RunContext) -> StageResult:
 
     d = ctx.cfg.discovery
     loaded = ctx.model()
-    data = task_data(ctx)[: d.data_params.num_examples]
+    pairs, n_attr = task_data(ctx)
+    data = pairs[:n_attr]
     scores = run_attribution(loaded.adapter, data, d)
     ctx.state["scores"] = scores
     path = save_scores(ctx.run_dir / SCORES_FILE, scores, {"model": ctx.cfg.model.name, "task": d.task})
@@ -126,8 +149,7 @@ def _pruning(ctx: RunContext) -> StageResult:
         raise ValueError("pruning.scope=edges needs edge scores, but attribution ran at node level:"
                          " set discovery.level=edge (or pruning.scope=heads).")
     adapter = ctx.model().adapter
-    data = task_data(ctx)
-    n_attr = d.data_params.num_examples
+    data, n_attr = task_data(ctx)
     held_out = data[n_attr:]
     if len(held_out) == 0:
         raise ValueError("no held-out examples for faithfulness: set discovery.data_params.eval_examples >= 1.")

@@ -1,19 +1,70 @@
-"""Tasks that supply clean / corrupted pairs for attribution and faithfulness."""
+"""Tasks that supply clean / corrupted pairs for attribution and faithfulness.
+
+* ``induction``: synthetic repeated symbols (``tasks/induction.py``).
+* ``ioi``: indirect object identification, ABC corruption (``tasks/ioi.py``).
+* ``greater_than``: "from the year 17YY to the year 17", YY -> 01 (``tasks/greater_than.py``).
+* ``mmlu``: multiple choice from ``data_path`` (MMLU CSV or JSONL), options swapped (``tasks/mmlu.py``).
+* ``jsonl``: the user's own pairs from ``data_path`` (``tasks/jsonl.py``).
+
+Synthetic tasks generate their examples from the seed; file tasks sample rows with it. Without
+``data_path``, mmlu and jsonl read the small sample files shipped in ``tasks/data/``.
+"""
 
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 from circuitkit.config import DataParams
 from circuitkit.tasks.base import TaskData, TaskError
 
-__all__ = ["TaskData", "TaskError", "build_task", "BUILT_TASKS"]
+__all__ = ["TaskData", "TaskError", "build_task", "BUILT_TASKS", "SAMPLE_FILES"]
 
-BUILT_TASKS = ("induction",)
+log = logging.getLogger(__name__)
+
+BUILT_TASKS = ("induction", "ioi", "greater_than", "mmlu", "jsonl")
+DATA_DIR = Path(__file__).resolve().parent / "data"
+SAMPLE_FILES = {"mmlu": DATA_DIR / "mmlu_sample.csv", "jsonl": DATA_DIR / "jsonl_sample.jsonl"}
+
+
+def data_path_for(task: str, data_path: str | None) -> Path:
+    """The file a file-based task reads: `data_path`, or the shipped sample (with a warning)."""
+    if data_path is None:
+        sample = SAMPLE_FILES[task]
+        log.warning("discovery.data_params.data_path is null: the %s task uses the shipped sample %s"
+                    " (a few hand-written examples, for trying the pipeline); set data_path to your data.",
+                    task, sample.name)
+        return sample
+    return Path(data_path)
 
 
 def build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: int, seed: int) -> TaskData:
-    """`n` examples of `task` for this tokenizer (model_dir lets fixtures name their symbols)."""
+    """`n` examples of `task` for this tokenizer (model_dir lets fixtures name their symbols).
+
+    Returns TaskData with (N, T) clean/corrupted ids and mask, (N,) answer positions and -1 padded
+    answer ids; N == n except for file tasks whose file has fewer rows (then all rows, warned).
+    """
+    if task not in SAMPLE_FILES and task in BUILT_TASKS and dp.data_path is not None:
+        log.warning("discovery.data_params.data_path=%r is not used: the %s task generates its examples"
+                    " (data_path is read by the mmlu and jsonl tasks only).", dp.data_path, task)
     if task == "induction":
         from circuitkit.tasks import induction
 
         return induction.build(tokenizer, model_dir, n, dp.seq_len, seed)
+    if task == "ioi":
+        from circuitkit.tasks import ioi
+
+        return ioi.build(tokenizer, n, seed)
+    if task == "greater_than":
+        from circuitkit.tasks import greater_than
+
+        return greater_than.build(tokenizer, n, seed)
+    if task == "mmlu":
+        from circuitkit.tasks import mmlu
+
+        return mmlu.build(tokenizer, data_path_for(task, dp.data_path), n, seed)
+    if task == "jsonl":
+        from circuitkit.tasks import jsonl
+
+        return jsonl.build(tokenizer, data_path_for(task, dp.data_path), n, seed)
     raise TaskError(f"discovery.task={task!r} is not available in this version; available: {', '.join(BUILT_TASKS)}.")

@@ -1,0 +1,33 @@
+"""Shared test setup: offline Hugging Face, a per-checkout fixture cache, tiny model factories."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Built once per checkout (and per CI run), then reused; set CIRCUITKIT_CACHE to share them.
+os.environ.setdefault("CIRCUITKIT_CACHE", str(REPO / ".cache" / "test-fixtures"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference_eap.py
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Callable[[str], Path]:
+    """Factory: fixture name (e.g. 'tiny-gpt2') -> its directory, built on first use."""
+    from circuitkit.models.tiny import ensure_fixture
+
+    return ensure_fixture
+
+
+@pytest.fixture(scope="session")
+def induction_model_dir() -> Path:
+    """The trained induction model's directory (fixture_info.json names its known heads)."""
+    from circuitkit.models.tiny import ensure_fixture
+
+    return ensure_fixture("induction")
