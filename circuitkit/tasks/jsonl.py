@@ -20,7 +20,6 @@ before sampling, so an error does not depend on the seed; errors name ``file:lin
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from circuitkit.tasks.base import TaskData, TaskError, from_token_lists
 from circuitkit.tasks.text import (
     as_path,
     encode_prompt,
+    jsonl_objects,
     pad_token_id,
     sample_indices,
     single_token_answer,
@@ -70,31 +70,19 @@ def read_rows(path: Path) -> list[PairRow]:
         raise TaskError(f"discovery.data_params.data_path={str(path)!r} is a directory; the jsonl task"
                         " reads one .jsonl file.")
     rows: list[PairRow] = []
-    with open(path, encoding="utf-8-sig") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TaskError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must"
-                                " be one JSON object.") from None
-            if not isinstance(obj, dict):
-                raise TaskError(f"{where}: expected a JSON object with keys {', '.join(REQUIRED_KEYS)},"
-                                f" got {type(obj).__name__}.")
-            missing = [k for k in REQUIRED_KEYS if k not in obj]
-            if missing:
-                raise TaskError(f"{where}: missing key(s) {', '.join(missing)}; each row needs"
-                                f" {', '.join(REQUIRED_KEYS)}.")
-            for key in ("clean", "corrupted"):
-                if not isinstance(obj[key], str) or not obj[key]:
-                    raise TaskError(f"{where}: '{key}' must be a non-empty string, got {obj[key]!r}.")
-            if obj["clean"] == obj["corrupted"]:
-                raise TaskError(f"{where}: 'clean' and 'corrupted' are the same text; the corrupted prompt"
-                                " must differ (attribution measures the difference).")
-            rows.append(PairRow(obj["clean"], obj["corrupted"], _answers(obj["correct"], "correct", where),
-                                _answers(obj["incorrect"], "incorrect", where), where))
+    for where, obj in jsonl_objects(path, f"a JSON object with keys {', '.join(REQUIRED_KEYS)}"):
+        missing = [k for k in REQUIRED_KEYS if k not in obj]
+        if missing:
+            raise TaskError(f"{where}: missing key(s) {', '.join(missing)}; each row needs"
+                            f" {', '.join(REQUIRED_KEYS)}.")
+        for key in ("clean", "corrupted"):
+            if not isinstance(obj[key], str) or not obj[key]:
+                raise TaskError(f"{where}: '{key}' must be a non-empty string, got {obj[key]!r}.")
+        if obj["clean"] == obj["corrupted"]:
+            raise TaskError(f"{where}: 'clean' and 'corrupted' are the same text; the corrupted prompt"
+                            " must differ (attribution measures the difference).")
+        rows.append(PairRow(obj["clean"], obj["corrupted"], _answers(obj["correct"], "correct", where),
+                            _answers(obj["incorrect"], "incorrect", where), where))
     return rows
 
 

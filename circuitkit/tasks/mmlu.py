@@ -31,7 +31,6 @@ TaskError naming ``file:line``.
 from __future__ import annotations
 
 import csv
-import json
 import random
 import string
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from circuitkit.tasks.text import (
     as_path,
     continuation_ids,
     encode_prompt,
+    jsonl_objects,
     pad_token_id,
     sample_indices,
     special_prefix,
@@ -119,29 +119,22 @@ def read_jsonl(path: Path) -> list[Question]:
     """Questions of one JSONL file: {"question", "choices", "answer", optional "subject"}."""
     file_subject = subject_from_filename(path)
     out: list[Question] = []
-    with open(path, encoding="utf-8-sig") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TaskError(f"{where}: not valid JSON ({err.msg} at column {err.colno}).") from None
-            if not isinstance(obj, dict) or any(k not in obj for k in ("question", "choices", "answer")):
-                raise TaskError(f"{where}: expected an object with keys question, choices, answer; got {line.strip()[:80]!r}.")
-            question, choices = obj["question"], obj["choices"]
-            if not isinstance(question, str) or not question.strip():
-                raise TaskError(f"{where}: 'question' must be a non-empty string.")
-            if (not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS)
-                    or not all(isinstance(c, str) for c in choices)):
-                raise TaskError(f"{where}: 'choices' must be a list of 2 to {len(LETTERS)} strings, got {choices!r}.")
-            subject = obj.get("subject", file_subject)
-            if subject is not None and not isinstance(subject, str):
-                raise TaskError(f"{where}: 'subject' must be a string, got {subject!r}.")
-            out.append(Question(question.strip(), [c.strip() for c in choices],
-                                _answer_index(obj["answer"], len(choices), where), subject or None, where,
-                                f"{path.name}:{lineno}"))
+    for where, obj in jsonl_objects(path, "an object with keys question, choices, answer"):
+        if any(k not in obj for k in ("question", "choices", "answer")):
+            raise TaskError(f"{where}: expected an object with keys question, choices, answer; got keys"
+                            f" {', '.join(obj) or '(none)'}.")
+        question, choices = obj["question"], obj["choices"]
+        if not isinstance(question, str) or not question.strip():
+            raise TaskError(f"{where}: 'question' must be a non-empty string.")
+        if (not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS)
+                or not all(isinstance(c, str) for c in choices)):
+            raise TaskError(f"{where}: 'choices' must be a list of 2 to {len(LETTERS)} strings, got {choices!r}.")
+        subject = obj.get("subject", file_subject)
+        if subject is not None and not isinstance(subject, str):
+            raise TaskError(f"{where}: 'subject' must be a string, got {subject!r}.")
+        out.append(Question(question.strip(), [c.strip() for c in choices],
+                            _answer_index(obj["answer"], len(choices), where), subject or None, where,
+                            f"{path.name}:{where.rsplit(':', 1)[1]}"))
     return out
 
 
