@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -101,9 +102,16 @@ def _norm_spec(module: nn.Module) -> NormSpec:
 
 
 class ModelAdapter:
-    """Family-independent view of a causal LM; subclasses bind the module names."""
+    """Family-independent view of a causal LM.
+
+    A family names its modules in `paths` (attribute paths, dotted): `base` from the model,
+    `blocks`, `embed` and `final_norm` from the base, and `attn`, `attn_norm`, `mlp_norm`,
+    `o_proj`, `mlp`, `post_attn_norm`, `post_mlp_norm` from a block. It says how to split its
+    Q/K/V projections per head in `qkv_weights` and `qkv_sites`.
+    """
 
     family: str = ""
+    paths: dict[str, str] = {}
     parallel_residual: bool = False
     has_post_norms: bool = False
 
@@ -111,6 +119,13 @@ class ModelAdapter:
         self.model = model
         self.config = getattr(model.config, "text_config", None) or model.config
         self._base = self._find_base(model)
+
+    def _find_base(self, model: nn.Module) -> nn.Module:
+        return attrgetter(self.paths["base"])(model)
+
+    def _in_block(self, key: str, layer: int) -> nn.Module | None:
+        path = self.paths.get(key)
+        return None if path is None else attrgetter(path)(self.blocks[layer])
 
     # -- shapes -------------------------------------------------------------------------
     @property
@@ -135,7 +150,8 @@ class ModelAdapter:
 
     @property
     def d_mlp(self) -> int:
-        return getattr(self.config, "intermediate_size", None) or 4 * self.d_model
+        return getattr(self.config, "intermediate_size", None) or getattr(self.config, "n_inner", None) \
+            or 4 * self.d_model
 
     @property
     def vocab_size(self) -> int:
@@ -148,65 +164,69 @@ class ModelAdapter:
                 "d_mlp": self.d_mlp, "vocab_size": self.vocab_size,
                 "n_params": sum(p.numel() for p in self.model.parameters())}
 
-    # -- modules (subclasses) -----------------------------------------------------------
-    def _find_base(self, model: nn.Module) -> nn.Module:
-        raise UnsupportedArchitectureError(type(model).__name__)
-
+    # -- modules ------------------------------------------------------------------------
     @property
     def blocks(self) -> list[nn.Module]:
-        raise UnsupportedArchitectureError(self.family)
-
-    def attn(self, layer: int) -> nn.Module:
-        raise UnsupportedArchitectureError(self.family)
-
-    def attn_norm(self, layer: int) -> nn.Module:
-        raise UnsupportedArchitectureError(self.family)
-
-    def mlp_norm(self, layer: int) -> nn.Module:
-        raise UnsupportedArchitectureError(self.family)
-
-    def mlp(self, layer: int) -> nn.Module:
-        return self.blocks[layer].mlp
-
-    def o_proj(self, layer: int) -> nn.Module:
-        raise UnsupportedArchitectureError(self.family)
-
-    def post_attn_norm(self, layer: int) -> nn.Module | None:
-        return None
-
-    def post_mlp_norm(self, layer: int) -> nn.Module | None:
-        return None
+        return list(attrgetter(self.paths["blocks"])(self._base))
 
     @property
     def embed(self) -> nn.Module:
-        raise UnsupportedArchitectureError(self.family)
+        """The token embedding (Gemma's scales by sqrt(d_model) itself)."""
+        return attrgetter(self.paths["embed"])(self._base)
 
     @property
     def final_norm(self) -> nn.Module:
-        raise UnsupportedArchitectureError(self.family)
+        return attrgetter(self.paths["final_norm"])(self._base)
 
     @property
     def unembed(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
+    def attn(self, layer: int) -> nn.Module:
+        return self._in_block("attn", layer)
+
+    def attn_norm(self, layer: int) -> nn.Module:
+        """The norm whose output feeds Q, K and V."""
+        return self._in_block("attn_norm", layer)
+
+    def mlp_norm(self, layer: int) -> nn.Module:
+        """The norm whose output feeds the MLP."""
+        return self._in_block("mlp_norm", layer)
+
+    def mlp(self, layer: int) -> nn.Module:
+        return self._in_block("mlp", layer)
+
+    def o_proj(self, layer: int) -> nn.Module:
+        """The attention output projection; its input is z, the heads' outputs side by side."""
+        return self._in_block("o_proj", layer)
+
+    def post_attn_norm(self, layer: int) -> nn.Module | None:
+        """Norm on the attention output before the residual add (Gemma 3), else None."""
+        return self._in_block("post_attn_norm", layer)
+
+    def post_mlp_norm(self, layer: int) -> nn.Module | None:
+        """Norm on the MLP output before the residual add (Gemma 3), else None."""
+        return self._in_block("post_mlp_norm", layer)
+
     def norm_spec(self, module: nn.Module) -> NormSpec:
         """The maths of a norm module (for closed-form gradients through it)."""
         return _norm_spec(module)
 
-    # -- per-head weights and q/k/v sites -----------------------------------------------
+    # -- per-head weights and q/k/v sites (separate q_proj / k_proj / v_proj by default) -----
     def qkv_weights(self, layer: int) -> QKVWeights:
-        raise UnsupportedArchitectureError(self.family)
+        attn = self.attn(layer)
+
+        def per_head(lin: nn.Linear, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            w = lin.weight.view(n, self.head_dim, self.d_model)
+            return w, None if lin.bias is None else lin.bias.view(n, self.head_dim)
+        (wq, bq), (wk, bk), (wv, bv) = (per_head(attn.q_proj, self.n_heads),
+                                        per_head(attn.k_proj, self.n_kv_heads),
+                                        per_head(attn.v_proj, self.n_kv_heads))
+        return QKVWeights(wq, wk, wv, bq, bk, bv)
 
     def qkv_sites(self, layer: int) -> list[QKVSite]:
-        raise UnsupportedArchitectureError(self.family)
+        attn = self.attn(layer)
 
-    def o_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """W_O (n_heads, d_model, head_dim) and its bias (d_model,) or None."""
-        lin = self.o_proj(layer)
-        w = lin.weight  # (d_model, n_heads * head_dim)
-        return w.view(self.d_model, self.n_heads, self.head_dim).permute(1, 0, 2), lin.bias
-
-    def _separate_qkv(self, attn: nn.Module) -> list[QKVSite]:
         def site(module: nn.Module, part: str, n: int) -> QKVSite:
             return QKVSite(module,
                            lambda out: {part: out.view(*out.shape[:-1], n, self.head_dim)},
@@ -214,55 +234,24 @@ class ModelAdapter:
         return [site(attn.q_proj, "q", self.n_heads), site(attn.k_proj, "k", self.n_kv_heads),
                 site(attn.v_proj, "v", self.n_kv_heads)]
 
-    def _separate_qkv_weights(self, attn: nn.Module) -> QKVWeights:
-        def per_head(lin: nn.Linear, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-            w = lin.weight.view(n, self.head_dim, self.d_model)
-            b = None if lin.bias is None else lin.bias.view(n, self.head_dim)
-            return w, b
-        (wq, bq), (wk, bk), (wv, bv) = (per_head(attn.q_proj, self.n_heads),
-                                        per_head(attn.k_proj, self.n_kv_heads),
-                                        per_head(attn.v_proj, self.n_kv_heads))
-        return QKVWeights(wq, wk, wv, bq, bk, bv)
+    def o_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_O (n_heads, d_model, head_dim) and its bias (d_model,) or None."""
+        lin = self.o_proj(layer)
+        w = lin.weight  # (d_model, n_heads * head_dim)
+        return w.view(self.d_model, self.n_heads, self.head_dim).permute(1, 0, 2), lin.bias
 
 
 class GPT2Adapter(ModelAdapter):
+    """GPT-2: fused QKV in a Conv1D (weights stored (in, out))."""
+
     family = "gpt2"
-
-    def _find_base(self, model: nn.Module) -> nn.Module:
-        return model.transformer
-
-    @property
-    def blocks(self) -> list[nn.Module]:
-        return list(self._base.h)
-
-    @property
-    def d_mlp(self) -> int:
-        return self.config.n_inner or 4 * self.d_model
-
-    def attn(self, layer: int) -> nn.Module:
-        return self.blocks[layer].attn
-
-    def attn_norm(self, layer: int) -> nn.Module:
-        return self.blocks[layer].ln_1
-
-    def mlp_norm(self, layer: int) -> nn.Module:
-        return self.blocks[layer].ln_2
-
-    def o_proj(self, layer: int) -> nn.Module:
-        return self.blocks[layer].attn.c_proj
+    paths = {"base": "transformer", "blocks": "h", "embed": "wte", "final_norm": "ln_f", "attn": "attn",
+             "attn_norm": "ln_1", "mlp_norm": "ln_2", "mlp": "mlp", "o_proj": "attn.c_proj"}
 
     def o_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         conv = self.o_proj(layer)  # Conv1D weight is (in, out)
         w = conv.weight.view(self.n_heads, self.head_dim, self.d_model).permute(0, 2, 1)
         return w, conv.bias
-
-    @property
-    def embed(self) -> nn.Module:
-        return self._base.wte
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return self._base.ln_f
 
     def qkv_weights(self, layer: int) -> QKVWeights:
         conv = self.attn(layer).c_attn
@@ -284,38 +273,16 @@ class GPT2Adapter(ModelAdapter):
 
 
 class NeoXAdapter(ModelAdapter):
+    """GPT-NeoX (Pythia): fused QKV interleaved per head, optional parallel residual."""
+
     family = "gpt_neox"
+    paths = {"base": "gpt_neox", "blocks": "layers", "embed": "embed_in", "final_norm": "final_layer_norm",
+             "attn": "attention", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+             "mlp": "mlp", "o_proj": "attention.dense"}
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.parallel_residual = bool(self.config.use_parallel_residual)
-
-    def _find_base(self, model: nn.Module) -> nn.Module:
-        return model.gpt_neox
-
-    @property
-    def blocks(self) -> list[nn.Module]:
-        return list(self._base.layers)
-
-    def attn(self, layer: int) -> nn.Module:
-        return self.blocks[layer].attention
-
-    def attn_norm(self, layer: int) -> nn.Module:
-        return self.blocks[layer].input_layernorm
-
-    def mlp_norm(self, layer: int) -> nn.Module:
-        return self.blocks[layer].post_attention_layernorm
-
-    def o_proj(self, layer: int) -> nn.Module:
-        return self.attn(layer).dense
-
-    @property
-    def embed(self) -> nn.Module:
-        return self._base.embed_in
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return self._base.final_layer_norm
 
     def qkv_weights(self, layer: int) -> QKVWeights:
         lin = self.attn(layer).query_key_value  # rows ordered (head, [q|k|v], head_dim)
@@ -340,63 +307,29 @@ class NeoXAdapter(ModelAdapter):
         return [QKVSite(self.attn(layer).query_key_value, split, merge)]
 
 
+_LLAMA_PATHS = {"base": "model", "blocks": "layers", "embed": "embed_tokens", "final_norm": "norm",
+                "attn": "self_attn", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+                "mlp": "mlp", "o_proj": "self_attn.o_proj"}
+
+
 class LlamaAdapter(ModelAdapter):
     """Llama, Mistral and Qwen2 share module names (Qwen2 adds q/k/v biases)."""
 
     family = "llama"
-
-    def _find_base(self, model: nn.Module) -> nn.Module:
-        return model.model
-
-    @property
-    def blocks(self) -> list[nn.Module]:
-        return list(self._base.layers)
-
-    def attn(self, layer: int) -> nn.Module:
-        return self.blocks[layer].self_attn
-
-    def attn_norm(self, layer: int) -> nn.Module:
-        return self.blocks[layer].input_layernorm
-
-    def mlp_norm(self, layer: int) -> nn.Module:
-        return self.blocks[layer].post_attention_layernorm
-
-    def o_proj(self, layer: int) -> nn.Module:
-        return self.attn(layer).o_proj
-
-    @property
-    def embed(self) -> nn.Module:
-        return self._base.embed_tokens
-
-    @property
-    def final_norm(self) -> nn.Module:
-        return self._base.norm
-
-    def qkv_weights(self, layer: int) -> QKVWeights:
-        return self._separate_qkv_weights(self.attn(layer))
-
-    def qkv_sites(self, layer: int) -> list[QKVSite]:
-        return self._separate_qkv(self.attn(layer))
+    paths = _LLAMA_PATHS
 
 
-class Gemma3Adapter(LlamaAdapter):
+class Gemma3Adapter(ModelAdapter):
     """Gemma 3: Llama names plus post-norms; the multimodal class exposes its text model."""
 
     family = "gemma3"
     has_post_norms = True
+    paths = {**_LLAMA_PATHS, "mlp_norm": "pre_feedforward_layernorm",
+             "post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 
     def _find_base(self, model: nn.Module) -> nn.Module:
         inner = model.model
         return getattr(inner, "language_model", inner)
-
-    def mlp_norm(self, layer: int) -> nn.Module:
-        return self.blocks[layer].pre_feedforward_layernorm
-
-    def post_attn_norm(self, layer: int) -> nn.Module:
-        return self.blocks[layer].post_attention_layernorm
-
-    def post_mlp_norm(self, layer: int) -> nn.Module:
-        return self.blocks[layer].post_feedforward_layernorm
 
 
 _ADAPTERS: dict[str, type[ModelAdapter]] = {
