@@ -26,6 +26,13 @@ def tiny_model() -> Callable[[str], Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_model: Callable[[str], Path]) -> Path:
+    """A tiny random model's directory: 'tiny-gpt2', or the name given by indirect
+    parametrization (`@pytest.mark.parametrize("tiny_model_dir", ["tiny-llama"], indirect=True)`)."""
+    return tiny_model(getattr(request, "param", "tiny-gpt2"))
+
+
+@pytest.fixture(scope="session")
 def induction_model_dir() -> Path:
     """The trained induction model's directory (fixture_info.json names its known heads)."""
     from circuitkit.models.tiny import ensure_fixture
