@@ -19,16 +19,16 @@ def head_heatmap(head_scores: torch.Tensor, path: Path, title: str, kept: torch.
     scores = head_scores.float().numpy()
     n_layers, n_heads = scores.shape
     limit = float(abs(scores).max()) or 1.0
-    fig, ax = plt.subplots(figsize=(max(4, 0.45 * n_heads + 2), max(3, 0.35 * n_layers + 1.5)))
+    fig, ax = plt.subplots(figsize=(max(5.5, 0.45 * n_heads + 2), max(3, 0.35 * n_layers + 1.5)))
     im = ax.imshow(scores, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_xticks(range(n_heads))
     ax.set_yticks(range(n_layers))
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9, wrap=True)
     if kept is not None:
         for layer, head in kept.nonzero().tolist():
-            ax.add_patch(plt.Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="black", lw=1.5))
+            ax.add_patch(plt.Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="black", lw=3))
     fig.colorbar(im, ax=ax, label="score")
     fig.tight_layout()
     _atomic(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
