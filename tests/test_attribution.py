@@ -103,3 +103,14 @@ def test_exact_patching_of_the_embedding_is_the_full_gap(name):
     lm, data = loaded(name), pairs(name, n=4)
     x = exact_patching(lm.adapter, data, "node", batch_size=4, progress=False)
     assert abs(float(x.embed) - (x.metric_clean - x.metric_corrupted)) < 1e-5
+
+
+@pytest.mark.parametrize("metric", ["logit_diff", "prob_diff", "logprob", "kl"])
+def test_every_metric_satisfies_ig_completeness(metric):
+    lm, data = loaded("tiny-llama"), pairs("tiny-llama", n=4)
+    s = attribute(lm.adapter, data, "eap-ig", "node", metric=metric, ig_steps=100, batch_size=4, progress=False)
+    gap = s.metric_clean - s.metric_corrupted
+    assert abs(gap) > 1e-7
+    assert abs(float(s.embed) - gap) <= 0.03 * abs(gap), (metric, float(s.embed), gap)
+    if metric == "kl":
+        assert s.metric_clean == pytest.approx(0.0, abs=1e-6)  # -KL(p_clean || p_clean)

@@ -113,3 +113,31 @@ def test_circuit_pt_round_trips_with_weights_only(tmp_path):
     assert back["metrics"] == circuit["metrics"] and back["config"] == circuit["config"]
     with pytest.raises(FileNotFoundError, match="pruning stage"):
         load_circuit(tmp_path / "missing.pt")
+
+
+def test_pruning_without_scores_names_the_missing_stage(tmp_path):
+    from circuitkit.config import compose
+    from circuitkit.pipeline import PipelineError, run_pipeline
+
+    _, cfg = compose(["stages=[data,pruning]", "model.precision=float32", "discovery.data_params.num_examples=4",
+                      "discovery.data_params.eval_examples=2", "discovery.data_params.seq_len=16"])
+    with pytest.raises(PipelineError, match="scores.safetensors does not exist.*add 'attribution'"):
+        run_pipeline(cfg, tmp_path)
+    assert (tmp_path / "data.safetensors").is_file()  # the earlier stage's artifact is kept
+
+
+def test_edge_scope_pipeline_on_the_induction_model(tmp_path):
+    from circuitkit.config import compose
+    from circuitkit.pipeline import run_pipeline
+
+    _, cfg = compose(["model=induction", "stages=[data,attribution,pruning]", "discovery.level=edge",
+                      "pruning.scope=edges", "pruning.target_sparsity=0.9", "pruning.ablation=corrupted",
+                      "discovery.data_params.num_examples=16", "discovery.data_params.eval_examples=16",
+                      "discovery.data_params.seq_len=64", "discovery.batch_size=16"])
+    manifest = run_pipeline(cfg, tmp_path)
+    summary = manifest["stages"]["pruning"]["summary"]
+    circuit = load_circuit(tmp_path / "circuit.pt")
+    assert circuit["scope"] == "edges" and circuit["edge_mask"].shape == circuit["edge_scores"].shape
+    assert summary["achieved_sparsity"] == pytest.approx(0.9, abs=0.01)
+    assert circuit["head_mask"][0, 2] and circuit["head_mask"][1, 1]  # prev-token and induction heads
+    assert summary["faithfulness"] > 0.8, summary
