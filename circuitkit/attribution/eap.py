@@ -173,6 +173,14 @@ class _GradientSums:
         # copy=True: autograd hands the same gradient tensor to several hooks (residual adds)
         return g.to(torch.float32, copy=True) if total is None else total.add_(g)
 
+    def add(self, name: str, g: torch.Tensor, layer: int | None = None) -> None:
+        """Add gradient `g` to the running sum `name` (per layer for "z" and "mlp")."""
+        if layer is None:
+            setattr(self, name, self._add(getattr(self, name), g))
+        else:
+            per_layer = getattr(self, name)
+            per_layer[layer] = self._add(per_layer[layer], g)
+
     def add_layer_inputs(self, layer: int, x_attn, grads_qkv: dict, x_mlp, g_mlp_in) -> None:
         """Residual-space gradients of every input of `layer`, through its own path only."""
         a = self.adapter
@@ -193,19 +201,19 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
     """One forward+backward at input embedding e_k, adding the needed gradients to `sums`."""
     L = adapter.n_layers
     edges = sums.edges
-    saved: dict = {"x_attn": [None] * L, "x_mlp": [None] * L, "qkv": [dict() for _ in range(L)],
-                   "g_mlp_in": [None] * L}
+    # Edge level: each layer's norm inputs and the gradients of its Q/K/V and MLP-input paths.
+    saved: dict = {"x_attn": {}, "x_mlp": {}, "qkv": {layer: {} for layer in range(L)}, "g_mlp_in": {}}
     e_k = e_k.detach().requires_grad_(True)
     with HookSet() as hk:
         hk.pre(adapter.blocks[0], lambda m, args, kwargs: replace_first(args, kwargs, e_k), with_kwargs=True)
         for layer in range(L):
             def z_hook(module, args, layer=layer):
-                args[0].register_hook(lambda g: setattr_list(sums.z, layer, sums._add(sums.z[layer], g)))
+                args[0].register_hook(lambda g: sums.add("z", g, layer))
             hk.pre(adapter.o_proj(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
                 t = out[0] if isinstance(out, tuple) else out
-                t.register_hook(lambda g: setattr_list(sums.mlp, layer, sums._add(sums.mlp[layer], g)))
+                t.register_hook(lambda g: sums.add("mlp", g, layer))
             hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
             if not edges:
                 continue
@@ -220,24 +228,20 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
 
             def mlp_norm_hook(module, args, out, layer=layer):
                 saved["x_mlp"][layer] = args[0].detach()
-                out.register_hook(lambda g: setattr_list(saved["g_mlp_in"], layer, g))
+                out.register_hook(lambda g: saved["g_mlp_in"].__setitem__(layer, g))
             hk.post(adapter.mlp_norm(layer), mlp_norm_hook)
         if edges:
             def final_hook(module, args, kwargs):
-                first_input(args, kwargs).register_hook(lambda g: setattr(sums, "logits", sums._add(sums.logits, g)))
+                first_input(args, kwargs).register_hook(lambda g: sums.add("logits", g))
             hk.pre(adapter.final_norm, final_hook, with_kwargs=True)
         logits = answer_forward(adapter.model, ids, mask, batch.answer_pos)
         values = compute_metric(metric, logits, batch, clean_answer)
         (grad_embed,) = torch.autograd.grad(values.sum(), e_k)
-    sums.embed = sums._add(sums.embed, grad_embed)
+    sums.add("embed", grad_embed)
     if edges:
         for layer in range(L):
             sums.add_layer_inputs(layer, saved["x_attn"][layer], saved["qkv"][layer],
                                   saved["x_mlp"][layer], saved["g_mlp_in"][layer])
-
-
-def setattr_list(lst: list, i: int, value) -> None:
-    lst[i] = value
 
 
 def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _GradientSums, n_points: int,
