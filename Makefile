@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DEMO_STAGES ?= [data,attribution,pruning]
+DEMO_STAGES ?= [preflight,data,attribution,pruning]
 
 .PHONY: setup demo test test-slow lint bench fixtures clean
 

@@ -3,6 +3,8 @@
     circuitkit run [overrides...]       same as `python -m circuitkit.run [overrides...]`
     circuitkit config [overrides...]    print the composed, validated config and exit
     circuitkit show CIRCUIT.pt          summary table and kept heads of a saved circuit
+    circuitkit discover-smart --model M --algorithm A --task T [--check-memory] [overrides...]
+                                        size the batch to the device (or only print the estimate)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the pipeline (Hydra overrides follow)", add_help=False)
     sub.add_parser("config", help="print the composed config for the given overrides", add_help=False)
+    sub.add_parser("discover-smart", help="pick the largest batch that fits, or --check-memory", add_help=False)
     show = sub.add_parser("show", help="summarize a circuit.pt")
     show.add_argument("path", help="circuit.pt written by the pruning stage")
     if not argv or argv[0] in ("-h", "--help"):
@@ -49,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "config":
         return _cmd_config(rest)
+    if command == "discover-smart":
+        from circuitkit.smart import main as smart_main
+
+        return smart_main(rest)
     if command == "show":
         from circuitkit.circuit import show_circuit
 

@@ -63,6 +63,7 @@ class Stage:
     blocks: tuple[str, ...]
     run: Callable[[RunContext], StageResult] | None  # None: not built in this version
     not_built_reason: str = ""
+    cached: bool = True  # False: runs every time and feeds no later stage (the preflight)
 
 
 class RunContext:
@@ -208,12 +209,12 @@ def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
     upstream_ran = False  # once a stage runs, the ones after it read fresh inputs and run too
     for stage in selected:
         prior = manifest["stages"].get(stage.name, {})
-        if (cfg.skip_completed and not upstream_ran and prior.get("status") == "ok" and prior.get("config_hash") == hashes[stage.name]
+        if (cfg.skip_completed and stage.cached and not upstream_ran and prior.get("status") == "ok" and prior.get("config_hash") == hashes[stage.name]
                 and _artifacts_intact(run_dir, prior.get("artifacts", {}))):
             ctx.console.print(f"[dim]stage {stage.name}: up to date (config hash and artifacts match), skipped[/dim]")
             prior["skipped_on_rerun"] = True
             continue
-        upstream_ran = True
+        upstream_ran = upstream_ran or stage.cached
         entry: dict[str, Any] = {"status": "running", "config_hash": hashes[stage.name],
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         manifest["stages"][stage.name] = entry

@@ -69,6 +69,20 @@ def task_data(ctx: RunContext):
     return ctx.state["data"], ctx.state["n_attr"]
 
 
+def _preflight(ctx: RunContext) -> StageResult:
+    """Estimate the peak of the selected stages from the model's shape; stop if it cannot fit."""
+    from circuitkit.preflight import check, memory_plot, summary, table
+
+    estimate, free, _tips = check(ctx.cfg, ctx.console)
+    if estimate is None:
+        ctx.console.print("no estimated stage selected (the estimate covers attribution)")
+        return StageResult([], summary(None, free))
+    budget = int(ctx.cfg.preflight.headroom * free)
+    ctx.console.print(table(estimate, free, ctx.cfg.preflight.headroom, "estimated attribution peak"))
+    plot = memory_plot(estimate, ctx.run_dir / "memory_estimate.png", budget)
+    return StageResult([plot], {**summary(estimate, free), "fits": estimate.total_bytes <= budget})
+
+
 def _attribution(ctx: RunContext) -> StageResult:
     """EAP / EAP-IG / exact scores on the attribution examples; scores.safetensors + heatmap."""
     from circuitkit.attribution import run_attribution, save_scores, top_heads
@@ -98,7 +112,11 @@ def _attribution(ctx: RunContext) -> StageResult:
                "top_head_score": best[0][2]}
     if scores.edges is not None:
         summary["n_edges"] = scores.graph.n_edges
-    return StageResult([path, plot], summary)
+    from circuitkit.preflight import attribution_estimate
+
+    estimate = attribution_estimate(ctx.cfg, batch_size=min(d.batch_size, len(data)),
+                                    seq_len=int(data.clean_ids.shape[1])).total_bytes
+    return StageResult([path, plot], summary, estimated_peak_bytes=estimate)
 
 
 def attribution_scores(ctx: RunContext):
@@ -212,8 +230,7 @@ def _pruning(ctx: RunContext) -> StageResult:
         "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path)})
 
 
-register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), None,
-                     "the memory preflight arrives with circuitkit.memory (issue #5)"))
+register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), _preflight, cached=False))
 register_stage(Stage("data", ("model", "discovery.task", "discovery.data_params", "seed"), _data))
 register_stage(Stage("attribution", ("model", "discovery"), _attribution))
 register_stage(Stage("pruning", ("pruning", "output_path"), _pruning))

@@ -1,0 +1,282 @@
+"""Closed-form peak-memory estimates of attribution, from the model's shape alone.
+
+No weights are loaded: the shape comes from `model.shape` in the config (known models in
+`conf/model/*.yaml`) or from the model's `config.json`. Notation used in the formulas:
+
+    B batch size, T tokens, N = B·T, L layers, H query heads, KV key/value heads, dh head width,
+    d = d_model, f = d_mlp, V vocabulary, P parameters, p bytes per element of the model dtype,
+    n_up = 1 + L·(H + 1)            upstream nodes (embedding, every head, every MLP)
+    n_in = L·(H + 2·KV + 1)         residual-space inputs (Q per head, K and V per KV head, MLP)
+    n_down = n_in + 1               downstream columns of the edge score matrix (+ logits)
+
+See `estimate_attribution` for the terms and how their coefficients were measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.table import Table
+
+from circuitkit.config import ModelConfig, ModelShape
+
+MiB = 2**20
+FP32 = 4
+SHAPE_KEYS = ("family", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_model", "d_mlp", "vocab_size",
+              "n_params")
+FAMILIES = ("gpt2", "gpt_neox", "llama", "gemma3")
+# Hugging Face model_type -> family (Qwen2 and Mistral are Llama-shaped).
+MODEL_TYPES = {"gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "qwen2": "llama", "mistral": "llama",
+               "gemma3": "gemma3", "gemma3_text": "gemma3"}
+
+# Activations autograd saves for the backward of one forward pass, per layer, in units of N·d and
+# N·f elements of the model dtype, plus ACT_BASE·N·d outside the blocks (embedding output, final
+# norm). Measured with torch.autograd.graph.saved_tensors_hooks counting the unique storages saved
+# during one forward with frozen parameters (parameters excluded), float32, sdpa attention, on
+# random models with d = 64, 4 heads (2 KV heads for llama / gemma3), L ∈ {1, 2}, f ∈ {256, 512},
+# N ∈ {64, 128, 256}: exactly linear in N, L and f, no T² term (sdpa keeps only q, k, v, the
+# output and a logsumexp per head and token). Frozen linears save nothing for their weights, so
+# e.g. GPT-NeoX's MLP saves only the GELU input (1·f); GPT-2's tanh-GELU saves 4·f; the gated
+# MLPs (llama, gemma3) save gate, up and act(gate) (3·f).
+ACT_PER_LAYER: dict[str, tuple[float, float]] = {  # family: (c_d, c_f)
+    "gpt2": (8.125, 4.0),
+    "gpt_neox": (5.125, 1.0),
+    "llama": (5.09, 3.0),
+    "gemma3": (8.79, 3.0),
+}
+ACT_BASE = 1.25
+# Eager attention also saves the (B, H, T, T) softmax output (not calibrated: the fixtures use sdpa).
+EAGER_ATTN_PER_LAYER = 1.0
+
+# Gradient buffers alive at the peak of a backward pass, in units of N·d and N·f elements of the
+# model dtype. Fitted to measure_peak (CPU dispatch tracker) at node level, ig_steps = 5, on the full
+# sweep of scripts/check_memory_estimates.py: measured minus every other term was 6.5·N·d for the
+# GPT-2-small shape (f = 4d, so 2·d + 1·f = 6·d) and 5.75·N·d for tiny GPT-NeoX (6·d).
+BWD_TMP_D = 2.0
+BWD_TMP_F = 1.0
+# One no-grad forward pass (exact patching, cached runs): transient activations, same units.
+FWD_TMP_D = 4.0
+FWD_TMP_F = 2.0
+# Temporaries of `_GradientSums.add_layer_inputs` for one layer, in units of its (H + 2·KV + 1)·N·d
+# float32 rows: einsum output and norm_backward intermediates for Q, K, V, the parts list, the
+# torch.cat result and (first step) its float32 copy. Fitted at edge level with ig_steps = 1 (where
+# this phase is the peak): 2.2 leaves ≤ 2 % over the measurement for GPT-2-small and tiny GPT-2.
+EDGE_TMP = 2.2
+# Answer logits: (B, V) in the model dtype, its float32 copy, the clean copy, softmax / gradients.
+LOGIT_COPIES = 4
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak device bytes, broken into named terms (bytes)."""
+
+    terms: dict[str, int] = field(default_factory=dict)
+    phase: str = ""  # which part of the algorithm the peak falls in
+
+    @property
+    def total_bytes(self) -> int:
+        return int(sum(self.terms.values()))
+
+    def table(self, title: str | None = None) -> Table:
+        """A rich table: term, MiB, share of the total."""
+        total = max(self.total_bytes, 1)
+        default = f"estimated peak memory ({self.phase})" if self.phase else "estimated peak memory"
+        table = Table(title=title or default)
+        table.add_column("term")
+        table.add_column("MiB", justify="right")
+        table.add_column("share", justify="right")
+        for name, nbytes in sorted(self.terms.items(), key=lambda kv: -kv[1]):
+            table.add_row(name, f"{nbytes / MiB:.1f}", f"{100 * nbytes / total:.1f}%")
+        table.add_row("total", f"{self.total_bytes / MiB:.1f}", "100%", style="bold")
+        return table
+
+
+# --------------------------------------------------------------------------- shapes
+
+def count_params(shape: dict[str, Any], *, tied: bool | None = None, n_positions: int = 1024,
+                 qkv_bias: bool | None = None, o_bias: bool | None = None, mlp_bias: bool | None = None) -> int:
+    """Parameter count in closed form from the shape (P in the module docstring).
+
+    With d_q = H·dh and d_kv = KV·dh:
+
+        gpt2:     V·d + n_pos·d + L·[2·2d + (d·3d + 3d) + (d·d + d) + (d·f + f) + (f·d + d)] + 2d
+        gpt_neox: 2·V·d (untied unembedding) + L·[2·2d + (d·3d + 3d) + (d·d + d) + (d·f + f) + (f·d + d)] + 2d
+        llama:    V·d (+ V·d untied) + L·[2d + d·(d_q + 2·d_kv) + d_q·d + 3·d·f] + d  (+ biases)
+        gemma3:   llama with 4 norms per layer and q/k norms of width dh: + L·(2d + 2dh)
+
+    Defaults when not given: tied embeddings except GPT-NeoX; biases as in the family's
+    reference models (none for llama / gemma3).
+    """
+    fam = shape["family"]
+    L, H, KV, dh = shape["n_layers"], shape["n_heads"], shape["n_kv_heads"], shape["head_dim"]
+    d, f, V = shape["d_model"], shape["d_mlp"], shape["vocab_size"]
+    if fam in ("gpt2", "gpt_neox"):
+        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+        if tied is None:
+            tied = fam == "gpt2"
+        embed = V * d * (1 if tied else 2) + (n_positions * d if fam == "gpt2" else 0)
+        return embed + L * block + 2 * d
+    if fam in ("llama", "gemma3"):
+        dq, dkv = H * dh, KV * dh
+        qkv_bias = bool(qkv_bias)
+        o_bias = bool(o_bias)
+        mlp_bias = bool(mlp_bias)
+        attn = d * (dq + 2 * dkv) + dq * d + (dq + 2 * dkv if qkv_bias else 0) + (d if o_bias else 0)
+        mlp = 3 * d * f + (2 * f + d if mlp_bias else 0)
+        norms = 2 * d if fam == "llama" else 4 * d + 2 * dh
+        if tied is None:
+            tied = True
+        return V * d * (1 if tied else 2) + L * (attn + mlp + norms) + d
+    raise ValueError(f"family {fam!r} has no closed-form parameter count; known: {', '.join(FAMILIES)}")
+
+
+def shape_from_config(hf_config: Any) -> dict[str, Any]:
+    """The shape dict (keys SHAPE_KEYS) of a Hugging Face config; Gemma 3's `text_config` is used.
+
+    n_params counts the text model (for a multimodal Gemma 3 checkpoint the vision tower is not
+    included; `conf/model/gemma4b.yaml` carries the whole checkpoint's count).
+    """
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    model_type = getattr(cfg, "model_type", None)
+    fam = MODEL_TYPES.get(model_type)
+    if fam is None:
+        raise ValueError(f"model_type {model_type!r} has no memory estimate; known: {', '.join(sorted(MODEL_TYPES))}")
+    extra: dict[str, Any] = {"tied": getattr(hf_config, "tie_word_embeddings", None)}
+    if fam == "gpt2":
+        d, H = cfg.n_embd, cfg.n_head
+        shape = {"n_layers": cfg.n_layer, "n_heads": H, "n_kv_heads": H, "head_dim": d // H, "d_model": d,
+                 "d_mlp": cfg.n_inner or 4 * d}
+        extra["n_positions"] = cfg.n_positions
+    else:
+        d, H = cfg.hidden_size, cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or d // H
+        kv = getattr(cfg, "num_key_value_heads", None) or H
+        shape = {"n_layers": cfg.num_hidden_layers, "n_heads": H, "n_kv_heads": kv, "head_dim": head_dim,
+                 "d_model": d, "d_mlp": cfg.intermediate_size}
+        if fam == "llama":
+            bias = bool(getattr(cfg, "attention_bias", False))
+            extra.update(qkv_bias=bias or model_type == "qwen2", o_bias=bias,
+                         mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+        elif fam == "gemma3":
+            bias = bool(getattr(cfg, "attention_bias", False))
+            extra.update(qkv_bias=bias, o_bias=bias)
+    shape = {"family": fam, **shape, "vocab_size": cfg.vocab_size}
+    shape["n_params"] = count_params(shape, **extra)
+    return shape
+
+
+def shape_for(model_cfg: ModelConfig) -> dict[str, Any]:
+    """Shape of the configured model: `model.shape` when every field is set, else its config.json.
+
+    Only the config is read (`AutoConfig.from_pretrained`), never weights; `builtin:NAME`
+    resolves to the local fixture directory.
+    """
+    given = model_cfg.shape
+    values = {k: getattr(given, k, None) if not isinstance(given, dict) else given.get(k) for k in SHAPE_KEYS}
+    if all(v is not None for v in values.values()):
+        return values
+    from transformers import AutoConfig
+
+    from circuitkit.models.loading import resolve_model_path
+
+    path = resolve_model_path(model_cfg.name)
+    hf = AutoConfig.from_pretrained(path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
+    shape = shape_from_config(hf)
+    shape.update({k: v for k, v in values.items() if v is not None})  # explicit yaml values win
+    return shape
+
+
+def _shape_dict(shape: dict[str, Any] | ModelShape) -> dict[str, Any]:
+    if isinstance(shape, dict):
+        return shape
+    return {k: getattr(shape, k) for k in SHAPE_KEYS}
+
+
+# --------------------------------------------------------------------------- estimates
+
+def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
+                         algorithm: str = "eap-ig", level: str = "node", ig_steps: int | None = 5,
+                         attn_implementation: str = "sdpa") -> MemoryEstimate:
+    """Peak device bytes of one attribution batch (`circuitkit.attribution.eap.attribute`).
+
+    Terms (notation in the module docstring; float32 is 4 bytes):
+
+        weights                        P·p
+        activations saved for backward N·p·(ACT_BASE·d + L·(c_d·d + c_f·f))   (per family)
+        backward temporaries           N·p·(BWD_TMP_D·d + BWD_TMP_F·f)
+        delta buffer                   node: N·(d + L·(H·dh + d))·4;  edge: + n_up·N·d·4
+        gradient sums                  node: N·(d + L·(H·dh + d))·4;  edge: + (n_in + 1)·N·d·4
+                                       (in the backward phase only from the 2nd point on)
+        cached clean/corrupted runs    e_clean, e_corrupt, e_k: 3·N·d·max(p, 4)
+        saved input gradients (edge)   L·N·((H + 2·KV)·dh + d)·p + 2·L·N·d·p (norm inputs kept);
+                                       contraction phase only
+        edge temporaries (edge)        EDGE_TMP·(H + 2·KV + 1)·N·d·4 (one layer of add_layer_inputs)
+        logits                         LOGIT_COPIES·B·V·4
+        score matrix (edge)            n_up·n_down·4
+
+    At node level the peak is the backward of a gradient pass. At edge level it is the larger
+    of that backward and the per-layer contraction after the last backward. The running
+    gradient sums exist during a backward only from the second interpolation point on, so
+    ig_steps = 1 peaks a little lower (measured: 2-9 % less); from 2 points on ig_steps changes
+    time only, not the peak: the m passes run one after another
+    and reuse the same sums. `exact` runs no backward: weights, the two cached runs, Δ and
+    one no-grad forward.
+    """
+    s = _shape_dict(shape)
+    fam = s["family"]
+    if fam not in ACT_PER_LAYER:
+        raise ValueError(f"family {fam!r} has no calibrated estimate; known: {', '.join(FAMILIES)}")
+    p = dtype_bytes
+    L, H, KV, dh = s["n_layers"], s["n_heads"], s["n_kv_heads"], s["head_dim"]
+    d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
+    B, N = batch_size, batch_size * seq_len
+    edges = level == "edge"
+    n_up = 1 + L * (H + 1)
+    n_in = L * (H + 2 * KV + 1)
+    node_values = N * (d + L * (H * dh + d))  # embed, z per layer, MLP output per layer
+    terms: dict[str, int] = {"weights": s["n_params"] * p, "logits": LOGIT_COPIES * B * V * FP32}
+    delta = node_values * FP32 + (n_up * N * d * FP32 if edges else 0)
+    if edges:
+        terms["score matrix"] = n_up * (n_in + 1) * FP32
+    if algorithm == "exact":
+        terms["cached clean/corrupted runs"] = 2 * node_values * p
+        terms["delta buffer"] = delta
+        terms["forward temporaries"] = int(N * p * (FWD_TMP_D * d + FWD_TMP_F * f))
+        return MemoryEstimate(terms, phase="exact: no-grad forward with cached runs and Δ")
+    if algorithm == "eap":
+        n_points = 1
+    elif algorithm == "clean-corrupted":
+        n_points = 2
+    else:
+        n_points = 30 if ig_steps is None else ig_steps
+    c_d, c_f = ACT_PER_LAYER[fam]
+    acts = N * p * (ACT_BASE * d + L * (c_d * d + c_f * f))
+    if attn_implementation == "eager":
+        acts += EAGER_ATTN_PER_LAYER * L * B * H * seq_len**2 * p
+    terms["delta buffer"] = delta
+    terms["cached clean/corrupted runs"] = 3 * N * d * max(p, FP32)
+    node_sums = node_values * FP32
+    bwd_tmp = N * p * (BWD_TMP_D * d + BWD_TMP_F * f)
+    running = n_points >= 2  # sums allocated by an earlier pass are live during this backward
+    if not edges:
+        terms["activations saved for backward"] = int(acts)
+        terms["backward temporaries"] = int(bwd_tmp)
+        terms["gradient sums"] = node_sums if running else 0
+        return MemoryEstimate(terms, phase="backward of a gradient pass")
+    input_sums = (n_in + 1) * N * d * FP32
+    saved_grads = L * N * ((H + 2 * KV) * dh + d) * p + 2 * L * N * d * p
+    edge_tmp = EDGE_TMP * (H + 2 * KV + 1) * N * d * FP32
+    backward = acts + bwd_tmp + ((node_sums + input_sums) if running else 0)
+    contraction = node_sums + input_sums + saved_grads + edge_tmp
+    if backward >= contraction:
+        terms["activations saved for backward"] = int(acts)
+        terms["backward temporaries"] = int(bwd_tmp)
+        terms["gradient sums"] = (node_sums + input_sums) if running else 0
+        phase = "backward of a gradient pass"
+    else:
+        terms["gradient sums"] = node_sums + input_sums
+        terms["saved input gradients"] = saved_grads
+        terms["edge temporaries"] = int(edge_tmp)
+        phase = "per-layer contraction of input gradients"
+    return MemoryEstimate(terms, phase=phase)

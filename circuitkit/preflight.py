@@ -1,0 +1,138 @@
+"""Memory preflight: will the selected stages fit on this device? Decided before loading weights.
+
+The estimate comes from `circuitkit.memory` (the model's shape from `conf/model/*.yaml` or its
+config.json, never its weights). When it exceeds `preflight.headroom` × the device's free
+memory, the stage stops with a table of the terms and the knobs that lower the peak, in the
+order worth trying: `discovery.batch_size` (with the largest value that fits), then the
+sequence length. Keys that do not change the peak (num_examples, ig_steps: passes run one
+after another) are never suggested.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from circuitkit.config import AppConfig
+from circuitkit.device import free_memory_bytes, get_device
+from circuitkit.memory import MemoryEstimate, estimate_attribution, shape_for
+from circuitkit.models.loading import DTYPES
+
+log = logging.getLogger(__name__)
+
+
+class PreflightError(RuntimeError):
+    """The estimated peak does not fit; the message holds the terms and what to change."""
+
+
+def attribution_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int | None = None) -> MemoryEstimate:
+    """Estimated peak of the attribution stage for `cfg` (optionally another batch size / length).
+
+    The sequence length is `discovery.data_params.seq_len`: the induction task's length, and the
+    length assumed for tasks whose prompts are only known after tokenizing.
+    """
+    d = cfg.discovery
+    shape = shape_for(cfg.model)
+    dtype_bytes = torch.finfo(DTYPES[cfg.model.precision]).bits // 8
+    return estimate_attribution(shape, dtype_bytes, batch_size or d.batch_size, seq_len or d.data_params.seq_len,
+                                d.algorithm, d.level, d.ig_steps)
+
+
+def largest_fitting_batch(cfg: AppConfig, budget_bytes: int, limit: int = 1024) -> int:
+    """The largest discovery.batch_size whose estimate fits `budget_bytes` (0 if even 1 does not)."""
+    if attribution_estimate(cfg, batch_size=1).total_bytes > budget_bytes:
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and attribution_estimate(cfg, batch_size=hi).total_bytes <= budget_bytes:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # the estimate grows with the batch size: bisect
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if attribution_estimate(cfg, batch_size=mid).total_bytes <= budget_bytes else (lo, mid)
+    return lo
+
+
+def advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
+    """Knobs that bring the attribution peak under `budget_bytes`, in the order to try them."""
+    tips = []
+    best = largest_fitting_batch(cfg, budget_bytes)
+    if 0 < best < cfg.discovery.batch_size:
+        tips.append(f"discovery.batch_size={best} (largest that fits; scores do not depend on the batch size)")
+    elif best == 0:
+        seq = cfg.discovery.data_params.seq_len
+        while seq > 8 and attribution_estimate(cfg, batch_size=1, seq_len=seq).total_bytes > budget_bytes:
+            seq //= 2
+        if attribution_estimate(cfg, batch_size=1, seq_len=seq).total_bytes <= budget_bytes:
+            tips.append(f"discovery.batch_size=1 with discovery.data_params.seq_len={seq} (shorter prompts)")
+        if cfg.discovery.level == "edge":
+            tips.append("discovery.level=node (no per-edge Δ and gradient buffers)")
+        if cfg.model.precision == "float32":
+            tips.append("model.precision=bfloat16 (half the weight and activation bytes)")
+        tips.append("a device with more memory, or a smaller model")
+    return tips
+
+
+def table(estimate: MemoryEstimate, free_bytes: int, headroom: float, title: str) -> Table:
+    """Terms of the estimate next to the device budget."""
+    t = estimate.table()
+    t.title = title
+    t.caption = (f"total {estimate.total_bytes / 2**30:.2f} GiB; free {free_bytes / 2**30:.2f} GiB on"
+                 f" {get_device()}, usable at headroom {headroom:.0%}: {headroom * free_bytes / 2**30:.2f} GiB")
+    return t
+
+
+def memory_plot(estimate: MemoryEstimate, path: Path, budget_bytes: int) -> Path:
+    """Horizontal bar chart of the terms, with the device budget as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from circuitkit.io import _atomic
+
+    names = list(estimate.terms)
+    values = [estimate.terms[n] / 2**20 for n in names]
+    fig, ax = plt.subplots(figsize=(6.5, 0.4 * len(names) + 1.5))
+    ax.barh(names, values)
+    ax.set_xlabel("MiB")
+    ax.set_title(f"estimated peak {estimate.total_bytes / 2**20:.0f} MiB (budget {budget_bytes / 2**20:.0f} MiB)",
+                 fontsize=9)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    _atomic(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    plt.close(fig)
+    return Path(path)
+
+
+def check(cfg: AppConfig, console: Console | None = None) -> tuple[MemoryEstimate | None, int, list[str]]:
+    """Estimate the selected stages, compare with free memory, raise PreflightError on `error`.
+
+    Returns (estimate or None when no estimated stage is selected, free bytes, advice).
+    """
+    console = console or Console(stderr=True)
+    free = free_memory_bytes()
+    budget = int(cfg.preflight.headroom * free)
+    if "attribution" not in cfg.stages:
+        return None, free, []
+    estimate = attribution_estimate(cfg)
+    if estimate.total_bytes <= budget:
+        return estimate, free, []
+    tips = advice(cfg, budget)
+    console.print(table(estimate, free, cfg.preflight.headroom, "attribution does not fit"))
+    message = (f"estimated attribution peak {estimate.total_bytes / 2**30:.2f} GiB exceeds"
+               f" {cfg.preflight.headroom:.0%} of the {free / 2**30:.2f} GiB free on {get_device()}."
+               f" Try, in order: {'; '.join(tips)}.")
+    if cfg.preflight.on_exceed == "error":
+        raise PreflightError(message + " (preflight.on_exceed=warn runs anyway.)")
+    log.warning(message)
+    return estimate, free, tips
+
+
+def summary(estimate: MemoryEstimate | None, free: int) -> dict:
+    return {"estimated_bytes": None if estimate is None else estimate.total_bytes, "free_bytes": free,
+            "terms": {} if estimate is None else dict(estimate.terms)}
+

@@ -1,0 +1,106 @@
+"""`circuitkit discover-smart`: size the run to the device, or just print the memory estimate.
+
+    circuitkit discover-smart --model gemma4b --algorithm eap-ig --task mmlu --check-memory
+    circuitkit discover-smart --model builtin:induction --algorithm eap-ig --task induction pruning.target_sparsity=0.5
+
+`--model` is a model group (`conf/model/NAME.yaml`), a hub name or a local directory. With
+`--check-memory` nothing is loaded: the estimate comes from the model's shape. Without it,
+the largest `discovery.batch_size` that fits is chosen and the circuit stages run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from rich.console import Console
+from rich.table import Table
+
+from circuitkit.config import CONF_DIR, AppConfig, ConfigError, compose
+
+CIRCUIT_STAGES = "stages=[preflight,data,attribution,pruning]"
+# The budget table of the memory guide: these models at ig_steps=5, batch_size=4, num_examples=128.
+BUDGET_MODELS = ("gpt2", "llama1b", "llama3b", "gemma4b")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    model = (f"model={args.model}" if (CONF_DIR / "model" / f"{args.model}.yaml").is_file()
+             else f"model.name={args.model}")
+    algo = ["discovery=eap"] if args.algorithm == "eap" else [f"discovery.algorithm={args.algorithm}"]
+    return [model, *algo, f"discovery.task={args.task}", CIRCUIT_STAGES, *args.overrides]
+
+
+def _gib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB"
+
+
+def budget_table(seq_len: int) -> Table:
+    """Estimated peaks of the named models: weights only, EAP-IG default, and all levers pulled."""
+    from circuitkit.preflight import attribution_estimate
+
+    table = Table(title=f"attribution peak estimates (node level, {seq_len} tokens per example)")
+    for col in ("model", "weights (bf16)", "eap-ig, batch 4, ig_steps 5", "batch 1, ig_steps 3"):
+        table.add_column(col, justify="right")
+    for name in BUDGET_MODELS:
+        _, cfg = compose([f"model={name}", "discovery.ig_steps=5", "discovery.batch_size=4",
+                          "discovery.data_params.num_examples=128", f"discovery.data_params.seq_len={seq_len}"])
+        default = attribution_estimate(cfg)
+        small = attribution_estimate(dataclasses.replace(
+            cfg, discovery=dataclasses.replace(cfg.discovery, batch_size=1, ig_steps=3)))
+        table.add_row(f"{name} ({cfg.model.name})", _gib(default.terms.get("weights", 0)), _gib(default.total_bytes),
+                      _gib(small.total_bytes))
+    return table
+
+
+def check_memory(cfg: AppConfig, console: Console) -> int:
+    """Print the estimate for `cfg` and whether it fits; load nothing. Exit status 0."""
+    from circuitkit.device import free_memory_bytes, get_device
+    from circuitkit.preflight import advice, attribution_estimate, table
+
+    estimate = attribution_estimate(cfg)
+    free = free_memory_bytes()
+    console.print(table(estimate, free, cfg.preflight.headroom,
+                        f"{cfg.model.name}: {cfg.discovery.algorithm} {cfg.discovery.level} level,"
+                        f" batch {cfg.discovery.batch_size}"))
+    budget = int(cfg.preflight.headroom * free)
+    if estimate.total_bytes <= budget:
+        console.print(f"[green]fits[/green] on {get_device()}.")
+    else:
+        console.print(f"[red]does not fit[/red] on {get_device()}; try: " + "; ".join(advice(cfg, budget)))
+    if (CONF_DIR / "model").is_dir():
+        console.print(budget_table(cfg.discovery.data_params.seq_len))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="circuitkit discover-smart", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="model group, hub name or local directory")
+    parser.add_argument("--algorithm", required=True, choices=("eap", "eap-ig", "clean-corrupted", "exact"))
+    parser.add_argument("--task", required=True, choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
+    parser.add_argument("--check-memory", action="store_true", help="print the estimate and exit; loads nothing")
+    parser.add_argument("overrides", nargs="*", help="further key=value overrides")
+    args = parser.parse_args(argv)
+    from circuitkit.pipeline import make_console
+
+    console = make_console()
+    try:
+        _, cfg = compose(_overrides(args))
+    except ConfigError as err:
+        console.print(f"[bold red]error:[/bold red] {err}")
+        return 2
+    if args.check_memory:
+        return check_memory(cfg, console)
+    from circuitkit.device import free_memory_bytes
+    from circuitkit.preflight import largest_fitting_batch
+
+    budget = int(cfg.preflight.headroom * free_memory_bytes())
+    best = min(largest_fitting_batch(cfg, budget), cfg.discovery.data_params.num_examples)
+    if best == 0:
+        console.print("[bold red]error:[/bold red] even discovery.batch_size=1 does not fit; run with"
+                      " --check-memory for the terms and what to change.")
+        return 1
+    console.print(f"discovery.batch_size={best}: the largest that fits ({budget / 2**30:.2f} GiB usable)")
+    from circuitkit.run import main as run_main
+
+    run_main([*_overrides(args), f"discovery.batch_size={best}"])
+    return 0

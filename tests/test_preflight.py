@@ -1,0 +1,59 @@
+"""Preflight: an estimate from the shape alone, a fast clear stop when it cannot fit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from circuitkit.config import compose
+from circuitkit.pipeline import run_pipeline
+from circuitkit.preflight import attribution_estimate, largest_fitting_batch
+
+
+def test_gemma4b_at_batch_64_stops_in_preflight_fast_and_loads_nothing(tmp_path):
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "circuitkit.run", "model=gemma4b", "discovery.batch_size=64",
+                           "stages=[preflight,data,attribution]", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120, env={"COLUMNS": "160", "PATH": ""})
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 1, proc.stderr
+    assert "PreflightError" in proc.stderr and "discovery.batch_size=" in proc.stderr
+    assert "activations saved for backward" in proc.stderr and "weights" in proc.stderr  # the table
+    assert "num_examples" not in proc.stderr.split("Try, in order:")[1]  # never a key that does not help
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["stages"]["preflight"]["status"] == "failed"
+    assert set(manifest["stages"]) == {"preflight"} and not (tmp_path / "data.safetensors").exists()
+    assert elapsed < 5 + 5  # the run itself (<5 s) plus interpreter start-up on a busy machine
+
+
+def test_advice_picks_the_largest_batch_that_fits():
+    _, cfg = compose(["model=gemma4b", "discovery.batch_size=64"])
+    budget = attribution_estimate(cfg, batch_size=5).total_bytes
+    assert largest_fitting_batch(cfg, budget) == 5
+    assert largest_fitting_batch(cfg, attribution_estimate(cfg, batch_size=1).total_bytes - 1) == 0
+
+
+def test_check_memory_prints_the_budget_table_without_loading(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "circuitkit.cli", "discover-smart", "--model", "gemma4b",
+                           "--algorithm", "eap-ig", "--task", "mmlu", "--check-memory"],
+                          capture_output=True, text=True, timeout=120, env={"COLUMNS": "160", "PATH": "",
+                                                                           "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    for name in ("gpt2", "llama1b", "llama3b", "gemma4b"):
+        assert name in proc.stderr
+
+
+def test_preflight_passes_and_attribution_records_estimate_next_to_measured(tmp_path):
+    _, cfg = compose(["stages=[preflight,data,attribution]", "model.precision=float32",
+                      "discovery.data_params.num_examples=8", "discovery.data_params.eval_examples=2",
+                      "discovery.data_params.seq_len=32", "discovery.level=edge"])
+    manifest = run_pipeline(cfg, tmp_path)
+    pre, attr = manifest["stages"]["preflight"], manifest["stages"]["attribution"]
+    assert pre["status"] == "ok" and pre["summary"]["fits"] is True
+    assert (tmp_path / "memory_estimate.png").is_file()
+    ratio = attr["estimated_peak_bytes"] / attr["measured_peak_bytes"]
+    assert 0.5 < ratio < 1.5, ratio  # the tight (±25 %) check is tests/test_memory.py, per batch
+    again = run_pipeline(cfg, tmp_path)  # the preflight always reruns; the other stages stay cached
+    assert again["stages"]["attribution"].get("skipped_on_rerun") is True
