@@ -24,7 +24,7 @@ from circuitkit.attribution.eap import attribute
 from circuitkit.attribution.metrics import compute_metric
 from circuitkit.device import measure_peak, module_bytes
 from circuitkit.models.adapters import get_adapter
-from circuitkit.tasks.base import TaskData, pad_answers
+from circuitkit.tasks.base import TaskData, random_pairs
 
 
 def make_model(dtype: torch.dtype) -> torch.nn.Module:
@@ -36,13 +36,7 @@ def make_model(dtype: torch.dtype) -> torch.nn.Module:
 
 
 def make_data(batch: int, seq: int, vocab: int) -> TaskData:
-    g = torch.Generator().manual_seed(1)
-    clean = torch.randint(0, vocab, (batch, seq), generator=g)
-    corrupted = clean.clone()
-    corrupted[:, seq // 3] = torch.randint(0, vocab, (batch,), generator=g)
-    correct = pad_answers([[int(t)] for t in torch.randint(0, vocab, (batch,), generator=g)])
-    incorrect = pad_answers([[int(t)] for t in torch.randint(0, vocab, (batch,), generator=g)])
-    return TaskData(clean, corrupted, torch.ones_like(clean), torch.full((batch,), seq - 1), correct, incorrect)
+    return random_pairs(batch, seq, vocab)
 
 
 def floor_pass(model: torch.nn.Module, data: TaskData, steps: int, answer_only: bool = False) -> None:

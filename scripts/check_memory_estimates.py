@@ -26,7 +26,7 @@ from circuitkit.attribution.eap import attribute
 from circuitkit.device import measure_peak, module_bytes
 from circuitkit.memory import MiB, estimate_attribution, shape_from_config
 from circuitkit.models.adapters import get_adapter
-from circuitkit.tasks.base import TaskData, pad_answers
+from circuitkit.tasks.base import TaskData, random_pairs
 
 TOLERANCE = 0.25
 
@@ -72,14 +72,7 @@ def build_model(name: str) -> torch.nn.Module:
 
 
 def make_data(batch: int, seq: int, vocab: int) -> TaskData:
-    """Random clean/corrupted pairs (as scripts/bench_attribution.py)."""
-    g = torch.Generator().manual_seed(1)
-    clean = torch.randint(0, vocab, (batch, seq), generator=g)
-    corrupted = clean.clone()
-    corrupted[:, seq // 3] = torch.randint(0, vocab, (batch,), generator=g)
-    correct = pad_answers([[int(t)] for t in torch.randint(0, vocab, (batch,), generator=g)])
-    incorrect = pad_answers([[int(t)] for t in torch.randint(0, vocab, (batch,), generator=g)])
-    return TaskData(clean, corrupted, torch.ones_like(clean), torch.full((batch,), seq - 1), correct, incorrect)
+    return random_pairs(batch, seq, vocab)
 
 
 @dataclass

@@ -83,3 +83,14 @@ def from_token_lists(clean: list[list[int]], corrupted: list[list[int]], correct
         mask[i, : len(c)] = 1
     answer_pos = torch.tensor([len(c) - 1 for c in clean], dtype=torch.long)
     return TaskData(clean_ids, corrupted_ids, mask, answer_pos, pad_answers(correct), pad_answers(incorrect))
+
+
+def random_pairs(batch: int, seq: int, vocab: int, seed: int = 1) -> TaskData:
+    """Random token pairs for benchmarks and memory checks: one corrupted position, random answers."""
+    g = torch.Generator().manual_seed(seed)
+    clean = torch.randint(0, vocab, (batch, seq), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, seq // 3] = torch.randint(0, vocab, (batch,), generator=g)
+    correct = pad_answers([[int(t)] for t in torch.randint(0, vocab, (batch,), generator=g)])
+    incorrect = pad_answers([[int(t)] for t in torch.randint(0, vocab, (batch,), generator=g)])
+    return TaskData(clean, corrupted, torch.ones_like(clean), torch.full((batch,), seq - 1), correct, incorrect)
