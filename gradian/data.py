@@ -1,0 +1,415 @@
+"""Gradian training data: JSONL rows -> token ids + a mask of the tokens the loss predicts.
+
+Two row formats, one per line (blank lines are skipped):
+
+* ``{"prompt": str, "completion": str}``: tokens are ``[BOS] + prompt + completion + [EOS]``.
+  Prompt and completion are tokenized separately and concatenated, so the boundary between them is
+  exact (no BPE merge across it). BOS is added only if the tokenizer adds one by itself; EOS is
+  added whenever the tokenizer has one and is supervised, because predicting it ends the completion.
+* ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``: rendered with the
+  tokenizer's chat template; the assistant turns (whatever the template wraps in
+  ``{% generation %}``, usually the content plus the end-of-turn marker) are supervised.
+
+Truncation to ``max_seq_length``:
+
+* ``right`` cuts the end of the row. A row loses supervised tokens -> it is *truncated*.
+* ``prompt_left`` first drops unsupervised tokens from the left (after BOS, before the first
+  supervised token), so the completion survives whole when it fits; if it still does not fit, the
+  end is cut as with ``right`` and the row counts as truncated.
+
+``on_truncation`` then decides: ``warn`` (keep, log the line numbers), ``error`` (raise naming the
+lines), ``drop`` (skip and report). A row with no supervised token left is never kept: its loss and
+gradient would be zero and its index entry meaningless. It is dropped and reported; when truncation
+emptied it and ``on_truncation=error``, loading raises instead.
+
+Row order is the file order and batches are consecutive slices of it, so an index built in batches
+is deterministic and can resume at any row id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ON_TRUNCATION = ("warn", "error", "drop")
+TRUNCATION_SIDES = ("right", "prompt_left")
+ROLES = ("system", "user", "assistant")
+PREVIEW_CHARS = 80
+# Error messages list at most this many line numbers; the count says how many there are in all.
+MAX_LINES_SHOWN = 10
+
+_EXPECTED = ('an object {"prompt": str, "completion": str} or {"messages": [{"role": "system"|"user"|'
+             '"assistant", "content": str}, ...]}')
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+class DataError(ValueError):
+    """Malformed training data or data that cannot be used as configured; names `file:line`."""
+
+
+@dataclass
+class Row:
+    """One usable training row.
+
+    ``input_ids`` and ``supervised`` have the same length T <= max_seq_length. ``supervised[t]``
+    is True where token t is predicted by the loss (from the logits at t - 1); it is never True at
+    t = 0, since no position predicts the first token.
+    """
+
+    row_id: int  # 0-based index among the kept rows, in file order
+    line: int  # 1-based line number in the JSONL file
+    input_ids: list[int]
+    supervised: list[bool]
+    preview: str  # first ~80 characters of the row's text, for reports
+    truncated: bool = False  # supervised tokens were cut to fit max_seq_length
+
+
+@dataclass
+class DataReport:
+    """What loading did to the file: counts and the line numbers behind each count.
+
+    ``rows_read == kept + dropped_truncated + dropped_unsupervised``. ``truncated`` counts every
+    row that lost supervised tokens, kept or not; a row truncated to nothing is listed both in
+    ``truncated_lines`` and ``dropped_unsupervised_lines``.
+    """
+
+    path: str
+    max_seq_length: int
+    on_truncation: str
+    truncation_side: str
+    rows_read: int = 0
+    truncated_lines: list[int] = field(default_factory=list)
+    dropped_truncated_lines: list[int] = field(default_factory=list)
+    dropped_unsupervised_lines: list[int] = field(default_factory=list)
+    kept_lines: list[int] = field(default_factory=list)
+
+    @property
+    def kept(self) -> int:
+        return len(self.kept_lines)
+
+    @property
+    def truncated(self) -> int:
+        return len(self.truncated_lines)
+
+    @property
+    def dropped_truncated(self) -> int:
+        return len(self.dropped_truncated_lines)
+
+    @property
+    def dropped_unsupervised(self) -> int:
+        return len(self.dropped_unsupervised_lines)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready counts and line numbers (for the manifest and the CLI)."""
+        return {
+            "path": self.path,
+            "max_seq_length": self.max_seq_length,
+            "on_truncation": self.on_truncation,
+            "truncation_side": self.truncation_side,
+            "rows_read": self.rows_read,
+            "kept": self.kept,
+            "truncated": self.truncated,
+            "dropped_truncated": self.dropped_truncated,
+            "dropped_unsupervised": self.dropped_unsupervised,
+            "truncated_lines": list(self.truncated_lines),
+            "dropped_truncated_lines": list(self.dropped_truncated_lines),
+            "dropped_unsupervised_lines": list(self.dropped_unsupervised_lines),
+        }
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _lines_text(lines: Sequence[int]) -> str:
+    shown = ", ".join(str(n) for n in lines[:MAX_LINES_SHOWN])
+    more = f" and {len(lines) - MAX_LINES_SHOWN} more" if len(lines) > MAX_LINES_SHOWN else ""
+    return f"line{'s' if len(lines) != 1 else ''} {shown}{more}"
+
+
+def _preview(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= PREVIEW_CHARS else flat[: PREVIEW_CHARS - 3] + "..."
+
+
+def _check_row(obj: Any, where: str) -> str:
+    """Validate one parsed line; returns its format, "prompt" or "messages"."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected {_EXPECTED}, got a JSON {type(obj).__name__}.")
+    if "messages" in obj:
+        if "prompt" in obj or "completion" in obj:
+            raise DataError(f"{where}: a row has either 'messages' or 'prompt'+'completion', not both.")
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects,"
+                            f" got {type(msgs).__name__}{'' if msgs else ' (empty)'}.")
+        for i, msg in enumerate(msgs):
+            if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+                raise DataError(f"{where}: messages[{i}] must be an object with keys 'role' and 'content',"
+                                f" got {json.dumps(msg)[:60]}.")
+            if msg["role"] not in ROLES:
+                raise DataError(f"{where}: messages[{i}] has unknown role {msg['role']!r}; use one of"
+                                f" {', '.join(ROLES)}.")
+            if not isinstance(msg["content"], str):
+                raise DataError(f"{where}: messages[{i}].content must be a string, got"
+                                f" {type(msg['content']).__name__}.")
+        return "messages"
+    missing = [k for k in ("prompt", "completion") if k not in obj]
+    if missing:
+        raise DataError(f"{where}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}; expected"
+                        f" {_EXPECTED} (keys found: {', '.join(sorted(obj)) or 'none'}).")
+    for key in ("prompt", "completion"):
+        if not isinstance(obj[key], str):
+            raise DataError(f"{where}: '{key}' must be a string, got {type(obj[key]).__name__}.")
+    return "prompt"
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer prepends BOS by itself (Llama-style) rather than leaving it out (GPT-2)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    without = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return bool(with_special) and with_special[0] == bos and (not without or without[0] != bos)
+
+
+def _encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, bos: bool) -> tuple[list[int], list[bool]]:
+    # Separate calls so no BPE merge spans the boundary and the mask is exact; special tokens are
+    # placed by hand so they are neither doubled nor missing.
+    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+    c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] if completion else []
+    head = [tokenizer.bos_token_id] if bos else []
+    eos = tokenizer.eos_token_id
+    # An empty completion gets no EOS: predicting only "end" right after the prompt is not a
+    # training signal for that row, so the row ends up unsupervised and is dropped and reported.
+    tail = [eos] if (eos is not None and c_ids) else []
+    ids = head + p_ids + c_ids + tail
+    sup = [False] * (len(head) + len(p_ids)) + [True] * (len(c_ids) + len(tail))
+    return ids, sup
+
+
+def _has_generation_tags(tokenizer: Any) -> bool:
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # several named templates: apply_chat_template uses "default"
+        template = template.get("default", "")
+    return bool(template) and bool(_GENERATION_TAG.search(template))
+
+
+def _encode_messages(tokenizer: Any, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: 'messages' rows need a tokenizer with a chat template, and this one has"
+                        " none; convert the data to {\"prompt\", \"completion\"} rows or use a chat model's"
+                        " tokenizer.")
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if _has_generation_tags(tokenizer):
+        enc = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids = list(enc["input_ids"])
+        sup = [bool(m) for m in enc["assistant_masks"]]
+        return ids, sup
+    return _encode_messages_by_prefix(tokenizer, msgs, where)
+
+
+def _encode_messages_by_prefix(tokenizer: Any, msgs: list[dict], where: str) -> tuple[list[int], list[bool]]:
+    """Assistant spans for a template without ``{% generation %}``: render prefixes as text.
+
+    For assistant turn i, render(messages[:i], add_generation_prompt=True) ends where the assistant
+    text starts and render(messages[:i + 1]) ends where it stops (including whatever the template
+    writes after the turn, e.g. an end marker and newline). Those character spans in the full
+    rendering map to tokens through the offsets of a fast tokenizer. This needs each rendering to be
+    a prefix of the next, which holds for ordinary templates and is checked.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(f"{where}: the chat template has no {{% generation %}} markers and the tokenizer is not"
+                        " a fast tokenizer, so assistant tokens cannot be located; add {% generation %}..."
+                        "{% endgeneration %} around assistant content in the template, or use prompt/completion"
+                        " rows.")
+    full = tokenizer.apply_chat_template(msgs, tokenize=False)
+    spans: list[tuple[int, int]] = []
+    for i, msg in enumerate(msgs):
+        if msg["role"] != "assistant":
+            continue
+        start_text = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        end_text = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+        if not (end_text.startswith(start_text) and full.startswith(end_text)):
+            raise DataError(f"{where}: the chat template has no {{% generation %}} markers and rendering the"
+                            " conversation turn by turn does not give prefixes of the whole, so assistant tokens"
+                            " cannot be located; add {% generation %}...{% endgeneration %} around assistant"
+                            " content in the template.")
+        spans.append((len(start_text), len(end_text)))
+    # Special tokens are part of the rendered text (templates write BOS themselves).
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    sup = [any(s < end and e > start for start, end in spans) for s, e in enc["offset_mapping"]]
+    return ids, sup
+
+
+def _truncate(ids: list[int], sup: list[bool], max_len: int, side: str, head: int) -> tuple[list[int], list[bool], bool]:
+    """Fit a row into ``max_len`` tokens; returns (ids, supervised, lost_supervised_tokens).
+
+    ``head`` is 1 when the row starts with a BOS that prompt_left must keep.
+    """
+    if len(ids) <= max_len:
+        return ids, sup, False
+    if side == "prompt_left" and any(sup):
+        first = sup.index(True)
+        # Keep at least one token before the first supervised one, else nothing predicts it.
+        removable = max(0, first - max(head, 1))
+        drop = min(len(ids) - max_len, removable)
+        ids = ids[:head] + ids[head + drop:]
+        sup = sup[:head] + sup[head + drop:]
+        if len(ids) <= max_len:
+            return ids, sup, False
+    lost = any(sup[max_len:])
+    return ids[:max_len], sup[:max_len], lost
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncation: str = "warn",
+              truncation_side: str = "right") -> tuple[list[Row], DataReport]:
+    """Read a JSONL file of prompt/completion or chat rows into token rows with a supervision mask.
+
+    Returns the kept rows (``row_id`` 0..n-1 in file order) and a report of what was truncated or
+    dropped, by line number. Raises ``DataError`` naming ``file:line`` for a malformed line, and,
+    with ``on_truncation="error"``, naming the lines whose completions do not fit.
+    """
+    if on_truncation not in ON_TRUNCATION:
+        raise ValueError(f"on_truncation={on_truncation!r}; use one of {', '.join(ON_TRUNCATION)}.")
+    if truncation_side not in TRUNCATION_SIDES:
+        raise ValueError(f"truncation_side={truncation_side!r}; use one of {', '.join(TRUNCATION_SIDES)}.")
+    if max_seq_length < 2:
+        raise ValueError(f"max_seq_length={max_seq_length}; it must be >= 2 (one context token and one"
+                         " predicted token).")
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: training data file does not exist (resolved to {path.resolve()}).")
+    report = DataReport(path=str(path), max_seq_length=max_seq_length, on_truncation=on_truncation,
+                        truncation_side=truncation_side)
+    bos = _adds_bos(tokenizer)
+    bos_id = tokenizer.bos_token_id
+    first_token_lines: list[int] = []  # rows whose token 0 was marked supervised (nothing predicts it)
+    candidates: list[Row] = []
+
+    with open(path, encoding="utf-8-sig") as fh:  # -sig: tolerate a BOM written by some editors
+        for lineno, text in enumerate(fh, start=1):
+            if not text.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be"
+                                f" {_EXPECTED}.") from None
+            kind = _check_row(obj, where)
+            report.rows_read += 1
+            if kind == "prompt":
+                ids, sup = _encode_prompt_completion(tokenizer, obj["prompt"], obj["completion"], bos)
+                preview = _preview(obj["prompt"] + obj["completion"])
+            else:
+                ids, sup = _encode_messages(tokenizer, obj["messages"], where)
+                preview = _preview(" / ".join(f"{m['role']}: {m['content']}" for m in obj["messages"]))
+            head = 1 if (ids and bos_id is not None and ids[0] == bos_id and not sup[0]) else 0
+            ids, sup, truncated = _truncate(ids, sup, max_seq_length, truncation_side, head)
+            if sup and sup[0]:
+                # Only reachable with no BOS and an empty prompt (or a template starting with the
+                # assistant turn): no logits predict token 0, so it cannot be in the loss.
+                sup[0] = False
+                first_token_lines.append(lineno)
+            if truncated:
+                report.truncated_lines.append(lineno)
+            if not any(sup):
+                report.dropped_unsupervised_lines.append(lineno)
+                continue
+            if truncated and on_truncation == "drop":
+                report.dropped_truncated_lines.append(lineno)
+                continue
+            candidates.append(Row(row_id=-1, line=lineno, input_ids=ids, supervised=sup, preview=preview,
+                                  truncated=truncated))
+
+    if on_truncation == "error" and report.truncated_lines:
+        raise DataError(f"{path}: {report.truncated} row(s) lose completion tokens at max_seq_length="
+                        f"{max_seq_length} (truncation_side={truncation_side}): {_lines_text(report.truncated_lines)}"
+                        f" (first at {path}:{report.truncated_lines[0]}). Raise grads.max_seq_length, set"
+                        " grads.truncation_side=prompt_left, or set grads.on_truncation=drop or warn.")
+    if report.truncated_lines and on_truncation == "warn":
+        emptied = set(report.dropped_unsupervised_lines)
+        kept_cut = [n for n in report.truncated_lines if n not in emptied]
+        if kept_cut:
+            logger.warning("%s: %d row(s) kept with completions cut at max_seq_length=%d (truncation_side=%s):"
+                           " %s. Their gradients see only part of the target; raise grads.max_seq_length,"
+                           " try truncation_side=prompt_left, or set on_truncation=drop.", path, len(kept_cut),
+                           max_seq_length, truncation_side, _lines_text(kept_cut))
+    if report.dropped_truncated_lines:
+        logger.warning("%s: dropped %d row(s) whose completions did not fit max_seq_length=%d: %s.", path,
+                       report.dropped_truncated, max_seq_length, _lines_text(report.dropped_truncated_lines))
+    if report.dropped_unsupervised_lines:
+        logger.warning("%s: dropped %d row(s) with no supervised token (empty completion, no assistant turn,"
+                       " or truncated to nothing): %s.", path, report.dropped_unsupervised,
+                       _lines_text(report.dropped_unsupervised_lines))
+    if first_token_lines:
+        logger.warning("%s: %d row(s) start with a completion token, which nothing predicts, so it is left out"
+                       " of the loss: %s. Give these rows a prompt.", path, len(first_token_lines),
+                       _lines_text(first_token_lines))
+
+    rows: list[Row] = []
+    for row in candidates:
+        row.row_id = len(rows)
+        report.kept_lines.append(row.line)
+        rows.append(row)
+    return rows, report
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def collate(rows: Sequence[Row], pad_id: int) -> dict[str, torch.Tensor]:
+    """Stack rows into right-padded tensors.
+
+    Returns ``input_ids`` (B, T) long, padded with ``pad_id``; ``attention_mask`` (B, T) long, 1 on
+    real tokens; ``supervised`` (B, T) bool, False on padding; ``row_ids`` (B,) long. T is the
+    longest row in the batch. Convention: ``supervised[b, t]`` means the logits at position t - 1
+    predict token t, so the loss uses ``logits[:, :-1][supervised[:, 1:]]`` against
+    ``input_ids[:, 1:][supervised[:, 1:]]``. Right padding keeps positions (and position ids)
+    identical to the unpadded row.
+    """
+    if not rows:
+        raise ValueError("collate() needs at least one row.")
+    width = max(len(r.input_ids) for r in rows)
+    batch = len(rows)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    supervised = torch.zeros((batch, width), dtype=torch.bool)
+    for b, row in enumerate(rows):
+        n = len(row.input_ids)
+        input_ids[b, :n] = torch.tensor(row.input_ids, dtype=torch.long)
+        attention_mask[b, :n] = 1
+        supervised[b, :n] = torch.tensor(row.supervised, dtype=torch.bool)
+    row_ids = torch.tensor([r.row_id for r in rows], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "supervised": supervised,
+            "row_ids": row_ids}
+
+
+def batches(rows: Sequence[Row], batch_size: int) -> Iterator[list[Row]]:
+    """Consecutive slices of ``batch_size`` rows in row order (the last may be shorter).
+
+    No length sorting: batch k always holds rows k*batch_size.., so a run is deterministic and can
+    resume from a row id.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}; it must be >= 1.")
+    for start in range(0, len(rows), batch_size):
+        yield list(rows[start:start + batch_size])
