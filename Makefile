@@ -3,7 +3,6 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DEMO_STAGES ?= [preflight,data,attribution,pruning]
 
 .PHONY: setup demo test test-slow lint bench fixtures clean
 
@@ -16,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/python -m circuitkit.run 'stages=$(DEMO_STAGES)' hydra.run.dir=outputs/demo
+	$(BIN)/python -m circuitkit.run hydra.run.dir=outputs/demo
 
 test: setup
 	$(BIN)/python -m pytest -q

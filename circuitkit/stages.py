@@ -230,9 +230,26 @@ def _pruning(ctx: RunContext) -> StageResult:
         "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path)})
 
 
+def _grads(ctx: RunContext) -> StageResult:
+    """Gradient index of grads.data_path (Gradian), or skipped when grads.enabled is false."""
+    g = ctx.cfg.grads
+    if not g.enabled:
+        ctx.console.print("grads.enabled=false: gradient indexing skipped")
+        return StageResult([], {"status": "skipped"})
+    from gradian.indexer import build_index
+
+    index_dir = Path(g.index_dir) if g.index_dir else ctx.run_dir / "index"
+    summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model())
+    files = [index_dir / "manifest.json", *(index_dir / name for name in summary.get("shard_files", []))]
+    ctx.console.print(f"index {index_dir}: {summary['rows_stored']} of {summary['n_rows']} rows,"
+                      f" {summary['bytes'] / 2**20:.2f} MiB")
+    return StageResult(files, {"index_dir": str(index_dir), "rows_stored": summary["rows_stored"],
+                               "row_width": summary["row_width"], "index_bytes": summary["bytes"],
+                               "complete": summary["complete"]})
+
+
 register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), _preflight, cached=False))
 register_stage(Stage("data", ("model", "discovery.task", "discovery.data_params", "seed"), _data))
 register_stage(Stage("attribution", ("model", "discovery"), _attribution))
 register_stage(Stage("pruning", ("pruning", "output_path"), _pruning))
-register_stage(Stage("grads", ("model", "grads"), None,
-                     "gradient indexing arrives with gradian (issue #6)"))
+register_stage(Stage("grads", ("model", "grads"), _grads))

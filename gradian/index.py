@@ -208,5 +208,5 @@ class IndexReader:
         shards = self.manifest.get("shards", {})
         stored = sum(e["rows"][1] - e["rows"][0] for e in shards.values())
         header = {k: v for k, v in self.manifest.items() if k != "shards"}
-        return {**header, "n_shard_files": len(shards), "rows_stored": stored,
+        return {**header, "n_shard_files": len(shards), "shard_files": sorted(shards), "rows_stored": stored,
                 "bytes": sum(e["bytes"] for e in shards.values()) + (self.index_dir / MANIFEST).stat().st_size}

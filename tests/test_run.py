@@ -55,13 +55,6 @@ def test_run_writes_manifest_and_artifacts_then_skips_on_rerun(tmp_path):
     assert show.returncode == 0 and "faithfulness" in show.stdout and "kept heads" in show.stdout
 
 
-def test_unbuilt_stage_fails_loudly_before_work(tmp_path):
-    proc = _run("stages=[data,grads]", f"hydra.run.dir={tmp_path / 'run'}", *SMALL, check=False)
-    assert proc.returncode == 1
-    assert "'grads'" in proc.stderr and "not built" in proc.stderr
-    assert not (tmp_path / "run" / "data.safetensors").exists()
-
-
 def test_multirun_sweep_writes_summary(tmp_path):
     sweep = tmp_path / "sweep"
     _run("-m", "discovery.batch_size=1,4", "stages=[data,attribution]", f"hydra.sweep.dir={sweep}", *SMALL)

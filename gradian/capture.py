@@ -1,0 +1,174 @@
+"""Per-example weight gradients of selected linear modules from one batched forward+backward.
+
+For example b with supervised targets (positions t with supervised[b, t], predicted by the
+logits at t - 1) the loss is
+
+    L_b = Σ_{t supervised} CE(softcap(U h_{b,t-1}), input_ids[b, t])     ("sum"; "mean" divides by
+                                                                           the number of targets)
+
+with h the base model's last hidden state (after the final norm) and U the unembedding. The
+total loss Σ_b L_b is backpropagated once. Examples do not interact in a forward pass (causal
+attention within a row, no batch statistics), so the gradient that reaches module output
+y_{b,t} is exactly δ_{b,t} = dL_b/dy_{b,t}, and each example's weight gradient is
+
+    G_b = Σ_t δ_{b,t} x_{b,t}ᵀ          (d_out, d_in), x the module input,
+
+which the projector reduces to a row without forming G_b for the kronecker kind (see
+`gradian.projection`).
+
+Memory: parameters stay frozen (no parameter gradient is ever allocated); only the hidden
+states at supervised positions go through the unembedding, so the float32 logits are
+(n_supervised_total, V) instead of (B, T, V): prompt tokens and padding cost nothing there.
+For the kronecker kind each module keeps only P_in x (B, T, k_i) between forward and backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradian.projection import Projector
+
+
+class PerExampleGradients(dict):
+    """name -> (B, width) float32 rows, in module order, plus per-example facts.
+
+    Attributes: `losses` (B,) float32 per-example loss (sum or mean over its targets, as
+    requested), `n_supervised` (B,) long number of supervised targets per example.
+    """
+
+    losses: torch.Tensor
+    n_supervised: torch.Tensor
+
+    def row(self) -> torch.Tensor:
+        """The stored rows: the modules' blocks side by side, (B, Σ widths) float32."""
+        return torch.cat(list(self.values()), dim=1)
+
+
+def supervised_positions(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(example index, hidden position, target id), each (N,), for all N supervised targets.
+
+    supervised[b, t] means the logits at t - 1 predict input_ids[b, t]; position 0 has no
+    predecessor, so supervising it is an error, and so is a supervised padding position.
+    """
+    ids, sup = batch["input_ids"], batch["supervised"].bool()
+    if sup.shape != ids.shape:
+        raise ValueError(f"supervised {tuple(sup.shape)} and input_ids {tuple(ids.shape)} differ in shape.")
+    if sup[:, 0].any():
+        raise ValueError("supervised[:, 0] is set: the first token has no preceding position to predict it.")
+    mask = batch.get("attention_mask")
+    if mask is not None and (sup & ~mask.bool()).any():
+        raise ValueError("a padding position (attention_mask 0) is marked supervised.")
+    b, t = sup.nonzero(as_tuple=True)  # row-major: grouped by example, in position order
+    return b, t - 1, ids[b, t]
+
+
+def _softcap(logits: torch.Tensor, config) -> torch.Tensor:
+    # Gemma 3's CausalLM head applies cap * tanh(logits / cap) when configured; replicate it so
+    # the loss is the model's own (done in float32 here, after the upcast).
+    cap = getattr(config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _output_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    raise TypeError(f"a selected linear module returned {type(output).__name__}, expected a tensor.")
+
+
+def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple[str, nn.Module]],
+                          projector: Projector, batch: Mapping[str, torch.Tensor],
+                          loss_reduction: str = "sum") -> PerExampleGradients:
+    """Projected per-example gradients of `modules` for one batch, from one forward+backward.
+
+    batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
+    (B, T) bool (target t predicted from position t - 1). Every example needs >= 1 target.
+    Returns name -> (B, projector.width(name)) float32 (a `PerExampleGradients`, with
+    ``.losses`` (B,) and ``.n_supervised`` (B,)).
+
+    Parameters must be frozen (requires_grad False): the backward computes activation
+    gradients only. An example's row does not depend on the rest of its batch: padding
+    positions are masked out of x, and nothing downstream of a padding position feeds a loss.
+    """
+    if loss_reduction not in ("sum", "mean"):
+        raise ValueError(f"grads.loss_reduction={loss_reduction!r}; valid: sum, mean.")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if trainable:
+        raise ValueError(f"parameters must be frozen (requires_grad_(False)); trainable: {trainable[:3]}.")
+    missing = [n for n, _ in modules if n not in projector.shapes]
+    if missing:
+        raise ValueError(f"the projector has no shape for modules {missing[:3]}.")
+
+    device = next(model.parameters()).device
+    input_ids = batch["input_ids"].to(device)
+    attention_mask = batch.get("attention_mask")
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
+    batch = {**batch, "input_ids": input_ids, "attention_mask": attention_mask,
+             "supervised": batch["supervised"].to(device)}
+    n_examples = input_ids.shape[0]
+    ex, pos, targets = supervised_positions(batch)
+    n_sup = torch.bincount(ex, minlength=n_examples)
+    if (n_sup == 0).any():
+        empty = (n_sup == 0).nonzero().flatten().tolist()
+        raise ValueError(f"examples {empty[:10]} of the batch have no supervised token: their gradient"
+                         " would be zero; drop them before indexing.")
+    keep = attention_mask.bool()[..., None]  # (B, T, 1)
+
+    x_proj: dict[str, torch.Tensor] = {}
+    rows: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def make_hooks(name: str):
+        def forward_hook(module: nn.Module, args: tuple, output):
+            if name in x_proj or name in rows:
+                raise RuntimeError(f"module {name} ran twice in one forward; cannot attribute its gradient.")
+            x = args[0].detach()
+            if x.dim() != 3 or x.shape[:2] != input_ids.shape:
+                raise RuntimeError(f"module {name} input is {tuple(x.shape)}, expected (B, T, d_in).")
+            # Zero padded positions: their δ is zero anyway (right padding, causal attention), but a
+            # non-finite activation there would turn 0 * x into NaN.
+            x_proj[name] = projector.project_input(name, torch.where(keep, x, torch.zeros_like(x)))
+            out = _output_tensor(output)
+            if not out.requires_grad:
+                # Frozen weights and an input that needs no gradient (the earliest selected
+                # modules): attach the output to the graph with an exact +0 from a leaf, so that
+                # backward starts here and stops here (no in-place trouble with a grad leaf).
+                anchor = torch.zeros((), dtype=out.dtype, device=out.device, requires_grad=True)
+                out = out + anchor
+
+            def grad_hook(delta: torch.Tensor) -> None:
+                delta = torch.where(keep, delta, torch.zeros_like(delta))
+                rows[name] = projector.combine(name, x_proj.pop(name), projector.project_output(name, delta))
+
+            out.register_hook(grad_hook)
+            return out
+        return forward_hook
+
+    for name, module in modules:
+        handles.append(module.register_forward_hook(make_hooks(name)))
+    try:
+        with torch.enable_grad():
+            hidden = adapter._base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            # Gather before the unembedding: the (N, V) logits are the only vocabulary-sized tensor.
+            logits = adapter.unembed(hidden[ex, pos]).float()  # (N, V)
+            logits = _softcap(logits, adapter.config)
+            token_loss = F.cross_entropy(logits, targets, reduction="none")  # (N,)
+            losses = torch.zeros(n_examples, dtype=torch.float32, device=device).index_add(0, ex, token_loss)
+            if loss_reduction == "mean":
+                losses = losses / n_sup.float()
+            del logits, hidden
+            losses.sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+        x_proj.clear()
+    absent = [n for n, _ in modules if n not in rows]
+    if absent:
+        raise RuntimeError(f"no gradient reached modules {absent[:3]}: they do not feed the supervised logits.")
+    out = PerExampleGradients((n, rows[n]) for n, _ in modules)
+    out.losses = losses.detach()
+    out.n_supervised = n_sup
+    return out

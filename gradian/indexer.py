@@ -1,0 +1,94 @@
+"""Build a gradient index: rows -> per-example projected gradients -> shards on disk.
+
+Same code for the pipeline's `grads` stage and `gradian index`, same `grads.*` keys. The
+index header records everything that decides the stored values (model and weights hash,
+tokenizer hash, modules and shapes, projection, storage dtype, loss reduction, data hash,
+truncation settings), so a resumed or parallel run refuses an index made differently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from circuitkit.config import GradsConfig, ModelConfig
+from circuitkit.io import sha256_file
+from gradian.capture import per_example_gradients
+from gradian.data import batches, collate, load_rows
+from gradian.index import IndexReader, IndexWriter
+from gradian.projection import Projector, module_shapes, select_modules
+
+log = logging.getLogger(__name__)
+SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample_train.jsonl"
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the vocabulary and special tokens (what decides the token ids)."""
+    payload = {"vocab": tokenizer.get_vocab(), "special": tokenizer.all_special_tokens}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console | None = None,
+                loaded=None) -> dict[str, Any]:
+    """Index `grads.data_path` into `index_dir` (this worker's shards); returns the index summary.
+
+    `loaded`: an already loaded model (circuitkit.models.loading.LoadedModel), else loaded here.
+    """
+    from circuitkit.models.loading import load_model, weights_hash
+
+    console = console or Console(stderr=True)
+    if grads.data_path is None:
+        data_path = SAMPLE_DATA
+        log.warning("grads.data_path is null: indexing the shipped sample %s (24 hand-written rows, for trying"
+                    " the pipeline); set grads.data_path to your JSONL data.", SAMPLE_DATA.name)
+    else:
+        data_path = Path(grads.data_path)
+    if not data_path.is_file():
+        raise FileNotFoundError(f"grads.data_path={str(data_path)!r} does not exist.")
+    loaded = loaded or load_model(model_cfg)
+    model, tokenizer, adapter = loaded.model, loaded.tokenizer, loaded.adapter
+    rows, report = load_rows(data_path, tokenizer, grads.max_seq_length, grads.on_truncation, grads.truncation_side)
+    if not rows:
+        raise ValueError(f"{data_path}: no row has a supervised token left to index ({report.summary()}).")
+    modules = select_modules(model, adapter, grads.module_filter)
+    projector = Projector(module_shapes(modules), grads.projection, grads.projection_dim, grads.projection_seed)
+    header = {
+        "model": model_cfg.name, "revision": model_cfg.revision, "precision": model_cfg.precision,
+        "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
+        "projection": projector.describe(), "storage_dtype": grads.storage_dtype,
+        "loss_reduction": grads.loss_reduction, "data_file": str(data_path.resolve()),
+        "data_sha256": sha256_file(data_path), "max_seq_length": grads.max_seq_length,
+        "truncation_side": grads.truncation_side, "on_truncation": grads.on_truncation,
+        "data_report": report.summary(), "row_width": projector.total_width,
+    }
+    writer = IndexWriter(index_dir, header, len(rows), grads.rows_per_shard, grads.num_shards, grads.shard_index)
+    pending = writer.pending()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    n_pending_rows = sum(end - start for start, end in map(writer.row_range, pending))
+    with Progress(TextColumn("indexing"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("rows", total=n_pending_rows)
+        for k in pending:
+            start, end = writer.row_range(k)
+            parts = []
+            for chunk in batches(rows[start:end], grads.batch_size):
+                batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
+                parts.append(per_example_gradients(model, adapter, modules, projector, batch,
+                                                   grads.loss_reduction).row().cpu())
+                bar.advance(task, len(chunk))
+            writer.write_shard(k, torch.cat(parts), torch.arange(start, end))
+    return IndexReader(index_dir).summary()

@@ -1,0 +1,350 @@
+"""Which linear modules Gradian indexes, and how their per-example gradients are projected.
+
+For a linear layer y = W x (+ b), W of shape (d_out, d_in), and one example with positions t,
+the weight gradient of that example's loss L is
+
+    G = dL/dW = Σ_t δ_t x_tᵀ                      (d_out, d_in),   δ_t = dL/dy_t, x_t the input.
+
+Stored rows are a random projection of G, computed without ever forming G:
+
+* ``kronecker``: P_out (k_o, d_out), P_in (k_i, d_in), seeded Rademacher entries ±1/sqrt(k);
+  P_out G P_inᵀ = Σ_t (P_out δ_t)(P_in x_t)ᵀ  (k_o, k_i), flattened to k_o * k_i = projection_dim.
+  E[P_outᵀ P_out] = I and E[P_inᵀ P_in] = I, so inner products between rows estimate inner
+  products between the gradients (Johnson-Lindenstrauss in Kronecker form).
+* ``dense``: one Gaussian matrix P (projection_dim, d_out * d_in) / sqrt(projection_dim) applied
+  to vec(G); the fidelity reference (it needs G and a projection_dim × d_out·d_in matrix).
+* ``projection_dim=None``: vec(G) itself, row-major in nn.Linear orientation (d_out, d_in).
+
+All matrices depend only on (seed, module name, module shape, projection_dim), so two processes
+(or two workers of a sharded index) build bit-identical matrices. They are drawn on the CPU
+with a `torch.Generator` seeded from a sha256 of those facts, never from Python's `hash()`
+(salted per process).
+
+The projector is applied in two halves so the capture code can keep only projected
+activations alive: `project_input` right after the forward (x -> P_in x), `project_output` in
+the backward (δ -> P_out δ), then `combine` contracts over positions.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PROJECTION_KINDS = ("kronecker", "dense")
+# Columns of the dense matrix generated per seeded chunk. A constant, so the matrix does not
+# depend on how much memory a run has (chunks are regenerated when the matrix is not cached).
+_DENSE_CHUNK_COLS = 4096
+# Dense matrices up to this many bytes are kept after first use; larger ones are regenerated
+# chunk by chunk on every call (slow but bounded memory; dense is a reference, not the default).
+_DENSE_CACHE_BYTES = 256 * 2**20
+# k_o / k_i beyond this ratio projects one side through very few directions: warn.
+_MAX_FACTOR_RATIO = 16
+
+
+def _conv1d_type() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency, but keep it optional here
+        return None
+    return Conv1D
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear or transformers' Conv1D (GPT-2's linear layer, weight stored (in, out))."""
+    conv1d = _conv1d_type()
+    return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
+
+
+def module_shape(module: nn.Module) -> tuple[int, int]:
+    """(d_out, d_in) of a linear module in nn.Linear orientation, whatever its weight layout.
+
+    nn.Linear stores W as (d_out, d_in); Conv1D stores it transposed, (d_in, d_out).
+    """
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    conv1d = _conv1d_type()
+    if conv1d is not None and isinstance(module, conv1d):
+        d_in, d_out = module.weight.shape
+        return int(d_out), int(d_in)
+    raise TypeError(f"{type(module).__name__} is not a linear module (nn.Linear or Conv1D).")
+
+
+def module_shapes(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, tuple[int, int]]:
+    """name -> (d_out, d_in) for the output of `select_modules`, in the same order."""
+    return {name: module_shape(m) for name, m in modules}
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    # A glob must match the whole name ("*.mlp.c_proj"); a plain pattern is a substring
+    # ("down_proj"), which is what users type most often.
+    return fnmatch.fnmatchcase(name, pattern) if _is_glob(pattern) else pattern in name
+
+
+def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    """The linear modules inside the transformer blocks whose full name matches a pattern.
+
+    `patterns` are substrings ("down_proj") or fnmatch globs on the full module name
+    ("*.mlp.c_proj", "model.layers.1.*"); None or [] selects every linear module in the blocks.
+    The embedding and unembedding are never selected (they are not in `adapter.blocks`).
+    Order is forward order: blocks in layer order, modules in registration order inside each.
+
+    Raises ValueError when nothing matches, listing some available names.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    candidates: list[tuple[str, nn.Module]] = []
+    for block in adapter.blocks:
+        prefix = names[id(block)]
+        for sub, module in block.named_modules(prefix=prefix):
+            if is_linear(module):
+                candidates.append((sub, module))
+    if not candidates:
+        raise ValueError(f"No linear modules found in the blocks of {type(model).__name__}.")
+    if not patterns:
+        return candidates
+    chosen = [(n, m) for n, m in candidates if any(_matches(n, p) for p in patterns)]
+    if not chosen:
+        # Show distinct module "kinds" (name without the layer index) first: more useful than
+        # the first few names, which all belong to layer 0.
+        kinds = sorted({".".join(p for p in n.split(".") if not p.isdigit()) for n, _ in candidates})
+        raise ValueError(
+            f"grads.module_filter {list(patterns)} matches no linear module in the transformer blocks."
+            f" Patterns are substrings or fnmatch globs of the full name. Available (e.g.):"
+            f" {', '.join(n for n, _ in candidates[:6])}; kinds: {', '.join(kinds[:12])}.")
+    return chosen
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from sha256 of the parts' reprs: identical in every process and platform."""
+    digest = hashlib.sha256("\x1f".join(repr(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _generator(*parts: object) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(stable_seed(*parts))
+    return g
+
+
+def _factor_pairs(n: int) -> list[tuple[int, int]]:
+    """All (a, b) with a * b == n."""
+    out = []
+    for a in range(1, math.isqrt(n) + 1):
+        if n % a == 0:
+            out.append((a, n // a))
+            if a != n // a:
+                out.append((n // a, a))
+    return out
+
+
+def _usable(n: int, d_out: int, d_in: int) -> tuple[int, int] | None:
+    """The factor pair (k_o, k_i) of n with k_o <= d_out, k_i <= d_in closest to sqrt(n), or None.
+
+    Closest means the smallest |log k_o - log k_i|; on a tie the larger factor goes to the
+    larger dimension (it has more directions to keep).
+    """
+    pairs = [(a, b) for a, b in _factor_pairs(n) if a <= d_out and b <= d_in]
+    if not pairs:
+        return None
+    return min(pairs, key=lambda ab: (abs(math.log(ab[0] / ab[1])), -(ab[0] if d_out >= d_in else ab[1])))
+
+
+def _balanced(n: int, d_out: int, d_in: int) -> bool:
+    pair = _usable(n, d_out, d_in)
+    return pair is not None and max(pair) <= _MAX_FACTOR_RATIO * min(pair)
+
+
+def _suggest(n: int, d_out: int, d_in: int, count: int = 3) -> list[int]:
+    """Nearby projection dims with a balanced usable factorisation (squares and near-squares)."""
+    limit = d_out * d_in
+    found: list[int] = []
+    for delta in range(0, n + limit):
+        for cand in (n - delta, n + delta):
+            if 1 <= cand <= limit and cand not in found and _balanced(cand, d_out, d_in):
+                found.append(cand)
+        if len(found) >= count:
+            break
+    return sorted(found[:count])
+
+
+def kronecker_factors(projection_dim: int, d_out: int, d_in: int, name: str = "") -> tuple[int, int]:
+    """(k_o, k_i) with k_o * k_i == projection_dim, k_o <= d_out, k_i <= d_in, closest to sqrt.
+
+    Raises ValueError with suggested projection dims when no such pair exists; logs a warning
+    when the only pairs are very unbalanced (e.g. a prime: 1 x p keeps one direction of δ).
+    """
+    pair = _usable(projection_dim, d_out, d_in)
+    where = f" for module {name}" if name else ""
+    if pair is None:
+        hint = _suggest(projection_dim, d_out, d_in)
+        raise ValueError(
+            f"grads.projection_dim={projection_dim} has no factorisation k_out * k_in with k_out <= {d_out}"
+            f" and k_in <= {d_in}{where} (kronecker projection of a ({d_out}, {d_in}) weight; at most"
+            f" {d_out * d_in}). Try {', '.join(map(str, hint))}, grads.projection=dense, or"
+            f" grads.projection_dim=null for raw gradients.")
+    if max(pair) > _MAX_FACTOR_RATIO * min(pair):
+        log.warning("grads.projection_dim=%d factors as %d x %d%s: very unbalanced, ranking fidelity"
+                    " suffers; consider %s.", projection_dim, pair[0], pair[1], where,
+                    ", ".join(map(str, _suggest(projection_dim, d_out, d_in))))
+    return pair
+
+
+class Projector:
+    """Seeded random projections of per-example weight gradients, one per module.
+
+    Parameters
+    ----------
+    shapes: name -> (d_out, d_in), in row order (the stored row is the modules' projections
+        concatenated in this order).
+    kind: "kronecker" or "dense" (ignored when projection_dim is None).
+    projection_dim: width per module; None stores raw gradients (width d_out * d_in).
+    seed: projection seed (grads.projection_seed).
+
+    Use: ``xp = project_input(name, x)`` with x (B, T, d_in), ``dp = project_output(name, δ)``
+    with δ (B, T, d_out), then ``combine(name, xp, dp)`` -> (B, width(name)) float32.
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[int, int]], kind: str = "kronecker",
+                 projection_dim: int | None = None, seed: int = 0) -> None:
+        if kind not in PROJECTION_KINDS:
+            raise ValueError(f"grads.projection={kind!r}; valid: {', '.join(PROJECTION_KINDS)}.")
+        if projection_dim is not None and projection_dim < 1:
+            raise ValueError(f"grads.projection_dim={projection_dim} must be >= 1 (or null for raw gradients).")
+        self.shapes = {n: (int(o), int(i)) for n, (o, i) in shapes.items()}
+        self.kind = kind if projection_dim is not None else "raw"
+        self.projection_dim = projection_dim
+        self.seed = seed
+        self.factors: dict[str, tuple[int, int]] = {}
+        if self.kind == "kronecker":
+            for name, (d_out, d_in) in self.shapes.items():
+                self.factors[name] = kronecker_factors(projection_dim, d_out, d_in, name)
+        elif self.kind == "dense":
+            for name, (d_out, d_in) in self.shapes.items():
+                if projection_dim > d_out * d_in:
+                    log.warning("grads.projection_dim=%d exceeds the %d weights of %s: the dense"
+                                " projection adds no information.", projection_dim, d_out * d_in, name)
+        self._cache: dict[tuple[str, str, str], torch.Tensor] = {}
+
+    # -- widths -----------------------------------------------------------------------------
+    def width(self, name: str) -> int:
+        """Columns this module contributes to a row."""
+        d_out, d_in = self.shapes[name]
+        return d_out * d_in if self.projection_dim is None else self.projection_dim
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    @property
+    def total_width(self) -> int:
+        """Row width: Σ over modules of width(name) (n_modules x projection_dim when projected)."""
+        return sum(self.width(n) for n in self.shapes)
+
+    def describe(self) -> dict[str, object]:
+        """Plain facts for a manifest: kind, dim, seed, per-module shapes and kronecker factors."""
+        return {"kind": self.kind, "projection_dim": self.projection_dim, "seed": self.seed,
+                "modules": {n: {"shape": list(s), "width": self.width(n),
+                                **({"factors": list(self.factors[n])} if n in self.factors else {})}
+                            for n, s in self.shapes.items()}}
+
+    # -- matrices ---------------------------------------------------------------------------
+    def _rademacher(self, name: str, side: str, rows: int, cols: int) -> torch.Tensor:
+        """(rows, cols) of ±1/sqrt(rows), float32 on the CPU, from (seed, name, shape, side)."""
+        g = _generator("gradian-kronecker", self.seed, name, self.shapes[name], self.projection_dim, side)
+        signs = torch.randint(0, 2, (rows, cols), generator=g, dtype=torch.int8)
+        return (signs.float() * 2 - 1) / math.sqrt(rows)
+
+    def kronecker_matrices(self, name: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """P_out (k_o, d_out) and P_in (k_i, d_in), float32 on `device` (cached per device)."""
+        if self.kind != "kronecker":
+            raise ValueError(f"kronecker_matrices on a {self.kind} projector.")
+        dev = str(torch.device(device))
+        key_out, key_in = (name, "out", dev), (name, "in", dev)
+        if key_out not in self._cache:
+            (d_out, d_in), (k_o, k_i) = self.shapes[name], self.factors[name]
+            self._cache[key_out] = self._rademacher(name, "out", k_o, d_out).to(dev)
+            self._cache[key_in] = self._rademacher(name, "in", k_i, d_in).to(dev)
+        return self._cache[key_out], self._cache[key_in]
+
+    def _dense_chunk(self, name: str, chunk: int) -> torch.Tensor:
+        """Columns [chunk*C, (chunk+1)*C) of the dense matrix, (projection_dim, <=C), CPU float32."""
+        d_out, d_in = self.shapes[name]
+        n = d_out * d_in
+        lo, hi = chunk * _DENSE_CHUNK_COLS, min(n, (chunk + 1) * _DENSE_CHUNK_COLS)
+        g = _generator("gradian-dense", self.seed, name, self.shapes[name], self.projection_dim, chunk)
+        return torch.randn((self.projection_dim, hi - lo), generator=g) / math.sqrt(self.projection_dim)
+
+    def dense_matrix(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The full (projection_dim, d_out * d_in) dense matrix (for tests; large for big modules)."""
+        d_out, d_in = self.shapes[name]
+        n_chunks = -(-d_out * d_in // _DENSE_CHUNK_COLS)
+        return torch.cat([self._dense_chunk(name, c) for c in range(n_chunks)], 1).to(device)
+
+    def _apply_dense(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """flat (B, d_out * d_in) -> flat @ Pᵀ (B, projection_dim), chunked over P's columns."""
+        dev = str(flat.device)
+        d_out, d_in = self.shapes[name]
+        if self.projection_dim * d_out * d_in * 4 <= _DENSE_CACHE_BYTES:
+            key = (name, "dense", dev)
+            if key not in self._cache:
+                self._cache[key] = self.dense_matrix(name, dev)
+            return flat @ self._cache[key].T
+        out = flat.new_zeros(flat.shape[0], self.projection_dim)
+        n_chunks = -(-d_out * d_in // _DENSE_CHUNK_COLS)
+        for c in range(n_chunks):
+            lo = c * _DENSE_CHUNK_COLS
+            p = self._dense_chunk(name, c).to(dev)
+            out += flat[:, lo:lo + p.shape[1]] @ p.T
+        return out
+
+    # -- application ------------------------------------------------------------------------
+    def project_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d_in) -> (B, T, k_i) = x P_inᵀ for kronecker, else x itself; float32."""
+        x = x.float()
+        if self.kind == "kronecker":
+            return x @ self.kronecker_matrices(name, x.device)[1].T
+        return x
+
+    def project_output(self, name: str, delta: torch.Tensor) -> torch.Tensor:
+        """δ (B, T, d_out) -> (B, T, k_o) = δ P_outᵀ for kronecker, else δ itself; float32."""
+        delta = delta.float()
+        if self.kind == "kronecker":
+            return delta @ self.kronecker_matrices(name, delta.device)[0].T
+        return delta
+
+    def combine(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
+        """Σ_t dp_t xp_tᵀ per example, flattened row-major: (B, width(name)) float32.
+
+        kronecker: Σ_t (P_out δ_t)(P_in x_t)ᵀ = P_out G P_inᵀ (k_o, k_i); G is never formed.
+        dense: P vec(G); raw: vec(G), G = Σ_t δ_t x_tᵀ (d_out, d_in).
+        """
+        # (B, T, o) x (B, T, i) -> (B, o, i): a batched matmul over positions.
+        g = torch.bmm(dp.transpose(1, 2), xp).flatten(1)
+        if self.kind == "dense":
+            return self._apply_dense(name, g)
+        return g
+
+    def project(self, name: str, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Both halves and the contraction: x (B, T, d_in), δ (B, T, d_out) -> (B, width(name))."""
+        return self.combine(name, self.project_input(name, x), self.project_output(name, delta))
+
+    def project_gradient(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """Project already-formed gradients G (B, d_out, d_in) -> (B, width(name)) (tests, references)."""
+        grad = grad.float()
+        if self.kind == "kronecker":
+            p_out, p_in = self.kronecker_matrices(name, grad.device)
+            return (p_out @ grad @ p_in.T).flatten(1)
+        if self.kind == "dense":
+            return self._apply_dense(name, grad.flatten(1))
+        return grad.flatten(1)
