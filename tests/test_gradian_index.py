@@ -105,6 +105,6 @@ def test_gradian_inspect_prints_the_summary(tmp_path, capsys):
     _build(tmp_path)
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "rows_stored" in out and "MiB" in out and "kronecker" in out
+    assert "10 of 10 rows in 3 shards (complete)" in out and "MiB" in out and "kronecker" in out
     assert main(["inspect", str(tmp_path / "nope")]) == 2
     assert main(["doctor"]) == 2  # not in this version: says so, non-zero
