@@ -116,14 +116,15 @@ def _clustered_batch(groups: int = 6, variants: int = 4, length: int = 24) -> di
 # Measured on tiny-llama down_proj (64 x 128 = 8192 weights), 24 clustered rows, seeds 0-2:
 #   kronecker 64: 0.70-0.73, 256: 0.85-0.87, 1024: 0.94-0.95, 4096: 0.98
 #   dense     64: 0.71-0.78, 256: 0.89-0.91, 1024: 0.97-0.98, 4096: 0.99
-@pytest.mark.parametrize("kind", ["kronecker", "dense"])
-def test_projection_preserves_inner_products(kind: str) -> None:
+@pytest.mark.parametrize("kind,dim,at_least", [("kronecker", 1024, 0.9), ("dense", 1024, 0.9),
+                                               ("kronecker", 4096, 0.95)])
+def test_projection_preserves_inner_products(kind: str, dim: int, at_least: float) -> None:
     lm = _load("tiny-llama")
     modules = select_modules(lm.model, lm.adapter, ["down_proj"])
     shapes = module_shapes(modules)
     batch = _clustered_batch()
     raw = per_example_gradients(lm.model, lm.adapter, modules, Projector(shapes, projection_dim=None), batch)
-    projector = Projector(shapes, kind, 1024, seed=0)
+    projector = Projector(shapes, kind, dim, seed=0)
     proj = per_example_gradients(lm.model, lm.adapter, modules, projector, batch)
     # The streamed projection equals projecting the formed gradients (same matrices, same maths).
     for name, (d_out, d_in) in shapes.items():
@@ -133,8 +134,8 @@ def test_projection_preserves_inner_products(kind: str) -> None:
     iu = torch.triu_indices(n, n, 1)  # off-diagonal pairs: the diagonal (norms) would be trivially easy
     exact, approx = (raw.row() @ raw.row().T)[iu[0], iu[1]], (proj.row() @ proj.row().T)[iu[0], iu[1]]
     pearson = torch.corrcoef(torch.stack([exact, approx]))[0, 1].item()
-    print(f"{kind} projection_dim=1024: Pearson of pairwise inner products {pearson:.4f}")
-    assert pearson >= 0.9
+    print(f"{kind} projection_dim={dim}: Pearson of pairwise inner products {pearson:.4f}")
+    assert pearson >= at_least
 
 
 def test_logits_are_gathered_before_unembedding() -> None:
