@@ -1,6 +1,6 @@
 """Projection fidelity: do projected gradients keep the inner products (and rankings) of exact ones?
 
-On the tiny Llama fixture's down_proj (64 x 128 = 8192 weights), 24 clustered rows (6 groups
+On the tiny Llama fixture's two down_proj modules (64 x 128 each), 24 clustered rows (6 groups
 of near-duplicates): for each projection kind and projection_dim, the Pearson correlation of
 all pairwise inner products (off-diagonal) between projected and exact per-example gradients,
 and the top-10 overlap (for each row, how many of its 10 nearest rows by exact inner product
@@ -80,7 +80,7 @@ def main() -> None:
         p, o = fidelity(exact, approx.to(dtype).float())
         results.append({"kind": "kronecker", "dim": 1024, "storage": str(dtype).split(".")[1], "pearson": p,
                         "top10": o})
-    table = Table(title=f"projection fidelity, tiny-llama down_proj (8192 weights), 24 clustered rows,"
+    table = Table(title=f"projection fidelity, tiny-llama down_proj (2 x 64 x 128), 24 clustered rows,"
                         f" mean of {args.seeds} seeds")
     for col in ("kind", "projection_dim", "storage", "Pearson (pairwise inner products)", "top-10 overlap"):
         table.add_column(col, justify="right")
