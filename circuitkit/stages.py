@@ -1,7 +1,7 @@
 """The pipeline's stages: preflight -> data -> attribution -> pruning -> grads.
 
-A stage that does not exist in this version is registered with `run=None` and a reason, so
-selecting it fails before any work instead of pretending.
+Each reads its inputs from `ctx.state` when the stage before it ran in this process, else
+from that stage's artifact in the run directory (so a rerun can skip completed stages).
 """
 
 from __future__ import annotations
