@@ -14,6 +14,7 @@ See `estimate_attribution` for the terms and how their coefficients were measure
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ class MemoryEstimate:
 
     terms: dict[str, int] = field(default_factory=dict)
     phase: str = ""  # which part of the algorithm the peak falls in
+    index_bytes: int = 0  # on-disk bytes (estimate_grads): not device memory, not in total_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -280,3 +282,187 @@ def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: in
         terms["edge temporaries"] = int(edge_tmp)
         phase = "per-layer contraction of input gradients"
     return MemoryEstimate(terms, phase=phase)
+
+
+# --------------------------------------------------------------------------- gradient indexing
+
+# Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
+# dispatch tracker of `measure_peak`, float32, sdpa, frozen parameters, on the tiny GPT-2 / Llama
+# shapes of scripts/check_memory_estimates.py (vocab 1024 and 50257) with mlp.c_proj / down_proj
+# and with every block linear selected, B = 4, prompt 16 / 64 / 240, supervised 8 / 16 / 32; the
+# live bytes were read at the start of `backward()` and the peaks before and after it:
+# * Saved activations are the attribution coefficients ACT_PER_LAYER, counted only from the first
+#   selected module on (autograd's graph starts there): measured 25.2·N·d (GPT-2, c_proj: one
+#   full layer + ACT_BASE = 25.4 predicted) and 12.4·N·d (Llama, down_proj: 12.3 predicted).
+# * The (N_s, V) tensors: the forward holds the (upcast) logits and the saved float32
+#   log-softmax; the peak is inside the log-softmax backward, with three float32 (N_s, V) tensors
+#   live (saved log-softmax, its gradient, the logits' gradient): measured 3.03-3.07·N_s·V·4 over
+#   the activations on the 50257-vocabulary tiny models. LOGIT_F32_COPIES = 3.
+# * Forward temporaries of one block (GELU / SiLU intermediates) above the saved activations:
+#   measured 15-17·N·d for GPT-2 (f = 4d) and 7.9-8.9·N·d for Llama (f = 2d): GRADS_FWD_TMP_F = 4
+#   (units N·f·p). Alive only while no (N_s, V) tensor is, so the peak takes the larger of the two.
+LOGIT_F32_COPIES = 3
+GRADS_FWD_TMP_F = 4.0
+# The first selected module's own block: a module in the attention keeps the whole block's
+# activations, an MLP input projection the MLP's (c_f·f), an MLP output projection nothing.
+_MLP_IN = ("c_fc", "gate_proj", "up_proj", "dense_h_to_4h", "fc1", "fc_in")
+_MLP_OUT = ("c_proj", "down_proj", "dense_4h_to_h", "fc2", "fc_out")
+# Index: per row float32 norm + int64 row id next to the stored gradient row.
+INDEX_ROW_EXTRA_BYTES = 4 + 8
+
+
+def _graph_layers(module_names: list[str], n_layers: int, c_d: float, c_f: float, d: int, f: int) -> float:
+    """Activations autograd saves per token (units of elements), from the first selected module on.
+
+    Layers after the first selected one count c_d·d + c_f·f; the first one its share by the
+    module's kind (attention: all of it; MLP input: c_f·f; MLP output: none).
+    """
+    if not module_names:
+        return n_layers * (c_d * d + c_f * f)
+    first_layer, first_name = n_layers, ""
+    for name in module_names:
+        m = re.search(r"\.(\d+)\.", f".{name}.")
+        layer = int(m.group(1)) if m else 0
+        if layer < first_layer:
+            first_layer, first_name = layer, name
+    leaf = first_name.rsplit(".", 1)[-1]
+    parent = first_name.rsplit(".", 2)[-2] if first_name.count(".") >= 1 else ""
+    if leaf in _MLP_IN:
+        share = c_f * f
+    elif leaf in _MLP_OUT and "attn" not in parent and "attention" not in parent:
+        share = 0.0
+    else:
+        share = c_d * d + c_f * f
+    return max(0, n_layers - first_layer - 1) * (c_d * d + c_f * f) + share
+
+
+def grads_index_bytes(n_rows: int, width: int, storage_dtype_bytes: int) -> int:
+    """Bytes of a gradient index on disk (gradian.index), headers excluded:
+
+        n_rows · (width · s + 4 + 8)      s = bytes of grads.storage_dtype; float32 norm, int64 row id
+
+    Each shard adds a safetensors header (a few hundred bytes) and the index one manifest.json
+    (a few kB); both are independent of the row count.
+    """
+    return int(n_rows * (width * storage_dtype_bytes + INDEX_ROW_EXTRA_BYTES))
+
+
+def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
+                   supervised_per_row: int, module_shapes: dict[str, tuple[int, int]],
+                   projection_kind: str = "kronecker", projection_dim: int | None = None,
+                   storage_dtype_bytes: int = 2, n_rows: int = 0) -> MemoryEstimate:
+    """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
+
+    seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
+    N = B·seq_len tokens, N_s = B·supervised_per_row supervised targets, module_shapes name ->
+    (d_out, d_in) of the selected modules, k_i the kronecker input factor of a module
+    (`gradian.projection.kronecker_factors`), width its row width. Terms:
+
+        weights                         P·p
+        activations saved for backward  N·p·(ACT_BASE·d + A),  A = per-family ACT_PER_LAYER
+                                        from the first selected module on (`_graph_layers`)
+        capture buffers                 kronecker: Σ_i N·k_i·4; raw / dense: Σ_i N·d_in·4 (the
+                                        masked inputs); dense also B·d_out·d_in·4 (G of one
+                                        module). The (B, width) rows are made by the module
+                                        gradient hooks, after the peak, and are not counted
+        projection matrices             kronecker Σ (k_o·d_out + k_i·d_in)·4; dense Σ min(k·d_out·d_in,
+                                        cache) or one 4096-column chunk; raw 0
+        logits (model dtype)            N_s·V·p
+        fp32 logit upcast               N_s·V·4       (the allocation the OOM page is about)
+        cross-entropy buffers           N_s·V·(4·LOGIT_F32_COPIES − 4 − p): with the two above, the
+                                        three float32 (N_s, V) tensors of the log-softmax backward
+        forward temporaries             max(0, GRADS_FWD_TMP_F·N·f·p − LOGIT_F32_COPIES·N_s·V·4):
+                                        one block's transients, which peak when the vocabulary-
+                                        sized tensors are not alive, so only their excess counts
+
+    Only the supervised hidden states reach the unembedding, so no term but the activations grows
+    with prompt length; the logit terms are linear in N_s. `index_bytes` (attribute, not in the
+    total: it is disk) is `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)`.
+    """
+    from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, kronecker_factors
+
+    s = _shape_dict(shape)
+    fam = s["family"]
+    if fam not in ACT_PER_LAYER:
+        raise ValueError(f"family {fam!r} has no calibrated estimate; known: {', '.join(FAMILIES)}")
+    p = dtype_bytes
+    d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
+    B, N, Ns = batch_size, batch_size * seq_len, batch_size * supervised_per_row
+    kind = "raw" if projection_dim is None else projection_kind
+    c_d, c_f = ACT_PER_LAYER[fam]
+    acts = N * p * (ACT_BASE * d + _graph_layers(list(module_shapes), s["n_layers"], c_d, c_f, d, f))
+    capture = matrices = width = 0
+    max_g = 0
+    for name, (d_out, d_in) in module_shapes.items():
+        w = d_out * d_in if projection_dim is None else projection_dim
+        width += w
+        if kind == "kronecker":
+            k_o, k_i = kronecker_factors(projection_dim, d_out, d_in, name)
+            capture += N * k_i * FP32
+            matrices += (k_o * d_out + k_i * d_in) * FP32
+        else:
+            capture += N * d_in * FP32
+            if kind == "dense":
+                full = projection_dim * d_out * d_in * FP32
+                matrices += full if full <= _DENSE_CACHE_BYTES else projection_dim * _DENSE_CHUNK_COLS * FP32
+                max_g = max(max_g, B * d_out * d_in * FP32)
+    capture += max_g  # the (B, width) rows appear after the peak (module grad hooks run later)
+    logits_f32 = LOGIT_F32_COPIES * Ns * V * FP32
+    terms = {
+        "weights": s["n_params"] * p,
+        "activations saved for backward": int(acts),
+        "capture buffers": int(capture),
+        "projection matrices": int(matrices),
+        "logits (model dtype)": Ns * V * p,
+        "fp32 logit upcast": Ns * V * FP32,
+        "cross-entropy buffers": Ns * V * (FP32 * LOGIT_F32_COPIES - FP32 - p),
+        "forward temporaries": int(max(0.0, GRADS_FWD_TMP_F * N * f * p - logits_f32)),
+    }
+    est = MemoryEstimate(terms, phase="log-softmax backward" if terms["forward temporaries"] == 0
+                         else "forward of the last block")
+    est.index_bytes = grads_index_bytes(n_rows, width, storage_dtype_bytes)
+    return est
+
+
+def module_pattern_matches(name: str, pattern: str) -> bool:
+    """grads.module_filter semantics: a glob ("*.mlp.c_proj") matches the whole module name,
+    a plain pattern ("down_proj") is a substring."""
+    import fnmatch
+
+    return fnmatch.fnmatchcase(name, pattern) if any(c in pattern for c in "*?[") else pattern in name
+
+
+_LINEAR_LAYOUT = {  # family -> (block prefix, [(module suffix, (d_out, d_in) as a function of the shape)])
+    "gpt2": ("transformer.h.{l}.", [("attn.c_attn", lambda s: (3 * s["n_heads"] * s["head_dim"], s["d_model"])),
+                                     ("attn.c_proj", lambda s: (s["d_model"], s["n_heads"] * s["head_dim"])),
+                                     ("mlp.c_fc", lambda s: (s["d_mlp"], s["d_model"])),
+                                     ("mlp.c_proj", lambda s: (s["d_model"], s["d_mlp"]))]),
+    "gpt_neox": ("gpt_neox.layers.{l}.", [
+        ("attention.query_key_value", lambda s: (3 * s["n_heads"] * s["head_dim"], s["d_model"])),
+        ("attention.dense", lambda s: (s["d_model"], s["n_heads"] * s["head_dim"])),
+        ("mlp.dense_h_to_4h", lambda s: (s["d_mlp"], s["d_model"])),
+        ("mlp.dense_4h_to_h", lambda s: (s["d_model"], s["d_mlp"]))]),
+    "llama": ("model.layers.{l}.", [
+        ("self_attn.q_proj", lambda s: (s["n_heads"] * s["head_dim"], s["d_model"])),
+        ("self_attn.k_proj", lambda s: (s["n_kv_heads"] * s["head_dim"], s["d_model"])),
+        ("self_attn.v_proj", lambda s: (s["n_kv_heads"] * s["head_dim"], s["d_model"])),
+        ("self_attn.o_proj", lambda s: (s["d_model"], s["n_heads"] * s["head_dim"])),
+        ("mlp.gate_proj", lambda s: (s["d_mlp"], s["d_model"])),
+        ("mlp.up_proj", lambda s: (s["d_mlp"], s["d_model"])),
+        ("mlp.down_proj", lambda s: (s["d_model"], s["d_mlp"]))]),
+}
+_LINEAR_LAYOUT["gemma3"] = ("model.language_model.layers.{l}.", _LINEAR_LAYOUT["llama"][1])
+
+
+def linear_module_shapes(shape: dict[str, Any], patterns: list[str] | None = None) -> dict[str, tuple[int, int]]:
+    """Linear modules of the blocks as name -> (d_out, d_in), from the shape alone (no model),
+    filtered like grads.module_filter; names follow the Hugging Face modules of each family."""
+    s = _shape_dict(shape)
+    prefix, layout = _LINEAR_LAYOUT[s["family"]]
+    out = {}
+    for layer in range(s["n_layers"]):
+        for suffix, dims in layout:
+            name = prefix.format(l=layer) + suffix
+            if not patterns or any(module_pattern_matches(name, p) for p in patterns):
+                out[name] = dims(s)
+    return out

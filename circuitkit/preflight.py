@@ -19,7 +19,13 @@ from rich.table import Table
 
 from circuitkit.config import AppConfig
 from circuitkit.device import free_memory_bytes, get_device
-from circuitkit.memory import MemoryEstimate, estimate_attribution, shape_for
+from circuitkit.memory import (
+    MemoryEstimate,
+    estimate_attribution,
+    estimate_grads,
+    linear_module_shapes,
+    shape_for,
+)
 from circuitkit.models.loading import DTYPES
 
 log = logging.getLogger(__name__)
@@ -42,18 +48,49 @@ def attribution_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len:
                                 d.algorithm, d.level, d.ig_steps)
 
 
-def largest_fitting_batch(cfg: AppConfig, budget_bytes: int, limit: int = 1024) -> int:
-    """The largest discovery.batch_size whose estimate fits `budget_bytes` (0 if even 1 does not)."""
-    if attribution_estimate(cfg, batch_size=1).total_bytes > budget_bytes:
+def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int | None = None,
+                   supervised: int | None = None, n_rows: int = 0) -> MemoryEstimate:
+    """Estimated peak of gradient indexing. Before the data is read, rows are assumed as long
+    as `grads.max_seq_length` and fully supervised (the worst case the settings allow)."""
+    g = cfg.grads
+    shape = shape_for(cfg.model)
+    seq = seq_len or g.max_seq_length
+    modules = linear_module_shapes(shape, g.module_filter)
+    return estimate_grads(shape, torch.finfo(DTYPES[cfg.model.precision]).bits // 8, batch_size or g.batch_size, seq,
+                          supervised or seq, modules, g.projection, g.projection_dim,
+                          torch.finfo(DTYPES[g.storage_dtype]).bits // 8, n_rows)
+
+
+def _largest(fits, limit: int = 1024) -> int:
+    """Largest n in 1..limit with fits(n) (fits is monotone), 0 if none."""
+    if not fits(1):
         return 0
     lo, hi = 1, 2
-    while hi <= limit and attribution_estimate(cfg, batch_size=hi).total_bytes <= budget_bytes:
+    while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)
-    while hi - lo > 1:  # the estimate grows with the batch size: bisect
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if attribution_estimate(cfg, batch_size=mid).total_bytes <= budget_bytes else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def grads_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
+    """grads.batch_size first, then grads.max_seq_length: the two settings that move the peak."""
+    g = cfg.grads
+    best = _largest(lambda b: grads_estimate(cfg, batch_size=b).total_bytes <= budget_bytes, g.batch_size)
+    if best:
+        return [f"grads.batch_size={best}"]
+    seq = _largest(lambda n: grads_estimate(cfg, batch_size=1, seq_len=n).total_bytes <= budget_bytes,
+                   g.max_seq_length)
+    tips = [f"grads.batch_size=1 with grads.max_seq_length={seq}"] if seq >= 2 else []
+    return tips + ["a device with more memory, or a smaller model (storage_dtype, module_filter and"
+                   " projection_dim only shrink the index on disk)"]
+
+
+def largest_fitting_batch(cfg: AppConfig, budget_bytes: int, limit: int = 1024) -> int:
+    """The largest discovery.batch_size whose estimate fits `budget_bytes` (0 if even 1 does not)."""
+    return _largest(lambda b: attribution_estimate(cfg, batch_size=b).total_bytes <= budget_bytes, limit)
 
 
 def advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
@@ -108,31 +145,41 @@ def memory_plot(estimate: MemoryEstimate, path: Path, budget_bytes: int) -> Path
     return Path(path)
 
 
-def check(cfg: AppConfig, console: Console | None = None) -> tuple[MemoryEstimate | None, int, list[str]]:
-    """Estimate the selected stages, compare with free memory, raise PreflightError on `error`.
+def check(cfg: AppConfig, console: Console | None = None) -> dict[str, MemoryEstimate]:
+    """Estimate each selected stage that has an estimate, compare with free memory, and raise
+    PreflightError (on_exceed=error) naming every stage that does not fit and what to change.
 
-    Returns (estimate or None when no estimated stage is selected, free bytes, advice).
+    Returns {stage: estimate} for attribution and grads when selected.
     """
     console = console or Console(stderr=True)
     free = free_memory_bytes()
     budget = int(cfg.preflight.headroom * free)
-    if "attribution" not in cfg.stages:
-        return None, free, []
-    estimate = attribution_estimate(cfg)
-    if estimate.total_bytes <= budget:
-        return estimate, free, []
-    tips = advice(cfg, budget)
-    console.print(table(estimate, free, cfg.preflight.headroom, "attribution does not fit"))
-    message = (f"estimated attribution peak {estimate.total_bytes / 2**30:.2f} GiB exceeds"
-               f" {cfg.preflight.headroom:.0%} of the {free / 2**30:.2f} GiB free on {get_device()}."
-               f" Try, in order: {'; '.join(tips)}.")
-    if cfg.preflight.on_exceed == "error":
-        raise PreflightError(message + " (preflight.on_exceed=warn runs anyway.)")
-    log.warning(message)
-    return estimate, free, tips
+    estimates: dict[str, MemoryEstimate] = {}
+    if "attribution" in cfg.stages:
+        estimates["attribution"] = attribution_estimate(cfg)
+    if "grads" in cfg.stages and cfg.grads.enabled:
+        estimates["grads"] = grads_estimate(cfg)
+    problems = []
+    for stage, estimate in estimates.items():
+        if estimate.total_bytes <= budget:
+            continue
+        tips = advice(cfg, budget) if stage == "attribution" else grads_advice(cfg, budget)
+        console.print(table(estimate, free, cfg.preflight.headroom, f"{stage} does not fit"))
+        problems.append(f"estimated {stage} peak {estimate.total_bytes / 2**30:.2f} GiB exceeds"
+                        f" {cfg.preflight.headroom:.0%} of the {free / 2**30:.2f} GiB free on {get_device()}."
+                        f" Try, in order: {'; '.join(tips)}.")
+    if problems and cfg.preflight.on_exceed == "error":
+        raise PreflightError(" ".join(problems) + " (preflight.on_exceed=warn runs anyway.)")
+    for message in problems:
+        log.warning(message)
+    return estimates
 
 
-def summary(estimate: MemoryEstimate | None, free: int) -> dict:
-    return {"estimated_bytes": None if estimate is None else estimate.total_bytes, "free_bytes": free,
-            "terms": {} if estimate is None else dict(estimate.terms)}
+def summary(estimates: dict[str, MemoryEstimate], free: int, budget: int) -> dict:
+    """Headline numbers of the preflight for the manifest."""
+    out: dict = {"free_bytes": free, "fits": all(e.total_bytes <= budget for e in estimates.values())}
+    for stage, e in estimates.items():
+        out[f"{stage}_estimated_bytes"] = e.total_bytes
+        out[f"{stage}_terms"] = dict(e.terms)
+    return out
 

@@ -70,17 +70,20 @@ def task_data(ctx: RunContext):
 
 
 def _preflight(ctx: RunContext) -> StageResult:
-    """Estimate the peak of the selected stages from the model's shape; stop if it cannot fit."""
+    """Estimate the peak of the selected stages from the model's shape; stop if one cannot fit."""
+    from circuitkit.device import free_memory_bytes
     from circuitkit.preflight import check, memory_plot, summary, table
 
-    estimate, free, _tips = check(ctx.cfg, ctx.console)
-    if estimate is None:
-        ctx.console.print("no estimated stage selected (the estimate covers attribution)")
-        return StageResult([], summary(None, free))
+    estimates = check(ctx.cfg, ctx.console)
+    free = free_memory_bytes()
     budget = int(ctx.cfg.preflight.headroom * free)
-    ctx.console.print(table(estimate, free, ctx.cfg.preflight.headroom, "estimated attribution peak"))
-    plot = memory_plot(estimate, ctx.run_dir / "memory_estimate.png", budget)
-    return StageResult([plot], {**summary(estimate, free), "fits": estimate.total_bytes <= budget})
+    plots = []
+    for stage, estimate in estimates.items():
+        ctx.console.print(table(estimate, free, ctx.cfg.preflight.headroom, f"estimated {stage} peak"))
+        plots.append(memory_plot(estimate, ctx.run_dir / f"memory_estimate_{stage}.png", budget))
+    if not estimates:
+        ctx.console.print("no stage with a memory estimate selected (attribution, grads)")
+    return StageResult(plots, summary(estimates, free, budget))
 
 
 def _attribution(ctx: RunContext) -> StageResult:
@@ -245,7 +248,7 @@ def _grads(ctx: RunContext) -> StageResult:
                       f" {summary['bytes'] / 2**20:.2f} MiB")
     return StageResult(files, {"index_dir": str(index_dir), "rows_stored": summary["rows_stored"],
                                "row_width": summary["row_width"], "index_bytes": summary["bytes"],
-                               "complete": summary["complete"]})
+                               "complete": summary["complete"]}, estimated_peak_bytes=summary["estimated_peak_bytes"])
 
 
 register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), _preflight, cached=False))

@@ -27,9 +27,10 @@ from rich.progress import (
 
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.io import sha256_file
+from circuitkit.memory import estimate_grads
 from gradian.capture import per_example_gradients
 from gradian.data import batches, collate, load_rows
-from gradian.index import IndexReader, IndexWriter
+from gradian.index import STORAGE_DTYPES, IndexReader, IndexWriter
 from gradian.projection import Projector, module_shapes, select_modules
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
         "truncation_side": grads.truncation_side, "on_truncation": grads.on_truncation,
         "data_report": report.summary(), "row_width": projector.total_width,
     }
+    estimate = estimate_grads(
+        adapter.shape(), next(model.parameters()).element_size(), min(grads.batch_size, len(rows)),
+        max(len(r.input_ids) for r in rows), max(sum(r.supervised) for r in rows), module_shapes(modules),
+        grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize, len(rows))
     writer = IndexWriter(index_dir, header, len(rows), grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -91,4 +96,5 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
                                                    grads.loss_reduction).row().cpu())
                 bar.advance(task, len(chunk))
             writer.write_shard(k, torch.cat(parts), torch.arange(start, end))
-    return IndexReader(index_dir).summary()
+    # The estimate is for the longest row and the most supervised tokens in one batch: an upper bound.
+    return {**IndexReader(index_dir).summary(), "estimated_peak_bytes": estimate.total_bytes}

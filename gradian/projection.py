@@ -27,7 +27,6 @@ the backward (δ -> P_out δ), then `combine` contracts over positions.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import logging
 import math
@@ -35,6 +34,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+
+from circuitkit.memory import module_pattern_matches
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,8 @@ def _is_glob(pattern: str) -> bool:
 
 def _matches(name: str, pattern: str) -> bool:
     # A glob must match the whole name ("*.mlp.c_proj"); a plain pattern is a substring
-    # ("down_proj"), which is what users type most often.
-    return fnmatch.fnmatchcase(name, pattern) if _is_glob(pattern) else pattern in name
+    # ("down_proj"), which is what users type most often. Shared with the memory estimate.
+    return module_pattern_matches(name, pattern)
 
 
 def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:

@@ -1,4 +1,4 @@
-"""Memory preflight (attribution half): closed-form shapes, parameter counts and peak estimates."""
+"""Memory preflight (attribution and gradient indexing): closed-form shapes, parameter counts and peak estimates."""
 
 from __future__ import annotations
 
@@ -7,10 +7,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from circuitkit.config import ModelConfig, ModelShape
-from circuitkit.memory import count_params, estimate_attribution, shape_for, shape_from_config
+from circuitkit.memory import (
+    count_params,
+    estimate_attribution,
+    estimate_grads,
+    grads_index_bytes,
+    shape_for,
+    shape_from_config,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,3 +86,73 @@ def test_quick_sweep_within_tolerance():
     assert rows
     bad = [r for r in rows if abs(r.ratio - 1) > script.TOLERANCE]
     assert not bad, bad
+
+
+def _tiny50k(family: str):
+    import transformers as tf
+
+    script = _load_script()
+    config = script._tiny(family)
+    config.vocab_size = 50257
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).float().eval()
+    model.requires_grad_(False)
+    return script, model
+
+
+def test_grads_quick_sweep_within_tolerance():
+    script = _load_script()
+    rows = script.run_grads_sweep(quick=True)
+    assert rows
+    bad = [r for r in rows if abs(r.ratio - 1) > script.TOLERANCE]
+    assert not bad, bad
+
+
+def test_grads_peak_follows_supervised_tokens_not_prompt():
+    script, model = _tiny50k("gpt2")
+    shape = shape_from_config(model.config)
+    mods = {"transformer.h.0.mlp.c_proj": (64, 256), "transformer.h.1.mlp.c_proj": (64, 256)}
+    short = estimate_grads(shape, 4, 4, 16 + 16, 16, mods, "kronecker", 64)
+    long = estimate_grads(shape, 4, 4, 240 + 16, 16, mods, "kronecker", 64)
+    assert short.terms["fp32 logit upcast"] == long.terms["fp32 logit upcast"] == 4 * 16 * 50257 * 4
+    assert long.total_bytes < 1.5 * short.total_bytes
+    m_short = script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 16, 16)
+    m_long = script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 240, 16)
+    assert m_long.measured_mib < 1.5 * m_short.measured_mib
+    for row in (m_short, m_long):
+        assert abs(row.ratio - 1) <= script.TOLERANCE, row
+    # linear in supervised tokens: the logit terms double with them, the total grows accordingly
+    s8 = estimate_grads(shape, 4, 4, 64 + 8, 8, mods, "kronecker", 64)
+    s32 = estimate_grads(shape, 4, 4, 64 + 32, 32, mods, "kronecker", 64)
+    assert s32.terms["fp32 logit upcast"] == 4 * s8.terms["fp32 logit upcast"]
+    m8 = script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 64, 8)
+    m32 = script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 64, 32)
+    fp32_mib = (s32.terms["fp32 logit upcast"] - s8.terms["fp32 logit upcast"]) / 2**20
+    # measured growth: about three float32 (N_s, V) copies per extra supervised token
+    assert 2.5 * fp32_mib < m32.measured_mib - m8.measured_mib < 3.5 * fp32_mib
+    assert 2.5 * fp32_mib < (s32.total_bytes - s8.total_bytes) / 2**20 < 3.5 * fp32_mib
+    assert abs(m8.ratio - 1) <= 0.25 and abs(m32.ratio - 1) <= 0.25
+
+
+def test_grads_index_bytes_matches_disk(tmp_path):
+    from gradian.index import IndexWriter
+
+    n_rows, width = 10, 48
+    header = {"storage_dtype": "float16", "row_width": width}
+    writer = IndexWriter(tmp_path / "idx", header, n_rows, rows_per_shard=4)
+    for k in writer.pending():
+        start, end = writer.row_range(k)
+        writer.write_shard(k, torch.randn(end - start, width), torch.arange(start, end))
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "idx").glob("shard-*.safetensors"))
+    manifest = (tmp_path / "idx" / "manifest.json").stat().st_size
+    expected = grads_index_bytes(n_rows, width, 2)
+    assert expected <= on_disk <= expected + 3 * 512  # one safetensors header per shard
+    assert on_disk + manifest <= expected + 3 * 512 + 4096
+    est = estimate_grads(_tiny_shape(), 4, 2, 32, 16, {"h.0.mlp.c_proj": (64, 256)}, "kronecker", 48, 2, n_rows)
+    assert est.index_bytes == expected and "index" not in " ".join(est.terms)
+    assert est.total_bytes == sum(est.terms.values())
+
+
+def _tiny_shape():
+    return {"family": "gpt2", "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "d_model": 64,
+            "d_mlp": 256, "vocab_size": 1024, "n_params": 100_000}

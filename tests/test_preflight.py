@@ -52,8 +52,25 @@ def test_preflight_passes_and_attribution_records_estimate_next_to_measured(tmp_
     manifest = run_pipeline(cfg, tmp_path)
     pre, attr = manifest["stages"]["preflight"], manifest["stages"]["attribution"]
     assert pre["status"] == "ok" and pre["summary"]["fits"] is True
-    assert (tmp_path / "memory_estimate.png").is_file()
+    assert (tmp_path / "memory_estimate_attribution.png").is_file()
     ratio = attr["estimated_peak_bytes"] / attr["measured_peak_bytes"]
     assert 0.5 < ratio < 1.5, ratio  # the tight (±25 %) check is tests/test_memory.py, per batch
     again = run_pipeline(cfg, tmp_path)  # the preflight always reruns; the other stages stay cached
     assert again["stages"]["attribution"].get("skipped_on_rerun") is True
+
+
+def test_grads_preflight_advises_grads_batch_size_then_length(tmp_path):
+    from circuitkit.preflight import grads_advice, grads_estimate
+
+    _, cfg = compose(["model=llama1b", "grads.batch_size=64", "grads.max_seq_length=2048"])
+    est = grads_estimate(cfg)
+    upcast = est.terms["fp32 logit upcast"]
+    assert upcast == 64 * 2048 * 128256 * 4  # batch x supervised tokens (worst case: all) x vocab x 4
+    budget = grads_estimate(cfg, batch_size=3).total_bytes
+    assert grads_advice(cfg, budget) == ["grads.batch_size=3"]
+    tips = grads_advice(cfg, grads_estimate(cfg, batch_size=1, seq_len=300).total_bytes)
+    assert tips[0].startswith("grads.batch_size=1 with grads.max_seq_length=") and "storage_dtype" in tips[-1]
+    # storage_dtype, module_filter and projection_dim do not move the device peak's upcast term
+    _, small = compose(["model=llama1b", "grads.batch_size=64", "grads.max_seq_length=2048",
+                        "grads.storage_dtype=float32", "grads.module_filter=[down_proj]", "grads.projection_dim=16"])
+    assert grads_estimate(small).terms["fp32 logit upcast"] == upcast
