@@ -74,3 +74,16 @@ def test_grads_preflight_advises_grads_batch_size_then_length(tmp_path):
     _, small = compose(["model=llama1b", "grads.batch_size=64", "grads.max_seq_length=2048",
                         "grads.storage_dtype=float32", "grads.module_filter=[down_proj]", "grads.projection_dim=16"])
     assert grads_estimate(small).terms["fp32 logit upcast"] == upcast
+
+
+def test_discover_smart_picks_a_batch_that_fits_and_runs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "circuitkit.cli", "discover-smart", "--model", "builtin:tiny-gpt2",
+                           "--algorithm", "eap", "--task", "induction", "model.precision=float32",
+                           "discovery.data_params.num_examples=8", "discovery.data_params.eval_examples=2",
+                           "discovery.data_params.seq_len=16", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["config"]["discovery"]["batch_size"] == 8  # everything fits: capped at num_examples
+    assert [s for s, e in manifest["stages"].items() if e["status"] == "ok"] == [
+        "preflight", "data", "attribution", "pruning"]
