@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +69,22 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
 def sha256_json(obj: Any) -> str:
     """Hex sha256 of an object's canonical JSON (sorted keys)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def jsonl_objects(path: Path, expected: str, error: type[Exception] = ValueError) -> Iterator[tuple[str, Any]]:
+    """(`file:line`, parsed value) for every non-blank line of a JSONL file.
+
+    A line that is not valid JSON raises `error` naming `file:line` and `expected` (what each
+    line should be). A UTF-8 byte-order mark written by some editors is tolerated.
+    """
+    with open(path, encoding="utf-8-sig") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise error(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be"
+                            f" {expected}.") from None
+            yield where, value

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from circuitkit.io import jsonl_objects
+
 logger = logging.getLogger(__name__)
 
 ON_TRUNCATION = ("warn", "error", "drop")
@@ -304,41 +306,33 @@ def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncati
     first_token_lines: list[int] = []  # rows whose token 0 was marked supervised (nothing predicts it)
     candidates: list[Row] = []
 
-    with open(path, encoding="utf-8-sig") as fh:  # -sig: tolerate a BOM written by some editors
-        for lineno, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be"
-                                f" {_EXPECTED}.") from None
-            kind = _check_row(obj, where)
-            report.rows_read += 1
-            if kind == "prompt":
-                ids, sup = _encode_prompt_completion(tokenizer, obj["prompt"], obj["completion"], bos)
-                preview = _preview(obj["prompt"] + obj["completion"])
-            else:
-                ids, sup = _encode_messages(tokenizer, obj["messages"], where)
-                preview = _preview(" / ".join(f"{m['role']}: {m['content']}" for m in obj["messages"]))
-            head = 1 if (ids and bos_id is not None and ids[0] == bos_id and not sup[0]) else 0
-            ids, sup, truncated = _truncate(ids, sup, max_seq_length, truncation_side, head)
-            if sup and sup[0]:
-                # Only reachable with no BOS and an empty prompt (or a template starting with the
-                # assistant turn): no logits predict token 0, so it cannot be in the loss.
-                sup[0] = False
-                first_token_lines.append(lineno)
-            if truncated:
-                report.truncated_lines.append(lineno)
-            if not any(sup):
-                report.dropped_unsupervised_lines.append(lineno)
-                continue
-            if truncated and on_truncation == "drop":
-                report.dropped_truncated_lines.append(lineno)
-                continue
-            candidates.append(Row(row_id=-1, line=lineno, input_ids=ids, supervised=sup, preview=preview,
-                                  truncated=truncated))
+    for where, obj in jsonl_objects(path, _EXPECTED, DataError):
+        lineno = int(where.rsplit(":", 1)[1])
+        kind = _check_row(obj, where)
+        report.rows_read += 1
+        if kind == "prompt":
+            ids, sup = _encode_prompt_completion(tokenizer, obj["prompt"], obj["completion"], bos)
+            preview = _preview(obj["prompt"] + obj["completion"])
+        else:
+            ids, sup = _encode_messages(tokenizer, obj["messages"], where)
+            preview = _preview(" / ".join(f"{m['role']}: {m['content']}" for m in obj["messages"]))
+        head = 1 if (ids and bos_id is not None and ids[0] == bos_id and not sup[0]) else 0
+        ids, sup, truncated = _truncate(ids, sup, max_seq_length, truncation_side, head)
+        if sup and sup[0]:
+            # Only reachable with no BOS and an empty prompt (or a template starting with the
+            # assistant turn): no logits predict token 0, so it cannot be in the loss.
+            sup[0] = False
+            first_token_lines.append(lineno)
+        if truncated:
+            report.truncated_lines.append(lineno)
+        if not any(sup):
+            report.dropped_unsupervised_lines.append(lineno)
+            continue
+        if truncated and on_truncation == "drop":
+            report.dropped_truncated_lines.append(lineno)
+            continue
+        candidates.append(Row(row_id=-1, line=lineno, input_ids=ids, supervised=sup, preview=preview,
+                              truncated=truncated))
 
     if on_truncation == "error" and report.truncated_lines:
         raise DataError(f"{path}: {report.truncated} row(s) lose completion tokens at max_seq_length="

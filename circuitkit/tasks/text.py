@@ -3,12 +3,12 @@ context, padding id, seeded row sampling and data paths."""
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from circuitkit.io import jsonl_objects as read_jsonl
 from circuitkit.tasks.base import TaskError
 
 log = logging.getLogger(__name__)
@@ -110,21 +110,9 @@ def as_path(data_path: str | Path, task: str) -> Path:
 
 
 def jsonl_objects(path: Path, expected: str) -> Iterator[tuple[str, dict]]:
-    """(`file:line`, object) for every non-blank line of a JSONL file.
-
-    A line that is not a JSON object is a TaskError naming `file:line`; `expected` describes
-    the object wanted (e.g. "an object with keys question, choices, answer").
-    """
-    with open(path, encoding="utf-8-sig") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TaskError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be"
-                                f" {expected}.") from None
-            if not isinstance(obj, dict):
-                raise TaskError(f"{where}: expected {expected}, got {type(obj).__name__}.")
-            yield where, obj
+    """(`file:line`, object) for every non-blank line of a JSONL file; TaskError naming
+    `file:line` for a line that is not a JSON object (`expected` says what it should be)."""
+    for where, obj in read_jsonl(path, expected, TaskError):
+        if not isinstance(obj, dict):
+            raise TaskError(f"{where}: expected {expected}, got {type(obj).__name__}.")
+        yield where, obj
