@@ -97,20 +97,12 @@ def test_row_does_not_depend_on_batch(fixture: str) -> None:
         torch.testing.assert_close(mixed.losses[b], alone.losses[0])
 
 
-def _clustered_batch(groups: int = 6, variants: int = 4, length: int = 24) -> dict[str, torch.Tensor]:
-    """Near-duplicate groups (25% of tokens resampled): gradients with a spread of inner products.
+def _clustered_batch() -> dict[str, torch.Tensor]:
+    """Near-duplicate groups: gradients with a spread of inner products (independent random rows
+    have nearly orthogonal gradients, so any Pearson would measure noise)."""
+    from bench_projection import clustered_batch
 
-    Independent random rows have nearly orthogonal gradients, so their inner products are all
-    ~0 and any Pearson measures noise; real data has clusters, like this.
-    """
-    g = torch.Generator().manual_seed(0)
-    base = torch.randint(5, 250, (groups, 1, length), generator=g).expand(groups, variants, length)
-    flip = torch.rand(groups, variants, length, generator=g) < 0.25
-    ids = torch.where(flip, torch.randint(5, 250, (groups, variants, length), generator=g), base)
-    ids = ids.reshape(groups * variants, length)
-    sup = torch.zeros_like(ids, dtype=torch.bool)
-    sup[:, 8:] = True
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "supervised": sup}
+    return clustered_batch()
 
 
 # Measured on tiny-llama down_proj (64 x 128 = 8192 weights), 24 clustered rows, seeds 0-2:
