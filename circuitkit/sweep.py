@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.pipeline import MANIFEST, headline
+from circuitkit.pipeline import MANIFEST, headline, make_console
 
 SUMMARY_CSV = "sweep_summary.csv"
 
@@ -58,7 +58,7 @@ def write_summary(sweep_dir: Path, rows: list[dict[str, Any]], console: Console 
         table.add_column(col)
     for row in rows:
         table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
-    (console or Console(stderr=True)).print(table)
+    (console or make_console()).print(table)
     return path
 
 
