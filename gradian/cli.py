@@ -3,8 +3,9 @@
     gradian index [overrides]  build a gradient index with the pipeline's config keys, e.g.
                                gradian index model=gpt2 grads.data_path=train.jsonl grads.index_dir=idx
     gradian inspect INDEX      manifest summary and sizes of a gradient index
-
-Commands that do not exist in this version say so and exit non-zero.
+    gradian rank --index DIR --queries FILE [--top-k K] [--score cosine|dot] [--aggregate mean|max] [--out FILE]
+                               training rows most similar (by gradient) to each query row and overall
+    gradian doctor [--json]    versions, devices, determinism, backends and self-tests (Markdown)
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ from rich.console import Console
 from rich.table import Table
 
 _console = Console(stderr=True)
-PLANNED = {
-    "rank": "ranking training rows against queries (issue #7)",
-    "doctor": "environment report (issue #7)",
-}
 
 
 def inspect_index(index_dir: str) -> int:
@@ -77,6 +74,31 @@ def index_command(overrides: list[str]) -> int:
     return inspect_index(index_dir)
 
 
+def rank_command(args: argparse.Namespace) -> int:
+    """`gradian rank`: print the top rows per query and for the aggregate; exit 2 on bad input."""
+    from gradian.data import DataError
+    from gradian.rank import rank
+
+    try:
+        results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
+                       out_path=args.out)
+    except (ValueError, FileNotFoundError, DataError) as err:  # IndexMismatchError is a ValueError
+        _console.print(f"[bold red]error:[/bold red] {err}")
+        return 2
+    table = Table(title=f"{args.score} ranking of {args.index} against {args.queries}")
+    for column, justify in (("query", "left"), ("rank", "right"), ("row", "right"), ("score", "right"),
+                            ("line", "right"), ("preview", "left")):
+        table.add_column(column, justify=justify)
+    for r in results:
+        table.add_row(str(r["query"]), str(r["rank"]), str(r["row_id"]), f"{r['score']:.4f}",
+                      "-" if r["source_line"] is None else str(r["source_line"]),
+                      r["text_preview"] if r["text_preview"] is not None else "(data file not available)")
+    Console().print(table)
+    if args.out:
+        _console.print(f"wrote {len(results)} rows to {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="gradian", description="Gradient indexing of training data.")
@@ -84,8 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("index", help="build a gradient index (config overrides follow)", add_help=False)
     inspect = sub.add_parser("inspect", help="summary and sizes of a gradient index")
     inspect.add_argument("index", help="index directory (holds manifest.json)")
-    for name, what in PLANNED.items():
-        sub.add_parser(name, help=f"{what}: not in this version yet", add_help=False)
+    rank = sub.add_parser("rank", help="rank training rows of an index against query rows")
+    rank.add_argument("--index", required=True, help="index directory (holds manifest.json)")
+    rank.add_argument("--queries", required=True, help="JSONL of query rows (same format as training rows)")
+    rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
+    rank.add_argument("--score", choices=("cosine", "dot"), default="cosine")
+    rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
+                      help="how the per-query scores of a row combine into one ranking")
+    rank.add_argument("--out", default=None, help="also write the results as JSONL here")
+    sub.add_parser("doctor", help="versions, devices, backends and self-tests as Markdown ([--json])",
+                   add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
@@ -93,9 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         return index_command(argv[1:])
     if argv[0] == "inspect":
         return inspect_index(parser.parse_args(argv).index)
-    args, _rest = parser.parse_known_args(argv[:1])
-    _console.print(f"[bold red]error:[/bold red] `gradian {args.command}` ({PLANNED[args.command]}) is not"
-                   " available in this version of Gradian.")
+    if argv[0] == "rank":
+        return rank_command(parser.parse_args(argv))
+    if argv[0] == "doctor":
+        from gradian.doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
+    parser.parse_args(argv)  # unknown command: argparse prints the usage and exits 2
     return 2
 
 

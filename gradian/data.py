@@ -125,6 +125,8 @@ class DataReport:
             "truncated_lines": list(self.truncated_lines),
             "dropped_truncated_lines": list(self.dropped_truncated_lines),
             "dropped_unsupervised_lines": list(self.dropped_unsupervised_lines),
+            # row i of the index came from line kept_lines[i] of the data file
+            "kept_lines": list(self.kept_lines),
         }
 
 

@@ -107,4 +107,6 @@ def test_gradian_inspect_prints_the_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "10 of 10 rows in 3 shards (complete)" in out and "MiB" in out and "kronecker" in out
     assert main(["inspect", str(tmp_path / "nope")]) == 2
-    assert main(["doctor"]) == 2  # not in this version: says so, non-zero
+    with pytest.raises(SystemExit) as exit_info:
+        main(["nope"])  # an unknown command: usage and status 2
+    assert exit_info.value.code == 2

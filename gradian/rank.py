@@ -1,0 +1,311 @@
+"""Rank training rows of a gradient index against query rows.
+
+A query row (same JSONL format as training rows) gets its projected per-example gradient
+computed exactly as the index's rows were (same model weights, tokenizer, modules, projection
+and loss reduction; anything else is refused, naming what differs). The index is then streamed
+shard by shard: per shard the scores Q x n are computed and merged into a running top-k, so
+memory is bounded by one shard plus Q x k, never by the index size.
+
+Scores: ``dot`` = <g_query, g_row>; ``cosine`` = dot / (|g_query| |g_row|), using the norms
+stored in the index (norms of the stored values, so the cosine is exactly that of what is on
+disk). ``aggregate`` turns the Q per-query scores of a row into one (``mean`` or ``max``) and
+ranks the rows by it as well.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuitkit.config import ModelConfig
+from circuitkit.io import atomic_write_bytes, sha256_file
+from gradian.index import IndexMismatchError, IndexReader
+from gradian.projection import Projector, module_shapes
+
+log = logging.getLogger(__name__)
+
+SCORES = ("cosine", "dot")
+AGGREGATES = ("mean", "max")
+QUERY_BATCH_SIZE = 8
+# Norms below this count as zero: a zero gradient has no direction, its cosine is defined as 0.
+_EPS = 1e-12
+
+
+class _TopK:
+    """Running top-k of P score lists over a stream of chunks: (P, k) values and row ids.
+
+    Memory: O(P x (k + chunk)); each `push` keeps the best k of (previous best ∪ chunk).
+    """
+
+    def __init__(self, n_lists: int, k: int) -> None:
+        self.k = k
+        self.values = torch.empty(n_lists, 0, dtype=torch.float32)
+        self.rows = torch.empty(n_lists, 0, dtype=torch.long)
+
+    def push(self, scores: torch.Tensor, rows: torch.Tensor) -> None:
+        """scores (P, n) float32 for the rows (n,) long."""
+        values = torch.cat([self.values, scores], dim=1)
+        ids = torch.cat([self.rows, rows.long().unsqueeze(0).expand(scores.shape[0], -1)], dim=1)
+        # Sort by row id first, then a stable sort by score: ties are broken by the lower row id,
+        # so the result does not depend on the shard layout.
+        by_row = ids.argsort(dim=1, stable=True)
+        values, ids = values.gather(1, by_row), ids.gather(1, by_row)
+        order = values.argsort(dim=1, descending=True, stable=True)[:, : self.k]
+        self.values, self.rows = values.gather(1, order), ids.gather(1, order)
+
+
+def _check_choice(name: str, value: str, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r}; use one of {', '.join(valid)}.")
+
+
+def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 10, score: str = "cosine",
+                aggregate: str = "mean") -> dict[str, torch.Tensor]:
+    """Top-k training rows per query and for the aggregate, streaming the index's shards.
+
+    query_grads: (Q, width) float32, projected query gradients (width = the index's row width).
+    Returns ``query_scores`` (Q, k') float32 and ``query_rows`` (Q, k') long: per query, the best
+    rows in descending score (ties: lower row id first); ``aggregate_scores`` (k',) and
+    ``aggregate_rows`` (k',): rows ranked by the mean or max over queries of their scores;
+    k' = min(top_k, rows in the index). Peak memory is about one shard in float32 plus Q x
+    shard rows of scores, whatever the number of rows.
+    """
+    _check_choice("score", score, SCORES)
+    _check_choice("aggregate", aggregate, AGGREGATES)
+    if top_k < 1:
+        raise ValueError(f"top_k={top_k}; it must be >= 1.")
+    reader = IndexReader(index_dir)
+    width = reader.manifest.get("row_width")
+    q = query_grads.float()
+    if q.ndim != 2 or q.shape[0] < 1:
+        raise ValueError(f"query_grads must be (Q >= 1, width), got shape {tuple(q.shape)}.")
+    if width is not None and q.shape[1] != width:
+        raise IndexMismatchError(f"query gradients have width {q.shape[1]} but the index rows have width"
+                                 f" {width}: they were not projected the same way.")
+    if not reader.complete:
+        log.warning("%s is incomplete (%d shard files): ranking only the rows stored so far.", reader.index_dir,
+                    len(reader.manifest.get("shards", {})))
+    if score == "cosine":
+        # Unit query vectors: then cosine = (q̂ · g) / |g| per row, one matmul per shard.
+        q = q / q.norm(dim=1, keepdim=True).clamp_min(_EPS)
+    per_query, combined = _TopK(q.shape[0], top_k), _TopK(1, top_k)
+    for rows, grads, norms in reader.shards():
+        scores = q @ grads.T  # (Q, n)
+        if score == "cosine":
+            scores /= norms.float().clamp_min(_EPS)
+        per_query.push(scores, rows)
+        agg = scores.mean(dim=0) if aggregate == "mean" else scores.amax(dim=0)
+        combined.push(agg.unsqueeze(0), rows)
+        del scores, grads  # release the shard before the next one is read
+    return {"query_scores": per_query.values, "query_rows": per_query.rows,
+            "aggregate_scores": combined.values[0], "aggregate_rows": combined.rows[0]}
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _module_shapes_from_manifest(projection: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    return {name: tuple(entry["shape"]) for name, entry in projection.get("modules", {}).items()}
+
+
+def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
+    """Refuse a model that is not the one the index was built with; returns the index's Projector.
+
+    Compares the weights sha256, the tokenizer hash, and the projection (kind, dim, seed,
+    modules with their shapes) recomputed on `loaded.model` for the modules the manifest lists.
+    Raises IndexMismatchError naming every differing key.
+    """
+    from circuitkit.models.loading import weights_hash
+    from gradian.indexer import tokenizer_hash
+
+    problems: list[str] = []
+    ours = weights_hash(loaded.model)
+    if ours != manifest.get("weights_sha256"):
+        problems.append(f"weights_sha256: index has {str(manifest.get('weights_sha256'))[:12]}…, the loaded model"
+                        f" {manifest.get('model')!r} ({manifest.get('precision')}) has {ours[:12]}…")
+    ours = tokenizer_hash(loaded.tokenizer)
+    if ours != manifest.get("tokenizer_sha256"):
+        problems.append(f"tokenizer_sha256: index has {str(manifest.get('tokenizer_sha256'))[:12]}…, the loaded"
+                        f" tokenizer has {ours[:12]}…")
+    proj = manifest.get("projection")
+    if not isinstance(proj, dict) or "modules" not in proj:
+        raise IndexMismatchError(f"the index manifest has no projection description (got {proj!r}); it cannot"
+                                 " be ranked against.")
+    names = list(proj["modules"])
+    present = dict(loaded.model.named_modules())
+    missing = [n for n in names if n not in present]
+    projector = None
+    if missing:
+        problems.append(f"projection.modules: the loaded model has no module {', '.join(missing[:5])}")
+    else:
+        dim = proj.get("projection_dim")
+        # "raw" (projection_dim null) is what Projector reports for any kind without a dim.
+        kind = "kronecker" if proj.get("kind") == "raw" else proj.get("kind")
+        try:
+            projector = Projector(module_shapes([(n, present[n]) for n in names]), kind, dim, proj.get("seed", 0))
+        except ValueError as err:
+            problems.append(f"projection: {err}")
+        else:
+            mine = projector.describe()
+            for key in ("kind", "projection_dim", "seed", "modules"):
+                if mine.get(key) != proj.get(key):
+                    if key == "modules":
+                        diff = [n for n in names if mine["modules"].get(n) != proj["modules"].get(n)]
+                        problems.append(f"projection.modules: {', '.join(diff[:5])} differ (index has"
+                                        f" {proj['modules'][diff[0]]}, the loaded model gives"
+                                        f" {mine['modules'].get(diff[0])})")
+                    else:
+                        problems.append(f"projection.{key}: index has {proj.get(key)!r}, recomputed"
+                                        f" {mine.get(key)!r}")
+    if problems:
+        raise IndexMismatchError("the index was made with another model or projection than the one loaded: "
+                                 + "; ".join(problems) + ". Rank with the model the index was built with.")
+    return projector
+
+
+# ----------------------------------------------------------------------------- queries
+
+
+def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, queries_path: str | Path,
+                    batch_size: int = QUERY_BATCH_SIZE) -> tuple[torch.Tensor, list]:
+    """Projected gradients of the query rows, as the index's rows were made.
+
+    Returns (grads (Q, width) float32 on the CPU, the query Rows from gradian.data.load_rows with
+    the manifest's max_seq_length / truncation settings).
+    """
+    from gradian.capture import per_example_gradients
+    from gradian.data import batches, collate, load_rows
+
+    queries_path = Path(queries_path)
+    if not queries_path.is_file():
+        raise FileNotFoundError(f"queries file {str(queries_path)!r} does not exist.")
+    rows, report = load_rows(queries_path, loaded.tokenizer, manifest.get("max_seq_length", 512),
+                             manifest.get("on_truncation", "warn"), manifest.get("truncation_side", "right"))
+    if not rows:
+        raise ValueError(f"{queries_path}: no query row has a supervised token ({report.summary()}).")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    modules = [(n, model.get_submodule(n)) for n in projector.names]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    parts = []
+    for chunk in batches(rows, batch_size):
+        batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
+        parts.append(per_example_gradients(model, loaded.adapter, modules, projector, batch,
+                                           manifest.get("loss_reduction", "sum")).row().float().cpu())
+    return torch.cat(parts), rows
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _kept_lines(manifest: dict[str, Any], data_file: Path | None) -> list[int] | None:
+    """Line number (1-based) of each index row in the training file, or None if unknown.
+
+    From data_report.kept_lines when the manifest has it; otherwise rebuilt from the file: the
+    kept rows are the non-blank lines minus the dropped ones, in file order (as load_rows does).
+    """
+    report = manifest.get("data_report") or {}
+    if report.get("kept_lines") is not None:
+        return list(report["kept_lines"])
+    if data_file is None:
+        return None
+    dropped = set(report.get("dropped_truncated_lines", [])) | set(report.get("dropped_unsupervised_lines", []))
+    with open(data_file, encoding="utf-8-sig") as fh:
+        return [n for n, line in enumerate(fh, start=1) if line.strip() and n not in dropped]
+
+
+def _usable_data_file(manifest: dict[str, Any]) -> Path | None:
+    """The training file if it is still where the index says and unchanged (else no previews)."""
+    path = manifest.get("data_file")
+    if not path or not Path(path).is_file():
+        log.warning("training data %s is not there any more: previews are left empty.", path)
+        return None
+    if manifest.get("data_sha256") and sha256_file(Path(path)) != manifest["data_sha256"]:
+        log.warning("training data %s changed since the index was built: previews are left empty.", path)
+        return None
+    return Path(path)
+
+
+def _read_previews(data_file: Path, lines: Iterable[int]) -> dict[int, str]:
+    """Preview text of the given 1-based lines; reads the file once, up to the last line asked."""
+    from gradian.data import _preview
+
+    wanted = set(lines)
+    out: dict[int, str] = {}
+    if not wanted:
+        return out
+    last = max(wanted)
+    with open(data_file, encoding="utf-8-sig") as fh:
+        for n, line in enumerate(fh, start=1):
+            if n in wanted:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "messages" in obj:
+                    text = " / ".join(f"{m.get('role')}: {m.get('content')}" for m in obj["messages"])
+                else:
+                    text = f"{obj.get('prompt', '')}{obj.get('completion', '')}"
+                out[n] = _preview(text)
+            if n >= last:
+                break
+    return out
+
+
+def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query_ids: Sequence[Any]
+                   ) -> list[dict[str, Any]]:
+    """Result rows: per query then the aggregate, ranks 1..k, with source line and preview."""
+    data_file = _usable_data_file(manifest)
+    kept = _kept_lines(manifest, data_file)
+    lists: list[tuple[Any, torch.Tensor, torch.Tensor]] = [
+        (qid, top["query_rows"][i], top["query_scores"][i]) for i, qid in enumerate(query_ids)]
+    lists.append(("aggregate", top["aggregate_rows"], top["aggregate_scores"]))
+
+    def line_of(row: int) -> int | None:
+        return kept[row] if kept is not None and row < len(kept) else None
+
+    needed = {line_of(int(r)) for _, rows, _ in lists for r in rows}
+    previews = _read_previews(data_file, needed - {None}) if data_file is not None else {}
+    out = []
+    for qid, rows, scores in lists:
+        for position, (row, value) in enumerate(zip(rows.tolist(), scores.tolist(), strict=True), start=1):
+            line = line_of(row)
+            out.append({"query": qid, "rank": position, "row_id": row, "score": value, "source_line": line,
+                        "text_preview": previews.get(line) if line is not None else None})
+    return out
+
+
+def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "cosine",
+         aggregate: str = "mean", out_path: str | Path | None = None,
+         model_cfg: ModelConfig | None = None, loaded=None) -> list[dict[str, Any]]:
+    """Rank the index's training rows against the rows of `queries_path` (JSONL).
+
+    Loads the model the manifest names (or `model_cfg`; or an already loaded `loaded`), refuses
+    it if the weights, tokenizer or projection differ from the index's (IndexMismatchError naming
+    the key), computes the query gradients, streams the index (`stream_topk`) and returns dicts
+    {"query": query row id or "aggregate", "rank", "row_id", "score", "source_line",
+    "text_preview"}, per query then the aggregate. Writes them as JSONL to `out_path` if given.
+    """
+    from circuitkit.models.loading import load_model
+
+    _check_choice("score", score, SCORES)
+    _check_choice("aggregate", aggregate, AGGREGATES)
+    if not Path(queries_path).is_file():
+        raise FileNotFoundError(f"queries file {str(queries_path)!r} does not exist.")
+    manifest = IndexReader(index_dir).manifest
+    if loaded is None:
+        model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
+                                             precision=manifest.get("precision", "bfloat16"))
+        loaded = load_model(model_cfg)
+    projector = check_compatible(manifest, loaded)
+    q_grads, q_rows = query_gradients(manifest, loaded, projector, queries_path)
+    top = stream_topk(index_dir, q_grads, top_k, score, aggregate)
+    results = format_results(manifest, top, [r.row_id for r in q_rows])
+    if out_path is not None:
+        payload = "".join(json.dumps(r) + "\n" for r in results).encode()
+        atomic_write_bytes(Path(out_path), payload)
+    return results
