@@ -1,0 +1,271 @@
+"""Benchmark: does Gradian find the training document that states a planted fact?
+
+A synthetic corpus of fictional entities (two-syllable names, new strings to the tokenizer) with
+random attributes (birthplace, employer, hobby, pet). Each document states one fact as a
+prompt/completion row ("Tell me about Korvim." / " Korvim was born in Oslo."); generic sentences
+are added as distractors, so every fact document competes with the same entity's other facts,
+other entities' facts of the same kind, and unrelated text. Every fact is then asked as a query
+("Where was Korvim born?") with two completion styles:
+
+* ``full``:  " Korvim was born in Oslo."  (the document's own sentence)
+* ``short``: " Oslo."                      (only the answer)
+
+The target of a query is the document stating exactly that fact. The tiny GPT-2 fixture (float32)
+is fine-tuned on the documents for a few epochs of AdamW (seconds), saved, and loaded back with
+``load_model`` so the index records the fine-tuned weights; the un-fine-tuned fixture is the
+baseline. For each projection (raw, kronecker and dense at several dims, float16/float32 storage)
+the documents are indexed (``build_index``, module_filter null = every linear module of the blocks)
+and the queries ranked by cosine (``rank``); reported: recall@1, recall@10 and MRR of the target,
+with chance levels 1/n_docs and 10/n_docs.
+
+    python scripts/bench_planted_facts.py [--entities 40] [--epochs 30] [--small] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from circuitkit.config import GradsConfig, ModelConfig  # noqa: E402
+from circuitkit.models.loading import LoadedModel, load_model  # noqa: E402
+from gradian.data import batches, collate, load_rows  # noqa: E402
+from gradian.indexer import build_index  # noqa: E402
+from gradian.rank import rank  # noqa: E402
+
+FIRST = ("Kor", "Bel", "Tam", "Vex", "Dra", "Mol", "Zan", "Pir", "Gol", "Fen", "Sar", "Quo", "Lum", "Hax")
+SECOND = ("vim", "dor", "rith", "nax", "pell", "quin", "sor", "zek", "mund", "ral", "tove", "gash")
+ATTRIBUTES: dict[str, dict[str, Any]] = {
+    "birthplace": {"values": ("Oslo", "Cairo", "Lima", "Tokyo", "Berlin", "Dublin", "Madrid", "Quito"),
+                   "doc": " {e} was born in {v}.", "question": "Where was {e} born?"},
+    "employer": {"values": ("Acme", "Globex", "Initech", "Hooli", "Vandelay", "Stark", "Wonka", "Tyrell"),
+                 "doc": " {e} works for {v}.", "question": "Who does {e} work for?"},
+    "hobby": {"values": ("chess", "painting", "fishing", "hiking", "singing", "cooking", "rowing", "knitting"),
+              "doc": " {e} enjoys {v}.", "question": "What does {e} enjoy?"},
+    "pet": {"values": ("cat", "dog", "parrot", "rabbit", "turtle", "hamster", "ferret", "goat"),
+            "doc": " {e} has a pet {v}.", "question": "What pet does {e} have?"},
+}
+QUERY_STYLES = ("full", "short")
+# (projection, projection_dim, storage_dtype); projection_dim None = raw gradients (the reference).
+FULL_GRID = [("raw", None, "float32"),
+             ("kronecker", 64, "float16"), ("kronecker", 256, "float16"), ("kronecker", 1024, "float16"),
+             ("kronecker", 256, "float32"),
+             ("dense", 64, "float16"), ("dense", 256, "float16"), ("dense", 1024, "float16")]
+SMALL_GRID = [("raw", None, "float32"), ("kronecker", 256, "float16")]
+
+
+@dataclass
+class Corpus:
+    docs: list[dict[str, str]]  # JSONL rows of the training file, in file order
+    queries: dict[str, list[dict[str, str]]]  # style -> JSONL rows
+    targets: list[int]  # query i's target document (same for every style)
+    n_facts: int
+
+
+def make_corpus(n_entities: int = 40, n_generic: int | None = None, seed: int = 0) -> Corpus:
+    """Fact documents (one per entity and attribute), generic distractors, and one query per fact."""
+    from circuitkit.models.tiny import synthetic_corpus
+
+    rng = random.Random(seed)
+    names = [a + b for a in FIRST for b in SECOND]
+    if n_entities > len(names):
+        raise ValueError(f"at most {len(names)} entities")
+    entities = rng.sample(names, n_entities)
+    facts = [(e, attr, rng.choice(spec["values"])) for e in entities for attr, spec in ATTRIBUTES.items()]
+    generic = synthetic_corpus(n_sentences=200, seed=seed + 1)
+    generic = rng.sample(generic, n_entities if n_generic is None else n_generic)
+    docs: list[tuple[dict[str, str], int | None]] = [
+        ({"prompt": f"Tell me about {e}.", "completion": ATTRIBUTES[a]["doc"].format(e=e, v=v)}, i)
+        for i, (e, a, v) in enumerate(facts)]
+    docs += [({"prompt": "Tell me something.", "completion": " " + s}, None) for s in generic]
+    rng.shuffle(docs)
+    where = {fact: row for row, (_, fact) in enumerate(docs) if fact is not None}
+    queries = {
+        "full": [{"prompt": ATTRIBUTES[a]["question"].format(e=e), "completion": ATTRIBUTES[a]["doc"].format(e=e, v=v)}
+                 for e, a, v in facts],
+        "short": [{"prompt": ATTRIBUTES[a]["question"].format(e=e), "completion": f" {v}."} for e, a, v in facts],
+    }
+    return Corpus([d for d, _ in docs], queries, [where[i] for i in range(len(facts))], len(facts))
+
+
+def write_jsonl(path: Path, rows: list[dict[str, str]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def fine_tune(loaded: LoadedModel, docs_path: Path, epochs: int = 30, lr: float = 3e-3, batch_size: int = 16,
+              seed: int = 0) -> dict[str, Any]:
+    """AdamW on the documents' completion tokens (the supervised tokens the index uses), in place.
+
+    Unfreezes the parameters for training and freezes them again. Returns steps and losses.
+    """
+    model, tokenizer = loaded.model, loaded.tokenizer
+    rows, _ = load_rows(docs_path, tokenizer, 512)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    gen = torch.Generator().manual_seed(seed)
+    model.requires_grad_(True)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses, steps = [], 0
+    start = time.perf_counter()
+    for _ in range(epochs):
+        order = torch.randperm(len(rows), generator=gen).tolist()
+        total, count = 0.0, 0
+        for chunk in batches([rows[i] for i in order], batch_size):
+            b = {k: t.to(loaded.device) for k, t in collate(chunk, pad_id).items()}
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            sup = b["supervised"][:, 1:]
+            loss = F.cross_entropy(logits[:, :-1][sup].float(), b["input_ids"][:, 1:][sup])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            steps += 1
+            total += loss.item() * int(sup.sum())
+            count += int(sup.sum())
+        losses.append(total / count)
+    model.requires_grad_(False)
+    model.eval()
+    return {"epochs": epochs, "steps": steps, "lr": lr, "batch_size": batch_size,
+            "loss_first_epoch": losses[0], "loss_last_epoch": losses[-1], "seconds": time.perf_counter() - start}
+
+
+def fine_tuned_model(base: ModelConfig, docs_path: Path, out_dir: Path, **kw: Any) -> tuple[LoadedModel, dict]:
+    """Fine-tune `base` on the documents, save it with its tokenizer to out_dir, load it back."""
+    loaded = load_model(base, device=torch.device("cpu"))
+    info = fine_tune(loaded, docs_path, **kw)
+    loaded.model.save_pretrained(out_dir)
+    loaded.tokenizer.save_pretrained(out_dir)
+    return load_model(ModelConfig(name=str(out_dir), precision="float32"), device=torch.device("cpu")), info
+
+
+def target_ranks(results: list[dict[str, Any]], targets: list[int]) -> list[int | None]:
+    """1-based rank of each query's target among the ranked rows (None if not in the list)."""
+    ranked: dict[int, list[int]] = {}
+    for r in results:
+        if r["query"] != "aggregate":
+            ranked.setdefault(r["query"], []).append(r["row_id"])
+    out = []
+    for q, target in enumerate(targets):
+        rows = ranked.get(q, [])
+        out.append(rows.index(target) + 1 if target in rows else None)
+    return out
+
+
+def metrics(ranks: list[int | None]) -> dict[str, float]:
+    n = len(ranks)
+    return {"recall@1": sum(r == 1 for r in ranks if r) / n,
+            "recall@10": sum(r <= 10 for r in ranks if r) / n,
+            "mrr": sum(1.0 / r for r in ranks if r) / n}
+
+
+def evaluate(loaded: LoadedModel, model_cfg: ModelConfig, corpus: Corpus, work: Path,
+             grid: list[tuple[str, int | None, str]], tag: str) -> list[dict[str, Any]]:
+    """Index the documents once per grid entry and rank every query style against it."""
+    docs_path = work / "docs.jsonl"
+    query_paths = {s: write_jsonl(work / f"queries_{s}.jsonl", corpus.queries[s]) for s in QUERY_STYLES}
+    n_docs = len(corpus.docs)
+    quiet = Console(stderr=True, quiet=True)
+    out = []
+    for projection, dim, dtype in grid:
+        grads = GradsConfig(data_path=str(docs_path), batch_size=16, module_filter=None,
+                            projection="kronecker" if projection == "raw" else projection,
+                            projection_dim=dim, storage_dtype=dtype, rows_per_shard=4096)
+        index_dir = work / f"index_{tag}_{projection}_{dim}_{dtype}"
+        start = time.perf_counter()
+        summary = build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)
+        index_s = time.perf_counter() - start
+        if summary.get("n_rows", n_docs) != n_docs:
+            raise RuntimeError(f"index has {summary.get('n_rows')} rows, expected {n_docs}")
+        for style in QUERY_STYLES:
+            start = time.perf_counter()
+            results = rank(index_dir, query_paths[style], top_k=n_docs, score="cosine", aggregate="mean",
+                           loaded=loaded)
+            out.append({"model": tag, "projection": projection, "projection_dim": dim, "storage_dtype": dtype,
+                        "query": style, "row_width": summary.get("row_width"), "index_s": index_s,
+                        "rank_s": time.perf_counter() - start,
+                        **metrics(target_ranks(results, corpus.targets))})
+    return out
+
+
+def run(n_entities: int = 40, epochs: int = 30, grid: list[tuple[str, int | None, str]] | None = None,
+        baseline: bool = True, seed: int = 0) -> dict[str, Any]:
+    """The whole benchmark; returns {"n_docs", "n_queries", "chance", "fine_tune", "rows"}."""
+    grid = FULL_GRID if grid is None else grid
+    torch.manual_seed(seed)
+    corpus = make_corpus(n_entities, seed=seed)
+    base = ModelConfig(name="builtin:tiny-gpt2", precision="float32")
+    with tempfile.TemporaryDirectory(prefix="planted_") as tmp:
+        work = Path(tmp)
+        docs_path = write_jsonl(work / "docs.jsonl", corpus.docs)
+        tuned, info = fine_tuned_model(base, docs_path, work / "fine_tuned", epochs=epochs, seed=seed)
+        rows = evaluate(tuned, ModelConfig(name=str(work / "fine_tuned"), precision="float32"), corpus, work,
+                        grid, "fine-tuned")
+        if baseline:
+            rows += evaluate(load_model(base, device=torch.device("cpu")), base, corpus, work, grid, "base")
+    n_docs = len(corpus.docs)
+    return {"n_entities": n_entities, "n_docs": n_docs, "n_queries": corpus.n_facts,
+            "chance": {"recall@1": 1 / n_docs, "recall@10": min(1.0, 10 / n_docs)},
+            "fine_tune": info, "module_filter": None, "score": "cosine", "rows": rows}
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    ft = report["fine_tune"]
+    console.print(f"{report['n_entities']} entities, {report['n_docs']} documents ({report['n_queries']} facts +"
+                  f" {report['n_docs'] - report['n_queries']} generic), {report['n_queries']} queries per style;"
+                  f" all linear modules of the blocks, cosine score")
+    console.print(f"fine-tune: {ft['epochs']} epochs, {ft['steps']} AdamW steps (lr {ft['lr']}, batch"
+                  f" {ft['batch_size']}), loss {ft['loss_first_epoch']:.3f} -> {ft['loss_last_epoch']:.3f}"
+                  f" in {ft['seconds']:.1f} s")
+    table = Table(title="planted-fact attribution")
+    for col in ("model", "projection", "dim", "storage", "query", "width", "recall@1", "recall@10", "MRR",
+                "index s", "rank s"):
+        table.add_column(col, justify="left" if col in ("model", "projection", "storage", "query") else "right")
+    for r in report["rows"]:
+        table.add_row(r["model"], r["projection"], str(r["projection_dim"] or "-"), r["storage_dtype"], r["query"],
+                      str(r["row_width"]), f"{r['recall@1']:.3f}", f"{r['recall@10']:.3f}", f"{r['mrr']:.3f}",
+                      f"{r['index_s']:.1f}", f"{r['rank_s']:.1f}")
+    console.print(table)
+    c = report["chance"]
+    console.print(f"chance: recall@1 {c['recall@1']:.3f}, recall@10 {c['recall@10']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--entities", type=int, default=40)
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--small", action="store_true", help="12 entities, raw + kronecker 256 only (seconds)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the un-fine-tuned model")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice, x3
+    start = time.perf_counter()
+    if args.small:
+        report = run(12, args.epochs, SMALL_GRID, baseline=not args.no_baseline)
+    else:
+        report = run(args.entities, args.epochs, FULL_GRID, baseline=not args.no_baseline)
+    report["wall_s"] = time.perf_counter() - start
+    console = Console(width=140)
+    print_report(report, console)
+    console.print(f"wall time {report['wall_s']:.1f} s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
