@@ -348,7 +348,7 @@ def check_overrides(overrides: Iterable[str]) -> None:
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     for ov in parsed:
         key = ov.key_or_group
-        if key.startswith("hydra.") or key == "hydra" or ov.is_delete():
+        if key.startswith(("hydra.", "hydra/")) or key == "hydra" or ov.is_delete():
             continue
         parts = key.split(".")
         if len(parts) == 1 and parts[0] in GROUPS and ov.package is None:

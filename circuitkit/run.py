@@ -17,7 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 from circuitkit.config import CONF_DIR, ConfigError, check_overrides, validate
 from circuitkit.pipeline import PipelineError, make_console, run_pipeline
 
-_console = make_console()
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
                      "--cfg", "-c", "--package", "-p", "--experimental-rerun"}
@@ -38,12 +37,15 @@ def overrides_from_argv(argv: list[str]) -> list[str]:
 
 
 def _fail(message: str, code: int) -> None:
-    _console.print(f"[bold red]error:[/bold red] {message}")
+    make_console().print(f"[bold red]error:[/bold red] {message}")
     sys.exit(code)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    # The console is made here, not at import: launchers (joblib, submitit) pickle this
+    # function with the module's globals when it runs as __main__, and a console holds a lock.
+    console = make_console()
     hc = HydraConfig.get()
     try:
         typed = validate(cfg)
@@ -51,11 +53,11 @@ def _hydra_main(cfg: DictConfig) -> None:
         _fail(str(err), 2)
     overrides = OmegaConf.to_container(hc.overrides.task)
     try:
-        run_pipeline(typed, Path(hc.runtime.output_dir), _console, overrides)
+        run_pipeline(typed, Path(hc.runtime.output_dir), console, overrides)
     except PipelineError as err:
         if hc.mode == RunMode.MULTIRUN:
             # Keep the sweep going; the sweep summary shows this job as failed.
-            _console.print(f"[bold red]job {hc.job.num} failed:[/bold red] {err}")
+            console.print(f"[bold red]job {hc.job.num} failed:[/bold red] {err}")
             return
         _fail(str(err), 1)
 
