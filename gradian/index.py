@@ -91,6 +91,10 @@ class IndexWriter:
                        "format_version": FORMAT_VERSION}
         self.index_dir.mkdir(parents=True, exist_ok=True)
         with self._manifest_lock():
+            # Manifest writes happen under this lock, so a temp manifest seen now is a killed
+            # run's leftover.
+            for stale in self.index_dir.glob(f".{MANIFEST}.*.tmp"):
+                stale.unlink(missing_ok=True)
             manifest = self._read()
             if manifest is None:
                 self._write({**self.header, "shards": {}, "complete": False})

@@ -63,6 +63,7 @@ def test_interrupted_run_resumes_to_identical_bytes(tmp_path):
     _build(tmp_path / "straight")
     _build(tmp_path / "resumed", shards_to_write=[0])  # "killed" after one shard
     (tmp_path / "resumed" / f".{shard_name(1)}.123.tmp").write_bytes(b"half a shard")  # killed mid-write
+    (tmp_path / "resumed" / ".manifest.json.456.tmp").write_bytes(b"{")  # killed while writing the manifest
     writer = IndexWriter(tmp_path / "resumed", HEADER, N, PER_SHARD)
     assert writer.pending() == [1, 2]
     assert not list((tmp_path / "resumed").glob("*.tmp"))
