@@ -71,8 +71,9 @@ def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def jsonl_objects(path: Path, expected: str, error: type[Exception] = ValueError) -> Iterator[tuple[str, Any]]:
-    """(`file:line`, parsed value) for every non-blank line of a JSONL file.
+def jsonl_objects(path: Path, expected: str,
+                  error: type[Exception] = ValueError) -> Iterator[tuple[int, str, Any]]:
+    """(line number, `file:line`, parsed value) for every non-blank line of a JSONL file.
 
     A line that is not valid JSON raises `error` naming `file:line` and `expected` (what each
     line should be). A UTF-8 byte-order mark written by some editors is tolerated.
@@ -87,4 +88,4 @@ def jsonl_objects(path: Path, expected: str, error: type[Exception] = ValueError
             except json.JSONDecodeError as err:
                 raise error(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be"
                             f" {expected}.") from None
-            yield where, value
+            yield lineno, where, value

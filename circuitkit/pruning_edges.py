@@ -16,11 +16,11 @@ import torch
 
 from circuitkit.attribution.eap import (
     HookSet,
-    _head_writes,
     cached_run,
     deltas,
     first_input,
     graph_of,
+    head_writes,
     replace_first,
 )
 from circuitkit.attribution.metrics import answer_forward, compute_metric
@@ -35,7 +35,7 @@ def upstream_writes(adapter: ModelAdapter, rec: dict) -> torch.Tensor:
     rows = [rec["embed"].float().unsqueeze(0)]
     for layer in range(adapter.n_layers):
         z = rec["z"][layer].unflatten(-1, (H, dh))
-        rows.append(_head_writes(adapter, layer, z, rec["attn_total"][layer]))
+        rows.append(head_writes(adapter, layer, z, rec["attn_total"][layer]))
         rows.append(rec["mlp"][layer].float().unsqueeze(0))
     return torch.cat(rows)
 
@@ -93,11 +93,11 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
         def z_hook(module, args, layer=layer):
             state["z"] = args[0]
             if adapter.post_attn_norm(layer) is None:
-                live.append(_head_writes(adapter, layer, args[0].unflatten(-1, (H, dh)), None))
+                live.append(head_writes(adapter, layer, args[0].unflatten(-1, (H, dh)), None))
         hk.pre(adapter.o_proj(layer), z_hook)
         if adapter.post_attn_norm(layer) is not None:
             def total_hook(module, args, layer=layer):
-                live.append(_head_writes(adapter, layer, state["z"].unflatten(-1, (H, dh)), args[0]))
+                live.append(head_writes(adapter, layer, state["z"].unflatten(-1, (H, dh)), args[0]))
             hk.pre(adapter.post_attn_norm(layer), total_hook)
 
         def mlp_in(module, args, out, layer=layer, cols=cols, mlp_spec=mlp_spec):

@@ -308,8 +308,7 @@ def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncati
     first_token_lines: list[int] = []  # rows whose token 0 was marked supervised (nothing predicts it)
     candidates: list[Row] = []
 
-    for where, obj in jsonl_objects(path, _EXPECTED, DataError):
-        lineno = int(where.rsplit(":", 1)[1])
+    for lineno, where, obj in jsonl_objects(path, _EXPECTED, DataError):
         kind = _check_row(obj, where)
         report.rows_read += 1
         if kind == "prompt":

@@ -83,16 +83,6 @@ def module_shapes(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, tuple[i
     return {name: module_shape(m) for name, m in modules}
 
 
-def _is_glob(pattern: str) -> bool:
-    return any(c in pattern for c in "*?[")
-
-
-def _matches(name: str, pattern: str) -> bool:
-    # A glob must match the whole name ("*.mlp.c_proj"); a plain pattern is a substring
-    # ("down_proj"), which is what users type most often. Shared with the memory estimate.
-    return module_pattern_matches(name, pattern)
-
-
 def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
     """The linear modules inside the transformer blocks whose full name matches a pattern.
 
@@ -114,7 +104,7 @@ def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) ->
         raise ValueError(f"No linear modules found in the blocks of {type(model).__name__}.")
     if not patterns:
         return candidates
-    chosen = [(n, m) for n, m in candidates if any(_matches(n, p) for p in patterns)]
+    chosen = [(n, m) for n, m in candidates if any(module_pattern_matches(n, p) for p in patterns)]
     if not chosen:
         # Show distinct module "kinds" (name without the layer index) first: more useful than
         # the first few names, which all belong to layer 0.

@@ -35,10 +35,6 @@ def make_model(dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def make_data(batch: int, seq: int, vocab: int) -> TaskData:
-    return random_pairs(batch, seq, vocab)
-
-
 def floor_pass(model: torch.nn.Module, data: TaskData, steps: int, answer_only: bool = False) -> None:
     """2 no-grad forwards + `steps` forward+backward passes w.r.t. the input embeddings.
 
@@ -82,7 +78,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     model = make_model(dtype)
     adapter = get_adapter(model)
-    data = make_data(args.batch, args.seq, model.config.vocab_size)
+    data = random_pairs(args.batch, args.seq, model.config.vocab_size)
     weights = module_bytes(model)
 
     rows = {}

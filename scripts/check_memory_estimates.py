@@ -28,7 +28,7 @@ from circuitkit.attribution.eap import attribute
 from circuitkit.device import measure_peak, module_bytes
 from circuitkit.memory import MiB, estimate_attribution, estimate_grads, shape_from_config
 from circuitkit.models.adapters import get_adapter
-from circuitkit.tasks.base import TaskData, random_pairs
+from circuitkit.tasks.base import random_pairs
 from gradian.capture import per_example_gradients
 from gradian.projection import Projector, module_shapes, select_modules
 
@@ -75,10 +75,6 @@ def build_model(name: str) -> torch.nn.Module:
     return model
 
 
-def make_data(batch: int, seq: int, vocab: int) -> TaskData:
-    return random_pairs(batch, seq, vocab)
-
-
 @dataclass
 class Row:
     model: str
@@ -96,7 +92,7 @@ def measure(name: str, level: str, batch: int, seq_len: int, ig_steps: int) -> R
     """One batch of eap-ig: measured peak vs estimate."""
     model = build_model(name)
     adapter = get_adapter(model)
-    data = make_data(batch, seq_len, model.config.vocab_size)
+    data = random_pairs(batch, seq_len, model.config.vocab_size)
     with measure_peak(torch.device("cpu"), resident_bytes=lambda: module_bytes(model)) as peak:
         attribute(adapter, data, "eap-ig", level, ig_steps=ig_steps, batch_size=batch, progress=False)
     est = estimate_attribution(shape_from_config(model.config), 4, batch, seq_len, "eap-ig", level, ig_steps)

@@ -93,7 +93,7 @@ def replace_first(args, kwargs, value):
     return args, {**kwargs, "hidden_states": value}
 
 
-def _head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total: torch.Tensor | None) -> torch.Tensor:
+def head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total: torch.Tensor | None) -> torch.Tensor:
     """What each head writes to the residual: (B, T, H, dh) -> (H, B, T, d_model) float32.
 
     Post-norm models (Gemma 3): γ ⊙ (W_O[h] z_h) / rms(total attention output), which sums
@@ -149,8 +149,8 @@ def deltas(adapter: ModelAdapter, clean: dict, corrupt: dict, edges: bool) -> di
         for layer in range(L):
             zc = clean["z"][layer].unflatten(-1, (H, adapter.head_dim))
             zx = corrupt["z"][layer].unflatten(-1, (H, adapter.head_dim))
-            rows.append(_head_writes(adapter, layer, zc, clean["attn_total"][layer])
-                        - _head_writes(adapter, layer, zx, corrupt["attn_total"][layer]))
+            rows.append(head_writes(adapter, layer, zc, clean["attn_total"][layer])
+                        - head_writes(adapter, layer, zx, corrupt["attn_total"][layer]))
             rows.append(d["mlp"][layer].unsqueeze(0))
         d["up"] = torch.cat(rows)  # (n_upstream, B, T, d_model)
     return d

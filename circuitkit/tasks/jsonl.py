@@ -70,7 +70,7 @@ def read_rows(path: Path) -> list[PairRow]:
         raise TaskError(f"discovery.data_params.data_path={str(path)!r} is a directory; the jsonl task"
                         " reads one .jsonl file.")
     rows: list[PairRow] = []
-    for where, obj in jsonl_objects(path, f"a JSON object with keys {', '.join(REQUIRED_KEYS)}"):
+    for _lineno, where, obj in jsonl_objects(path, f"a JSON object with keys {', '.join(REQUIRED_KEYS)}"):
         missing = [k for k in REQUIRED_KEYS if k not in obj]
         if missing:
             raise TaskError(f"{where}: missing key(s) {', '.join(missing)}; each row needs"

@@ -98,7 +98,7 @@ def read_csv(path: Path) -> list[Question]:
         start = 1
         try:
             for row in reader:
-                where = f"{path}:{start}"
+                lineno, where = start, f"{path}:{start}"
                 start = reader.line_num + 1
                 if not row or all(not cell.strip() for cell in row):
                     continue
@@ -109,7 +109,7 @@ def read_csv(path: Path) -> list[Question]:
                 if not question:
                     raise TaskError(f"{where}: the question (first column) is empty.")
                 out.append(Question(question, choices, _answer_index(row[-1], CSV_CHOICES, where), subject, where,
-                                    f"{path.name}:{where.rsplit(':', 1)[1]}"))
+                                    f"{path.name}:{lineno}"))
         except csv.Error as err:
             raise TaskError(f"{path}:{reader.line_num}: unreadable CSV ({err}).") from None
     return out
@@ -119,7 +119,7 @@ def read_jsonl(path: Path) -> list[Question]:
     """Questions of one JSONL file: {"question", "choices", "answer", optional "subject"}."""
     file_subject = subject_from_filename(path)
     out: list[Question] = []
-    for where, obj in jsonl_objects(path, "an object with keys question, choices, answer"):
+    for lineno, where, obj in jsonl_objects(path, "an object with keys question, choices, answer"):
         if any(k not in obj for k in ("question", "choices", "answer")):
             raise TaskError(f"{where}: expected an object with keys question, choices, answer; got keys"
                             f" {', '.join(obj) or '(none)'}.")
@@ -134,7 +134,7 @@ def read_jsonl(path: Path) -> list[Question]:
             raise TaskError(f"{where}: 'subject' must be a string, got {subject!r}.")
         out.append(Question(question.strip(), [c.strip() for c in choices],
                             _answer_index(obj["answer"], len(choices), where), subject or None, where,
-                            f"{path.name}:{where.rsplit(':', 1)[1]}"))
+                            f"{path.name}:{lineno}"))
     return out
 
 

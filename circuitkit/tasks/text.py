@@ -109,10 +109,10 @@ def as_path(data_path: str | Path, task: str) -> Path:
     return path
 
 
-def jsonl_objects(path: Path, expected: str) -> Iterator[tuple[str, dict]]:
-    """(`file:line`, object) for every non-blank line of a JSONL file; TaskError naming
+def jsonl_objects(path: Path, expected: str) -> Iterator[tuple[int, str, dict]]:
+    """(line number, `file:line`, object) for every non-blank line of a JSONL file; TaskError naming
     `file:line` for a line that is not a JSON object (`expected` says what it should be)."""
-    for where, obj in read_jsonl(path, expected, TaskError):
+    for lineno, where, obj in read_jsonl(path, expected, TaskError):
         if not isinstance(obj, dict):
             raise TaskError(f"{where}: expected {expected}, got {type(obj).__name__}.")
-        yield where, obj
+        yield lineno, where, obj
