@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-slow lint bench fixtures clean
+.PHONY: setup demo test test-slow lint bench peers bench-peers fixtures clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,15 @@ BENCH_SCRIPTS := $(wildcard scripts/bench_*.py)
 bench: setup
 	@test -n "$(BENCH_SCRIPTS)" || { echo "no benchmark scripts in scripts/ yet"; exit 1; }
 	@set -e; for script in $(BENCH_SCRIPTS); do $(BIN)/python "$$script"; done
+
+# The peer tools (bergson, traker, dattri; auto-circuit) in git-ignored venvs, never project
+# dependencies; see scripts/peers/setup_peers.sh for what is worked around.
+peers:
+	PYTHON=$(PYTHON) bash scripts/peers/setup_peers.sh
+
+bench-peers: setup peers
+	mkdir -p outputs
+	$(BIN)/python scripts/bench_peers.py --json outputs/bench_peers.json
 
 clean:
 	rm -rf outputs multirun .cache .pytest_cache

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# `make peers`: the peer tools in git-ignored virtual environments, never project dependencies.
+#
+#   .venv-peers        bergson, traker, dattri next to the CPU build of torch 2.13.0
+#   .venv-autocircuit  auto-circuit with transformer-lens<3 and transformers 4.x (torch 2.13.0)
+#
+# Workarounds (docs/benchmarks.md, "Peers"):
+# * bergson requires torchvision and torchaudio; from PyPI they pull torch 2.14.1 (a CUDA build,
+#   ~6 GB) in place of 2.13.0, and PyPI's torchvision does not import next to the 2.13.0 CPU wheel.
+#   bergson never imports them on the paths benchmarked, so it is installed with --no-deps and its
+#   other requirements are installed separately, with torch held at 2.13.0 by a constraint.
+# * transformer-lens 2.x holds numpy below 2, while the newest pyarrow (pulled by datasets)
+#   needs numpy 2: pyarrow is held below 23.
+# Each venv is rebuilt only when this script changes (a stamp file records the script's hash).
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+HERE=$(cd "$(dirname "$0")" && pwd)
+STAMP=$(sha256sum "$0" | cut -c1-16)
+TORCH=torch==2.13.0
+
+fresh() {  # fresh VENV: true when VENV needs (re)building; then it is removed and recreated
+  if [[ -f "$1/.peers-$STAMP" ]]; then echo "$1 is up to date"; return 1; fi
+  rm -rf "$1"
+  "$PYTHON" -m venv "$1"
+  "$1/bin/python" -m pip install --quiet --upgrade pip
+  "$1/bin/python" -m pip install --quiet "$TORCH"
+}
+
+CONSTRAINT=$(mktemp)
+trap 'rm -f "$CONSTRAINT"' EXIT
+echo "$TORCH" > "$CONSTRAINT"
+
+if fresh .venv-peers; then
+  pip=(.venv-peers/bin/python -m pip install --quiet -c "$CONSTRAINT")
+  "${pip[@]}" --no-deps bergson
+  mapfile -t bergson_deps < <(.venv-peers/bin/python "$HERE/requirements_without.py" bergson torchvision torchaudio)
+  "${pip[@]}" "${bergson_deps[@]}" traker dattri
+  touch ".venv-peers/.peers-$STAMP"
+fi
+
+if fresh .venv-autocircuit; then
+  .venv-autocircuit/bin/python -m pip install --quiet -c "$CONSTRAINT" \
+    auto-circuit "transformer-lens<3" "transformers>=4.40,<5" "pyarrow>=21,<23"
+  touch ".venv-autocircuit/.peers-$STAMP"
+fi
+
+for venv in .venv-peers .venv-autocircuit; do
+  echo "$venv:"
+  "$venv/bin/python" -m pip list --format=freeze 2>/dev/null \
+    | grep -iE '^(torch|transformers|transformer-lens|auto-circuit|bergson|traker|dattri|numpy)==' | sed 's/^/  /'
+done

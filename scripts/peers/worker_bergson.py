@@ -1,0 +1,107 @@
+"""bergson's side of bench_peers: index the docs and the queries with `bergson.build`, score by cosine.
+
+Runs in `.venv-peers` (see scripts/peers/setup_peers.sh):
+
+    .venv-peers/bin/python scripts/peers/worker_bergson.py --spec SPEC.json --out RESULT.json
+
+bergson is called in-process through its own build entry point (what `bergson build` runs), with
+the prompt/completion columns (loss on completion tokens only), float32, every linear module of
+the blocks (bergson's default set, which for GPT-2's Conv1D modules is the same eight/sixteen
+modules Gradian indexes), biases excluded, and a per-module two-sided projection of
+sqrt(per_module_dim) x sqrt(per_module_dim): the same shape as Gradian's kronecker projection.
+Timed: the docs build, from the JSONL file to bergson's on-disk index (model load included, as
+for Gradian), the second time in the process (the first, reported as cold, pays the imports). Scores: cosine of the stored rows, as Gradian's default `rank`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peak import measured  # noqa: E402
+
+
+def index(spec: dict, data_path: str, run_path: Path, token_batch_size: int):
+    """bergson's `build` of one JSONL file into run_path; returns the (rows, width) gradients."""
+    from bergson import load_gradients
+    from bergson.build import build
+    from bergson.config.config import DataConfig, IndexConfig, PreprocessConfig
+
+    cfg = IndexConfig(
+        run_path=str(run_path), overwrite=True, model=spec["model_dir"], precision="fp32",
+        projection_dim=math.isqrt(spec["per_module_dim"]), projection_seed=spec["seed"],
+        token_batch_size=token_batch_size, loss_reduction="sum",
+        data=DataConfig(dataset=data_path, prompt_column="prompt", completion_column="completion"))
+    build(cfg, PreprocessConfig())
+    return load_gradients(run_path)
+
+
+def cosine(queries, docs):
+    import numpy as np
+
+    q = np.asarray(queries, dtype=np.float64)
+    d = np.asarray(docs, dtype=np.float64)
+    q /= np.linalg.norm(q, axis=1, keepdims=True) + 1e-30
+    d /= np.linalg.norm(d, axis=1, keepdims=True) + 1e-30
+    return q @ d.T
+
+
+def run(spec: dict) -> dict:
+    import bergson
+    from transformers import AutoConfig
+
+    work = Path(spec["work_dir"])
+    n_positions = getattr(AutoConfig.from_pretrained(spec["model_dir"]), "n_positions", 1024)
+    # bergson batches by tokens and refuses a budget above the model's context length.
+    token_batch_size = min(n_positions, spec["batch_size"] * spec["max_length"])
+    with measured() as cold:  # first build in this process: lazy imports, dataset caches
+        index(spec, spec["docs"], work / "bergson_warmup", token_batch_size)
+    with measured() as m:
+        docs = index(spec, spec["docs"], work / "bergson_docs", token_batch_size)
+    gradients_file = work / "bergson_docs" / "gradients.bin"
+    scores, query_s = {}, 0.0
+    for style, path in spec["queries"].items():
+        with measured() as q:
+            queries = index(spec, path, work / f"bergson_queries_{style}", token_batch_size)
+        query_s += q.seconds
+        scores[style] = cosine(queries, docs).tolist()
+    return {"tool": "bergson", "version": bergson.__version__,
+            "method": f"bergson build, per-module {math.isqrt(spec['per_module_dim'])}x"
+                      f"{math.isqrt(spec['per_module_dim'])} rademacher, float32 rows",
+            "n_rows": int(docs.shape[0]), "cold_seconds": cold.seconds, "index_seconds": m.seconds, "index_peak_bytes": m.peak_bytes,
+            "query_seconds": query_s, "row_width": int(docs.shape[1]),
+            "bytes_per_row": gradients_file.stat().st_size / docs.shape[0],
+            "scores": scores, "scoring": "cosine of bergson's stored rows",
+            "notes": [f"token_batch_size {token_batch_size} (bergson batches by tokens, capped at the"
+                      " model's context length)"],
+            "error": None}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--spec", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    spec = json.loads(args.spec.read_text())
+    try:
+        result = run(spec)
+    except Exception as exc:  # the table shows why bergson could not run, the benchmark goes on
+        tail = traceback.format_exc().strip().splitlines()[-6:]
+        result = {"tool": "bergson", "error": f"{type(exc).__name__}: {exc}", "traceback": tail}
+    args.out.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

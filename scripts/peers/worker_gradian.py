@@ -1,0 +1,91 @@
+"""Gradian's side of bench_peers, in a process of its own like every peer.
+
+    .venv/bin/python scripts/peers/worker_gradian.py --spec SPEC.json --out RESULT.json [--storage float16]
+
+`build_index` from the JSONL file to the on-disk index (model load included, as for bergson;
+timed the second time in the process, the first, reported as cold, pays the imports),
+kronecker projection of per_module_dim per module over every linear module of the blocks,
+float32 model; then `rank` with the cosine score for each query file (all docs returned, so the
+orchestrator can compute recall and MRR from the full score matrix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peak import measured  # noqa: E402
+
+
+def score_matrix(results: list[dict], n_queries: int, n_docs: int) -> list[list[float]]:
+    """Rank results (query, row_id, score) as an n_queries x n_docs matrix."""
+    matrix = [[float("-inf")] * n_docs for _ in range(n_queries)]
+    for r in results:
+        if r["query"] != "aggregate":
+            matrix[r["query"]][r["row_id"]] = r["score"]
+    return matrix
+
+
+def run(spec: dict, storage: str) -> dict:
+    from rich.console import Console
+
+    from circuitkit.config import GradsConfig, ModelConfig
+    from gradian import __version__
+    from gradian.indexer import build_index
+    from gradian.rank import rank
+
+    logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice
+    work = Path(spec["work_dir"])
+    model_cfg = ModelConfig(name=spec["model_dir"], precision="float32")
+    grads = GradsConfig(data_path=spec["docs"], batch_size=spec["batch_size"], max_seq_length=spec["max_length"],
+                        module_filter=None, projection="kronecker", projection_dim=spec["per_module_dim"],
+                        projection_seed=spec["seed"], storage_dtype=storage)
+    index_dir = work / f"gradian_{storage}"
+    quiet = Console(stderr=True, quiet=True)
+    with measured() as cold:  # first build in this process: lazy imports
+        build_index(model_cfg, grads, work / f"gradian_{storage}_warmup", quiet)
+    with measured() as m:
+        summary = build_index(model_cfg, grads, index_dir, quiet)
+    n_docs = summary["n_rows"]
+    shard_bytes = sum(p.stat().st_size for p in index_dir.glob("*.safetensors"))
+    scores, query_s = {}, 0.0
+    for style, path in spec["queries"].items():
+        n_queries = sum(1 for line in Path(path).read_text().splitlines() if line.strip())
+        with measured() as q:
+            results = rank(index_dir, path, top_k=n_docs, score="cosine", aggregate="mean")
+        query_s += q.seconds
+        scores[style] = score_matrix(results, n_queries, n_docs)
+    return {"tool": "gradian", "version": __version__,
+            "method": f"gradian build_index, kronecker {spec['per_module_dim']} per module, {storage} rows",
+            "n_rows": n_docs, "cold_seconds": cold.seconds, "index_seconds": m.seconds, "index_peak_bytes": m.peak_bytes,
+            "query_seconds": query_s, "row_width": summary["row_width"], "bytes_per_row": shard_bytes / n_docs,
+            "scores": scores, "scoring": "gradian rank, cosine", "notes": [], "error": None}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--spec", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--storage", default="float16", choices=("float16", "bfloat16", "float32"))
+    args = p.parse_args()
+    spec = json.loads(args.spec.read_text())
+    try:
+        result = run(spec, args.storage)
+    except Exception as exc:
+        tail = traceback.format_exc().strip().splitlines()[-6:]
+        result = {"tool": "gradian", "error": f"{type(exc).__name__}: {exc}", "traceback": tail}
+    args.out.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
