@@ -140,23 +140,32 @@ def target_ranks(scores: list[list[float]], targets: list[int]) -> list[int]:
     return [1 + sum(s > row[t] for s in row) for row, t in zip(scores, targets, strict=True)]
 
 
-def summarize(runs: list[dict[str, Any]], targets: list[int]) -> dict[str, Any]:
-    """One tool at one dim: timing of the first seed's run, recall and MRR averaged over the seeds."""
+# Scorings a worker may add beside its own ("scores"), reported as rows of their own.
+EXTRA_SCORINGS = {"scores_cosine": "cosine of the same stored rows", "scores_efim": "eFIM-preconditioned"}
+
+
+def summarize(runs: list[dict[str, Any]], targets: list[int], key: str = "scores") -> dict[str, Any]:
+    """One tool at one dim: timing of the first seed's run, recall and MRR averaged over the seeds.
+
+    key: which score matrices to rank ("scores", the tool's own, or one of EXTRA_SCORINGS).
+    """
     ok = [r for r in runs if not r.get("error")]
     if not ok:
         return {"tool": runs[0]["tool"], "error": runs[0]["error"]}
     first = ok[0]
-    out = {k: first.get(k) for k in ("tool", "version", "method", "scoring", "n_rows", "row_width",
-                                     "bytes_per_row", "index_seconds", "index_peak_bytes", "query_seconds")}
+    out = {k: first.get(k) for k in ("tool", "version", "method", "scoring", "n_rows", "row_width", "bytes_per_row",
+                                     "cold_seconds", "index_seconds", "index_peak_bytes", "query_seconds")}
+    if key != "scores":
+        out["tool"], out["scoring"] = f"{first['tool']} ({key.removeprefix('scores_')})", EXTRA_SCORINGS[key]
     out["examples_per_s"] = first["n_rows"] / first["index_seconds"]
     out["notes"] = first.get("notes", [])
     out["seeds"] = len(ok)
-    for style in first["scores"]:
-        per_seed = [metrics(target_ranks(r["scores"][style], targets)) for r in ok]
-        for key in ("recall@10", "mrr"):
-            values = [m[key] for m in per_seed]
-            out[f"{style}_{key}"] = statistics.mean(values)
-            out[f"{style}_{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+    for style in first[key]:
+        per_seed = [metrics(target_ranks(r[key][style], targets)) for r in ok]
+        for name in ("recall@10", "mrr"):
+            values = [m[name] for m in per_seed]
+            out[f"{style}_{name}"] = statistics.mean(values)
+            out[f"{style}_{name}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
     return out
 
 
@@ -177,6 +186,8 @@ def run_indexing(data: dict[str, Any], work: Path, tools: list[str], dims: list[
                 if runs[-1].get("error"):
                     break  # the same error on every seed
             rows.append({"per_module_dim": dim, **summarize(runs, data["targets"])})
+            rows += [{"per_module_dim": dim, **summarize(runs, data["targets"], key)}
+                     for key in EXTRA_SCORINGS if not runs[0].get("error") and key in runs[0]]
     return rows
 
 
