@@ -110,6 +110,93 @@ def prepare(work: Path, shape: str, n_entities: int, epochs: int) -> dict[str, A
                                          "vocab": cfg.vocab_size}}
 
 
+THROUGHPUT = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024}
+THROUGHPUT_PROMPT, THROUGHPUT_COMPLETION, THROUGHPUT_DIM = 48, 16, 324  # tokens; 18 x 18 per module
+
+
+def prepare_throughput(work: Path, n_rows: int) -> dict[str, Any]:
+    """DESIGN.md's indexing scale: a GPT-2-small-shaped model (random weights, float32), rows of
+    about 64 tokens of which the last 16 are the completion, the 12 MLP output projections."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from circuitkit.models.tiny import synthetic_corpus
+
+    tokenizer = load_model(ModelConfig(name="builtin:tiny-gpt2", precision="float32")).tokenizer
+    tokenizer.chat_template = CONCAT_TEMPLATE
+    tokenizer.model_max_length = THROUGHPUT["n_positions"]
+    torch.manual_seed(0)
+    model_dir = work / "gpt2_small_shape"
+    GPT2LMHeadModel(GPT2Config(**THROUGHPUT)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    sentences = iter(synthetic_corpus(n_sentences=40 * n_rows, seed=7))
+    rows = []
+    for _ in range(n_rows):
+        ids: list[int] = []
+        while len(ids) < THROUGHPUT_PROMPT + THROUGHPUT_COMPLETION:
+            ids += tokenizer(" " + next(sentences), add_special_tokens=False)["input_ids"]
+        rows.append({"prompt": tokenizer.decode(ids[:THROUGHPUT_PROMPT]),
+                     "completion": tokenizer.decode(ids[THROUGHPUT_PROMPT:THROUGHPUT_PROMPT + THROUGHPUT_COMPLETION])})
+    docs = write_jsonl(work / "throughput_rows.jsonl", rows)
+    queries = {"full": str(write_jsonl(work / "throughput_queries.jsonl", rows[:4]))}
+    modules = [f"transformer.h.{layer}.mlp.c_proj" for layer in range(THROUGHPUT["n_layer"])]
+    return {"model_dir": str(model_dir), "docs": str(docs), "queries": queries, "modules": modules,
+            "n_docs": n_rows}
+
+
+# The model dtypes of the throughput workload, and the tools run in each (dattri's LoGra runs in float32 only).
+THROUGHPUT_DTYPES = {"float32": ("gradian", "bergson", "dattri"), "bfloat16": ("gradian", "bergson")}
+
+
+def run_throughput(work: Path, tools: list[str], n_rows: int, batch_size: int, timeout: float,
+                   console: Console) -> list[dict[str, Any]]:
+    """Examples/s and peak of each tool on the throughput workload, per model dtype (no recall)."""
+    data = prepare_throughput(work, n_rows)
+    rows = []
+    for precision, dtype_tools in THROUGHPUT_DTYPES.items():
+        for tool in [t for t in tools if t in dtype_tools]:
+            tool_work = work / f"throughput_{tool}_{precision}"
+            tool_work.mkdir(parents=True, exist_ok=True)
+            spec = {k: data[k] for k in ("model_dir", "docs", "queries", "modules")}
+            spec.update(per_module_dim=THROUGHPUT_DIM, total_dim=THROUGHPUT_DIM * len(data["modules"]),
+                        batch_size=batch_size, max_length=256, seed=0, work_dir=str(tool_work), precision=precision,
+                        floor=tool == "gradian")
+            console.print(f"[dim]throughput: {tool}, {precision}...[/dim]")
+            result = run_worker(tool, spec, tool_work, timeout)
+            if result.get("error"):
+                rows.append({"tool": tool, "precision": precision, "error": result["error"]})
+                continue
+            keep = ("tool", "version", "method", "n_rows", "row_width", "bytes_per_row", "cold_seconds",
+                    "index_seconds", "index_peak_bytes", "notes")
+            rows.append({k: result.get(k) for k in keep}
+                        | {"precision": precision, "examples_per_s": result["n_rows"] / result["index_seconds"]})
+            for key, name in (("floor_seconds", "floor: fwd+bwd, full logits"),
+                              ("floor_supervised_seconds", "floor: fwd+bwd, supervised logits")):
+                if key in result:
+                    rows.append({"tool": name, "precision": precision, "n_rows": result["n_rows"],
+                                 "index_seconds": result[key], "examples_per_s": result["n_rows"] / result[key]})
+    return rows
+
+
+def print_throughput_table(rows: list[dict[str, Any]], n_rows: int, console: Console) -> None:
+    table = Table(title=f"indexing throughput: GPT-2-small shape (random weights), {n_rows} rows of ~64 tokens"
+                        f" ({THROUGHPUT_COMPLETION} supervised), 12 x mlp.c_proj, 18 x 18 per module")
+    for col in ("tool", "model dtype", "examples/s", "gradian speed-up", "peak MiB", "bytes/row", "timed s", "cold s"):
+        table.add_column(col, justify="left" if col in ("tool", "model dtype") else "right")
+    for r in rows:
+        if r.get("error"):
+            table.add_row(r["tool"], r["precision"], "-", "-", "-", "-", "-", f"[red]cannot run: {r['error']}[/red]")
+            continue
+        ours = next((o for o in rows if o["tool"] == "gradian" and o["precision"] == r["precision"]
+                     and not o.get("error")), None)
+        speedup = f"{ours['examples_per_s'] / r['examples_per_s']:.2f}x" if ours else "-"
+        floor = r["tool"].startswith("floor")
+        table.add_row(r["tool"], r["precision"], f"{r['examples_per_s']:.2f}", speedup,
+                      "-" if floor else f"{r['index_peak_bytes'] / 2**20:.0f}",
+                      "-" if floor else f"{r['bytes_per_row']:.0f}", f"{r['index_seconds']:.1f}",
+                      "-" if floor else f"{r['cold_seconds'] or 0:.1f}")
+    console.print(table)
+
+
 # -- running the workers -----------------------------------------------------------------------
 def run_worker(tool: str, spec: dict[str, Any], work: Path, timeout: float) -> dict[str, Any]:
     """One tool's worker in its own venv; a dict with `error` when it cannot run."""
@@ -219,16 +306,21 @@ def chance_mrr(n: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="12 entities, 1 seed, gradian and bergson only")
+    p.add_argument("--quick", action="store_true",
+                   help="12 entities, 1 seed, gradian and bergson only, no throughput workload")
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--entities", type=int, default=40)
     p.add_argument("--epochs", type=int, default=5, help="fine-tuning epochs (5: learnt, not memorised)")
-    p.add_argument("--seeds", type=int, default=3, help="projection seeds per tool (recall is averaged)")
+    p.add_argument("--seeds", type=int, default=5, help="projection seeds per tool (recall is averaged)")
     p.add_argument("--dims", default="256", help="per-module projection widths, comma-separated squares")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"subset of {','.join(TOOLS)}")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker run")
     p.add_argument("--no-circuit", action="store_true", help="skip CircuitKit vs auto-circuit")
+    p.add_argument("--throughput-rows", type=int, default=48,
+                   help="rows of the GPT-2-small-shape throughput workload (0 skips it)")
+    p.add_argument("--throughput-tools", default="gradian,bergson,dattri",
+                   help="tools on the throughput workload (TRAK's CPU projector is out of reach at this size)")
     p.add_argument("--work", type=Path, default=None, help="keep the work files here (default: a temp dir)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -238,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--tools: unknown {unknown}; valid: {', '.join(TOOLS)}")
     if args.quick:
-        args.entities, args.seeds = 12, 1
+        args.entities, args.seeds, args.throughput_rows = 12, 1, 0
         tools = [t for t in tools if t in ("gradian", "bergson")]
     dims = [int(d) for d in args.dims.split(",")]
     console = Console(width=160)
@@ -257,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         report["indexing"] = run_indexing(data, work, tools, dims, args.seeds, args.batch_size, args.timeout,
                                           console)
         print_indexing_table(report, console)
+        if args.throughput_rows:
+            chosen = [t.strip() for t in args.throughput_tools.split(",") if t.strip() in TOOLS]
+            report["throughput"] = run_throughput(work / "throughput", chosen, args.throughput_rows,
+                                                  args.batch_size, args.timeout, console)
+            print_throughput_table(report["throughput"], args.throughput_rows, console)
         if not args.no_circuit:
             sys.path.insert(0, str(PEERS))
             from circuit_peers import print_circuit_table, run_circuit_peers

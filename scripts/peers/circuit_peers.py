@@ -242,8 +242,9 @@ def _top_heads(head: list[list[float]], k: int = 2) -> list[str]:
 
 
 def _edge_rank(edges: list, up: str, down: str) -> int:
+    """1-based rank of edge (up, down) by |score|."""
     order = sorted(edges, key=lambda e: -abs(e[2]))
-    return next(i for i, (u, d, _) in enumerate(order) if (u, d) == (up, down))
+    return next(i for i, (u, d, _) in enumerate(order, start=1) if (u, d) == (up, down))
 
 
 def induction_check(work: Path, console, steps: int = 5) -> dict:

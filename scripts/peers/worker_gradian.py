@@ -4,7 +4,7 @@
 
 `build_index` from the JSONL file to the on-disk index (model load included, as for bergson;
 timed the second time in the process, the first, reported as cold, pays the imports),
-kronecker projection of per_module_dim per module over every linear module of the blocks,
+kronecker projection of per_module_dim per module over the spec's modules (full names),
 float32 model; then `rank` with the cosine score for each query file (all docs returned, so the
 orchestrator can compute recall and MRR from the full score matrix).
 """
@@ -35,6 +35,42 @@ def score_matrix(results: list[dict], n_queries: int, n_docs: int) -> list[list[
     return matrix
 
 
+def floor_seconds(spec: dict, supervised_logits_only: bool) -> float:
+    """The floor of any per-example method, timed like the index (second pass in the process): one
+    batched forward+backward of the same batches with frozen parameters, activation gradients only,
+    loss over the completion tokens; logits everywhere (a plain model call) or only where supervised."""
+    import torch
+    import torch.nn.functional as F
+
+    from circuitkit.config import ModelConfig
+    from circuitkit.models.loading import load_model
+    from gradian.capture import supervised_positions
+    from gradian.data import batches, collate, load_rows
+
+    loaded = load_model(ModelConfig(name=spec["model_dir"], precision=spec.get("precision", "float32")))
+    rows, _ = load_rows(spec["docs"], loaded.tokenizer, spec["max_length"])
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    embed = loaded.model.get_input_embeddings()
+
+    def one_pass() -> None:
+        for chunk in batches(rows, spec["batch_size"]):
+            batch = collate(chunk, pad)
+            ex, pos, target = supervised_positions(batch)
+            embeds = embed(batch["input_ids"]).detach().requires_grad_(True)
+            if supervised_logits_only:
+                hidden = loaded.adapter._base(inputs_embeds=embeds, attention_mask=batch["attention_mask"])
+                logits = loaded.adapter.unembed(hidden.last_hidden_state[ex, pos])
+            else:
+                logits = loaded.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits[ex, pos]
+            loss = F.cross_entropy(logits.float(), target, reduction="sum")
+            torch.autograd.grad(loss, embeds)
+
+    one_pass()
+    with measured() as m:
+        one_pass()
+    return m.seconds
+
+
 def run(spec: dict, storage: str) -> dict:
     from rich.console import Console
 
@@ -45,9 +81,9 @@ def run(spec: dict, storage: str) -> dict:
 
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice
     work = Path(spec["work_dir"])
-    model_cfg = ModelConfig(name=spec["model_dir"], precision="float32")
+    model_cfg = ModelConfig(name=spec["model_dir"], precision=spec.get("precision", "float32"))
     grads = GradsConfig(data_path=spec["docs"], batch_size=spec["batch_size"], max_seq_length=spec["max_length"],
-                        module_filter=None, projection="kronecker", projection_dim=spec["per_module_dim"],
+                        module_filter=spec["modules"], projection="kronecker", projection_dim=spec["per_module_dim"],
                         projection_seed=spec["seed"], storage_dtype=storage)
     index_dir = work / f"gradian_{storage}"
     quiet = Console(stderr=True, quiet=True)
@@ -65,10 +101,13 @@ def run(spec: dict, storage: str) -> dict:
         query_s += q.seconds
         scores[style] = score_matrix(results, n_queries, n_docs)
     return {"tool": "gradian", "version": __version__,
-            "method": f"gradian build_index, kronecker {spec['per_module_dim']} per module, {storage} rows",
+            "method": f"gradian build_index, kronecker {spec['per_module_dim']} per module,"
+                      f" {spec.get('precision', 'float32')} model, {storage} rows",
             "n_rows": n_docs, "cold_seconds": cold.seconds, "index_seconds": m.seconds, "index_peak_bytes": m.peak_bytes,
             "query_seconds": query_s, "row_width": summary["row_width"], "bytes_per_row": shard_bytes / n_docs,
-            "scores": scores, "scoring": "gradian rank, cosine", "notes": [], "error": None}
+            "scores": scores, "scoring": "gradian rank, cosine", "notes": [], "error": None,
+            **({"floor_seconds": floor_seconds(spec, False), "floor_supervised_seconds": floor_seconds(spec, True)}
+               if spec.get("floor") else {})}
 
 
 def main() -> int:
