@@ -1,20 +1,17 @@
 """Rows, batches and the worker contract shared by the peer-library workers (traker, dattri).
 
-Tokenization follows Gradian's `{"prompt", "completion"}` rows exactly (gradian/data.py), so every
-tool sees the same tokens and the same supervised positions:
-
-* prompt and completion are tokenized in separate calls with ``add_special_tokens=False`` and
-  concatenated (no BPE merge across the boundary);
-* BOS is prepended only when the tokenizer adds one by itself (not for GPT-2);
-* EOS is appended, supervised, when the tokenizer has one and the completion is not empty;
-* rows longer than ``max_length`` are cut on the right; token 0 is never supervised.
+Tokenization is Gradian's own (`gradian.data.load_rows`, importable here: it needs only torch and
+safetensors), so every tool sees the same tokens and the same supervised positions: prompt and
+completion tokenized separately and concatenated, BOS only when the tokenizer adds one itself,
+a supervised EOS after the completion.
 
 Labels follow the Hugging Face convention: same positions as ``input_ids`` (the model shifts them),
 -100 on prompt and padding. A row's loss is the SUM of the token cross-entropies of its supervised
 tokens. Rows are never dropped: a row with no supervised token raises, so score columns always line
 up with the lines of the JSONL file.
 
-Only torch, json, transformers and the standard library are imported: this runs in the peer venvs.
+Only torch, transformers, gradian.data and the standard library are imported: this runs in the
+peer venvs.
 """
 
 from __future__ import annotations
@@ -34,6 +31,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for gradian.data
+
 IGNORE = -100
 Row = tuple[list[int], list[int]]  # (input ids, labels with -100 where not supervised)
 
@@ -51,46 +50,20 @@ def load_model_and_tokenizer(model_dir: str) -> tuple[torch.nn.Module, Any]:
     return model, tokenizer
 
 
-def adds_bos(tokenizer: Any) -> bool:
-    """Whether the tokenizer prepends BOS by itself (Llama-style) rather than leaving it out (GPT-2)."""
-    bos = tokenizer.bos_token_id
-    if bos is None:
-        return False
-    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
-    without = tokenizer("a", add_special_tokens=False)["input_ids"]
-    return bool(with_special) and with_special[0] == bos and (not without or without[0] != bos)
-
-
-def encode_row(tokenizer: Any, prompt: str, completion: str, bos: bool, max_length: int) -> Row:
-    """Token ids and labels of one prompt/completion row, cut to `max_length` tokens."""
-    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-    c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] if completion else []
-    head = [tokenizer.bos_token_id] if bos else []
-    eos = tokenizer.eos_token_id
-    tail = [eos] if (eos is not None and c_ids) else []
-    ids = (head + p_ids + c_ids + tail)[:max_length]
-    n_unsupervised = len(head) + len(p_ids)
-    labels = [IGNORE if i < n_unsupervised else tok for i, tok in enumerate(ids)]
-    labels[0] = IGNORE  # no logit predicts token 0
-    return ids, labels
-
-
 def load_rows(path: str, tokenizer: Any, max_length: int) -> list[Row]:
-    """All rows of a JSONL file of {"prompt", "completion"} objects, in file order (blank lines skipped)."""
-    bos = adds_bos(tokenizer)
-    rows: list[Row] = []
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            ids, labels = encode_row(tokenizer, obj["prompt"], obj["completion"], bos, max_length)
-            if all(label == IGNORE for label in labels):
-                raise ValueError(f"{path}:{lineno}: no supervised token left with max_length={max_length};"
-                                 " raise max_length or fix the row (rows are never dropped, so scores keep"
-                                 " the file's row order).")
-            rows.append((ids, labels))
-    return rows
+    """All rows of a JSONL file, tokenized by Gradian's own reader (gradian/data.py), in file order.
+
+    Rows are never dropped: a row cut or left without a supervised token raises, so the score
+    columns line up with the lines of the file.
+    """
+    from gradian.data import load_rows as gradian_rows
+
+    rows, report = gradian_rows(path, tokenizer, max_length, on_truncation="error")
+    if report.dropped_unsupervised:
+        raise ValueError(f"{path}: {report.summary()}: rows without a supervised token would be dropped;"
+                         " fix them (scores must keep the file's row order).")
+    return [(r.input_ids, [tok if sup else IGNORE for tok, sup in zip(r.input_ids, r.supervised, strict=True)])
+            for r in rows]
 
 
 def pad_id(tokenizer: Any) -> int:
