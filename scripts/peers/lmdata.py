@@ -40,12 +40,13 @@ Row = tuple[list[int], list[int]]  # (input ids, labels with -100 where not supe
 # ----------------------------------------------------------------------------- tokenizing
 
 
-def load_model_and_tokenizer(model_dir: str) -> tuple[torch.nn.Module, Any]:
-    """The causal LM in `model_dir` in float32 eval mode on CPU, and its tokenizer (local files only)."""
+def load_model_and_tokenizer(model_dir: str, precision: str = "float32") -> tuple[torch.nn.Module, Any]:
+    """The causal LM in `model_dir` in eval mode on CPU in `precision` (a torch dtype name), and its
+    tokenizer (local files only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=getattr(torch, precision))
     model.eval()
     return model, tokenizer
 

@@ -67,7 +67,7 @@ class BiasFreeLinear(nn.Module):
     def __init__(self, weight_out_in: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         out_features, in_features = weight_out_in.shape
-        self.linear = nn.Linear(in_features, out_features, bias=False)
+        self.linear = nn.Linear(in_features, out_features, bias=False, dtype=weight_out_in.dtype)
         self.linear.weight.data.copy_(weight_out_in)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
@@ -214,7 +214,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     # between runs would make index_seconds depend on what ran before.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor")
     torch.manual_seed(spec["seed"])
-    raw, tokenizer = load_model_and_tokenizer(spec["model_dir"])
+    raw, tokenizer = load_model_and_tokenizer(spec["model_dir"], spec.get("precision", "float32"))
     pad = pad_id(tokenizer)
     doc_rows = load_rows(spec["docs"], tokenizer, spec["max_length"])
     docs = loader(doc_rows, spec["batch_size"], pad)
@@ -232,7 +232,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
 
     per_side = int(round(spec["per_module_dim"] ** 0.5))
     result["method"] = (f"LoGra {per_side}x{per_side} per module ({len(layer_names)} modules, weights only), "
-                        "Gaussian factors, Identity hessian, offload cpu, float32, CPU")
+                        f"Gaussian factors, Identity hessian, offload cpu, {spec.get('precision', 'float32')}, CPU")
     result["n_rows"] = len(doc_rows)
     # Timed as every worker: the second build in the process. The first (cold) pays the lazy imports
     # and Inductor's compilation of LoGra's compressor for every sequence length.
