@@ -54,13 +54,13 @@ from gradian.projection import select_modules  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "scripts" / "peers"
-# tool -> (virtual environment, worker script, extra arguments)
-TOOLS: dict[str, tuple[str, str, list[str]]] = {
-    "gradian": (".venv", "worker_gradian.py", ["--storage", "float16"]),
-    "gradian-fp32": (".venv", "worker_gradian.py", ["--storage", "float32"]),
-    "bergson": (".venv-peers", "worker_bergson.py", []),
-    "traker": (".venv-peers", "worker_trak.py", []),
-    "dattri": (".venv-peers", "worker_dattri.py", []),
+# tool -> (virtual environment, worker script, spec entries of its own)
+TOOLS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gradian": (".venv", "worker_gradian.py", {"storage_dtype": "float16"}),
+    "gradian-fp32": (".venv", "worker_gradian.py", {"storage_dtype": "float32"}),
+    "bergson": (".venv-peers", "worker_bergson.py", {}),
+    "traker": (".venv-peers", "worker_trak.py", {}),
+    "dattri": (".venv-peers", "worker_dattri.py", {}),
 }
 # bergson formats prompt/completion rows with the tokenizer's chat template. For every tool to see
 # the same tokens (the prompt's then the completion's, loss on the completion), the benchmark's
@@ -200,14 +200,14 @@ def print_throughput_table(rows: list[dict[str, Any]], n_rows: int, console: Con
 # -- running the workers -----------------------------------------------------------------------
 def run_worker(tool: str, spec: dict[str, Any], work: Path, timeout: float) -> dict[str, Any]:
     """One tool's worker in its own venv; a dict with `error` when it cannot run."""
-    venv, script, extra = TOOLS[tool]
+    venv, script, own = TOOLS[tool]
     python = venv_python(venv)
     if not python.exists():
         return {"tool": tool, "error": f"{venv} does not exist: run `make peers` first"}
     spec_path, out_path = work / f"spec_{tool}.json", work / f"result_{tool}.json"
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(json.dumps(spec | own))
     out_path.unlink(missing_ok=True)
-    cmd = [str(python), str(PEERS / script), "--spec", str(spec_path), "--out", str(out_path), *extra]
+    cmd = [str(python), str(PEERS / script), "--spec", str(spec_path), "--out", str(out_path)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                               env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

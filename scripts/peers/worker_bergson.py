@@ -15,12 +15,10 @@ Scores: cosine of the stored rows, as Gradian's default `rank`.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
-import traceback
+from importlib.metadata import version
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +27,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lmdata import cosine_scores, run_worker  # noqa: E402
 from peak import measured  # noqa: E402
 
 
@@ -68,18 +67,15 @@ def index(spec: dict, data_path: str, run_path: Path, token_batch_size: int):
     return load_gradients(run_path)
 
 
-def cosine(queries, docs):
+def as_tensor(rows):
+    """bergson's stored rows (a numpy memmap, bfloat16 rows as ml_dtypes) as a float32 tensor."""
     import numpy as np
+    import torch
 
-    q = np.asarray(queries, dtype=np.float64)
-    d = np.asarray(docs, dtype=np.float64)
-    q /= np.linalg.norm(q, axis=1, keepdims=True) + 1e-30
-    d /= np.linalg.norm(d, axis=1, keepdims=True) + 1e-30
-    return q @ d.T
+    return torch.from_numpy(np.asarray(rows, dtype=np.float32))
 
 
-def run(spec: dict) -> dict:
-    import bergson
+def run(spec: dict, result: dict) -> None:
     from transformers import AutoTokenizer
 
     work = Path(spec["work_dir"])
@@ -96,34 +92,18 @@ def run(spec: dict) -> dict:
         with measured() as q:
             queries = index(spec, path, work / f"bergson_queries_{style}", token_batch_size)
         query_s += q.seconds
-        scores[style] = cosine(queries, docs).tolist()
-    return {"tool": "bergson", "version": bergson.__version__,
-            "method": f"bergson build, per-module {math.isqrt(spec['per_module_dim'])}x"
-                      f"{math.isqrt(spec['per_module_dim'])} rademacher, {spec.get('precision', 'float32')} model,"
-                      f" {docs.dtype} rows",
-            "n_rows": int(docs.shape[0]), "cold_seconds": cold.seconds, "index_seconds": m.seconds, "index_peak_bytes": m.peak_bytes,
-            "query_seconds": query_s, "row_width": int(docs.shape[1]),
-            "bytes_per_row": gradients_file.stat().st_size / docs.shape[0],
-            "scores": scores, "scoring": "cosine of bergson's stored rows",
-            "notes": [f"token_batch_size {token_batch_size} (bergson batches by tokens, capped at the"
-                      " model's context length)"],
-            "error": None}
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--spec", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
-    spec = json.loads(args.spec.read_text())
-    try:
-        result = run(spec)
-    except Exception as exc:  # the table shows why bergson could not run, the benchmark goes on
-        tail = traceback.format_exc().strip().splitlines()[-6:]
-        result = {"tool": "bergson", "error": f"{type(exc).__name__}: {exc}", "traceback": tail}
-    args.out.write_text(json.dumps(result))
-    return 0
+        scores[style] = cosine_scores(as_tensor(queries), as_tensor(docs))
+    result.update({
+        "method": f"bergson build, per-module {math.isqrt(spec['per_module_dim'])}x"
+                  f"{math.isqrt(spec['per_module_dim'])} rademacher, {spec.get('precision', 'float32')} model,"
+                  f" {docs.dtype} rows",
+        "n_rows": int(docs.shape[0]), "cold_seconds": cold.seconds, "index_seconds": m.seconds,
+        "index_peak_bytes": m.peak_bytes, "query_seconds": query_s, "row_width": int(docs.shape[1]),
+        "bytes_per_row": gradients_file.stat().st_size / docs.shape[0],
+        "scores": scores, "scoring": "cosine of bergson's stored rows",
+        "notes": [f"token_batch_size {token_batch_size} (bergson batches by tokens, capped at the"
+                  " tokenizer's model_max_length)"]})
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_worker("bergson", lambda: version("bergson"), run)

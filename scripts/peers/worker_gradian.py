@@ -1,6 +1,8 @@
 """Gradian's side of bench_peers, in a process of its own like every peer.
 
-    .venv/bin/python scripts/peers/worker_gradian.py --spec SPEC.json --out RESULT.json [--storage float16]
+    .venv/bin/python scripts/peers/worker_gradian.py --spec SPEC.json --out RESULT.json
+
+The spec's `storage_dtype` (default float16) is the dtype of the stored rows.
 
 `build_index` from the JSONL file to the on-disk index (model load included, as for bergson;
 timed the second time in the process, the first, reported as cold, pays the imports),
@@ -11,18 +13,16 @@ orchestrator can compute recall and MRR from the full score matrix).
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lmdata import run_worker  # noqa: E402
 from peak import measured  # noqa: E402
 
 
@@ -35,10 +35,11 @@ def score_matrix(results: list[dict], n_queries: int, n_docs: int) -> list[list[
     return matrix
 
 
-def floor_seconds(spec: dict, supervised_logits_only: bool) -> float:
+def floor_seconds(spec: dict) -> dict[str, float]:
     """The floor of any per-example method, timed like the index (second pass in the process): one
     batched forward+backward of the same batches with frozen parameters, activation gradients only,
-    loss over the completion tokens; logits everywhere (a plain model call) or only where supervised."""
+    loss over the completion tokens; with logits everywhere (a plain model call, `floor_seconds`)
+    and only where supervised (`floor_supervised_seconds`)."""
     import torch
     import torch.nn.functional as F
 
@@ -52,7 +53,7 @@ def floor_seconds(spec: dict, supervised_logits_only: bool) -> float:
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
     embed = loaded.model.get_input_embeddings()
 
-    def one_pass() -> None:
+    def one_pass(supervised_logits_only: bool) -> None:
         for chunk in batches(rows, spec["batch_size"]):
             batch = collate(chunk, pad)
             ex, pos, target = supervised_positions(batch)
@@ -65,22 +66,25 @@ def floor_seconds(spec: dict, supervised_logits_only: bool) -> float:
             loss = F.cross_entropy(logits.float(), target, reduction="sum")
             torch.autograd.grad(loss, embeds)
 
-    one_pass()
-    with measured() as m:
-        one_pass()
-    return m.seconds
+    out = {}
+    for key, supervised_only in (("floor_seconds", False), ("floor_supervised_seconds", True)):
+        one_pass(supervised_only)
+        with measured() as m:
+            one_pass(supervised_only)
+        out[key] = m.seconds
+    return out
 
 
-def run(spec: dict, storage: str) -> dict:
+def run(spec: dict, result: dict) -> None:
     from rich.console import Console
 
     from circuitkit.config import GradsConfig, ModelConfig
-    from gradian import __version__
     from gradian.indexer import build_index
     from gradian.rank import rank
 
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice
     work = Path(spec["work_dir"])
+    storage = spec.get("storage_dtype", "float16")
     model_cfg = ModelConfig(name=spec["model_dir"], precision=spec.get("precision", "float32"))
     grads = GradsConfig(data_path=spec["docs"], batch_size=spec["batch_size"], max_seq_length=spec["max_length"],
                         module_filter=spec["modules"], projection="kronecker", projection_dim=spec["per_module_dim"],
@@ -100,31 +104,17 @@ def run(spec: dict, storage: str) -> dict:
             results = rank(index_dir, path, top_k=n_docs, score="cosine", aggregate="mean")
         query_s += q.seconds
         scores[style] = score_matrix(results, n_queries, n_docs)
-    return {"tool": "gradian", "version": __version__,
-            "method": f"gradian build_index, kronecker {spec['per_module_dim']} per module,"
-                      f" {spec.get('precision', 'float32')} model, {storage} rows",
-            "n_rows": n_docs, "cold_seconds": cold.seconds, "index_seconds": m.seconds, "index_peak_bytes": m.peak_bytes,
-            "query_seconds": query_s, "row_width": summary["row_width"], "bytes_per_row": shard_bytes / n_docs,
-            "scores": scores, "scoring": "gradian rank, cosine", "notes": [], "error": None,
-            **({"floor_seconds": floor_seconds(spec, False), "floor_supervised_seconds": floor_seconds(spec, True)}
-               if spec.get("floor") else {})}
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--spec", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--storage", default="float16", choices=("float16", "bfloat16", "float32"))
-    args = p.parse_args()
-    spec = json.loads(args.spec.read_text())
-    try:
-        result = run(spec, args.storage)
-    except Exception as exc:
-        tail = traceback.format_exc().strip().splitlines()[-6:]
-        result = {"tool": "gradian", "error": f"{type(exc).__name__}: {exc}", "traceback": tail}
-    args.out.write_text(json.dumps(result))
-    return 0
+    result.update({
+        "method": f"gradian build_index, kronecker {spec['per_module_dim']} per module,"
+                  f" {spec.get('precision', 'float32')} model, {storage} rows",
+        "n_rows": n_docs, "cold_seconds": cold.seconds, "index_seconds": m.seconds, "index_peak_bytes": m.peak_bytes,
+        "query_seconds": query_s, "row_width": summary["row_width"], "bytes_per_row": shard_bytes / n_docs,
+        "scores": scores, "scoring": "gradian rank, cosine"})
+    if spec.get("floor"):
+        result.update(floor_seconds(spec))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from gradian import __version__
+
+    run_worker("gradian", lambda: __version__, run)
