@@ -99,6 +99,23 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     return LoadedModel(model, tokenizer, get_adapter(model), cfg.name, cfg.revision, path)
 
 
+# Config attributes that hold a model's context length, by family (GPT-2: n_positions).
+_CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+def context_length(hf_config) -> int | None:
+    """The longest sequence (tokens) the model takes, from its Hugging Face config; None if unknown.
+
+    Multimodal configs (Gemma 3) are read through their text config.
+    """
+    config = getattr(hf_config, "text_config", None) or hf_config
+    for attr in _CONTEXT_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def weights_hash(model: nn.Module) -> str:
     """sha256 over parameter names, shapes, dtypes and bytes: identifies the exact weights."""
     h = hashlib.sha256()
