@@ -82,17 +82,25 @@ def test_eap_ig_tracks_exact_patching():
     adapter, d = model().adapter, data(16, 1)
     ig = attribute(adapter, d, "eap-ig", "edge", ig_steps=5, batch_size=16, progress=False)
     ex = exact_patching(adapter, d, "edge", batch_size=16, progress=False)
-    nodes_ig = torch.cat([ig.head.flatten(), ig.mlp, ig.embed.reshape(1)])
-    nodes_ex = torch.cat([ex.head.flatten(), ex.mlp, ex.embed.reshape(1)])
-    node_rho = spearmanr(nodes_ig[:-1 - len(ig.mlp)], nodes_ex[:-1 - len(ex.mlp)]).statistic  # heads
+    heads_ig, heads_ex = ig.head.flatten(), ex.head.flatten()
+    node_rho = spearmanr(heads_ig, heads_ex).statistic
+    node_r = torch.corrcoef(torch.stack([heads_ig, heads_ex]))[0, 1].item()
+    # Heads the exact oracle scores at float32 round-off (|s| ~1e-8, some exactly 0) have no rank
+    # order to agree on: which of them comes first depends on the CPU that trained the fixture.
+    # Ranks and signs are compared on the heads the oracle sees above that floor.
+    significant = heads_ex.abs() > 1e-4 * heads_ex.abs().max()
     mask = graph_of(adapter).edge_mask()
     edge_rho = spearmanr(ig.edges[mask], ex.edges[mask]).statistic
     edge_r = torch.corrcoef(torch.stack([ig.edges[mask], ex.edges[mask]]))[0, 1].item()
     # Most edges of this sparse circuit score ~0 under both methods, so the edge-level rank
     # order is mostly noise; the values themselves agree (Pearson).
-    print(f"induction model, key corruption, {len(d)} pairs: head-node Spearman {node_rho:.3f},"
-          f" edge Spearman {edge_rho:.3f}, edge Pearson {edge_r:.3f}")
-    assert node_rho >= 0.9
+    print(f"induction model, key corruption, {len(d)} pairs: head-node Spearman {node_rho:.3f} (all 8 heads),"
+          f" Pearson {node_r:.4f}; edge Spearman {edge_rho:.3f}, edge Pearson {edge_r:.3f}")
+    assert node_r >= 0.99
+    assert int(significant.sum()) >= 2
+    assert torch.equal(heads_ig[significant].sign(), heads_ex[significant].sign())
+    top2 = set(heads_ig.abs().argsort(descending=True)[:2].tolist())
+    assert top2 == set(heads_ex.abs().argsort(descending=True)[:2].tolist())
     assert edge_r >= 0.9
 
 
