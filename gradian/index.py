@@ -147,8 +147,9 @@ class IndexWriter:
         return todo
 
     # -- writing ----------------------------------------------------------------------------
-    def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor) -> Path:
-        """Store shard k: grads (n, width) float32 in the storage dtype, with float32 norms.
+    def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor | None = None) -> Path:
+        """Store shard k: grads (n, width) float32 in the storage dtype, with float32 norms, and
+        `sources` (n,) int64, where each row is in the data (JSONL line or table row index).
 
         Norms are of the stored values, so cosine scores read back exactly what was stored.
         Raises StorageOverflowError naming the rows if float16 would turn values into inf.
@@ -172,8 +173,10 @@ class IndexWriter:
             if not got:
                 raise RuntimeError(f"another process is writing {shard_name(k)} of {self.index_dir}; two"
                                    " workers must not share a grads.shard_index.")
-            path = atomic_save_safetensors(self.index_dir / shard_name(k),
-                                           {"grads": stored, "norms": norms, "rows": rows.long()})
+            tensors = {"grads": stored, "norms": norms, "rows": rows.long()}
+            if sources is not None:
+                tensors["sources"] = sources.long()
+            path = atomic_save_safetensors(self.index_dir / shard_name(k), tensors)
             digest = sha256_file(path)
         with self._manifest_lock():
             manifest = self._read()
@@ -206,6 +209,28 @@ class IndexReader:
         for name in sorted(self.manifest["shards"]):
             with safe_open(str(self.index_dir / name), framework="pt") as fh:
                 yield fh.get_tensor("rows"), fh.get_tensor("grads").float(), fh.get_tensor("norms")
+
+    def source_positions(self, row_ids: list[int]) -> dict[int, int]:
+        """row id -> its position in the data (JSONL line or table row index), read from the
+        `sources` tensor of the shards that hold those rows; rows of shards without it are left out."""
+        from safetensors import safe_open
+
+        per_shard = self.manifest.get("rows_per_shard") or 1
+        by_shard: dict[int, list[int]] = {}
+        for r in row_ids:
+            by_shard.setdefault(r // per_shard, []).append(r)
+        out: dict[int, int] = {}
+        for k, wanted in by_shard.items():
+            entry = self.manifest.get("shards", {}).get(shard_name(k))
+            if entry is None:
+                continue
+            with safe_open(str(self.index_dir / shard_name(k)), framework="pt") as fh:
+                if "sources" not in fh.keys():
+                    continue
+                sources = fh.get_tensor("sources")
+            first = entry["rows"][0]
+            out.update({r: int(sources[r - first]) for r in wanted})
+        return out
 
     def summary(self) -> dict[str, Any]:
         """Header, shard count, rows stored and bytes on disk."""

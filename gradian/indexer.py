@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,14 @@ from rich.progress import (
 )
 
 from circuitkit.config import GradsConfig, ModelConfig
-from circuitkit.io import sha256_file
 from circuitkit.memory import estimate_grads
+from circuitkit.models.loading import load_model, weights_hash
 from gradian.capture import per_example_gradients
-from gradian.data import batches, collate, load_rows
+from gradian.corpus import TokenizedCorpus
+from gradian.data import collate, plan_batches
 from gradian.index import STORAGE_DTYPES, IndexReader, IndexWriter
 from gradian.projection import Projector, module_shapes, select_modules
+from gradian.sources import Source, SourceSpec
 
 log = logging.getLogger(__name__)
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample_train.jsonl"
@@ -43,58 +46,110 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+class _Throughput:
+    """Rows/s, tokens/s and the padding share of the work done so far, for the progress bar."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.rows = self.real_tokens = self.computed_tokens = 0
+
+    def add(self, rows: int, real_tokens: int, computed_tokens: int) -> None:
+        self.rows += rows
+        self.real_tokens += real_tokens
+        self.computed_tokens += computed_tokens
+
+    @property
+    def padding_share(self) -> float:
+        return 1.0 - self.real_tokens / self.computed_tokens if self.computed_tokens else 0.0
+
+    def text(self) -> str:
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        return (f"{self.rows / wall:.1f} rows/s, {self.real_tokens / wall:.0f} tok/s,"
+                f" padding {100 * self.padding_share:.1f}%")
+
+
 def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console | None = None,
                 loaded=None) -> dict[str, Any]:
     """Index `grads.data_path` into `index_dir` (this worker's shards); returns the index summary.
 
-    `loaded`: an already loaded model (circuitkit.models.loading.LoadedModel), else loaded here.
+    Rows are read from the source a record at a time and kept tokenized on disk
+    (`TokenizedCorpus`); each shard's rows are batched by length under the token budget
+    (`plan_batches`) and stored in row order. `loaded`: an already loaded model
+    (circuitkit.models.loading.LoadedModel), else loaded here.
     """
-    from circuitkit.models.loading import load_model, weights_hash
-
     console = console or Console(stderr=True)
     if grads.data_path is None:
-        data_path = SAMPLE_DATA
+        data_path = str(SAMPLE_DATA)
         log.warning("grads.data_path is null: indexing the shipped sample %s (24 hand-written rows, for trying"
-                    " the pipeline); set grads.data_path to your JSONL data.", SAMPLE_DATA.name)
+                    " the pipeline); set grads.data_path to your data.", SAMPLE_DATA.name)
     else:
-        data_path = Path(grads.data_path)
-    if not data_path.is_file():
-        raise FileNotFoundError(f"grads.data_path={str(data_path)!r} does not exist.")
+        data_path = str(grads.data_path)
+    source = Source(SourceSpec.from_grads(grads, data_path))
     loaded = loaded or load_model(model_cfg)
+    tokenizer = loaded.tokenizer
+    with console.status(f"reading and tokenizing {source.name}") as status:
+        corpus = TokenizedCorpus.scan(source, tokenizer, grads.max_seq_length, grads.on_truncation,
+                                      grads.truncation_side,
+                                      progress=lambda n: status.update(f"tokenizing {source.name}: {n} rows read"))
+    with corpus:
+        return _index_corpus(model_cfg, grads, Path(index_dir), console, loaded, source, corpus)
+
+
+def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console, loaded,
+                  source: Source, corpus: TokenizedCorpus) -> dict[str, Any]:
     model, tokenizer, adapter = loaded.model, loaded.tokenizer, loaded.adapter
-    rows, report = load_rows(data_path, tokenizer, grads.max_seq_length, grads.on_truncation, grads.truncation_side)
-    if not rows:
-        raise ValueError(f"{data_path}: no row has a supervised token left to index ({report.summary()}).")
+    report = corpus.report
+    if corpus.n_rows == 0:
+        raise ValueError(f"{source.name}: no row has a supervised token left to index ({report.summary()}).")
     modules = select_modules(model, adapter, grads.module_filter)
     projector = Projector(module_shapes(modules), grads.projection, grads.projection_dim, grads.projection_seed)
+    local = Path(source.name)
     header = {
         "model": model_cfg.name, "revision": model_cfg.revision, "precision": model_cfg.precision,
         "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
         "projection": projector.describe(), "storage_dtype": grads.storage_dtype,
-        "loss_reduction": grads.loss_reduction, "data_file": str(data_path.resolve()),
-        "data_sha256": sha256_file(data_path), "max_seq_length": grads.max_seq_length,
-        "truncation_side": grads.truncation_side, "on_truncation": grads.on_truncation,
-        "data_report": report.summary(), "row_width": projector.total_width,
+        "loss_reduction": grads.loss_reduction,
+        "data_file": str(local.resolve()) if local.exists() else source.name,
+        "data_source": source.spec.describe(), "data_sha256": source.fingerprint(),
+        "max_seq_length": grads.max_seq_length, "truncation_side": grads.truncation_side,
+        "on_truncation": grads.on_truncation, "data_report": report.summary(), "row_width": projector.total_width,
     }
+    lengths = corpus.lengths
+    longest = int(lengths.max())
+    budget = grads.batch_tokens or grads.batch_size * grads.max_seq_length
+    # The largest batch the plan can form: the token budget bounds rows x longest row.
+    worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
     estimate = estimate_grads(
-        adapter.shape(), next(model.parameters()).element_size(), min(grads.batch_size, len(rows)),
-        max(len(r.input_ids) for r in rows), max(sum(r.supervised) for r in rows), module_shapes(modules),
-        grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize, len(rows))
-    writer = IndexWriter(index_dir, header, len(rows), grads.rows_per_shard, grads.num_shards, grads.shard_index)
+        adapter.shape(), next(model.parameters()).element_size(), worst_rows, longest, longest,
+        module_shapes(modules), grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize,
+        corpus.n_rows)
+    writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     n_pending_rows = sum(end - start for start, end in map(writer.row_range, pending))
+    stats = _Throughput()
     with Progress(TextColumn("indexing"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("rows", total=n_pending_rows)
+                  TextColumn("{task.fields[rates]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("rows", total=n_pending_rows, rates="")
         for k in pending:
             start, end = writer.row_range(k)
-            parts = []
-            for chunk in batches(rows[start:end], grads.batch_size):
+            rows = corpus.rows(start, end)
+            row_lengths = [len(r.input_ids) for r in rows]
+            grads_out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
+            for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length):
+                chunk = [rows[i] for i in plan]
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
-                parts.append(per_example_gradients(model, adapter, modules, projector, batch,
-                                                   grads.loss_reduction).row().cpu())
-                bar.advance(task, len(chunk))
-            writer.write_shard(k, torch.cat(parts), torch.arange(start, end))
-    # The estimate is for the longest row and the most supervised tokens in one batch: an upper bound.
-    return {**IndexReader(index_dir).summary(), "estimated_peak_bytes": estimate.total_bytes}
+                grads_out[plan] = per_example_gradients(model, adapter, modules, projector, batch,
+                                                        grads.loss_reduction).row().cpu()
+                stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())
+                bar.update(task, advance=len(chunk), rates=stats.text())
+            writer.write_shard(k, grads_out, torch.arange(start, end),
+                               sources=torch.from_numpy(corpus.positions[start:end].copy()))
+    if stats.rows:
+        console.print(f"indexed {stats.rows} rows: {stats.text()} ({stats.real_tokens} tokens,"
+                      f" {stats.computed_tokens} computed)")
+    # The estimate is for the longest row in the largest batch the budget allows: an upper bound.
+    return {**IndexReader(index_dir).summary(), "estimated_peak_bytes": estimate.total_bytes,
+            "padding_share": round(stats.padding_share, 4), "real_tokens": stats.real_tokens,
+            "computed_tokens": stats.computed_tokens}
