@@ -110,6 +110,22 @@ def _index_help() -> str:
     return "\n".join(lines)
 
 
+def _bad_override(overrides: list[str]) -> str | None:
+    """A message naming the first override Hydra cannot parse, or None if each parses alone."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except HydraException as err:
+            reason = " ".join(str(err).split("See https")[0].split())
+            return (f"cannot parse the override {override!r} ({reason}); write KEY=VALUE, quote values with"
+                    f" brackets or spaces (KEY='a[1] b'), lists as KEY=[a,b].")
+    return None
+
+
 def index_command(overrides: list[str]) -> int:
     """`gradian index [overrides]`: the grads stage on its own (index_dir default ./index)."""
     from hydra.errors import HydraException
@@ -124,7 +140,7 @@ def index_command(overrides: list[str]) -> int:
     try:
         _, cfg = compose(overrides)
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
-        raise UserError(" ".join(str(err).split()), exit_code=2) from err
+        raise UserError(_bad_override(overrides) or " ".join(str(err).split()), exit_code=2) from err
     index_dir = cfg.grads.index_dir or "index"
     build_index(cfg.model, cfg.grads, index_dir, error_console())
     return inspect_index(index_dir)

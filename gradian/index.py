@@ -299,6 +299,9 @@ class IndexReader:
     def __init__(self, index_dir: Path) -> None:
         self.index_dir = Path(index_dir)
         self.manifest = read_manifest(self.index_dir)
+        layout = self._layout_problems()
+        if layout:  # overlapping or foreign ranges would rank some rows twice or not at all
+            raise IndexIntegrityError(f"{self.index_dir / MANIFEST}: {'; '.join(layout)}; {_REBUILD}.")
 
     @property
     def n_index_shards(self) -> int:
@@ -401,9 +404,6 @@ class IndexReader:
         shard, no second pass). Either way the row ids, shapes and dtypes must match the
         manifest. Raises IndexIntegrityError naming the shard and what differs.
         """
-        layout = self._layout_problems()
-        if layout:  # overlapping or foreign ranges would rank some rows twice
-            raise IndexIntegrityError(f"{self.index_dir / MANIFEST}: {'; '.join(layout)}; {_REBUILD}.")
         for name in sorted(self.manifest["shards"]):
             tensors = self._load(name, verify)
             problems = self._check_tensors(name, tensors)

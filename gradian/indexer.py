@@ -32,7 +32,7 @@ from circuitkit.io import sha256_file
 from circuitkit.memory import estimate_grads
 from gradian.capture import per_example_gradients
 from gradian.data import batches, collate, length_limit, load_rows
-from gradian.index import STORAGE_DTYPES, IndexReader, IndexWriter
+from gradian.index import MANIFEST, STORAGE_DTYPES, IndexReader, IndexWriter, read_manifest
 from gradian.projection import Projector, module_shapes, projection_fingerprint, select_modules
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,8 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
     # Before the model loads: nothing is worth loading for a run that cannot read or write.
     check_grads_config(model_cfg, grads, index_dir)
     check_input_file(data_path, "grads.data_path")
+    if (Path(index_dir) / MANIFEST).is_file():
+        read_manifest(Path(index_dir))  # a damaged or tampered index to resume is refused first
     loaded = loaded or load_model(model_cfg)
     model, tokenizer, adapter = loaded.model, loaded.tokenizer, loaded.adapter
     # The loaded model's own config decides (check_grads_config may not have seen one offline).
