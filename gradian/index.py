@@ -25,6 +25,9 @@ import fcntl
 import hashlib
 import json
 import math
+import mmap
+import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,6 +292,38 @@ class IndexWriter:
         return path
 
 
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}
+
+
+def _tensors_from_buffer(buf) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `buf` (bytes or a read-only mmap), as views of it.
+
+    Format: 8-byte little-endian header length n, n bytes of JSON {name: {dtype, shape,
+    data_offsets [begin, end)}}, then the data. Raises ValueError on anything malformed.
+    """
+    if len(buf) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(buf[:8], "little")
+    if 8 + n > len(buf):
+        raise ValueError(f"header of {n} bytes runs past the end of the file ({len(buf)} bytes)")
+    header = json.loads(bytes(buf[8:8 + n]))
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": the views are only read
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+            begin, end = info["data_offsets"]
+            count = math.prod(info["shape"])
+            if dtype is None or end - begin != count * dtype.itemsize or 8 + n + end > len(buf):
+                raise ValueError(f"tensor {key!r} ({info.get('dtype')}, shape {info['shape']}) does not fit the file")
+            flat = (torch.frombuffer(buf, dtype=dtype, count=count, offset=8 + n + begin) if count
+                    else torch.empty(0, dtype=dtype))
+            out[key] = flat.reshape(info["shape"])
+    return out
+
+
 class IndexReader:
     """Streams an index shard by shard (memory independent of the index size).
 
@@ -353,7 +388,6 @@ class IndexReader:
 
     def _load(self, name: str, verify: bool) -> dict[str, torch.Tensor]:
         from safetensors import SafetensorError, safe_open
-        from safetensors.torch import load
 
         entry = self.manifest["shards"][name]
         path = confined_path(self.index_dir, name)
@@ -361,17 +395,20 @@ class IndexReader:
             raise IndexIntegrityError(f"{path}: shard listed in the manifest is missing; {_REBUILD}.")
         try:
             if verify:
-                # One read: the bytes that are hashed are the bytes that are parsed.
-                data = path.read_bytes()
-                digest = hashlib.sha256(data).hexdigest()
+                with open(path, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    # The hash runs over the mapped file and the tensors are views of the same
+                    # mapping: what is checked is what is parsed, read once, no copy.
+                    buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                digest = hashlib.sha256(buf).hexdigest()
                 if digest != entry["sha256"]:
                     raise IndexIntegrityError(
                         f"{path}: sha256 {digest[:12]}… differs from the manifest's {str(entry['sha256'])[:12]}…:"
                         f" the shard changed after it was written (or the manifest was edited); {_REBUILD}.")
-                return load(data)
+                return _tensors_from_buffer(buf)
             with safe_open(str(path), framework="pt") as fh:
                 return {key: fh.get_tensor(key) for key in fh.keys()}  # noqa: SIM118 - safe_open has no iter
-        except SafetensorError as err:
+        except (SafetensorError, ValueError, KeyError, TypeError) as err:
             raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); it is truncated or"
                                       f" damaged; {_REBUILD}.") from None
 
@@ -409,7 +446,9 @@ class IndexReader:
             problems = self._check_tensors(name, tensors)
             if problems:
                 raise IndexIntegrityError(f"{self.index_dir}: {'; '.join(problems)}; {_REBUILD}.")
-            yield tensors["rows"], tensors["grads"].float(), tensors["norms"]
+            # Copies, so no tensor handed out keeps the shard's file mapped.
+            yield (tensors["rows"].clone(), tensors["grads"].to(torch.float32, copy=verify),
+                   tensors["norms"].clone())
             del tensors
 
     def verify(self) -> list[str]:

@@ -462,9 +462,13 @@ def test_ctrl_c_during_index_exits_130_with_one_line(tmp_path):
                              "grads.batch_size=1", "grads.projection_dim=16", f"grads.data_path={data}",
                              f"grads.index_dir={idx}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     deadline = time.time() + 120
-    while time.time() < deadline and not (idx / "manifest.json").exists():
-        time.sleep(0.05)
-    time.sleep(0.5)
+    while time.time() < deadline:  # interrupt once some shards are written, mid-run
+        try:
+            if len(json.loads((idx / "manifest.json").read_text())["shards"]) >= 2:
+                break
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     text = err.decode()
