@@ -124,7 +124,7 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
                                       f" {_REBUILD}.")
     if manifest["format_version"] > FORMAT_VERSION:
         raise IndexIntegrityError(f"{path}: format_version {manifest['format_version']} is newer than this"
-                                  f" Gradian reads ({FORMAT_VERSION}); upgrade circuitkit-gradian.")
+                                  f" Gradian reads ({FORMAT_VERSION}); upgrade circuitkit.")
     if manifest["storage_dtype"] not in STORAGE_DTYPES:
         raise IndexIntegrityError(f"{path}: storage_dtype {manifest['storage_dtype']!r} is not one of"
                                   f" {', '.join(STORAGE_DTYPES)}; {_REBUILD}.")
