@@ -165,7 +165,7 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
                     " rebuild it into a new grads.index_dir.")
             generated = projection_fingerprint(projector)
             if generated != recorded:
-                problems.append(f"projection_sha256: the rows were projected with matrices of sha256 {recorded[:12]}…,"
+                problems.append(f"projection_sha256: the rows were projected with matrices of sha256 {str(recorded)[:12]}…,"
                                 f" but the manifest's projection (kind {proj.get('kind')}, dim"
                                 f" {proj.get('projection_dim')}, seed {proj.get('seed')}) generates {generated[:12]}…"
                                 " (the manifest's projection settings were edited)")
