@@ -408,6 +408,8 @@ class IndexReader:
                 return _tensors_from_buffer(buf)
             with safe_open(str(path), framework="pt") as fh:
                 return {key: fh.get_tensor(key) for key in fh.keys()}  # noqa: SIM118 - safe_open has no iter
+        except IndexIntegrityError:
+            raise
         except (SafetensorError, ValueError, KeyError, TypeError) as err:
             raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); it is truncated or"
                                       f" damaged; {_REBUILD}.") from None

@@ -180,8 +180,12 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
                         problems.append(f"projection.{key}: index has {proj.get(key)!r}, recomputed"
                                         f" {mine.get(key)!r}")
     if problems:
+        model_differs = any(p.startswith(("weights_sha256", "tokenizer_sha256", "projection.modules"))
+                            for p in problems)
+        fix = ("Rank with the model the index was built with." if model_differs else
+               "Restore the manifest's projection settings, or rebuild the index.")
         raise IndexMismatchError("the index was made with another model or projection than the one loaded: "
-                                 + "; ".join(problems) + ". Rank with the model the index was built with.")
+                                 + "; ".join(problems) + ". " + fix)
     return projector
 
 
