@@ -283,13 +283,46 @@ def _truncate(ids: list[int], sup: list[bool], max_len: int, side: str, head: in
 # ----------------------------------------------------------------------------- loading
 
 
+def _first_non_utf8_line(path: Path) -> int:
+    """1-based number of the first line that is not valid UTF-8 (0 if none is found)."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return lineno
+    return 0
+
+
+def _utf8_jsonl_objects(path: Path) -> Iterator[tuple[int, str, Any]]:
+    """`jsonl_objects`, with a file that is not UTF-8 reported at its first bad line."""
+    try:
+        yield from jsonl_objects(path, _EXPECTED, DataError)
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}:{_first_non_utf8_line(path)}: not UTF-8 text ({err.reason}, byte"
+                        f" {err.object[err.start:err.start + 1]!r}); save the file as UTF-8.") from None
+
+
+def length_limit(max_seq_length: int, context_length: int | None) -> tuple[int, str]:
+    """(tokens a row may have, how to name that limit in messages).
+
+    The model's context bounds every length: a row longer than its position table cannot run.
+    """
+    if context_length is not None and context_length < max_seq_length:
+        return context_length, (f"{context_length} tokens (the model's context length; grads.max_seq_length="
+                                f"{max_seq_length} is above it)")
+    return max_seq_length, f"max_seq_length={max_seq_length}"
+
+
 def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncation: str = "warn",
-              truncation_side: str = "right") -> tuple[list[Row], DataReport]:
+              truncation_side: str = "right", context_length: int | None = None) -> tuple[list[Row], DataReport]:
     """Read a JSONL file of prompt/completion or chat rows into token rows with a supervision mask.
 
     Returns the kept rows (``row_id`` 0..n-1 in file order) and a report of what was truncated or
-    dropped, by line number. Raises ``DataError`` naming ``file:line`` for a malformed line, and,
-    with ``on_truncation="error"``, naming the lines whose completions do not fit.
+    dropped, by line number. Raises ``DataError`` naming ``file:line`` for a malformed line (or
+    one that is not UTF-8), and, with ``on_truncation="error"``, naming the lines whose
+    completions do not fit. ``context_length`` (the model's, if known) bounds ``max_seq_length``:
+    rows are cut at the smaller of the two, and the messages name which limit it was.
     """
     if on_truncation not in ON_TRUNCATION:
         raise ValueError(f"on_truncation={on_truncation!r}; use one of {', '.join(ON_TRUNCATION)}.")
@@ -301,6 +334,9 @@ def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncati
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: training data file does not exist (resolved to {path.resolve()}).")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory; give the JSONL file itself.")
+    max_seq_length, limit = length_limit(max_seq_length, context_length)
     report = DataReport(path=str(path), max_seq_length=max_seq_length, on_truncation=on_truncation,
                         truncation_side=truncation_side)
     bos = _adds_bos(tokenizer)
@@ -308,7 +344,7 @@ def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncati
     first_token_lines: list[int] = []  # rows whose token 0 was marked supervised (nothing predicts it)
     candidates: list[Row] = []
 
-    for lineno, where, obj in jsonl_objects(path, _EXPECTED, DataError):
+    for lineno, where, obj in _utf8_jsonl_objects(path):
         kind = _check_row(obj, where)
         report.rows_read += 1
         if kind == "prompt":
@@ -336,21 +372,21 @@ def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncati
                               truncated=truncated))
 
     if on_truncation == "error" and report.truncated_lines:
-        raise DataError(f"{path}: {report.truncated} row(s) lose completion tokens at max_seq_length="
-                        f"{max_seq_length} (truncation_side={truncation_side}): {_lines_text(report.truncated_lines)}"
+        raise DataError(f"{path}: {report.truncated} row(s) lose completion tokens at {limit}"
+                        f" (truncation_side={truncation_side}): {_lines_text(report.truncated_lines)}"
                         f" (first at {path}:{report.truncated_lines[0]}). Raise grads.max_seq_length, set"
                         " grads.truncation_side=prompt_left, or set grads.on_truncation=drop or warn.")
     if report.truncated_lines and on_truncation == "warn":
         emptied = set(report.dropped_unsupervised_lines)
         kept_cut = [n for n in report.truncated_lines if n not in emptied]
         if kept_cut:
-            logger.warning("%s: %d row(s) kept with completions cut at max_seq_length=%d (truncation_side=%s):"
+            logger.warning("%s: %d row(s) kept with completions cut at %s (truncation_side=%s):"
                            " %s. Their gradients see only part of the target; raise grads.max_seq_length,"
                            " try truncation_side=prompt_left, or set on_truncation=drop.", path, len(kept_cut),
-                           max_seq_length, truncation_side, _lines_text(kept_cut))
+                           limit, truncation_side, _lines_text(kept_cut))
     if report.dropped_truncated_lines:
-        logger.warning("%s: dropped %d row(s) whose completions did not fit max_seq_length=%d: %s.", path,
-                       report.dropped_truncated, max_seq_length, _lines_text(report.dropped_truncated_lines))
+        logger.warning("%s: dropped %d row(s) whose completions did not fit %s: %s.", path,
+                       report.dropped_truncated, limit, _lines_text(report.dropped_truncated_lines))
     if report.dropped_unsupervised_lines:
         logger.warning("%s: dropped %d row(s) with no supervised token (empty completion, no assistant turn,"
                        " or truncated to nothing): %s.", path, report.dropped_unsupervised,

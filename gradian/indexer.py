@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,13 @@ from rich.progress import (
 )
 
 from circuitkit.config import GradsConfig, ModelConfig
+from circuitkit.errors import UserError
 from circuitkit.io import sha256_file
 from circuitkit.memory import estimate_grads
 from gradian.capture import per_example_gradients
-from gradian.data import batches, collate, load_rows
-from gradian.index import STORAGE_DTYPES, IndexReader, IndexWriter
-from gradian.projection import Projector, module_shapes, select_modules
+from gradian.data import batches, collate, length_limit, load_rows
+from gradian.index import MANIFEST, STORAGE_DTYPES, IndexReader, IndexWriter, read_manifest
+from gradian.projection import Projector, module_shapes, projection_fingerprint, select_modules
 
 log = logging.getLogger(__name__)
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample_train.jsonl"
@@ -43,13 +45,84 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def check_input_file(path: Path, what: str) -> None:
+    """A file the user named must be a readable file: one line naming it otherwise (UserError)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what}={str(path)!r} is a directory; give the JSONL file itself.", exit_code=2)
+    if not path.exists():
+        raise UserError(f"{what}={str(path)!r} does not exist (resolved to {path.resolve()}).", exit_code=2)
+    if not os.access(path, os.R_OK):
+        raise UserError(f"{what}={str(path)!r} is not readable (permission denied); fix its permissions.",
+                        exit_code=2)
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """`path` is, or can be created as, a directory this process can write into (UserError if not)."""
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise UserError(f"{what}={str(path)!r}: {probe} is a file, not a directory; choose another place.",
+                        exit_code=2)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"{what}={str(path)!r}: cannot write into {probe} (permission denied or read-only);"
+                        " choose a directory you can write to.", exit_code=2)
+
+
+def model_context_length(model_cfg: ModelConfig) -> int | None:
+    """The model's context length from its config.json alone (no weights); None if unknown here.
+
+    None when the config cannot be read now (e.g. a hub name offline): the bound is then applied
+    after the model is loaded, from the loaded model's config.
+    """
+    from transformers import AutoConfig
+
+    from circuitkit.models.loading import context_length, resolve_model_path
+
+    try:
+        hf = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name), revision=model_cfg.revision,
+                                        trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        log.debug("no config for %s before loading (%s); the context bound waits for the model", model_cfg.name, err)
+        return None
+    return context_length(hf)
+
+
+def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path | str | None = None) -> int:
+    """What can be checked before any work, cheaply (the model's config.json, no weights).
+
+    Checks that grads.shard_index < grads.num_shards, that grads.data_path (when set) is a
+    readable file, and that the index directory (`index_dir`, else grads.index_dir, when set)
+    is writable. Returns the row length the run will use: grads.max_seq_length bounded by the
+    model's context length (logged when the bound applies). Raises UserError (exit code 2)
+    naming the key, the value and the fix.
+    """
+    if grads.shard_index >= grads.num_shards:
+        raise UserError(f"grads.shard_index={grads.shard_index} must be < grads.num_shards={grads.num_shards}"
+                        f" (workers are numbered 0..{grads.num_shards - 1}).", exit_code=2)
+    if grads.data_path is not None:
+        check_input_file(Path(grads.data_path), "grads.data_path")
+    target = index_dir if index_dir is not None else grads.index_dir
+    if target is not None:
+        check_writable_dir(Path(target), "grads.index_dir")
+    context = model_context_length(model_cfg)
+    tokens, limit = length_limit(grads.max_seq_length, context)
+    if tokens < grads.max_seq_length:
+        log.info("rows are cut at %s", limit)
+    return tokens
+
+
 def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console | None = None,
                 loaded=None) -> dict[str, Any]:
     """Index `grads.data_path` into `index_dir` (this worker's shards); returns the index summary.
 
     `loaded`: an already loaded model (circuitkit.models.loading.LoadedModel), else loaded here.
     """
-    from circuitkit.models.loading import load_model, weights_hash
+    from circuitkit.models.loading import context_length, load_model, weights_hash
 
     console = console or Console(stderr=True)
     if grads.data_path is None:
@@ -58,11 +131,17 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
                     " the pipeline); set grads.data_path to your JSONL data.", SAMPLE_DATA.name)
     else:
         data_path = Path(grads.data_path)
-    if not data_path.is_file():
-        raise FileNotFoundError(f"grads.data_path={str(data_path)!r} does not exist.")
+    # Before the model loads: nothing is worth loading for a run that cannot read or write.
+    check_grads_config(model_cfg, grads, index_dir)
+    check_input_file(data_path, "grads.data_path")
+    if (Path(index_dir) / MANIFEST).is_file():
+        read_manifest(Path(index_dir))  # a damaged or tampered index to resume is refused first
     loaded = loaded or load_model(model_cfg)
     model, tokenizer, adapter = loaded.model, loaded.tokenizer, loaded.adapter
-    rows, report = load_rows(data_path, tokenizer, grads.max_seq_length, grads.on_truncation, grads.truncation_side)
+    # The loaded model's own config decides (check_grads_config may not have seen one offline).
+    max_tokens, _ = length_limit(grads.max_seq_length, context_length(model.config))
+    rows, report = load_rows(data_path, tokenizer, grads.max_seq_length, grads.on_truncation, grads.truncation_side,
+                             context_length=context_length(model.config))
     if not rows:
         raise ValueError(f"{data_path}: no row has a supervised token left to index ({report.summary()}).")
     modules = select_modules(model, adapter, grads.module_filter)
@@ -72,9 +151,10 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
         "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
         "projection": projector.describe(), "storage_dtype": grads.storage_dtype,
         "loss_reduction": grads.loss_reduction, "data_file": str(data_path.resolve()),
-        "data_sha256": sha256_file(data_path), "max_seq_length": grads.max_seq_length,
+        "data_sha256": sha256_file(data_path), "max_seq_length": max_tokens,
         "truncation_side": grads.truncation_side, "on_truncation": grads.on_truncation,
         "data_report": report.summary(), "row_width": projector.total_width,
+        "projection_sha256": projection_fingerprint(projector),
     }
     estimate = estimate_grads(
         adapter.shape(), next(model.parameters()).element_size(), min(grads.batch_size, len(rows)),
