@@ -2,110 +2,202 @@
 
     gradian index [overrides]  build a gradient index with the pipeline's config keys, e.g.
                                gradian index model=gpt2 grads.data_path=train.jsonl grads.index_dir=idx
-    gradian inspect INDEX      manifest summary and sizes of a gradient index
-    gradian rank --index DIR --queries FILE [--top-k K] [--score cosine|dot] [--aggregate mean|max] [--out FILE]
+    gradian inspect INDEX [--verify]
+                               manifest summary and sizes of a gradient index; --verify checks
+                               every shard and lists what is wrong (exit 1 if anything is)
+    gradian rank --index DIR --queries FILE [--top-k K] [--score cosine|dot] [--aggregate mean|max]
+                 [--out FILE] [--no-verify]
                                training rows most similar (by gradient) to each query row and overall
     gradian doctor [--json]    versions, devices, determinism, backends and self-tests (Markdown)
+
+Every command ends through `circuitkit.errors.run_entry`: an error prints one line naming the
+problem and the fix (CIRCUITKIT_DEBUG=1 shows the traceback), Ctrl-C exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-_console = Console(stderr=True)
+from circuitkit.errors import UserError, error_console, print_error, run_entry
+
+# With --out, the terminal shows this much of the ranking; the file gets all of it. Rendering
+# thousands of table rows takes minutes (600 ranks x 10 queries: ~3 min on 2 cores).
+SUMMARY_QUERIES = 3
+SUMMARY_RANKS = 5
 
 
-def inspect_index(index_dir: str) -> int:
-    """Print how an index was made, its shards and its size on disk."""
+def _t(value: object) -> Text:
+    """A table cell shown as written: `[INST]` in a preview or a path is text, not rich markup."""
+    return Text(str(value))
+
+
+def inspect_index(index_dir: str, verify: bool = False) -> int:
+    """Print how an index was made, its shards and its size on disk; with `verify`, check it all.
+
+    Returns 0, or 1 when `verify` finds a problem (each printed on its own line).
+    """
     from gradian.index import IndexReader
 
-    try:
-        summary = IndexReader(index_dir).summary()
-    except FileNotFoundError as err:
-        _console.print(f"[bold red]error:[/bold red] {err}")
-        return 2
-    table = Table(title=f"gradient index {index_dir}", show_header=False)
+    reader = IndexReader(index_dir)
+    summary = reader.summary()
+    table = Table(title=_t(f"gradient index {index_dir}"), show_header=False)
     table.add_column("key")
     table.add_column("value")
     proj, report = summary.get("projection", {}), summary.get("data_report") or {}
     if not isinstance(proj, dict):  # a bare kind, as in hand-made headers
         proj = {"kind": proj, "projection_dim": summary.get("projection_dim"), "seed": summary.get("projection_seed")}
-    modules = list(proj.get("modules", {}))
+    if not isinstance(report, dict):
+        report = {}
+    modules = list(proj.get("modules") or {})
+    if summary["complete"]:
+        state = "complete"
+    elif summary["manifest_complete"]:
+        state = f"NOT complete although the manifest says so: {'; '.join(summary['missing'])}"
+    else:
+        state = f"incomplete ({'; '.join(summary['missing'])}): resume with the same command"
+    dropped = (report.get("dropped_truncated") or 0) + (report.get("dropped_unsupervised") or 0)
     rows = [
         ("model", f"{summary.get('model')} ({summary.get('precision')}), weights sha256 "
                   f"{str(summary.get('weights_sha256'))[:12]}…"),
-        ("projection", f"{proj.get('kind')}, dim {proj.get('projection_dim')} per module, seed {proj.get('seed')}"),
+        ("projection", f"{proj.get('kind')}, dim {proj.get('projection_dim')} per module, seed {proj.get('seed')}"
+                       f", matrices sha256 {str(summary.get('projection_sha256'))[:12]}…"),
         ("modules", f"{len(modules)}: {', '.join(modules[:4])}{' …' if len(modules) > 4 else ''}"),
         ("row width", f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
         ("loss", f"{summary.get('loss_reduction')} over supervised tokens"),
         ("data", f"{summary.get('data_file')} (sha256 {str(summary.get('data_sha256'))[:12]}…)"),
         ("rows", f"{report.get('rows_read')} read, {report.get('kept')} kept, {report.get('truncated')} truncated,"
-                 f" {report.get('dropped_truncated', 0) + report.get('dropped_unsupervised', 0)} dropped"),
+                 f" {dropped} dropped"),
         ("stored", f"{summary['rows_stored']} of {summary.get('n_rows')} rows in {summary['n_shard_files']} shards"
-                   f" ({'complete' if summary.get('complete') else 'incomplete: resume with the same command'})"),
+                   f" ({state})"),
         ("size on disk", f"{summary['bytes'] / 2**20:.2f} MiB ({summary['bytes']} bytes)"),
     ]
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(_t(key), _t(value))
     Console().print(table)
-    return 0
+    if not verify:
+        return 0
+    problems = reader.verify()
+    console = error_console()
+    if not problems:
+        console.print(Text(f"verified {index_dir}: {summary['n_shard_files']} shards, sha256, row ranges, shapes,"
+                           " dtypes and projection fingerprint all match the manifest"))
+        return 0
+    for problem in problems:
+        print_error(problem, console, label="problem")
+    print_error(f"{index_dir}: {len(problems)} problem(s); rebuild the index into an empty grads.index_dir"
+                " (or resume it with the same command if only shards are missing).", console)
+    return 1
+
+
+def _index_help() -> str:
+    from circuitkit.config import GradsConfig
+
+    lines = ["usage: gradian index [KEY=VALUE ...]", "",
+             "Build a gradient index of grads.data_path into grads.index_dir (default ./index) with the",
+             "pipeline's config keys (Hydra overrides, as for `python -m circuitkit.run`). A killed run",
+             "resumes with the same command. Model keys: model=NAME (a conf/model/ file) or",
+             "model.name=HUB_NAME|LOCAL_DIR|builtin:tiny-gpt2, model.precision=bfloat16|float32.", "",
+             "grads keys (docs/configuration.md has them all):"]
+    for f in dataclasses.fields(GradsConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  grads.{f.name:<16} {f.metadata.get('doc', '')} (default {default})")
+    return "\n".join(lines)
+
+
+def _bad_override(overrides: list[str]) -> str | None:
+    """A message naming the first override Hydra cannot parse, or None if each parses alone."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override)
+        except HydraException as err:
+            reason = " ".join(str(err).split("See https")[0].split())
+            return (f"cannot parse the override {override!r} ({reason}); write KEY=VALUE, quote values with"
+                    f" brackets or spaces (KEY='a[1] b'), lists as KEY=[a,b].")
+    return None
 
 
 def index_command(overrides: list[str]) -> int:
     """`gradian index [overrides]`: the grads stage on its own (index_dir default ./index)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     from circuitkit.config import ConfigError, compose
     from gradian.indexer import build_index
 
+    if any(arg in ("-h", "--help") for arg in overrides):
+        print(_index_help())
+        return 0
     try:
         _, cfg = compose(overrides)
-    except ConfigError as err:
-        _console.print(f"[bold red]error:[/bold red] {err}")
-        return 2
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        raise UserError(_bad_override(overrides) or " ".join(str(err).split()), exit_code=2) from err
     index_dir = cfg.grads.index_dir or "index"
-    try:
-        build_index(cfg.model, cfg.grads, index_dir, _console)
-    except (ValueError, FileNotFoundError, OverflowError) as err:
-        _console.print(f"[bold red]error:[/bold red] {err}")
-        return 1
+    build_index(cfg.model, cfg.grads, index_dir, error_console())
     return inspect_index(index_dir)
 
 
-def rank_command(args: argparse.Namespace) -> int:
-    """`gradian rank`: print the top rows per query and for the aggregate; exit 2 on bad input."""
-    from gradian.data import DataError
-    from gradian.rank import rank
-
-    try:
-        results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
-                       out_path=args.out)
-    except (ValueError, FileNotFoundError, DataError) as err:  # IndexMismatchError is a ValueError
-        _console.print(f"[bold red]error:[/bold red] {err}")
-        return 2
-    table = Table(title=f"{args.score} ranking of {args.index} against {args.queries}")
+def _results_table(title: str, results: list[dict]) -> Table:
+    table = Table(title=_t(title))
     for column, justify in (("query", "left"), ("rank", "right"), ("row", "right"), ("score", "right"),
                             ("line", "right"), ("preview", "left")):
         table.add_column(column, justify=justify)
     for r in results:
-        table.add_row(str(r["query"]), str(r["rank"]), str(r["row_id"]), f"{r['score']:.4f}",
-                      "-" if r["source_line"] is None else str(r["source_line"]),
-                      r["text_preview"] if r["text_preview"] is not None else "(data file not available)")
-    Console().print(table)
-    if args.out:
-        _console.print(f"wrote {len(results)} rows to {args.out}")
+        table.add_row(_t(r["query"]), _t(r["rank"]), _t(r["row_id"]), _t(f"{r['score']:.4f}"),
+                      _t("-" if r["source_line"] is None else r["source_line"]),
+                      _t(r["text_preview"] if r["text_preview"] is not None else "(data file not available)"))
+    return table
+
+
+def rank_command(args: argparse.Namespace) -> int:
+    """`gradian rank`: print the top rows per query and for the aggregate; exit 2 on bad input.
+
+    With --out every row goes to the file and the terminal gets a short summary (the first
+    queries' first ranks and the aggregate's).
+    """
+    from gradian.rank import rank
+
+    try:
+        results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
+                       out_path=args.out, verify=not args.no_verify)
+    except UserError:
+        raise
+    except (ValueError, FileNotFoundError) as err:  # IndexMismatchError, DataError: the input is wrong
+        raise UserError(str(err), exit_code=2) from err
+    title = f"{args.score} ranking of {args.index} against {args.queries}"
+    if not args.out:
+        Console().print(_results_table(title, results))
+        return 0
+    queries = list(dict.fromkeys(r["query"] for r in results if r["query"] != "aggregate"))
+    shown_queries = set(queries[:SUMMARY_QUERIES]) | {"aggregate"}
+    shown = [r for r in results if r["query"] in shown_queries and r["rank"] <= SUMMARY_RANKS]
+    Console().print(_results_table(f"{title} (first {SUMMARY_RANKS} ranks of {min(len(queries), SUMMARY_QUERIES)}"
+                                   f" of {len(queries)} queries and the aggregate; all in {args.out})", shown))
+    error_console().print(Text(f"wrote {len(results)} rows ({len(queries)} queries and the aggregate, top"
+                               f" {args.top_k} each) to {args.out}"))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="gradian", description="Gradient indexing of training data.")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradian", description="Gradient indexing of training data.",
+                                     epilog="Set CIRCUITKIT_DEBUG=1 to see the Python traceback of an error.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("index", help="build a gradient index (config overrides follow)", add_help=False)
+    sub.add_parser("index", help="build a gradient index (config overrides follow; `gradian index --help`)",
+                   add_help=False)
     inspect = sub.add_parser("inspect", help="summary and sizes of a gradient index")
     inspect.add_argument("index", help="index directory (holds manifest.json)")
+    inspect.add_argument("--verify", action="store_true",
+                         help="check every shard (presence, size, sha256, tensors, row ranges), unlisted files,"
+                              " the complete flag and the projection fingerprint; exit 1 on any problem")
     rank = sub.add_parser("rank", help="rank training rows of an index against query rows")
     rank.add_argument("--index", required=True, help="index directory (holds manifest.json)")
     rank.add_argument("--queries", required=True, help="JSONL of query rows (same format as training rows)")
@@ -113,16 +205,27 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--score", choices=("cosine", "dot"), default="cosine")
     rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
                       help="how the per-query scores of a row combine into one ranking")
-    rank.add_argument("--out", default=None, help="also write the results as JSONL here")
+    rank.add_argument("--out", default=None,
+                      help="write all results as JSONL here (checked before any work); the terminal then shows"
+                           " a summary")
+    rank.add_argument("--no-verify", action="store_true",
+                      help="skip checking each shard's sha256 against the manifest while streaming (faster on"
+                           " a slow disk; see docs/benchmarks.md for the cost)")
     sub.add_parser("doctor", help="versions, devices, backends and self-tests as Markdown ([--json])",
                    add_help=False)
+    return parser
+
+
+def _main(argv: list[str]) -> int:
+    parser = _parser()
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
     if argv[0] == "index":
         return index_command(argv[1:])
     if argv[0] == "inspect":
-        return inspect_index(parser.parse_args(argv).index)
+        args = parser.parse_args(argv)
+        return inspect_index(args.index, verify=args.verify)
     if argv[0] == "rank":
         return rank_command(parser.parse_args(argv))
     if argv[0] == "doctor":
@@ -131,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         return doctor_main(argv[1:])
     parser.parse_args(argv)  # unknown command: argparse prints the usage and exits 2
     return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: returns the exit code (0 ok, 1 failed, 2 bad command or input, 130 Ctrl-C)."""
+    return run_entry(_main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ class DataReport:
     dropped_truncated_lines: list[int] = field(default_factory=list)
     dropped_unsupervised_lines: list[int] = field(default_factory=list)
     first_token_lines: list[int] = field(default_factory=list)  # rows whose token 0 was a target
+    limit: str = ""  # how messages name the length bound ("max_seq_length=512", or the model's context)
 
     def note(self, kind: str, position: int) -> None:
         """Count one row of `kind` (truncated, dropped_truncated, dropped_unsupervised)."""
@@ -286,6 +287,17 @@ def _truncate(ids: list[int], sup: list[bool], max_len: int, side: str, head: in
 # ----------------------------------------------------------------------------- loading
 
 
+def length_limit(max_seq_length: int, context_length: int | None) -> tuple[int, str]:
+    """(tokens a row may have, how to name that limit in messages).
+
+    The model's context bounds every length: a row longer than its position table cannot run.
+    """
+    if context_length is not None and context_length < max_seq_length:
+        return context_length, (f"{context_length} tokens (the model's context length; grads.max_seq_length="
+                                f"{max_seq_length} is above it)")
+    return max_seq_length, f"max_seq_length={max_seq_length}"
+
+
 def _check_settings(max_seq_length: int, on_truncation: str, truncation_side: str) -> None:
     if on_truncation not in ON_TRUNCATION:
         raise ValueError(f"on_truncation={on_truncation!r}; use one of {', '.join(ON_TRUNCATION)}.")
@@ -347,9 +359,10 @@ def iter_rows(source: Source, tokenizer: Any, report: DataReport) -> Iterator[Ro
 
 def finish_report(report: DataReport) -> None:
     """After `iter_rows`: raise for truncated rows under ``on_truncation="error"``, log the rest."""
-    path, max_len, side = report.path, report.max_seq_length, report.truncation_side
+    path, side = report.path, report.truncation_side
+    limit = report.limit or f"max_seq_length={report.max_seq_length}"
     if report.on_truncation == "error" and report.truncated:
-        raise DataError(f"{path}: {report.truncated} row(s) lose completion tokens at max_seq_length={max_len}"
+        raise DataError(f"{path}: {report.truncated} row(s) lose completion tokens at {limit}"
                         f" (truncation_side={side}): {_lines_text(report.truncated_lines, report.truncated)}"
                         f" (first at {path}:{report.truncated_lines[0]}). Raise grads.max_seq_length, set"
                         " grads.truncation_side=prompt_left, or set grads.on_truncation=drop or warn.")
@@ -358,13 +371,13 @@ def finish_report(report: DataReport) -> None:
         kept_cut = [n for n in report.truncated_lines if n not in emptied]
         n_kept_cut = report.truncated - report.dropped_unsupervised if report.truncated > REPORT_LINES else len(kept_cut)
         if kept_cut:
-            logger.warning("%s: %d row(s) kept with completions cut at max_seq_length=%d (truncation_side=%s):"
+            logger.warning("%s: %d row(s) kept with completions cut at %s (truncation_side=%s):"
                            " %s. Their gradients see only part of the target; raise grads.max_seq_length,"
                            " try truncation_side=prompt_left, or set on_truncation=drop.", path, n_kept_cut,
-                           max_len, side, _lines_text(kept_cut))
+                           limit, side, _lines_text(kept_cut))
     if report.dropped_truncated:
-        logger.warning("%s: dropped %d row(s) whose completions did not fit max_seq_length=%d: %s.", path,
-                       report.dropped_truncated, max_len,
+        logger.warning("%s: dropped %d row(s) whose completions did not fit %s: %s.", path,
+                       report.dropped_truncated, limit,
                        _lines_text(report.dropped_truncated_lines, report.dropped_truncated))
     if report.dropped_unsupervised:
         logger.warning("%s: dropped %d row(s) with no supervised token (empty completion, no assistant turn,"
@@ -376,19 +389,32 @@ def finish_report(report: DataReport) -> None:
                        " of the loss: %s. Give these rows a prompt.", path, len(first), _lines_text(first))
 
 
+def new_report(source: Source, max_seq_length: int, on_truncation: str, truncation_side: str,
+               context_length: int | None = None) -> DataReport:
+    """An empty report for reading `source`, its length bound the smaller of max_seq_length and
+    the model's context (`length_limit`)."""
+    _check_settings(max_seq_length, on_truncation, truncation_side)
+    tokens, limit = length_limit(max_seq_length, context_length)
+    return DataReport(path=source.name, max_seq_length=tokens, on_truncation=on_truncation,
+                      truncation_side=truncation_side, limit=limit)
+
+
 def load_rows(data: str | Path | SourceSpec | Source, tokenizer: Any, max_seq_length: int,
-              on_truncation: str = "warn", truncation_side: str = "right") -> tuple[list[Row], DataReport]:
+              on_truncation: str = "warn", truncation_side: str = "right",
+              context_length: int | None = None) -> tuple[list[Row], DataReport]:
     """Read every row of a source (a JSONL path, or any `gradian.sources` source) into memory.
 
     Returns the kept rows (``row_id`` 0..n-1 in source order) and a report of what was truncated
-    or dropped, by position. Raises ``DataError`` naming ``file:line`` for a malformed line, and,
-    with ``on_truncation="error"``, naming the lines whose completions do not fit. For large
-    data, index through `gradian.corpus.TokenizedCorpus`, which keeps the tokens on disk.
+    or dropped, by position. Raises ``DataError`` naming ``file:line`` for a malformed line (or
+    one that is not UTF-8), and, with ``on_truncation="error"``, naming the lines whose
+    completions do not fit. ``context_length`` (the model's, if known) bounds
+    ``max_seq_length``: rows are cut at the smaller of the two, and the messages name which
+    limit it was. For large data, index through `gradian.corpus.TokenizedCorpus`, which keeps
+    the tokens on disk.
     """
     _check_settings(max_seq_length, on_truncation, truncation_side)
     source = as_source(data)
-    report = DataReport(path=source.name, max_seq_length=max_seq_length, on_truncation=on_truncation,
-                        truncation_side=truncation_side)
+    report = new_report(source, max_seq_length, on_truncation, truncation_side, context_length)
     rows = list(iter_rows(source, tokenizer, report))
     finish_report(report)
     return rows, report

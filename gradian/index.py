@@ -11,14 +11,23 @@ same files as one. Each shard is written to a temporary name and renamed; the ma
 rewritten atomically (under a file lock shared by the workers) after every shard. A killed
 run resumes from the shards whose file and sha256 match the manifest, and the finished index
 is byte-identical to an uninterrupted one: nothing in it depends on time, order or worker.
+
+What the manifest names is not trusted: every shard it lists must be a plain file name inside
+the index directory (symlinks resolved), and a shard is checked against its sha256 as it is
+read (`IndexReader.shards(verify=True)`, the default). `IndexReader.verify()` checks the whole
+index and lists every problem (`gradian inspect --verify`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
+import mmap
+import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +35,11 @@ from typing import Any
 
 import torch
 
+from circuitkit.errors import UserError
 from circuitkit.io import atomic_save_safetensors, atomic_write_json, sha256_file
 
-FORMAT_VERSION = 1
+# 2: the header records `projection_sha256`, a hash of the generated projection matrices.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -41,8 +52,96 @@ class StorageOverflowError(OverflowError):
     """Values do not fit the storage dtype (float16 tops out at 65504)."""
 
 
+class IndexIntegrityError(UserError, ValueError):
+    """The directory is not a readable index, or its files are not what its manifest says."""
+
+
+class ConcurrentWriterError(UserError, RuntimeError):
+    """Another process holds the lock of a shard this worker was about to write."""
+
+
+# Header keys every reader needs, with their JSON types.
+_REQUIRED = {"format_version": int, "n_rows": int, "rows_per_shard": int, "storage_dtype": str, "shards": dict,
+             "complete": bool}
+_REBUILD = "rebuild the index into an empty grads.index_dir with `gradian index` (or the grads stage)"
+
+
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
+
+
+def confined_path(index_dir: Path, name: object, manifest_path: Path | None = None) -> Path:
+    """`index_dir / name` if `name` is a plain file name that stays inside `index_dir`.
+
+    Refuses (IndexIntegrityError naming the entry) an absolute path, a path with a directory
+    part or `..`, and a symlink that resolves outside the index directory.
+    """
+    where = manifest_path or Path(index_dir) / MANIFEST
+    if not isinstance(name, str) or not name or name in (".", ".."):
+        raise IndexIntegrityError(f"{where}: shard entry {name!r} is not a file name; {_REBUILD}.")
+    if Path(name).is_absolute() or "/" in name or "\\" in name:
+        raise IndexIntegrityError(f"{where}: shard entry {name!r} is a path, not a file name in the index"
+                                  f" directory; an index only reads its own files. {_REBUILD[0].upper()}"
+                                  f"{_REBUILD[1:]}.")
+    root = Path(index_dir).resolve()
+    path = Path(index_dir) / name
+    if path.resolve().parent != root:
+        raise IndexIntegrityError(f"{where}: shard entry {name!r} is a link to {path.resolve()}, outside the"
+                                  f" index directory {root}; replace the link by the shard file itself.")
+    return path
+
+
+def read_manifest(index_dir: Path) -> dict[str, Any]:
+    """manifest.json of `index_dir`, checked for the keys and types every reader needs.
+
+    Raises IndexIntegrityError (exit code 2) when there is no manifest, and IndexIntegrityError
+    naming the problem when it is not JSON, lacks a key, or a shard entry is malformed or
+    points outside the directory.
+    """
+    index_dir = Path(index_dir)
+    path = index_dir / MANIFEST
+    if index_dir.is_file():
+        raise IndexIntegrityError(f"{index_dir} is a file; give the index directory (the one holding"
+                                  f" {MANIFEST}).", exit_code=2)
+    if not path.is_file():
+        raise IndexIntegrityError(f"{index_dir} is not a gradient index (no {MANIFEST}); build one with"
+                                  " `gradian index` or the pipeline's grads stage.", exit_code=2)
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise IndexIntegrityError(f"{path} is not valid JSON ({err}); the index is damaged: {_REBUILD}.") from None
+    if not isinstance(manifest, dict):
+        raise IndexIntegrityError(f"{path} holds a JSON {type(manifest).__name__}, not an index manifest;"
+                                  f" {_REBUILD}.")
+    missing = [k for k in _REQUIRED if k not in manifest]
+    if missing:
+        raise IndexIntegrityError(f"{path} lacks {', '.join(missing)}: it is not a complete index manifest;"
+                                  f" {_REBUILD}.")
+    for key, kind in _REQUIRED.items():
+        value = manifest[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise IndexIntegrityError(f"{path}: {key} is {value!r}, expected a JSON {kind.__name__};"
+                                      f" {_REBUILD}.")
+    if manifest["format_version"] > FORMAT_VERSION:
+        raise IndexIntegrityError(f"{path}: format_version {manifest['format_version']} is newer than this"
+                                  f" Gradian reads ({FORMAT_VERSION}); upgrade circuitkit.")
+    if manifest["storage_dtype"] not in STORAGE_DTYPES:
+        raise IndexIntegrityError(f"{path}: storage_dtype {manifest['storage_dtype']!r} is not one of"
+                                  f" {', '.join(STORAGE_DTYPES)}; {_REBUILD}.")
+    if manifest["n_rows"] < 0 or manifest["rows_per_shard"] < 1:
+        raise IndexIntegrityError(f"{path}: n_rows={manifest['n_rows']}, rows_per_shard="
+                                  f"{manifest['rows_per_shard']} are not valid; {_REBUILD}.")
+    for name, entry in manifest["shards"].items():
+        confined_path(index_dir, name, path)
+        rows = entry.get("rows") if isinstance(entry, dict) else None
+        ok = (isinstance(entry, dict) and isinstance(rows, list) and len(rows) == 2
+              and all(isinstance(r, int) and not isinstance(r, bool) for r in rows) and 0 <= rows[0] <= rows[1]
+              and isinstance(entry.get("sha256"), str) and isinstance(entry.get("bytes"), int))
+        if not ok:
+            raise IndexIntegrityError(f"{path}: shard entry {name!r} is {json.dumps(entry)[:120]}; expected"
+                                      ' {"index": k, "rows": [start, end], "sha256": hex, "bytes": n};'
+                                      f" {_REBUILD}.")
+    return manifest
 
 
 @contextlib.contextmanager
@@ -113,8 +212,8 @@ class IndexWriter:
         return _lock(self.index_dir / ".manifest.lock")
 
     def _read(self) -> dict[str, Any] | None:
-        path = self.index_dir / MANIFEST
-        return json.loads(path.read_text()) if path.is_file() else None
+        # The same checks as a reader: a resumed run must not follow a shard entry out of the index.
+        return read_manifest(self.index_dir) if (self.index_dir / MANIFEST).is_file() else None
 
     def _write(self, manifest: dict[str, Any]) -> None:
         manifest["shards"] = dict(sorted(manifest["shards"].items()))
@@ -131,20 +230,30 @@ class IndexWriter:
     def is_done(self, k: int) -> bool:
         """Shard k is complete: listed in the manifest and its file has the recorded sha256."""
         entry = (self._read() or {}).get("shards", {}).get(shard_name(k))
-        path = self.index_dir / shard_name(k)
+        path = confined_path(self.index_dir, shard_name(k))
         return entry is not None and path.is_file() and sha256_file(path) == entry["sha256"]
 
     def pending(self) -> list[int]:
         """This worker's shards still to write (a resumed run skips the complete ones).
 
-        Temporary files a killed run left for these shards are removed: only this worker
-        writes them.
+        Temporary files a killed run left for these shards are removed, under the shard's lock:
+        a temp file whose shard is locked belongs to a live writer (two workers given the same
+        grads.shard_index), which is refused instead of pulling its file away.
         """
         todo = [k for k in self.my_shards() if not self.is_done(k)]
         for k in todo:
-            for stale in self.index_dir.glob(f".{shard_name(k)}.*.tmp"):
-                stale.unlink(missing_ok=True)
+            with _lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
+                if not got:
+                    raise self._busy(k)
+                for stale in self.index_dir.glob(f".{shard_name(k)}.*.tmp"):
+                    stale.unlink(missing_ok=True)
         return todo
+
+    def _busy(self, k: int) -> ConcurrentWriterError:
+        return ConcurrentWriterError(
+            f"another process is writing {shard_name(k)} of {self.index_dir}; two workers must not share a"
+            f" grads.shard_index (this one has {self.shard_index} of num_shards={self.num_shards}). Wait for"
+            " it to finish, or give each worker its own shard_index.")
 
     # -- writing ----------------------------------------------------------------------------
     def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor | None = None) -> Path:
@@ -171,8 +280,7 @@ class IndexWriter:
         norms = stored.float().norm(dim=1)
         with _lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
             if not got:
-                raise RuntimeError(f"another process is writing {shard_name(k)} of {self.index_dir}; two"
-                                   " workers must not share a grads.shard_index.")
+                raise self._busy(k)
             tensors = {"grads": stored, "norms": norms, "rows": rows.long()}
             if sources is not None:
                 tensors["sources"] = sources.long()
@@ -187,28 +295,237 @@ class IndexWriter:
         return path
 
 
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}
+
+
+def _tensors_from_buffer(buf) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `buf` (bytes or a read-only mmap), as views of it.
+
+    Format: 8-byte little-endian header length n, n bytes of JSON {name: {dtype, shape,
+    data_offsets [begin, end)}}, then the data. Raises ValueError on anything malformed.
+    """
+    if len(buf) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(buf[:8], "little")
+    if 8 + n > len(buf):
+        raise ValueError(f"header of {n} bytes runs past the end of the file ({len(buf)} bytes)")
+    header = json.loads(bytes(buf[8:8 + n]))
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": the views are only read
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+            begin, end = info["data_offsets"]
+            count = math.prod(info["shape"])
+            if dtype is None or end - begin != count * dtype.itemsize or 8 + n + end > len(buf):
+                raise ValueError(f"tensor {key!r} ({info.get('dtype')}, shape {info['shape']}) does not fit the file")
+            flat = (torch.frombuffer(buf, dtype=dtype, count=count, offset=8 + n + begin) if count
+                    else torch.empty(0, dtype=dtype))
+            out[key] = flat.reshape(info["shape"])
+    return out
+
+
 class IndexReader:
-    """Streams an index shard by shard (memory independent of the index size)."""
+    """Streams an index shard by shard (memory independent of the index size).
+
+    The manifest is checked on opening (`read_manifest`); each shard is checked against its
+    manifest entry as it is read.
+    """
 
     def __init__(self, index_dir: Path) -> None:
         self.index_dir = Path(index_dir)
-        path = self.index_dir / MANIFEST
-        if not path.is_file():
-            raise FileNotFoundError(f"{self.index_dir} is not a gradient index (no {MANIFEST}); build one with"
-                                    " `gradian index` or the pipeline's grads stage.")
-        self.manifest = json.loads(path.read_text())
+        self.manifest = read_manifest(self.index_dir)
+        layout = self._layout_problems()
+        if layout:  # overlapping or foreign ranges would rank some rows twice or not at all
+            raise IndexIntegrityError(f"{self.index_dir / MANIFEST}: {'; '.join(layout)}; {_REBUILD}.")
+
+    @property
+    def n_index_shards(self) -> int:
+        return max(1, math.ceil(self.manifest["n_rows"] / self.manifest["rows_per_shard"]))
+
+    def _expected_rows(self, k: int) -> list[int]:
+        start = k * self.manifest["rows_per_shard"]
+        return [start, min(self.manifest["n_rows"], start + self.manifest["rows_per_shard"])]
+
+    def _layout_problems(self) -> list[str]:
+        """Listed shards whose name or row range is not the one their position gives."""
+        expected = {shard_name(k): k for k in range(self.n_index_shards)}
+        problems = []
+        for name, entry in sorted(self.manifest["shards"].items()):
+            if name not in expected:
+                problems.append(f"{name} is listed but an index of {self.manifest['n_rows']} rows in shards of"
+                                f" {self.manifest['rows_per_shard']} has no such shard")
+            elif entry["rows"] != self._expected_rows(expected[name]):
+                problems.append(f"{name} is listed with rows {entry['rows']}, expected"
+                                f" {self._expected_rows(expected[name])} (row ranges must be contiguous)")
+        return problems
+
+    def missing(self) -> list[str]:
+        """Why the index is not complete (cheap: names, row ranges and file sizes, no hashing).
+
+        Empty when every shard 0..n-1 is listed with its row range and its file is present with
+        the recorded size, i.e. the rows stored are exactly 0..n_rows-1.
+        """
+        shards, problems = self.manifest["shards"], []
+        expected = {shard_name(k): k for k in range(self.n_index_shards)}
+        absent = [name for name in expected if name not in shards]
+        if absent:
+            problems.append(f"{len(absent)} of {len(expected)} shards not written yet"
+                            f" ({', '.join(absent[:3])}{' …' if len(absent) > 3 else ''})")
+        problems += self._layout_problems()
+        for name, entry in sorted(shards.items()):
+            path = self.index_dir / name
+            if not path.is_file():
+                problems.append(f"{name} is listed but its file is missing")
+            elif path.stat().st_size != entry["bytes"]:
+                problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {entry['bytes']}"
+                                " (truncated or replaced)")
+        return problems
 
     @property
     def complete(self) -> bool:
-        return bool(self.manifest.get("complete"))
+        """The manifest says complete and the files agree (`missing()` is empty)."""
+        return self.manifest["complete"] and not self.missing()
 
-    def shards(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(rows (n,), grads (n, width) float32, norms (n,)) per shard, in row order."""
-        from safetensors import safe_open
+    def _load(self, name: str, verify: bool) -> dict[str, torch.Tensor]:
+        from safetensors import SafetensorError, safe_open
 
+        entry = self.manifest["shards"][name]
+        path = confined_path(self.index_dir, name)
+        if not path.is_file():
+            raise IndexIntegrityError(f"{path}: shard listed in the manifest is missing; {_REBUILD}.")
+        try:
+            if verify:
+                with open(path, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    # The hash runs over the mapped file and the tensors are views of the same
+                    # mapping: what is checked is what is parsed, read once, no copy.
+                    buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                digest = hashlib.sha256(buf).hexdigest()
+                if digest != entry["sha256"]:
+                    raise IndexIntegrityError(
+                        f"{path}: sha256 {digest[:12]}… differs from the manifest's {str(entry['sha256'])[:12]}…:"
+                        f" the shard changed after it was written (or the manifest was edited); {_REBUILD}.")
+                return _tensors_from_buffer(buf)
+            with safe_open(str(path), framework="pt") as fh:
+                return {key: fh.get_tensor(key) for key in fh.keys()}  # noqa: SIM118 - safe_open has no iter
+        except IndexIntegrityError:
+            raise
+        except (SafetensorError, ValueError, KeyError, TypeError) as err:
+            raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); it is truncated or"
+                                      f" damaged; {_REBUILD}.") from None
+
+    def _check_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """What in a loaded shard disagrees with its manifest entry."""
+        entry, problems = self.manifest["shards"][name], []
+        if set(tensors) - {"sources"} != {"grads", "norms", "rows"}:
+            return [f"{name} holds tensors {sorted(tensors)}, expected grads, norms, rows (and sources)"]
+        start, end = entry["rows"]
+        rows, grads, norms = tensors["rows"], tensors["grads"], tensors["norms"]
+        if rows.dtype != torch.int64 or rows.shape != (end - start,) or not torch.equal(rows, torch.arange(start, end)):
+            problems.append(f"{name} holds row ids {rows.tolist()[:3]}… ({rows.dtype}), the manifest says rows"
+                            f" {start}..{end - 1}")
+        width = self.manifest.get("row_width")
+        want = (end - start, width) if isinstance(width, int) else (end - start,) + tuple(grads.shape[1:])
+        if tuple(grads.shape) != want or grads.ndim != 2:
+            problems.append(f"{name} grads have shape {tuple(grads.shape)}, the manifest says {want}")
+        dtype = STORAGE_DTYPES[self.manifest["storage_dtype"]]
+        if grads.dtype != dtype:
+            problems.append(f"{name} grads are {grads.dtype}, the manifest says {self.manifest['storage_dtype']}")
+        sources = tensors.get("sources")
+        if sources is not None and (sources.dtype != torch.int64 or sources.shape != (end - start,)):
+            problems.append(f"{name} sources are {sources.dtype} {tuple(sources.shape)}, expected int64"
+                            f" ({end - start},)")
+        if norms.dtype != torch.float32 or norms.shape != (end - start,):
+            problems.append(f"{name} norms are {norms.dtype} {tuple(norms.shape)}, expected float32"
+                            f" ({end - start},)")
+        return problems
+
+    def shards(self, verify: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(rows (n,), grads (n, width) float32, norms (n,)) per shard, in row order.
+
+        verify: check each shard's sha256 against the manifest on the bytes read (one read per
+        shard, no second pass). Either way the row ids, shapes and dtypes must match the
+        manifest. Raises IndexIntegrityError naming the shard and what differs.
+        """
         for name in sorted(self.manifest["shards"]):
-            with safe_open(str(self.index_dir / name), framework="pt") as fh:
-                yield fh.get_tensor("rows"), fh.get_tensor("grads").float(), fh.get_tensor("norms")
+            tensors = self._load(name, verify)
+            problems = self._check_tensors(name, tensors)
+            if problems:
+                raise IndexIntegrityError(f"{self.index_dir}: {'; '.join(problems)}; {_REBUILD}.")
+            # Copies, so no tensor handed out keeps the shard's file mapped.
+            yield (tensors["rows"].clone(), tensors["grads"].to(torch.float32, copy=verify),
+                   tensors["norms"].clone())
+            del tensors
+
+    def verify(self) -> list[str]:
+        """Every problem of the index, one sentence each; empty when it is sound.
+
+        Checks the shard list against the row count (contiguous, complete ranges), every
+        shard's presence, size, sha256, tensors (names, shapes, dtypes, row ids, norms of the
+        stored values), files in the directory the manifest does not list, the `complete`
+        flag, the data report's row count and the projection fingerprint.
+        """
+        problems = self.missing()
+        for name in sorted(self.manifest["shards"]):
+            if not (self.index_dir / name).is_file():
+                continue
+            try:
+                tensors = self._load(name, verify=True)
+            except IndexIntegrityError as err:
+                problems.append(str(err).split("; rebuild")[0])
+                continue
+            found = self._check_tensors(name, tensors)
+            if not found:
+                recomputed = tensors["grads"].float().norm(dim=1)
+                if not torch.allclose(recomputed, tensors["norms"], rtol=1e-5, atol=1e-6):
+                    found.append(f"{name} norms are not the norms of its stored grads")
+            problems += found
+        listed = set(self.manifest["shards"]) | {MANIFEST}
+        unlisted = sorted(p.name for p in self.index_dir.iterdir() if not p.name.startswith(".") and p.name not in listed)
+        if unlisted:
+            problems.append(f"files the manifest does not list: {', '.join(unlisted[:5])}"
+                            f"{' …' if len(unlisted) > 5 else ''}")
+        honest = not self.missing()
+        if self.manifest["complete"] and not honest:
+            problems.append("the manifest says complete, but the shards above are missing or damaged")
+        if not self.manifest["complete"] and honest:
+            problems.append("the manifest says incomplete although every shard is present")
+        report = self.manifest.get("data_report")
+        if isinstance(report, dict) and report.get("kept") != self.manifest["n_rows"]:
+            problems.append(f"data_report says {report.get('kept')} rows kept, the index has n_rows"
+                            f" {self.manifest['n_rows']}")
+        problems += self._projection_problems()
+        return problems
+
+    def _projection_problems(self) -> list[str]:
+        from gradian.projection import Projector, projection_fingerprint
+
+        proj = self.manifest.get("projection")
+        if not isinstance(proj, dict) or not isinstance(proj.get("modules"), dict):
+            return ["no projection description (projection.modules): queries cannot be projected like the rows"]
+        if "projection_sha256" not in self.manifest:
+            return [f"no projection_sha256 (format_version {self.manifest['format_version']}): the projection"
+                    " the rows were made with cannot be checked"]
+        try:
+            shapes = {n: tuple(e["shape"]) for n, e in proj["modules"].items()}
+            kind = "kronecker" if proj.get("kind") == "raw" else proj.get("kind")
+            projector = Projector(shapes, kind, proj.get("projection_dim"), proj.get("seed", 0))
+        except (KeyError, TypeError, ValueError) as err:
+            return [f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
+        problems = []
+        if self.manifest.get("row_width") != projector.total_width:
+            problems.append(f"row_width {self.manifest.get('row_width')} is not the projection's width"
+                            f" {projector.total_width}")
+        fingerprint = projection_fingerprint(projector)
+        if fingerprint != self.manifest["projection_sha256"]:
+            problems.append(f"projection_sha256 {str(self.manifest['projection_sha256'])[:12]}… is not that of the"
+                            f" matrices the manifest's projection (kind {proj.get('kind')}, dim"
+                            f" {proj.get('projection_dim')}, seed {proj.get('seed')}) generates ({fingerprint[:12]}…):"
+                            " the projection settings were edited")
+        return problems
 
     def source_positions(self, row_ids: list[int]) -> dict[int, int]:
         """row id -> its position in the data (JSONL line or table row index), read from the
@@ -221,10 +538,10 @@ class IndexReader:
             by_shard.setdefault(r // per_shard, []).append(r)
         out: dict[int, int] = {}
         for k, wanted in by_shard.items():
-            entry = self.manifest.get("shards", {}).get(shard_name(k))
+            entry = self.manifest["shards"].get(shard_name(k))
             if entry is None:
                 continue
-            with safe_open(str(self.index_dir / shard_name(k)), framework="pt") as fh:
+            with safe_open(str(confined_path(self.index_dir, shard_name(k))), framework="pt") as fh:
                 if "sources" not in fh.keys():
                     continue
                 sources = fh.get_tensor("sources")
@@ -233,9 +550,12 @@ class IndexReader:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """Header, shard count, rows stored and bytes on disk."""
-        shards = self.manifest.get("shards", {})
+        """Header, shard count, rows stored, bytes on disk, and why it is incomplete (if it is)."""
+        shards = self.manifest["shards"]
         stored = sum(e["rows"][1] - e["rows"][0] for e in shards.values())
         header = {k: v for k, v in self.manifest.items() if k != "shards"}
-        return {**header, "n_shard_files": len(shards), "shard_files": sorted(shards), "rows_stored": stored,
+        missing = self.missing()
+        return {**header, "complete": self.manifest["complete"] and not missing, "missing": missing,
+                "manifest_complete": self.manifest["complete"],
+                "n_shard_files": len(shards), "shard_files": sorted(shards), "rows_stored": stored,
                 "bytes": sum(e["bytes"] for e in shards.values()) + (self.index_dir / MANIFEST).stat().st_size}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,14 @@ from rich.progress import (
 )
 
 from circuitkit.config import GradsConfig, ModelConfig
+from circuitkit.errors import UserError
 from circuitkit.memory import estimate_grads
-from circuitkit.models.loading import load_model, weights_hash
+from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
-from gradian.data import collate, plan_batches
-from gradian.index import STORAGE_DTYPES, IndexReader, IndexWriter
-from gradian.projection import Projector, module_shapes, select_modules
+from gradian.data import collate, length_limit, plan_batches
+from gradian.index import MANIFEST, STORAGE_DTYPES, IndexReader, IndexWriter, read_manifest
+from gradian.projection import Projector, module_shapes, projection_fingerprint, select_modules
 from gradian.sources import Source, SourceSpec
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,106 @@ def tokenizer_hash(tokenizer) -> str:
     """sha256 of the vocabulary and special tokens (what decides the token ids)."""
     payload = {"vocab": tokenizer.get_vocab(), "special": tokenizer.all_special_tokens}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def check_input_file(path: Path, what: str) -> None:
+    """A file the user named must be a readable file: one line naming it otherwise (UserError)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what}={str(path)!r} is a directory; give the JSONL file itself.", exit_code=2)
+    _check_readable(path, what)
+
+
+def check_data_source(grads: GradsConfig, path: str | Path) -> None:
+    """grads.data_path names data that can be read: a readable file, a `datasets.save_to_disk`
+    directory, or (not a local path) a hub dataset name. UserError (exit code 2) otherwise."""
+    from gradian.sources import DataError, SourceSpec, resolve_format
+
+    spec = SourceSpec.from_grads(grads, path)
+    try:
+        fmt = resolve_format(spec)
+    except DataError as err:
+        raise UserError(str(err), exit_code=2) from None
+    local = Path(path)
+    if fmt == "hf" and not local.exists():
+        return
+    if local.is_dir():
+        if not any((local / marker).is_file() for marker in _DATASET_DIR_MARKERS) and fmt != "hf":
+            raise UserError(f"grads.data_path={str(local)!r} is a directory, but not one written by"
+                            " datasets' save_to_disk; give the JSONL, Parquet or Arrow file itself.", exit_code=2)
+        return
+    _check_readable(local, "grads.data_path")
+
+
+# Files that datasets' save_to_disk writes into a Dataset / DatasetDict directory.
+_DATASET_DIR_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
+
+
+def _check_readable(path: Path, what: str) -> None:
+    if not path.exists():
+        raise UserError(f"{what}={str(path)!r} does not exist (resolved to {path.resolve()}).", exit_code=2)
+    if not os.access(path, os.R_OK):
+        raise UserError(f"{what}={str(path)!r} is not readable (permission denied); fix its permissions.",
+                        exit_code=2)
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """`path` is, or can be created as, a directory this process can write into (UserError if not)."""
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise UserError(f"{what}={str(path)!r}: {probe} is a file, not a directory; choose another place.",
+                        exit_code=2)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"{what}={str(path)!r}: cannot write into {probe} (permission denied or read-only);"
+                        " choose a directory you can write to.", exit_code=2)
+
+
+def model_context_length(model_cfg: ModelConfig) -> int | None:
+    """The model's context length from its config.json alone (no weights); None if unknown here.
+
+    None when the config cannot be read now (e.g. a hub name offline): the bound is then applied
+    after the model is loaded, from the loaded model's config.
+    """
+    from transformers import AutoConfig
+
+    from circuitkit.models.loading import context_length, resolve_model_path
+
+    try:
+        hf = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name), revision=model_cfg.revision,
+                                        trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        log.debug("no config for %s before loading (%s); the context bound waits for the model", model_cfg.name, err)
+        return None
+    return context_length(hf)
+
+
+def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path | str | None = None) -> int:
+    """What can be checked before any work, cheaply (the model's config.json, no weights).
+
+    Checks that grads.shard_index < grads.num_shards, that grads.data_path (when set) can be
+    read (a file, a save_to_disk directory or a hub dataset name), and that the index directory (`index_dir`, else grads.index_dir, when set)
+    is writable. Returns the row length the run will use: grads.max_seq_length bounded by the
+    model's context length (logged when the bound applies). Raises UserError (exit code 2)
+    naming the key, the value and the fix.
+    """
+    if grads.shard_index >= grads.num_shards:
+        raise UserError(f"grads.shard_index={grads.shard_index} must be < grads.num_shards={grads.num_shards}"
+                        f" (workers are numbered 0..{grads.num_shards - 1}).", exit_code=2)
+    if grads.data_path is not None:
+        check_data_source(grads, grads.data_path)
+    target = index_dir if index_dir is not None else grads.index_dir
+    if target is not None:
+        check_writable_dir(Path(target), "grads.index_dir")
+    context = model_context_length(model_cfg)
+    tokens, limit = length_limit(grads.max_seq_length, context)
+    if tokens < grads.max_seq_length:
+        log.info("rows are cut at %s", limit)
+    return tokens
 
 
 class _Throughput:
@@ -84,12 +186,18 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
                     " the pipeline); set grads.data_path to your data.", SAMPLE_DATA.name)
     else:
         data_path = str(grads.data_path)
+    # Before the model loads: nothing is worth loading for a run that cannot read or write.
+    check_grads_config(model_cfg, grads, index_dir)
+    check_data_source(grads, data_path)
+    if (Path(index_dir) / MANIFEST).is_file():
+        read_manifest(Path(index_dir))  # a damaged or tampered index to resume is refused first
     source = Source(SourceSpec.from_grads(grads, data_path))
     loaded = loaded or load_model(model_cfg)
     tokenizer = loaded.tokenizer
     with console.status(f"reading and tokenizing {source.name}") as status:
+        # The loaded model's own config decides the bound (check_grads_config may not have seen one offline).
         corpus = TokenizedCorpus.scan(source, tokenizer, grads.max_seq_length, grads.on_truncation,
-                                      grads.truncation_side,
+                                      grads.truncation_side, context_length=context_length(loaded.model.config),
                                       progress=lambda n: status.update(f"tokenizing {source.name}: {n} rows read"))
     with corpus:
         return _index_corpus(model_cfg, grads, Path(index_dir), console, loaded, source, corpus)
@@ -111,12 +219,13 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         "loss_reduction": grads.loss_reduction,
         "data_file": str(local.resolve()) if local.exists() else source.name,
         "data_source": source.spec.describe(), "data_sha256": source.fingerprint(),
-        "max_seq_length": grads.max_seq_length, "truncation_side": grads.truncation_side,
+        "max_seq_length": report.max_seq_length, "truncation_side": grads.truncation_side,
         "on_truncation": grads.on_truncation, "data_report": report.summary(), "row_width": projector.total_width,
+        "projection_sha256": projection_fingerprint(projector),
     }
     lengths = corpus.lengths
     longest = int(lengths.max())
-    budget = grads.batch_tokens or grads.batch_size * grads.max_seq_length
+    budget = grads.batch_tokens or grads.batch_size * report.max_seq_length
     # The largest batch the plan can form: the token budget bounds rows x longest row.
     worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
     estimate = estimate_grads(

@@ -339,3 +339,27 @@ class Projector:
         if self.kind == "dense":
             return self._apply_dense(name, grad.flatten(1))
         return grad.flatten(1)
+
+
+def projection_fingerprint(projector: Projector) -> str:
+    """sha256 of the projection matrices `projector` generates (not of its settings).
+
+    Two projectors that would project a gradient differently have different fingerprints,
+    whatever the reason (seed, kind, dim, module shapes, or a torch whose generator draws
+    other numbers). kronecker: every P_out and P_in, in module order. dense: the first column
+    chunk of each module's matrix (the whole matrix can be gigabytes; every chunk comes from
+    the same seeded generator, so the first one already differs when anything does). raw:
+    no matrix; the module names and shapes.
+    """
+    h = hashlib.sha256(f"{projector.kind}:{projector.projection_dim}".encode())
+    for name, shape in projector.shapes.items():
+        h.update(f"|{name}:{shape}".encode())
+        if projector.kind == "kronecker":
+            mats = projector.kronecker_matrices(name)
+        elif projector.kind == "dense":
+            mats = (projector._dense_chunk(name, 0),)
+        else:
+            mats = ()
+        for m in mats:
+            h.update(m.contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,10 @@ from typing import Any
 import torch
 
 from circuitkit.config import ModelConfig
+from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes
-from gradian.index import IndexMismatchError, IndexReader
-from gradian.projection import Projector, module_shapes
+from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.projection import Projector, module_shapes, projection_fingerprint
 from gradian.sources import DataError, Source, SourceSpec
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ def _check_choice(name: str, value: str, valid: Sequence[str]) -> None:
 
 
 def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 10, score: str = "cosine",
-                aggregate: str = "mean") -> dict[str, torch.Tensor]:
+                aggregate: str = "mean", verify: bool = True) -> dict[str, torch.Tensor]:
     """Top-k training rows per query and for the aggregate, streaming the index's shards.
 
     query_grads: (Q, width) float32, projected query gradients (width = the index's row width).
@@ -74,7 +76,8 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     rows in descending score (ties: lower row id first); ``aggregate_scores`` (k',) and
     ``aggregate_rows`` (k',): rows ranked by the mean or max over queries of their scores;
     k' = min(top_k, rows in the index). Peak memory is about one shard in float32 plus Q x
-    shard rows of scores, whatever the number of rows.
+    shard rows of scores, whatever the number of rows. `verify`: check each shard's sha256
+    against the manifest as it is read (IndexIntegrityError on a mismatch).
     """
     _check_choice("score", score, SCORES)
     _check_choice("aggregate", aggregate, AGGREGATES)
@@ -89,13 +92,13 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
         raise IndexMismatchError(f"query gradients have width {q.shape[1]} but the index rows have width"
                                  f" {width}: they were not projected the same way.")
     if not reader.complete:
-        log.warning("%s is incomplete (%d shard files): ranking only the rows stored so far.", reader.index_dir,
-                    len(reader.manifest.get("shards", {})))
+        log.warning("%s is incomplete (%s): ranking only the rows stored so far.", reader.index_dir,
+                    "; ".join(reader.missing()) or "the manifest says so")
     if score == "cosine":
         # Unit query vectors: then cosine = (q̂ · g) / |g| per row, one matmul per shard.
         q = q / q.norm(dim=1, keepdim=True).clamp_min(_EPS)
     per_query, combined = _TopK(q.shape[0], top_k), _TopK(1, top_k)
-    for rows, grads, norms in reader.shards():
+    for rows, grads, norms in reader.shards(verify=verify):
         scores = q @ grads.T  # (Q, n)
         if score == "cosine":
             scores /= norms.float().clamp_min(_EPS)
@@ -118,7 +121,9 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
     """Refuse a model that is not the one the index was built with; returns the index's Projector.
 
     Compares the weights sha256, the tokenizer hash, and the projection (kind, dim, seed,
-    modules with their shapes) recomputed on `loaded.model` for the modules the manifest lists.
+    modules with their shapes) recomputed on `loaded.model` for the modules the manifest lists,
+    and the sha256 of the matrices that projection generates with the manifest's
+    `projection_sha256` (so an edited seed or kind cannot pass).
     Raises IndexMismatchError naming every differing key.
     """
     from circuitkit.models.loading import weights_hash
@@ -153,6 +158,18 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
             problems.append(f"projection: {err}")
         else:
             mine = projector.describe()
+            recorded = manifest.get("projection_sha256")
+            if recorded is None:
+                raise IndexMismatchError(
+                    f"the index manifest has no projection_sha256 (format_version {manifest.get('format_version')},"
+                    " from an older Gradian), so the projection its rows were made with cannot be checked;"
+                    " rebuild it into a new grads.index_dir.")
+            generated = projection_fingerprint(projector)
+            if generated != recorded:
+                problems.append(f"projection_sha256: the rows were projected with matrices of sha256 {str(recorded)[:12]}…,"
+                                f" but the manifest's projection (kind {proj.get('kind')}, dim"
+                                f" {proj.get('projection_dim')}, seed {proj.get('seed')}) generates {generated[:12]}…"
+                                " (the manifest's projection settings were edited)")
             for key in ("kind", "projection_dim", "seed", "modules"):
                 if mine.get(key) != proj.get(key):
                     if key == "modules":
@@ -164,8 +181,12 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
                         problems.append(f"projection.{key}: index has {proj.get(key)!r}, recomputed"
                                         f" {mine.get(key)!r}")
     if problems:
+        model_differs = any(p.startswith(("weights_sha256", "tokenizer_sha256", "projection.modules"))
+                            for p in problems)
+        fix = ("Rank with the model the index was built with." if model_differs else
+               "Restore the manifest's projection settings, or rebuild the index.")
         raise IndexMismatchError("the index was made with another model or projection than the one loaded: "
-                                 + "; ".join(problems) + ". Rank with the model the index was built with.")
+                                 + "; ".join(problems) + ". " + fix)
     return projector
 
 
@@ -179,14 +200,16 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     Returns (grads (Q, width) float32 on the CPU, the query Rows from gradian.data.load_rows with
     the manifest's max_seq_length / truncation settings).
     """
+    from circuitkit.models.loading import context_length
     from gradian.capture import per_example_gradients
     from gradian.data import collate, load_rows, plan_batches
+    from gradian.indexer import check_input_file
 
     queries_path = Path(queries_path)
-    if not queries_path.is_file():
-        raise FileNotFoundError(f"queries file {str(queries_path)!r} does not exist.")
+    check_input_file(queries_path, "--queries")
     rows, report = load_rows(queries_path, loaded.tokenizer, manifest.get("max_seq_length", 512),
-                             manifest.get("on_truncation", "warn"), manifest.get("truncation_side", "right"))
+                             manifest.get("on_truncation", "warn"), manifest.get("truncation_side", "right"),
+                             context_length=context_length(loaded.model.config))
     if not rows:
         raise ValueError(f"{queries_path}: no query row has a supervised token ({report.summary()}).")
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -203,6 +226,18 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
 
 
 # ----------------------------------------------------------------------------- output
+
+
+def check_output_file(path: Path, what: str) -> None:
+    """`path` can be written as a file (UserError, exit code 2, if not): checked before any work."""
+    from gradian.indexer import check_writable_dir
+
+    if path.is_dir():
+        raise UserError(f"{what} {str(path)!r} is a directory; give a file name (e.g. {path / 'ranked.jsonl'}).",
+                        exit_code=2)
+    check_writable_dir(path.parent, what)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UserError(f"{what} {str(path)!r} exists and is not writable; choose another file.", exit_code=2)
 
 
 def _positions(index_dir: Path, manifest: dict[str, Any], row_ids: set[int]) -> dict[int, int]:
@@ -306,7 +341,7 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
 
 def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "cosine",
          aggregate: str = "mean", out_path: str | Path | None = None,
-         model_cfg: ModelConfig | None = None, loaded=None) -> list[dict[str, Any]]:
+         model_cfg: ModelConfig | None = None, loaded=None, verify: bool = True) -> list[dict[str, Any]]:
     """Rank the index's training rows against the rows of `queries_path` (JSONL).
 
     Loads the model the manifest names (or `model_cfg`; or an already loaded `loaded`), refuses
@@ -314,21 +349,31 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     the key), computes the query gradients, streams the index (`stream_topk`) and returns dicts
     {"query": query row id or "aggregate", "rank", "row_id", "score", "source_line",
     "text_preview"}, per query then the aggregate. Writes them as JSONL to `out_path` if given.
+    `verify`: check every shard's sha256 as it is streamed (default; IndexIntegrityError on a
+    mismatch). Everything that can fail without computing (arguments, the queries file, the
+    manifest, where `out_path` goes) is checked before the model is loaded.
     """
     from circuitkit.models.loading import load_model
+    from gradian.indexer import check_input_file
 
     _check_choice("score", score, SCORES)
     _check_choice("aggregate", aggregate, AGGREGATES)
-    if not Path(queries_path).is_file():
-        raise FileNotFoundError(f"queries file {str(queries_path)!r} does not exist.")
+    if top_k < 1:
+        raise UserError(f"--top-k {top_k}: it must be >= 1.", exit_code=2)
+    check_input_file(Path(queries_path), "--queries")
+    if out_path is not None:
+        check_output_file(Path(out_path), "--out")
     manifest = IndexReader(index_dir).manifest
+    if not isinstance(manifest.get("model"), str):
+        raise IndexIntegrityError(f"{Path(index_dir) / 'manifest.json'} names no model (model:"
+                                  f" {manifest.get('model')!r}); rebuild the index with `gradian index`.")
     if loaded is None:
         model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
                                              precision=manifest.get("precision", "bfloat16"))
         loaded = load_model(model_cfg)
     projector = check_compatible(manifest, loaded)
     q_grads, q_rows = query_gradients(manifest, loaded, projector, queries_path)
-    top = stream_topk(index_dir, q_grads, top_k, score, aggregate)
+    top = stream_topk(index_dir, q_grads, top_k, score, aggregate, verify=verify)
     results = format_results(manifest, top, [r.row_id for r in q_rows], index_dir)
     if out_path is not None:
         payload = "".join(json.dumps(r) + "\n" for r in results).encode()
