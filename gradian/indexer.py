@@ -212,13 +212,14 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     modules = select_modules(model, adapter, grads.module_filter)
     projector = Projector(module_shapes(modules), grads.projection, grads.projection_dim, grads.projection_seed)
     local = Path(source.name)
+    data_file = str(local.resolve()) if local.exists() else source.name
     header = {
         "model": model_cfg.name, "revision": model_cfg.revision, "precision": model_cfg.precision,
         "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
         "projection": projector.describe(), "storage_dtype": grads.storage_dtype,
         "loss_reduction": grads.loss_reduction,
-        "data_file": str(local.resolve()) if local.exists() else source.name,
-        "data_source": source.spec.describe(), "data_sha256": source.fingerprint(),
+        "data_file": data_file, "data_source": {**source.spec.describe(), "path": data_file},
+        "data_sha256": source.fingerprint(),
         "max_seq_length": report.max_seq_length, "truncation_side": grads.truncation_side,
         "on_truncation": grads.on_truncation, "data_report": report.summary(), "row_width": projector.total_width,
         "projection_sha256": projection_fingerprint(projector),

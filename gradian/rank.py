@@ -271,7 +271,8 @@ def _usable_source(manifest: dict[str, Any]) -> Source | None:
         if described:
             cols = described.get("columns") or {}
             rng = described.get("row_range")
-            spec = SourceSpec(path=described["path"], format=described.get("format", "auto"),
+            # data_file says where the data is now (a test or a user may point it elsewhere).
+            spec = SourceSpec(path=manifest.get("data_file") or described["path"], format=described.get("format", "auto"),
                               split=described.get("split"), prompt_column=cols.get("prompt", "prompt"),
                               completion_column=cols.get("completion", "completion"),
                               messages_column=cols.get("messages", "messages"),
