@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from circuitkit.config import ModelConfig
 from circuitkit.device import get_device
+from circuitkit.errors import UserError
 from circuitkit.models.adapters import ModelAdapter, get_adapter
 
 log = logging.getLogger(__name__)
@@ -40,17 +43,76 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
+# A hub id is `name` or `owner/name` of letters, digits and -_. (what the hub accepts).
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_local_path(name: str) -> bool:
+    """True when `model.name` means a directory on this machine rather than a hub id."""
+    return (Path(name).expanduser().exists() or name.startswith(("/", "./", "../", "~", "."))
+            or "\\" in name or not _HUB_ID.match(name))
+
+
 def resolve_model_path(name: str) -> str:
-    """The argument for `from_pretrained`: builtin fixtures become their cached directory."""
+    """The argument for `from_pretrained`: builtin fixtures become their cached directory,
+    local directories are checked (UserError naming what is missing), hub ids pass through."""
     if name.startswith(BUILTIN_PREFIX):
         from circuitkit.models.tiny import FIXTURE_NAMES, ensure_fixture
 
         fixture = name[len(BUILTIN_PREFIX):]
         if fixture not in FIXTURE_NAMES:
-            raise ValueError(f"model.name '{name}' names no built-in fixture; available:"
-                             f" {', '.join(BUILTIN_PREFIX + n for n in FIXTURE_NAMES)}.")
+            raise UserError(f"model.name '{name}' names no built-in fixture; available:"
+                            f" {', '.join(BUILTIN_PREFIX + n for n in FIXTURE_NAMES)}.", 2)
         return str(ensure_fixture(fixture))
+    if is_local_path(name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise UserError(f"model.name={name!r} is a local path that does not exist (resolved to"
+                            f" {path.resolve()}); give an existing model directory (with config.json) or a"
+                            " hub id such as gpt2 or google/gemma-3-4b-it.", 2)
+        if not path.is_dir():
+            raise UserError(f"model.name={name!r} is a file; give the model's directory (the one holding"
+                            " config.json, the weights and the tokenizer files).", 2)
+        if not (path / "config.json").is_file():
+            raise UserError(f"model.name={name!r} has no config.json; give the directory a model was saved to"
+                            " (save_pretrained writes config.json, the weights and the tokenizer).", 2)
+        return str(path)
     return name
+
+
+def load_hf_config(cfg: ModelConfig, offline_only: bool = True):
+    """The model's Hugging Face config (no weights); None for a hub id that is not cached
+    (with `offline_only`) or cannot be reached. Local problems raise UserError."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(cfg.name)
+    local = Path(path).is_dir()
+    try:
+        return AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                                          local_files_only=offline_only and not local)
+    except (OSError, ValueError) as err:
+        if local:
+            raise UserError(f"model.name={cfg.name!r}: {path}/config.json cannot be read ({_first_line(err)}).") from None
+        return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _broken_weight_file(path: str) -> str | None:
+    """The first weight file of a local directory that safetensors cannot open, if any."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    fh.get_slice(key)
+        except Exception as err:  # noqa: BLE001 - any failure to open is what we are looking for
+            return f"{f} ({_first_line(err)})"
+    return None
 
 
 def _auto_class(path: str, revision: str | None, trust_remote_code: bool):
@@ -88,10 +150,23 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     _quiet_transformers()
     path = resolve_model_path(cfg.name)
     device = device or get_device()
-    auto = _auto_class(path, cfg.revision, cfg.trust_remote_code)
-    model = auto.from_pretrained(path, revision=cfg.revision, dtype=DTYPES[cfg.precision],
-                                 trust_remote_code=cfg.trust_remote_code,
-                                 attn_implementation=cfg.attn_implementation)
+    try:
+        auto = _auto_class(path, cfg.revision, cfg.trust_remote_code)
+        model = auto.from_pretrained(path, revision=cfg.revision, dtype=DTYPES[cfg.precision],
+                                     trust_remote_code=cfg.trust_remote_code,
+                                     attn_implementation=cfg.attn_implementation)
+    except (OSError, ValueError, RuntimeError) as err:
+        if isinstance(err, UserError):
+            raise
+        if Path(path).is_dir():
+            broken = _broken_weight_file(path)
+            if broken:
+                raise UserError(f"model.name={cfg.name!r}: cannot read the weight file {broken}; it is truncated"
+                                " or corrupted: save or download the model again.") from None
+            raise UserError(f"model.name={cfg.name!r}: loading {path} failed ({_first_line(err)}).") from None
+        raise UserError(f"model.name={cfg.name!r} could not be loaded from the hub or the local Hugging Face"
+                        f" cache ({_first_line(err)}). Offline, download it first (huggingface-cli download"
+                        f" {cfg.name}) or give a local model directory.") from None
     model.requires_grad_(False)
     model.eval()
     model.to(device)
