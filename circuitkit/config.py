@@ -434,6 +434,29 @@ def compose(overrides: Iterable[str] = (), config_name: str = "config") -> tuple
     return cfg, validate(cfg)
 
 
+def hydra_dir(overrides: Iterable[str], kind: str = "run", config_name: str = "config") -> str:
+    """`hydra.run.dir` (kind "run") or `hydra.sweep.dir` ("sweep") as these overrides set it,
+    resolved now (so it can be checked before Hydra creates it)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = list(overrides)
+    # A sweep's values do not decide its directory; compose cannot take them.
+    single = [text for text, ov in zip(overrides, _parse_overrides(overrides), strict=True)
+              if not ov.is_sweep_override()]
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=single, return_hydra_config=True)
+        return str(OmegaConf.select(cfg, f"hydra.{kind}.dir", throw_on_resolution_failure=True))
+    except OmegaConfBaseException as err:
+        raise config_error_from_omegaconf(err) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def to_dict(cfg: AppConfig) -> dict[str, Any]:
     """The typed config as plain Python containers (for hashing, manifests and circuit.pt)."""
     return dataclasses.asdict(cfg)
