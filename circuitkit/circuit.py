@@ -30,8 +30,7 @@ from circuitkit.pruning import ablate_heads
 
 FORMAT_VERSION = 1
 # What `show_circuit` and `apply_circuit` read; a file without them is not a circuit.
-REQUIRED_KEYS = ("head_mask", "head_scores", "model_name", "ablation", "rank_by", "target_sparsity",
-                 "achieved_sparsity")
+REQUIRED_KEYS = ("head_mask", "head_scores", "model_name")
 
 
 class CircuitFileError(UserError, ValueError):
@@ -129,8 +128,9 @@ def show_circuit(path: Path, console: Console | None = None) -> None:
     rows = [
         ("model", f"{c['model_name']}" + (f" @ {c['model_revision']}" if c.get("model_revision") else "")),
         ("heads kept", f"{int(mask.sum())} of {mask.numel()} ({mask.shape[0]} layers x {mask.shape[1]} heads)"),
-        ("target / achieved sparsity", f"{c['target_sparsity']:.3f} / {c['achieved_sparsity']:.3f}"),
-        ("ranking, ablation", f"{c['rank_by']}, {c['ablation']}"),
+        ("target / achieved sparsity", f"{c.get('target_sparsity', float('nan')):.3f} /"
+                                       f" {c.get('achieved_sparsity', float('nan')):.3f}"),
+        ("ranking, ablation", f"{c.get('rank_by', '?')}, {c.get('ablation', '?')}"),
         ("metric full / empty / circuit", " / ".join(f"{metrics.get(k, float('nan')):.4g}"
                                                      for k in ("full", "empty", "circuit"))),
         ("faithfulness", f"{metrics.get('faithfulness', float('nan')):.4f}"),

@@ -80,20 +80,31 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def load_hf_config(cfg: ModelConfig, offline_only: bool = True):
-    """The model's Hugging Face config (no weights); None for a hub id that is not cached
-    (with `offline_only`) or cannot be reached. Local problems raise UserError."""
-    from transformers import AutoConfig
+def load_hf_config(cfg: ModelConfig):
+    """The model's config.json as attributes (no weights, no transformers import); None for a
+    hub id that is not in the local Hugging Face cache. A local one that cannot be read raises
+    UserError. Enough for `context_length` and other pre-run checks."""
+    import json
+    from types import SimpleNamespace
 
     path = resolve_model_path(cfg.name)
-    local = Path(path).is_dir()
-    try:
-        return AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-                                          local_files_only=offline_only and not local)
-    except (OSError, ValueError) as err:
-        if local:
-            raise UserError(f"model.name={cfg.name!r}: {path}/config.json cannot be read ({_first_line(err)}).") from None
+    if Path(path).is_dir():
+        config_file: str | Path | None = Path(path) / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(path, "config.json", revision=cfg.revision)
+        config_file = found if isinstance(found, str) else None
+    if config_file is None:
         return None
+    try:
+        data = json.loads(Path(config_file).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.name={cfg.name!r}: {config_file} cannot be read ({_first_line(err)}).") from None
+    if not isinstance(data, dict):
+        raise UserError(f"model.name={cfg.name!r}: {config_file} is not a JSON object.")
+    text = data.get("text_config")
+    return SimpleNamespace(**{**data, "text_config": SimpleNamespace(**text) if isinstance(text, dict) else None})
 
 
 def _first_line(err: BaseException) -> str:
@@ -155,7 +166,7 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
         model = auto.from_pretrained(path, revision=cfg.revision, dtype=DTYPES[cfg.precision],
                                      trust_remote_code=cfg.trust_remote_code,
                                      attn_implementation=cfg.attn_implementation)
-    except (OSError, ValueError, RuntimeError) as err:
+    except Exception as err:
         if isinstance(err, UserError):
             raise
         if Path(path).is_dir():
@@ -163,10 +174,13 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
             if broken:
                 raise UserError(f"model.name={cfg.name!r}: cannot read the weight file {broken}; it is truncated"
                                 " or corrupted: save or download the model again.") from None
-            raise UserError(f"model.name={cfg.name!r}: loading {path} failed ({_first_line(err)}).") from None
-        raise UserError(f"model.name={cfg.name!r} could not be loaded from the hub or the local Hugging Face"
-                        f" cache ({_first_line(err)}). Offline, download it first (huggingface-cli download"
-                        f" {cfg.name}) or give a local model directory.") from None
+            if isinstance(err, OSError | ValueError):
+                raise UserError(f"model.name={cfg.name!r}: loading {path} failed ({_first_line(err)}).") from None
+        elif isinstance(err, OSError):
+            raise UserError(f"model.name={cfg.name!r} could not be loaded from the hub or the local Hugging Face"
+                            f" cache ({_first_line(err)}). Offline, download it first (huggingface-cli download"
+                            f" {cfg.name}) or give a local model directory.") from None
+        raise
     model.requires_grad_(False)
     model.eval()
     model.to(device)
