@@ -310,7 +310,7 @@ def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
 
 def print_manifest_table(manifest: dict[str, Any], console: Console) -> None:
     """One row per stage: status, wall time, peak memory, artifacts."""
-    table = Table(title=f"run {manifest.get('run_dir', '')}")
+    table = Table(title=escape(f"run {manifest.get('run_dir', '')}"))
     for col in ("stage", "status", "wall s", "est. peak MiB", "measured peak MiB", "artifacts"):
         table.add_column(col)
 
@@ -319,8 +319,8 @@ def print_manifest_table(manifest: dict[str, Any], console: Console) -> None:
 
     for name, e in manifest.get("stages", {}).items():
         status = e.get("status", "?") + (" (cached)" if e.get("skipped_on_rerun") else "")
-        table.add_row(name, status, f"{e.get('wall_s', 0):.2f}", mib(e.get("estimated_peak_bytes")),
-                      mib(e.get("measured_peak_bytes")), ", ".join(e.get("artifacts", {})))
+        table.add_row(escape(name), status, f"{e.get('wall_s', 0):.2f}", mib(e.get("estimated_peak_bytes")),
+                      mib(e.get("measured_peak_bytes")), escape(", ".join(e.get("artifacts", {}))))
     console.print(table)
 
 

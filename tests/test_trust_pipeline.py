@@ -391,7 +391,6 @@ def test_upstream_artifact_changed_by_another_run_reruns_the_consumer(tmp_path, 
     assert len(calls) == 2 and _ran(manifest, "attribution")
 
 
-@pytest.mark.slow
 def test_changed_grads_data_rebuilds_the_run_index(tmp_path):
     rows = [json.dumps({"prompt": f"Q{i}: ", "completion": f"A{i}"}) for i in range(6)]
     data = _write(tmp_path / "train.jsonl", "\n".join(rows) + "\n")
