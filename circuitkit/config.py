@@ -379,6 +379,18 @@ def _schema_at(path: list[str]) -> tuple[type | None, Any, Mapping[str, Any] | N
     return cls, None, None
 
 
+def _check_group_choice(group: str, values: list[Any]) -> None:
+    """A group choice (`model=gpt2`) must name a file of conf/<group>/ (each value of a sweep too,
+    so a sweep with one bad option stops before any job instead of in the middle)."""
+    options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    for value in values:
+        if value is not None and str(value) not in options:
+            close = difflib.get_close_matches(str(value), options, n=1)
+            hint = f" Did you mean {group}={close[0]}?" if close else ""
+            raise ConfigError(f"'{group}={value}' names no config file conf/{group}/{value}.yaml; options:"
+                              f" {', '.join(options)}.{hint}")
+
+
 def check_overrides(overrides: Iterable[str], ranges: bool = True) -> None:
     """Validate command-line overrides against the schema before Hydra composes them.
 
@@ -395,7 +407,8 @@ def check_overrides(overrides: Iterable[str], ranges: bool = True) -> None:
             continue
         parts = key.split(".")
         if len(parts) == 1 and parts[0] in GROUPS and ov.package is None:
-            continue  # a group choice such as model=gpt2
+            _check_group_choice(key, list(ov.sweep_iterator()) if ov.is_sweep_override() else [ov.value()])
+            continue
         _, leaf_tp, meta = _schema_at(parts)
         if leaf_tp is None or meta is None:
             continue
