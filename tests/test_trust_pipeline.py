@@ -212,6 +212,22 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _log_to_this_tests_stderr(capsys):
+    """Loggers configured in an earlier test (transformers', Hydra's) still hold that test's
+    captured stderr, closed by now; writing there prints '--- Logging error ---' with a trace.
+    A real command is one process and never meets this."""
+    import logging
+    import sys
+
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler and getattr(handler.stream, "closed", False):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed one
+
+
 def _tiny() -> Path:
     from circuitkit.models.tiny import ensure_fixture
 
