@@ -95,11 +95,12 @@ def _main(argv: list[str]) -> int:
             check_writable(Path(hydra_dir(overrides, "run")), "hydra.run.dir", directory=True)
     if debug_enabled():
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    from circuitkit.sweep import forget_last_sweep, last_sweep
+
+    forget_last_sweep()
     sys.argv = [sys.argv[0], *argv]
     _hydra_main()
     if multirun:
-        from circuitkit.sweep import last_sweep
-
         summary = last_sweep()
         if summary is not None and summary.failed:
             raise UserError(f"{summary.failed} of {summary.jobs} sweep jobs failed; see {summary.csv_path}"

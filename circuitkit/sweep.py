@@ -45,6 +45,12 @@ def last_sweep() -> SweepOutcome | None:
     return _LAST
 
 
+def forget_last_sweep() -> None:
+    """Called before a sweep starts, so an earlier sweep's outcome is never read as its own."""
+    global _LAST
+    _LAST = None
+
+
 def record_job_failure(job_dir: Path, message: str) -> None:
     """Mark a sweep job as failed in its manifest.json, with the one-line error."""
     path = Path(job_dir) / MANIFEST
