@@ -301,6 +301,8 @@ def test_help_of_every_subcommand(capsys):
     for argv in (["--help"], ["config", "--help"], ["show", "--help"], ["discover-smart", "--help"]):
         code, out, err = invoke("cli", argv, capsys)
         assert code == 0 and "usage:" in out.lower() and "Traceback" not in err, argv
+    code, out, err = invoke("cli", ["run", "--help"], capsys)  # Hydra's help, with our groups
+    assert code == 0 and "Configuration groups" in out and "discovery" in out and "Traceback" not in err
 
 
 def test_check_memory_offline_for_the_hub_name_of_a_known_model(capsys, monkeypatch):
