@@ -24,7 +24,14 @@ _UMASK_LOCK = threading.Lock()
 
 
 def current_umask() -> int:
-    """The process umask (reading it means setting it, hence the lock)."""
+    """The process umask: from /proc where Linux shows it, else by setting and restoring it
+    (under a lock; another thread creating a file in that instant would see 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     with _UMASK_LOCK:
         mask = os.umask(0o022)
         os.umask(mask)
