@@ -43,6 +43,12 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
+class ModelReferenceError(UserError, ValueError):
+    """`model.name` names no usable model (a missing directory, a file, an unknown fixture)."""
+
+    exit_code = 2
+
+
 # A hub id is `name` or `owner/name` of letters, digits and -_. (what the hub accepts).
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -61,21 +67,21 @@ def resolve_model_path(name: str) -> str:
 
         fixture = name[len(BUILTIN_PREFIX):]
         if fixture not in FIXTURE_NAMES:
-            raise UserError(f"model.name '{name}' names no built-in fixture; available:"
-                            f" {', '.join(BUILTIN_PREFIX + n for n in FIXTURE_NAMES)}.", 2)
+            raise ModelReferenceError(f"model.name '{name}' names no built-in fixture; available:"
+                            f" {', '.join(BUILTIN_PREFIX + n for n in FIXTURE_NAMES)}.")
         return str(ensure_fixture(fixture))
     if is_local_path(name):
         path = Path(name).expanduser()
         if not path.exists():
-            raise UserError(f"model.name={name!r} is a local path that does not exist (resolved to"
+            raise ModelReferenceError(f"model.name={name!r} is a local path that does not exist (resolved to"
                             f" {path.resolve()}); give an existing model directory (with config.json) or a"
-                            " hub id such as gpt2 or google/gemma-3-4b-it.", 2)
+                            " hub id such as gpt2 or google/gemma-3-4b-it.")
         if not path.is_dir():
-            raise UserError(f"model.name={name!r} is a file; give the model's directory (the one holding"
-                            " config.json, the weights and the tokenizer files).", 2)
+            raise ModelReferenceError(f"model.name={name!r} is a file; give the model's directory (the one holding"
+                            " config.json, the weights and the tokenizer files).")
         if not (path / "config.json").is_file():
-            raise UserError(f"model.name={name!r} has no config.json; give the directory a model was saved to"
-                            " (save_pretrained writes config.json, the weights and the tokenizer).", 2)
+            raise ModelReferenceError(f"model.name={name!r} has no config.json; give the directory a model was saved to"
+                            " (save_pretrained writes config.json, the weights and the tokenizer).")
         return str(path)
     return name
 
