@@ -511,3 +511,21 @@ def test_written_files_follow_the_umask(tmp_path, umask, mode):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == mode
+
+
+@pytest.mark.parametrize("module,args,code,needle", [
+    ("circuitkit.run", ["x=["], 2, "'x=['"),
+    ("circuitkit.cli", ["show", "/nonexistent/circuit.pt"], 1, "does not exist"),
+    ("circuitkit.cli", ["config", "seed=-1"], 2, "'seed'"),
+])
+def test_real_entry_points_end_in_one_line(module, args, code, needle, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "CIRCUITKIT_DEBUG": ""})
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written where it ran
