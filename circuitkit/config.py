@@ -447,6 +447,33 @@ def compose(overrides: Iterable[str] = (), config_name: str = "config") -> tuple
     return cfg, validate(cfg)
 
 
+def compose_with_run_dir(overrides: Iterable[str], config_name: str = "config") -> tuple[AppConfig, str]:
+    """One composition that gives what `compose` validates and `hydra.run.dir` resolved now,
+    so a single run is checked before Hydra creates its directory (a composition takes
+    seconds on a busy machine: one, not two)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    overrides = list(overrides)
+    check_overrides(overrides)
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        run_dir = str(OmegaConf.select(cfg, "hydra.run.dir", throw_on_resolution_failure=True))
+        typed = validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    except OmegaConfBaseException as err:
+        raise config_error_from_omegaconf(err) from None
+    except HydraException as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return typed, run_dir
+
+
 def hydra_dir(overrides: Iterable[str], kind: str = "run", config_name: str = "config") -> str:
     """`hydra.run.dir` (kind "run") or `hydra.sweep.dir` ("sweep") as these overrides set it,
     resolved now (so it can be checked before Hydra creates it)."""

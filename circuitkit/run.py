@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from circuitkit.config import CONF_DIR, check_overrides, compose, hydra_dir, validate
+from circuitkit.config import CONF_DIR, check_overrides, compose_with_run_dir, hydra_dir, validate
 from circuitkit.errors import UserError, debug_enabled, exit_code_and_message, print_error, run_entry
 from circuitkit.io import check_writable
 from circuitkit.pipeline import check_stages, make_console, run_pipeline
@@ -90,9 +90,9 @@ def _main(argv: list[str]) -> int:
         if multirun:
             check_writable(Path(hydra_dir(overrides, "sweep")), "hydra.sweep.dir", directory=True)
         else:
-            _, typed = compose(overrides)
+            typed, run_dir = compose_with_run_dir(overrides)
             check_stages(typed)
-            check_writable(Path(hydra_dir(overrides, "run")), "hydra.run.dir", directory=True)
+            check_writable(Path(run_dir), "hydra.run.dir", directory=True)
     if debug_enabled():
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     from circuitkit.sweep import forget_last_sweep, last_sweep
