@@ -17,6 +17,7 @@ from circuitkit.config import AppConfig, ConfigError
 from circuitkit.errors import UserError
 from circuitkit.io import check_writable
 from circuitkit.pipeline import RunContext, Stage, StageResult, register_stage
+from gradian.indexer import check_grads_config
 
 DATA_FILE = "data.safetensors"
 SCORES_FILE = "scores.safetensors"
@@ -366,25 +367,13 @@ def _check_pruning(cfg: AppConfig) -> None:
         check_writable(Path(cfg.output_path), "output_path")
 
 
-def grads_length_check(cfg: AppConfig) -> None:
-    """Pre-run bound of the grads stage's row lengths by the model's context (issue 12, item 6).
-
-    The rule belongs to Gradian (grads.max_seq_length, truncation, long rows) and is written by
-    its half of the issue; its check function is called from here once merged. Until then this
-    hook checks nothing and the grads stage bounds lengths when it reads the data.
-    """
-
-
 def _check_grads(cfg: AppConfig) -> None:
-    g = cfg.grads
-    if not g.enabled:
+    """The model reference, then Gradian's own pre-run checks from config files alone: the data
+    can be read, the index dir written, shard_index < num_shards, rows bounded by the context."""
+    if not cfg.grads.enabled:
         return
     _check_model(cfg)
-    if g.data_path:
-        _check_input_file(Path(g.data_path).expanduser(), "grads.data_path")
-    if g.index_dir:
-        check_writable(Path(g.index_dir), "grads.index_dir", directory=True)
-    grads_length_check(cfg)
+    check_grads_config(cfg.model, cfg.grads, cfg.grads.index_dir)
 
 
 register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), _preflight, cached=False,
