@@ -20,13 +20,23 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from circuitkit.errors import EXIT_USAGE, UserError
 from circuitkit.io import atomic_torch_save
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.pruning import ablate_heads
 
 FORMAT_VERSION = 1
+# What `show_circuit` and `apply_circuit` read; a file without them is not a circuit.
+REQUIRED_KEYS = ("head_mask", "head_scores", "model_name")
+
+
+class CircuitFileError(UserError, ValueError):
+    """A file given as circuit.pt that cannot be read as one (the message names the file)."""
+
+    exit_code = EXIT_USAGE
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -54,11 +64,31 @@ def save_circuit(path: Path, circuit: dict[str, Any]) -> Path:
 def load_circuit(path: Path) -> dict[str, Any]:
     """Read circuit.pt with weights_only=True (no pickle code runs)."""
     path = Path(path)
+    if path.is_dir():
+        raise CircuitFileError(f"{path} is a directory; give the circuit.pt file inside it"
+                               f"{' (' + str(path / 'circuit.pt') + ')' if (path / 'circuit.pt').is_file() else ''}.")
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; the pruning stage writes it (see output_path).")
-    circuit = torch.load(path, weights_only=True, map_location="cpu")
-    if not isinstance(circuit, dict) or "head_mask" not in circuit:
-        raise ValueError(f"{path} is not a CircuitKit circuit (no head_mask).")
+    try:
+        circuit = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - zip, pickle and EOF errors all mean "not a readable circuit"
+        import pickle
+
+        if isinstance(err, pickle.UnpicklingError):  # torch's text here is a long note on weights_only
+            reason = "not a torch.save file, or it holds objects other than tensors and plain types"
+        else:
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise CircuitFileError(f"{path} cannot be read as a circuit.pt ({reason}); it is"
+                               " truncated, corrupted or not a CircuitKit file: run the pruning stage again to"
+                               " write it.") from None
+    if not isinstance(circuit, dict):
+        raise CircuitFileError(f"{path} is not a CircuitKit circuit (it holds a {type(circuit).__name__},"
+                               " not a dict with head_mask, head_scores, ...).")
+    missing = [k for k in REQUIRED_KEYS if k not in circuit]
+    if missing:
+        raise CircuitFileError(f"{path} is not a CircuitKit circuit: missing {', '.join(missing)}.")
+    if not isinstance(circuit["head_mask"], torch.Tensor) or circuit["head_mask"].dim() != 2:
+        raise CircuitFileError(f"{path} is not a CircuitKit circuit: head_mask is not a (layers, heads) tensor.")
     return circuit
 
 
@@ -90,7 +120,7 @@ def show_circuit(path: Path, console: Console | None = None) -> None:
     """Print a summary table and the kept heads of circuit.pt."""
     c = load_circuit(path)
     console = console or Console()
-    summary = Table(title=f"circuit {path}", show_header=False)
+    summary = Table(title=escape(f"circuit {path}"), show_header=False)
     summary.add_column("key")
     summary.add_column("value")
     mask = c["head_mask"]
@@ -98,8 +128,9 @@ def show_circuit(path: Path, console: Console | None = None) -> None:
     rows = [
         ("model", f"{c['model_name']}" + (f" @ {c['model_revision']}" if c.get("model_revision") else "")),
         ("heads kept", f"{int(mask.sum())} of {mask.numel()} ({mask.shape[0]} layers x {mask.shape[1]} heads)"),
-        ("target / achieved sparsity", f"{c['target_sparsity']:.3f} / {c['achieved_sparsity']:.3f}"),
-        ("ranking, ablation", f"{c['rank_by']}, {c['ablation']}"),
+        ("target / achieved sparsity", f"{c.get('target_sparsity', float('nan')):.3f} /"
+                                       f" {c.get('achieved_sparsity', float('nan')):.3f}"),
+        ("ranking, ablation", f"{c.get('rank_by', '?')}, {c.get('ablation', '?')}"),
         ("metric full / empty / circuit", " / ".join(f"{metrics.get(k, float('nan')):.4g}"
                                                      for k in ("full", "empty", "circuit"))),
         ("faithfulness", f"{metrics.get('faithfulness', float('nan')):.4f}"),
@@ -107,7 +138,7 @@ def show_circuit(path: Path, console: Console | None = None) -> None:
         ("edge scores", "yes" if c.get("edge_scores") is not None else "no"),
     ]
     for key, value in rows:
-        summary.add_row(key, value)
+        summary.add_row(key, escape(value))
     console.print(summary)
     kept = Table(title="kept heads (by score)")
     for col in ("layer", "head", "score"):

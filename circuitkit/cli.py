@@ -5,6 +5,9 @@
     circuitkit show CIRCUIT.pt          summary table and kept heads of a saved circuit
     circuitkit discover-smart --model M --algorithm A --task T [--check-memory] [overrides...]
                                         size the batch to the device (or only print the estimate)
+
+Every error ends in one line and an exit status (0 ok, 1 failed, 2 wrong command or config,
+130 interrupted); set CIRCUITKIT_DEBUG=1 to see the Python traceback.
 """
 
 from __future__ import annotations
@@ -15,41 +18,55 @@ import sys
 from rich.console import Console
 from rich.syntax import Syntax
 
-_console = Console(stderr=True)
+from circuitkit.errors import DEBUG_ENV, run_entry
+
+HELP_FLAGS = ("-h", "--help")
+CONFIG_HELP = """usage: circuitkit config [overrides...]
+
+Print the composed and validated configuration for the given Hydra overrides, then exit;
+nothing is loaded or written. Overrides are key=value (e.g. discovery.ig_steps=3) or a group
+choice (e.g. model=gpt2); every key is listed in docs/configuration.md.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="circuitkit", description="Circuit discovery on Hugging Face causal LMs.",
+        epilog=f"Exit status: 0 ok, 1 failed, 2 wrong command or config, 130 interrupted. {DEBUG_ENV}=1 shows"
+               " tracebacks.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="run the pipeline (Hydra overrides follow; `run --help` for Hydra's help)",
+                   add_help=False)
+    sub.add_parser("config", help="print the composed config for the given overrides", add_help=False)
+    sub.add_parser("discover-smart", help="pick the largest batch that fits, or --check-memory", add_help=False)
+    show = sub.add_parser("show", help="summarize a circuit.pt")
+    show.add_argument("path", help="circuit.pt written by the pruning stage")
+    return parser
 
 
 def _cmd_config(overrides: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    from circuitkit.config import ConfigError, compose
+    from circuitkit.config import compose
 
-    try:
-        cfg, _typed = compose(overrides)
-    except ConfigError as err:
-        _console.print(f"[bold red]error:[/bold red] {err}")
-        return 2
+    if any(flag in overrides for flag in HELP_FLAGS):
+        sys.stdout.write(CONFIG_HELP)
+        return 0
+    cfg, _typed = compose(overrides)
     Console().print(Syntax(OmegaConf.to_yaml(cfg), "yaml"))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="circuitkit", description="Circuit discovery on Hugging Face causal LMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="run the pipeline (Hydra overrides follow)", add_help=False)
-    sub.add_parser("config", help="print the composed config for the given overrides", add_help=False)
-    sub.add_parser("discover-smart", help="pick the largest batch that fits, or --check-memory", add_help=False)
-    show = sub.add_parser("show", help="summarize a circuit.pt")
-    show.add_argument("path", help="circuit.pt written by the pruning stage")
-    if not argv or argv[0] in ("-h", "--help"):
+def _main(argv: list[str]) -> int:
+    parser = _parser()
+    if not argv or argv[0] in HELP_FLAGS:
         parser.print_help()
         return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
         from circuitkit.run import main as run_main
 
-        run_main(rest)
-        return 0
+        return run_main(rest)
     if command == "config":
         return _cmd_config(rest)
     if command == "discover-smart":
@@ -60,14 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         from circuitkit.circuit import show_circuit
 
         args = parser.parse_args(argv)
-        try:
-            show_circuit(args.path)
-        except (FileNotFoundError, ValueError) as err:
-            _console.print(f"[bold red]error:[/bold red] {err}")
-            return 2
+        show_circuit(args.path)
         return 0
-    parser.parse_args(argv)  # prints the usage error for unknown commands
+    parser.parse_args(argv)  # prints the usage error for unknown commands (exit 2)
     return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `circuitkit` command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run_entry(_main, argv)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,23 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from circuitkit.errors import EXIT_USAGE, UserError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 ALL_STAGES = ("preflight", "data", "attribution", "pruning", "grads")
 
 
-class ConfigError(ValueError):
+# torch.manual_seed and numpy take seeds up to 2**32 - 1 (numpy) / 2**64 - 1 (torch); the smaller
+# bound holds everywhere a seed goes.
+MAX_SEED = 2**32 - 1
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value or key that cannot be used; the message says what to change."""
+
+    exit_code = EXIT_USAGE
 
 
 def _f(default: Any, doc: str, *, choices: Iterable[Any] | None = None, ge: float | None = None,
@@ -105,7 +115,7 @@ class GradsConfig:
     module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (on-disk index size only, not the peak)")
     projection: str = _f("kronecker", "random projection kind", choices=("kronecker", "dense"))
     projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (on-disk index size only, not the peak)", ge=1)
-    projection_seed: int = _f(0, "seed of the projection matrices", ge=0)
+    projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)
     storage_dtype: str = _f("float16", "dtype of stored rows (on-disk index size only, not the peak)",
                           choices=("float16", "bfloat16", "float32"))
     batch_tokens: Optional[int] = _f(None, "token budget of one batch: rows x longest row (padding included);"
@@ -139,7 +149,7 @@ class AppConfig:
     preflight: PreflightConfig = field(default_factory=PreflightConfig, metadata={"doc": "preflight group"})
     stages: list[str] = _f(list(ALL_STAGES), "stages to run, in pipeline order", choices=ALL_STAGES)
     output_path: Optional[str] = _f(None, "where circuit.pt is written; null = <run dir>/circuit.pt")
-    seed: int = _f(0, "seed for data sampling and anything random", ge=0)
+    seed: int = _f(0, "seed for data sampling and anything random", ge=0, le=MAX_SEED)
     skip_completed: bool = _f(True, "skip stages whose artifacts and config hash match the manifest")
 
 
@@ -229,8 +239,9 @@ def unknown_key_error(path: str, cls: type) -> ConfigError:
     msg += f" Valid keys of {where}: {', '.join(valid)}."
     if key in ("memory_efficient", "use_half_precision_activations"):
         msg += (" This key does nothing in CircuitKit (older docs of similar tools accept it silently);"
-                " the memory levers are discovery.batch_size, discovery.ig_steps,"
-                " discovery.data_params.num_examples and model.precision.")
+                " what lowers the attribution peak is discovery.batch_size first, then"
+                " discovery.data_params.seq_len, discovery.level=node and model.precision"
+                " (ig_steps and num_examples change the time, not the peak; see docs/memory.md).")
     return ConfigError(msg)
 
 
@@ -325,16 +336,48 @@ def validate(cfg: DictConfig | Mapping[str, Any] | AppConfig) -> AppConfig:
     Missing keys take the schema defaults; anything unknown, mistyped or out of range raises
     ConfigError naming the key, the value and what is allowed.
     """
-    if isinstance(cfg, AppConfig):
-        cfg = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    elif isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        if isinstance(cfg, AppConfig):
+            cfg = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+        elif isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        raise config_error_from_omegaconf(err) from None
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"A config must be a mapping of groups to keys, got {type(cfg).__name__}.")
     data = {k: v for k, v in cfg.items() if k != "hydra"}
     typed = _validate_block(data, AppConfig, "")
     _check_cross_fields(typed)
     return typed
+
+
+def config_error_from_omegaconf(err: OmegaConfBaseException) -> ConfigError:
+    """One line for an OmegaConf error (an interpolation that does not resolve, a bad type)."""
+    key = getattr(err, "full_key", None)
+    text = str(getattr(err, "msg", None) or err).splitlines()[0].strip()
+    where = f"Config key '{key}'" if key else "The config"
+    if "nterpolation" in type(err).__name__ or "${" in text:
+        return ConfigError(f"{where} has an interpolation that cannot be resolved ({text}); write the value"
+                           " itself, or ${other.key} naming an existing key.")
+    return ConfigError(f"{where}: {text}.")
+
+
+def _parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parse of the overrides; ConfigError naming the one that does not parse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for text in overrides:
+        try:
+            out.extend(parser.parse_overrides([text]))
+        except HydraException as err:
+            detail = str(err).splitlines()[0].strip()
+            raise ConfigError(f"Override {text!r} is not valid override syntax ({detail}). Write key=value;"
+                              " quote values with brackets, commas or spaces in the shell, e.g."
+                              " 'stages=[data,attribution]'.") from None
+    return out
 
 
 def _schema_at(path: list[str]) -> tuple[type | None, Any, Mapping[str, Any] | None]:
@@ -354,23 +397,36 @@ def _schema_at(path: list[str]) -> tuple[type | None, Any, Mapping[str, Any] | N
     return cls, None, None
 
 
-def check_overrides(overrides: Iterable[str]) -> None:
+def _check_group_choice(group: str, values: list[Any]) -> None:
+    """A group choice (`model=gpt2`) must name a file of conf/<group>/ (each value of a sweep too,
+    so a sweep with one bad option stops before any job instead of in the middle)."""
+    options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    for value in values:
+        if value is not None and str(value) not in options:
+            close = difflib.get_close_matches(str(value), options, n=1)
+            hint = f" Did you mean {group}={close[0]}?" if close else ""
+            raise ConfigError(f"'{group}={value}' names no config file conf/{group}/{value}.yaml; options:"
+                              f" {', '.join(options)}.{hint}")
+
+
+def check_overrides(overrides: Iterable[str], ranges: bool = True) -> None:
     """Validate command-line overrides against the schema before Hydra composes them.
 
     Group choices (`model=gpt2`) are left to Hydra, which lists the available options;
     `hydra.*` overrides are Hydra's own. Every other key must exist in the schema and its
-    value (each value of a sweep) must have the right type and range.
+    value (each value of a sweep) must have the right type and, with `ranges`, be an allowed
+    choice in range. A sweep passes ranges=False: one job's out-of-range value fails that
+    job alone, not the sweep.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    parsed = _parse_overrides(list(overrides))
     for ov in parsed:
         key = ov.key_or_group
         if key.startswith(("hydra.", "hydra/")) or key == "hydra" or ov.is_delete():
             continue
         parts = key.split(".")
         if len(parts) == 1 and parts[0] in GROUPS and ov.package is None:
-            continue  # a group choice such as model=gpt2
+            _check_group_choice(key, list(ov.sweep_iterator()) if ov.is_sweep_override() else [ov.value()])
+            continue
         _, leaf_tp, meta = _schema_at(parts)
         if leaf_tp is None or meta is None:
             continue
@@ -378,6 +434,8 @@ def check_overrides(overrides: Iterable[str]) -> None:
         if dataclasses.is_dataclass(base):
             continue
         values = list(ov.sweep_iterator()) if ov.is_sweep_override() else [ov.value()]
+        if not ranges:
+            meta = {"doc": meta.get("doc")}
         for v in values:
             _check_value(key, v, leaf_tp, meta)
 
@@ -395,9 +453,66 @@ def compose(overrides: Iterable[str] = (), config_name: str = "config") -> tuple
     check_overrides(overrides)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    except OmegaConfBaseException as err:
+        raise config_error_from_omegaconf(err) from None
+    except HydraException as err:  # e.g. a group option that does not exist (model=nope)
+        raise ConfigError(" ".join(str(err).split())) from None
     return cfg, validate(cfg)
+
+
+def compose_with_run_dir(overrides: Iterable[str], config_name: str = "config") -> tuple[AppConfig, str]:
+    """One composition that gives what `compose` validates and `hydra.run.dir` resolved now,
+    so a single run is checked before Hydra creates its directory (a composition takes
+    seconds on a busy machine: one, not two)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    overrides = list(overrides)
+    check_overrides(overrides)
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        run_dir = str(OmegaConf.select(cfg, "hydra.run.dir", throw_on_resolution_failure=True))
+        typed = validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    except OmegaConfBaseException as err:
+        raise config_error_from_omegaconf(err) from None
+    except HydraException as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return typed, run_dir
+
+
+def hydra_dir(overrides: Iterable[str], kind: str = "run", config_name: str = "config") -> str:
+    """`hydra.run.dir` (kind "run") or `hydra.sweep.dir` ("sweep") as these overrides set it,
+    resolved now (so it can be checked before Hydra creates it)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = list(overrides)
+    # A sweep's values do not decide its directory; compose cannot take them.
+    single = [text for text, ov in zip(overrides, _parse_overrides(overrides), strict=True)
+              if not ov.is_sweep_override()]
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=single, return_hydra_config=True)
+        return str(OmegaConf.select(cfg, f"hydra.{kind}.dir", throw_on_resolution_failure=True))
+    except OmegaConfBaseException as err:
+        raise config_error_from_omegaconf(err) from None
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def to_dict(cfg: AppConfig) -> dict[str, Any]:

@@ -2,9 +2,16 @@
 
 Each stage declares the config blocks it reads. Its config hash covers those blocks and the
 hashes of the stages before it, so changing `discovery.ig_steps` reruns attribution and
-everything after it, and nothing before. A rerun in the same run directory skips a stage
-whose manifest entry is `ok` with the same config hash and whose artifacts still have the
-recorded sha256.
+everything after it, and nothing before. Each stage also declares the files it reads
+(`inputs`: data files, the model, upstream artifacts), fingerprinted by content
+(circuitkit.fingerprint) and recorded in its manifest entry. A rerun in the same run
+directory skips a stage whose manifest entry is `ok` with the same config hash, the same
+input fingerprints and artifacts that still have the recorded sha256; a stage that reruns
+makes every stage after it rerun.
+
+Before the run directory is touched, every selected stage's `check(cfg)` runs: cheap checks
+that read configs only (never weights) and catch what would otherwise fail after hours of
+work, such as a length beyond the model's context or an unwritable output path.
 """
 
 from __future__ import annotations
@@ -20,10 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from circuitkit.config import AppConfig, to_dict
 from circuitkit.device import get_device, measure_peak, module_bytes
+from circuitkit.errors import UserError, describe_os_error
+from circuitkit.fingerprint import Fingerprinter, changed_inputs
 from circuitkit.io import atomic_write_json, sha256_file, sha256_json
 
 log = logging.getLogger(__name__)
@@ -38,7 +48,7 @@ def make_console() -> Console:
     return Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
-class PipelineError(RuntimeError):
+class PipelineError(UserError, RuntimeError):
     """A stage failed; the manifest records which and why, earlier artifacts are kept."""
 
 
@@ -55,15 +65,26 @@ class StageResult:
     estimated_peak_bytes: int | None = None
 
 
+InputsFn = Callable[[AppConfig, Path], dict[str, "Path | str"]]
+
+
 @dataclass
 class Stage:
-    """A pipeline stage: `run(ctx)` does the work, `blocks` are the config keys it reads."""
+    """A pipeline stage: `run(ctx)` does the work, `blocks` are the config keys it reads.
+
+    inputs(cfg, run_dir): the files it reads, `{label: Path}` (a directory stands for every
+    file in it) or `{label: fingerprint string}`; a change in any reruns the stage.
+    check(cfg): cheap pre-run check (configs only, no weights, no writes); raises UserError
+    (or ConfigError) naming the problem. Runs for every selected stage before the first one.
+    """
 
     name: str
     blocks: tuple[str, ...]
     run: Callable[[RunContext], StageResult] | None  # None: not built in this version
     not_built_reason: str = ""
     cached: bool = True  # False: runs every time and feeds no later stage (the preflight)
+    inputs: InputsFn | None = None
+    check: Callable[[AppConfig], None] | None = None
 
 
 class RunContext:
@@ -78,6 +99,7 @@ class RunContext:
         self.run_dir = Path(run_dir)
         self.console = console or make_console()
         self.state: dict[str, Any] = {}
+        self.changed_inputs: list[str] = []  # of the running stage, against its last recorded run
         self._loaded = None
 
     @property
@@ -170,15 +192,8 @@ def _artifact_record(run_dir: Path, paths: list[Path]) -> dict[str, dict[str, An
     return out
 
 
-def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
-                 overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run `cfg.stages` in order in `run_dir`; returns the manifest (also written to disk).
-
-    Raises StageNotBuiltError before any work if a selected stage does not exist yet, and
-    PipelineError when a stage fails (after recording the failure in the manifest).
-    """
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+def selected_stages(cfg: AppConfig) -> list[Stage]:
+    """The stages `cfg.stages` names, in order; StageNotBuiltError if one is not built."""
     registry = stage_registry()
     selected = [registry[name] for name in cfg.stages]
     missing = [s for s in selected if s.run is None]
@@ -188,10 +203,46 @@ def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
         raise StageNotBuiltError(
             f"Selected stage(s) not built in this version: {lines}. Stages available now: {', '.join(built)}."
             f" Choose them explicitly, e.g. stages=[{','.join(n for n in cfg.stages if n in built)}].")
+    return selected
+
+
+def check_stages(cfg: AppConfig) -> None:
+    """Run every selected stage's pre-run check; the first problem raises (nothing written)."""
+    for stage in selected_stages(cfg):
+        if stage.check is not None:
+            stage.check(cfg)
+
+
+def _stage_error_message(err: BaseException) -> str:
+    if isinstance(err, OSError) and not isinstance(err, FileNotFoundError | IsADirectoryError):
+        return describe_os_error(err)
+    if isinstance(err, UserError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
+
+
+def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
+                 overrides: list[str] | None = None, checked: bool = False) -> dict[str, Any]:
+    """Run `cfg.stages` in order in `run_dir`; returns the manifest (also written to disk).
+
+    Before anything is written: StageNotBuiltError if a selected stage does not exist, and
+    the stages' pre-run checks (skipped when `checked`, i.e. the caller ran check_stages).
+    Raises PipelineError when a stage fails and KeyboardInterrupt when interrupted, after
+    recording the stage as `failed` / `interrupted` in the manifest.
+    """
+    run_dir = Path(run_dir)
+    selected = selected_stages(cfg)
+    if not checked:
+        check_stages(cfg)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} is a file; choose another hydra.run.dir.", exit_code=2)
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     ctx = RunContext(cfg, run_dir, console)
     hashes = stage_hashes(cfg, selected)
     manifest = load_manifest(run_dir)
+    fingerprints = Fingerprinter(record for e in manifest.get("stages", {}).values()
+                                 for record in (e.get("inputs") or {}).values())
     manifest.update({
         "format_version": MANIFEST_FORMAT,
         "run_dir": str(run_dir.resolve()),
@@ -209,13 +260,21 @@ def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
     upstream_ran = False  # once a stage runs, the ones after it read fresh inputs and run too
     for stage in selected:
         prior = manifest["stages"].get(stage.name, {})
-        if (cfg.skip_completed and stage.cached and not upstream_ran and prior.get("status") == "ok" and prior.get("config_hash") == hashes[stage.name]
+        inputs = fingerprints.inputs(stage.inputs(cfg, run_dir)) if stage.inputs is not None else {}
+        changed = changed_inputs(prior.get("inputs") or {}, inputs) if prior else []
+        if (cfg.skip_completed and stage.cached and not upstream_ran and prior.get("status") == "ok"
+                and prior.get("config_hash") == hashes[stage.name] and not changed
                 and _artifacts_intact(run_dir, prior.get("artifacts", {}))):
-            ctx.console.print(f"[dim]stage {stage.name}: up to date (config hash and artifacts match), skipped[/dim]")
+            ctx.console.print(f"[dim]stage {stage.name}: up to date (config, inputs and artifacts match), skipped[/dim]")
             prior["skipped_on_rerun"] = True
+            prior["inputs"] = inputs  # fresh mtimes keep the fast path fast
             continue
+        if changed and prior.get("status") == "ok" and stage.cached:
+            shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            ctx.console.print(f"stage {stage.name}: input changed since the last run ({escape(shown)}), rerunning")
+        ctx.changed_inputs = changed
         upstream_ran = upstream_ran or stage.cached
-        entry: dict[str, Any] = {"status": "running", "config_hash": hashes[stage.name],
+        entry: dict[str, Any] = {"status": "running", "config_hash": hashes[stage.name], "inputs": inputs,
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         manifest["stages"][stage.name] = entry
         atomic_write_json(manifest_path, manifest)
@@ -224,12 +283,16 @@ def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
         try:
             with measure_peak(resident_bytes=ctx.resident_bytes) as peak:
                 result = stage.run(ctx)
-        except Exception as err:
-            entry.update(status="failed", wall_s=round(time.perf_counter() - t0, 3),
-                         error=f"{type(err).__name__}: {err}")
+        except KeyboardInterrupt:
+            entry.update(status="interrupted", wall_s=round(time.perf_counter() - t0, 3),
+                         error="interrupted (Ctrl-C)")
             atomic_write_json(manifest_path, manifest)
-            raise PipelineError(f"stage '{stage.name}' failed: {type(err).__name__}: {err}"
-                                f" (manifest: {manifest_path})") from err
+            raise
+        except Exception as err:
+            message = _stage_error_message(err)
+            entry.update(status="failed", wall_s=round(time.perf_counter() - t0, 3), error=message)
+            atomic_write_json(manifest_path, manifest)
+            raise PipelineError(f"stage '{stage.name}' failed: {message} (manifest: {manifest_path})") from err
         entry.update(
             status="ok" if result.summary.get("status") != "skipped" else "skipped",
             wall_s=round(time.perf_counter() - t0, 3),
@@ -247,7 +310,7 @@ def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
 
 def print_manifest_table(manifest: dict[str, Any], console: Console) -> None:
     """One row per stage: status, wall time, peak memory, artifacts."""
-    table = Table(title=f"run {manifest.get('run_dir', '')}")
+    table = Table(title=escape(f"run {manifest.get('run_dir', '')}"))
     for col in ("stage", "status", "wall s", "est. peak MiB", "measured peak MiB", "artifacts"):
         table.add_column(col)
 
@@ -256,8 +319,8 @@ def print_manifest_table(manifest: dict[str, Any], console: Console) -> None:
 
     for name, e in manifest.get("stages", {}).items():
         status = e.get("status", "?") + (" (cached)" if e.get("skipped_on_rerun") else "")
-        table.add_row(name, status, f"{e.get('wall_s', 0):.2f}", mib(e.get("estimated_peak_bytes")),
-                      mib(e.get("measured_peak_bytes")), ", ".join(e.get("artifacts", {})))
+        table.add_row(escape(name), status, f"{e.get('wall_s', 0):.2f}", mib(e.get("estimated_peak_bytes")),
+                      mib(e.get("measured_peak_bytes")), escape(", ".join(e.get("artifacts", {}))))
     console.print(table)
 
 

@@ -1,11 +1,18 @@
 """`python -m circuitkit.run [overrides]`: compose the config groups and run the pipeline.
 
-Overrides are checked against the schema before Hydra composes them, so an unknown or
-mistyped key fails with a message that names it and what is allowed.
+Everything that can be checked is checked before Hydra creates the run directory: override
+syntax and keys, the composed config (types, ranges, interpolations, cross-field rules), the
+stages' pre-run checks, and that the run directory can be written. Every error ends in one
+line and an exit code (circuitkit.errors); `CIRCUITKIT_DEBUG=1` shows the traceback.
+
+In a multirun each job stands alone: a job whose config or stage fails is recorded as a
+failed row of `sweep_summary.csv` with its one-line error, the other jobs run, and the sweep
+exits 1 when any job failed.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,12 +21,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from circuitkit.config import CONF_DIR, ConfigError, check_overrides, validate
-from circuitkit.pipeline import PipelineError, make_console, run_pipeline
+from circuitkit.config import CONF_DIR, check_overrides, compose_with_run_dir, hydra_dir, validate
+from circuitkit.errors import UserError, debug_enabled, exit_code_and_message, print_error, run_entry
+from circuitkit.io import check_writable
+from circuitkit.pipeline import check_stages, make_console, run_pipeline
 
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
                      "--cfg", "-c", "--package", "-p", "--experimental-rerun"}
+# Flags after which Hydra prints something and runs no job, or composes from elsewhere: no pre-check.
+_NO_PRECHECK = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--version",
+                "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun"}
 
 
 def overrides_from_argv(argv: list[str]) -> list[str]:
@@ -36,42 +49,77 @@ def overrides_from_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _fail(message: str, code: int) -> None:
-    make_console().print(f"[bold red]error:[/bold red] {message}")
-    sys.exit(code)
+def _run_job(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    typed = validate(cfg)
+    overrides = OmegaConf.to_container(hc.overrides.task)
+    # The console is made here, not at import: launchers (joblib, submitit) pickle this
+    # function with the module's globals when it runs as __main__, and a console holds a lock.
+    run_pipeline(typed, Path(hc.runtime.output_dir), make_console(), overrides,
+                 checked=hc.mode != RunMode.MULTIRUN)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    # The console is made here, not at import: launchers (joblib, submitit) pickle this
-    # function with the module's globals when it runs as __main__, and a console holds a lock.
-    console = make_console()
     hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        code = run_entry(_run_job, cfg)
+        if code:
+            sys.exit(code)
+        return
+    from circuitkit.sweep import record_job_failure
+
     try:
-        typed = validate(cfg)
-    except ConfigError as err:
-        _fail(str(err), 2)
-    overrides = OmegaConf.to_container(hc.overrides.task)
-    try:
-        run_pipeline(typed, Path(hc.runtime.output_dir), console, overrides)
-    except PipelineError as err:
-        if hc.mode == RunMode.MULTIRUN:
-            # Keep the sweep going; the sweep summary shows this job as failed.
-            console.print(f"[bold red]job {hc.job.num} failed:[/bold red] {err}")
-            return
-        _fail(str(err), 1)
+        _run_job(cfg)
+    except KeyboardInterrupt:
+        raise
+    except Exception as err:  # noqa: BLE001 - a failed job is a row of the summary, not the sweep's end
+        if debug_enabled():
+            raise
+        _, message = exit_code_and_message(err)
+        record_job_failure(Path(hc.runtime.output_dir), message)
+        print_error(message, label=f"job {hc.job.num} failed")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point: validate overrides, then hand over to Hydra."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        check_overrides(overrides_from_argv(argv))
-    except ConfigError as err:
-        _fail(str(err), 2)
+def _main(argv: list[str]) -> int:
+    multirun = "-m" in argv or "--multirun" in argv
+    overrides = overrides_from_argv(argv)
+    # In a sweep, a value out of range fails its own job (a row of the summary), not the sweep.
+    check_overrides(overrides, ranges=not multirun)
+    if not _NO_PRECHECK & set(argv):
+        if multirun:
+            check_writable(Path(hydra_dir(overrides, "sweep")), "hydra.sweep.dir", directory=True)
+        else:
+            typed, run_dir = compose_with_run_dir(overrides)
+            check_stages(typed)
+            check_writable(Path(run_dir), "hydra.run.dir", directory=True)
+    if debug_enabled():
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    from circuitkit.sweep import forget_last_sweep, last_sweep
+
+    forget_last_sweep()
     sys.argv = [sys.argv[0], *argv]
     _hydra_main()
+    if multirun:
+        summary = last_sweep()
+        if summary is not None and summary.failed:
+            raise UserError(f"{summary.failed} of {summary.jobs} sweep jobs failed; see {summary.csv_path}"
+                            " (one row per job, with its error).")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: check what can be checked, hand over to Hydra; returns the exit status.
+
+    0 ok, 1 a stage or sweep job failed, 2 the command or config is wrong (nothing ran),
+    130 interrupted. Set CIRCUITKIT_DEBUG=1 for tracebacks.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return run_entry(_main, argv)
+    except SystemExit as exit_:  # the job's own exit status (run_entry already printed the line)
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,16 +16,30 @@ import dataclasses
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.config import CONF_DIR, AppConfig, ConfigError, compose
+from circuitkit.config import CONF_DIR, AppConfig, compose
+from circuitkit.errors import EXIT_USAGE, UserError
 
 CIRCUIT_STAGES = "stages=[preflight,data,attribution,pruning]"
 # The budget table of the memory guide: these models at ig_steps=5, batch_size=4, num_examples=128.
 BUDGET_MODELS = ("gpt2", "llama1b", "llama3b", "gemma4b")
 
 
+def model_group_for(model: str) -> str | None:
+    """The group in conf/model/ that `model` names: the group itself (`gemma4b`) or its hub name
+    (`google/gemma-3-4b-it`), so known models keep their shape offline."""
+    from omegaconf import OmegaConf
+
+    if (CONF_DIR / "model" / f"{model}.yaml").is_file():
+        return model
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        if OmegaConf.load(path).get("name") == model:
+            return path.stem
+    return None
+
+
 def _overrides(args: argparse.Namespace) -> list[str]:
-    model = (f"model={args.model}" if (CONF_DIR / "model" / f"{args.model}.yaml").is_file()
-             else f"model.name={args.model}")
+    group = model_group_for(args.model)
+    model = f"model={group}" if group else f"model.name={args.model}"
     algo = ["discovery=eap"] if args.algorithm == "eap" else [f"discovery.algorithm={args.algorithm}"]
     return [model, *algo, f"discovery.task={args.task}", CIRCUIT_STAGES, *args.overrides]
 
@@ -57,7 +71,17 @@ def check_memory(cfg: AppConfig, console: Console) -> int:
     from circuitkit.device import free_memory_bytes, get_device
     from circuitkit.preflight import advice, attribution_estimate, table
 
-    estimate = attribution_estimate(cfg)
+    try:
+        estimate = attribution_estimate(cfg)
+    except (OSError, ValueError) as err:
+        if isinstance(err, UserError):
+            raise
+        known = ", ".join(sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+        raise UserError(f"the shape of {cfg.model.name!r} is not known offline (its config.json cannot be read:"
+                        f" {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}). Pass a"
+                        f" known model ({known}), its hub name, a local model directory, or give the shape as"
+                        " model.shape.* overrides (family, n_layers, n_heads, n_kv_heads, head_dim, d_model, d_mlp,"
+                        " vocab_size, n_params).", EXIT_USAGE) from None
     free = free_memory_bytes()
     console.print(table(estimate, free, cfg.preflight.headroom,
                         f"{cfg.model.name}: {cfg.discovery.algorithm} {cfg.discovery.level} level,"
@@ -83,11 +107,7 @@ def main(argv: list[str]) -> int:
     from circuitkit.pipeline import make_console
 
     console = make_console()
-    try:
-        _, cfg = compose(_overrides(args))
-    except ConfigError as err:
-        console.print(f"[bold red]error:[/bold red] {err}")
-        return 2
+    _, cfg = compose(_overrides(args))
     if args.check_memory:
         return check_memory(cfg, console)
     from circuitkit.device import free_memory_bytes
@@ -96,11 +116,9 @@ def main(argv: list[str]) -> int:
     budget = int(cfg.preflight.headroom * free_memory_bytes())
     best = min(largest_fitting_batch(cfg, budget), cfg.discovery.data_params.num_examples)
     if best == 0:
-        console.print("[bold red]error:[/bold red] even discovery.batch_size=1 does not fit; run with"
-                      " --check-memory for the terms and what to change.")
-        return 1
+        raise UserError("even discovery.batch_size=1 does not fit; run with --check-memory for the terms and"
+                        " what to change.")
     console.print(f"discovery.batch_size={best}: the largest that fits ({budget / 2**30:.2f} GiB usable)")
     from circuitkit.run import main as run_main
 
-    run_main([*_overrides(args), f"discovery.batch_size={best}"])
-    return 0
+    return run_main([*_overrides(args), f"discovery.batch_size={best}"])

@@ -2,6 +2,8 @@
 
 Each reads its inputs from `ctx.state` when the stage before it ran in this process, else
 from that stage's artifact in the run directory (so a rerun can skip completed stages).
+Each also declares the files it reads (`*_inputs`, fingerprinted by the pipeline) and a cheap
+pre-run check (`_check_*`) that reads configs only.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
+from circuitkit.config import AppConfig, ConfigError
+from circuitkit.errors import UserError
+from circuitkit.io import check_writable
 from circuitkit.pipeline import RunContext, Stage, StageResult, register_stage
+from gradian.indexer import check_grads_config
 
 DATA_FILE = "data.safetensors"
 SCORES_FILE = "scores.safetensors"
@@ -36,7 +42,10 @@ def _data(ctx: RunContext) -> StageResult:
     d = ctx.cfg.discovery
     loaded = ctx.model()
     n_attr, n_eval = d.data_params.num_examples, d.data_params.eval_examples
-    data = build_task(d.task, loaded.tokenizer, loaded.path, d.data_params, n_attr + n_eval, ctx.cfg.seed)
+    from circuitkit.models.loading import context_length
+
+    data = build_task(d.task, loaded.tokenizer, loaded.path, d.data_params, n_attr + n_eval, ctx.cfg.seed,
+                      max_tokens=context_length(loaded.model.config))
     attr, held_out = split_sizes(len(data), n_attr, n_eval)
     if (attr, held_out) != (n_attr, n_eval):
         ctx.console.print(f"[yellow]warning:[/yellow] {d.task} has {len(data)} rows, fewer than the"
@@ -242,6 +251,13 @@ def _grads(ctx: RunContext) -> StageResult:
     from gradian.indexer import build_index
 
     index_dir = Path(g.index_dir) if g.index_dir else ctx.run_dir / "index"
+    if not g.index_dir and ctx.changed_inputs and index_dir.is_dir():
+        # The run's own index was made from inputs that changed since (data file, model): it is
+        # stale, not resumable. A user-chosen index_dir is never deleted (Gradian refuses it).
+        import shutil
+
+        ctx.console.print(f"grads: {', '.join(ctx.changed_inputs[:3])} changed; rebuilding {index_dir}")
+        shutil.rmtree(index_dir)
     summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model())
     files = [index_dir / "manifest.json", *(index_dir / name for name in summary.get("shard_files", []))]
     ctx.console.print(f"index {index_dir}: {summary['rows_stored']} of {summary['n_rows']} rows,"
@@ -251,8 +267,121 @@ def _grads(ctx: RunContext) -> StageResult:
                                "complete": summary["complete"]}, estimated_peak_bytes=summary["estimated_peak_bytes"])
 
 
-register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), _preflight, cached=False))
-register_stage(Stage("data", ("model", "discovery.task", "discovery.data_params", "seed"), _data))
-register_stage(Stage("attribution", ("model", "discovery"), _attribution))
-register_stage(Stage("pruning", ("pruning", "output_path"), _pruning))
-register_stage(Stage("grads", ("model", "grads"), _grads))
+# --------------------------------------------------------------------------- inputs
+
+def model_inputs(cfg: AppConfig) -> dict[str, Path | str]:
+    """The model as an input: a local or builtin directory (every file: weights, config,
+    tokenizer), or a hub id at its resolved revision."""
+    from circuitkit.fingerprint import hub_revision
+    from circuitkit.models.loading import BUILTIN_PREFIX, is_local_path, resolve_model_path
+
+    name = cfg.model.name
+    if name.startswith(BUILTIN_PREFIX) or is_local_path(name):
+        return {"model": Path(resolve_model_path(name))}
+    return {"model": hub_revision(name, cfg.model.revision)}
+
+
+def task_data_file(cfg: AppConfig) -> Path | None:
+    """The file (or directory) a file-based discovery task reads; None for generated tasks."""
+    from circuitkit.tasks import SAMPLE_FILES
+
+    d = cfg.discovery
+    if d.task not in SAMPLE_FILES:
+        return None
+    return Path(d.data_params.data_path).expanduser() if d.data_params.data_path else SAMPLE_FILES[d.task]
+
+
+def grads_data_file(cfg: AppConfig) -> Path:
+    from gradian.indexer import SAMPLE_DATA
+
+    return Path(cfg.grads.data_path).expanduser() if cfg.grads.data_path else SAMPLE_DATA
+
+
+def _data_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+    data_file = task_data_file(cfg)
+    return {**model_inputs(cfg), **({"discovery.data_params.data_path": data_file} if data_file else {})}
+
+
+def _attribution_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+    return {**model_inputs(cfg), DATA_FILE: run_dir / DATA_FILE}
+
+
+def _pruning_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+    return {**model_inputs(cfg), DATA_FILE: run_dir / DATA_FILE, SCORES_FILE: run_dir / SCORES_FILE}
+
+
+def _grads_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+    if not cfg.grads.enabled:
+        return {}
+    return {**model_inputs(cfg), "grads.data_path": grads_data_file(cfg)}
+
+
+# --------------------------------------------------------------------------- pre-run checks
+
+def _check_model(cfg: AppConfig) -> None:
+    from circuitkit.models.loading import resolve_model_path
+
+    resolve_model_path(cfg.model.name)
+
+
+def model_context(cfg: AppConfig) -> int | None:
+    """The model's context length from its config (no weights); None when not known offline."""
+    from circuitkit.models.loading import context_length, load_hf_config
+
+    hf = load_hf_config(cfg.model)
+    return context_length(hf) if hf is not None else None
+
+
+def _check_input_file(path: Path, key: str, allow_dir: bool = False) -> None:
+    if not path.exists():
+        raise UserError(f"{key}={str(path)!r} does not exist (resolved to {path.resolve()}); give the path"
+                        " of your data file.", 2)
+    if path.is_dir() and not allow_dir:
+        raise UserError(f"{key}={str(path)!r} is a directory, but a file is expected: give the data file's path.", 2)
+
+
+def _check_data(cfg: AppConfig) -> None:
+    """The model reference, the task's data file, and synthetic lengths within the context."""
+    _check_model(cfg)
+    d = cfg.discovery
+    data_file = task_data_file(cfg)
+    if data_file is not None and d.data_params.data_path:
+        _check_input_file(data_file, "discovery.data_params.data_path", allow_dir=d.task == "mmlu")
+    if d.task == "induction":
+        limit = model_context(cfg)
+        if limit is not None and d.data_params.seq_len > limit:
+            raise ConfigError(f"Config key 'discovery.data_params.seq_len' = {d.data_params.seq_len} exceeds the"
+                              f" context of {cfg.model.name} ({limit} tokens); set it to at most {limit}.")
+
+
+def _check_attribution(cfg: AppConfig) -> None:
+    _check_model(cfg)
+
+
+def _check_pruning(cfg: AppConfig) -> None:
+    """Edge pruning needs edge scores; output_path must be writable (checked before attribution)."""
+    if cfg.pruning.scope == "edges" and cfg.discovery.level == "node" and "attribution" in cfg.stages:
+        raise ConfigError("pruning.scope=edges needs edge scores, but discovery.level=node: set"
+                          " discovery.level=edge (or pruning.scope=heads).")
+    if cfg.output_path:
+        check_writable(Path(cfg.output_path), "output_path")
+
+
+def _check_grads(cfg: AppConfig) -> None:
+    """The model reference, then Gradian's own pre-run checks from config files alone: the data
+    can be read, the index dir written, shard_index < num_shards, rows bounded by the context."""
+    if not cfg.grads.enabled:
+        return
+    _check_model(cfg)
+    check_grads_config(cfg.model, cfg.grads, cfg.grads.index_dir)
+
+
+register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), _preflight, cached=False,
+                     check=_check_model))
+register_stage(Stage("data", ("model", "discovery.task", "discovery.data_params", "seed"), _data,
+                     inputs=_data_inputs, check=_check_data))
+register_stage(Stage("attribution", ("model", "discovery"), _attribution, inputs=_attribution_inputs,
+                     check=_check_attribution))
+register_stage(Stage("pruning", ("pruning", "output_path"), _pruning, inputs=_pruning_inputs,
+                     check=_check_pruning))
+register_stage(Stage("grads", ("model", "grads"), _grads, inputs=_grads_inputs, check=_check_grads))

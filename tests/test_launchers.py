@@ -16,8 +16,11 @@ COMMON = ["stages=[grads]", "model.precision=float32", "grads.rows_per_shard=5",
 
 
 def _run(*args: str) -> None:
+    # One torch thread in every process: joblib's workers get cpu_count // n_jobs threads, and the
+    # backward's float sums are split by thread count, so bytes match only at equal thread counts
+    # (values agree to float round-off either way; docs/configuration.md, `grads`, says so).
     proc = subprocess.run([sys.executable, "-m", "circuitkit.run", *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "COLUMNS": "160"})
+                          timeout=600, env={**os.environ, "COLUMNS": "160", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

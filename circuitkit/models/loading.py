@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from circuitkit.config import ModelConfig
 from circuitkit.device import get_device
+from circuitkit.errors import UserError
 from circuitkit.models.adapters import ModelAdapter, get_adapter
 
 log = logging.getLogger(__name__)
@@ -40,17 +43,93 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
+class ModelReferenceError(UserError, ValueError):
+    """`model.name` names no usable model (a missing directory, a file, an unknown fixture)."""
+
+    exit_code = 2
+
+
+# A hub id is `name` or `owner/name` of letters, digits and -_. (what the hub accepts).
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_local_path(name: str) -> bool:
+    """True when `model.name` means a directory on this machine rather than a hub id."""
+    return (Path(name).expanduser().exists() or name.startswith(("/", "./", "../", "~", "."))
+            or "\\" in name or not _HUB_ID.match(name))
+
+
 def resolve_model_path(name: str) -> str:
-    """The argument for `from_pretrained`: builtin fixtures become their cached directory."""
+    """The argument for `from_pretrained`: builtin fixtures become their cached directory,
+    local directories are checked (UserError naming what is missing), hub ids pass through."""
     if name.startswith(BUILTIN_PREFIX):
         from circuitkit.models.tiny import FIXTURE_NAMES, ensure_fixture
 
         fixture = name[len(BUILTIN_PREFIX):]
         if fixture not in FIXTURE_NAMES:
-            raise ValueError(f"model.name '{name}' names no built-in fixture; available:"
-                             f" {', '.join(BUILTIN_PREFIX + n for n in FIXTURE_NAMES)}.")
+            raise ModelReferenceError(f"model.name '{name}' names no built-in fixture; available:"
+                            f" {', '.join(BUILTIN_PREFIX + n for n in FIXTURE_NAMES)}.")
         return str(ensure_fixture(fixture))
+    if is_local_path(name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ModelReferenceError(f"model.name={name!r} is a local path that does not exist (resolved to"
+                            f" {path.resolve()}); give an existing model directory (with config.json) or a"
+                            " hub id such as gpt2 or google/gemma-3-4b-it.")
+        if not path.is_dir():
+            raise ModelReferenceError(f"model.name={name!r} is a file; give the model's directory (the one holding"
+                            " config.json, the weights and the tokenizer files).")
+        if not (path / "config.json").is_file():
+            raise ModelReferenceError(f"model.name={name!r} has no config.json; give the directory a model was saved to"
+                            " (save_pretrained writes config.json, the weights and the tokenizer).")
+        return str(path)
     return name
+
+
+def load_hf_config(cfg: ModelConfig):
+    """The model's config.json as attributes (no weights, no transformers import); None for a
+    hub id that is not in the local Hugging Face cache. A local one that cannot be read raises
+    UserError. Enough for `context_length` and other pre-run checks."""
+    import json
+    from types import SimpleNamespace
+
+    path = resolve_model_path(cfg.name)
+    if Path(path).is_dir():
+        config_file: str | Path | None = Path(path) / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(path, "config.json", revision=cfg.revision)
+        config_file = found if isinstance(found, str) else None
+    if config_file is None:
+        return None
+    try:
+        data = json.loads(Path(config_file).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.name={cfg.name!r}: {config_file} cannot be read ({_first_line(err)}).") from None
+    if not isinstance(data, dict):
+        raise UserError(f"model.name={cfg.name!r}: {config_file} is not a JSON object.")
+    text = data.get("text_config")
+    return SimpleNamespace(**{**data, "text_config": SimpleNamespace(**text) if isinstance(text, dict) else None})
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _broken_weight_file(path: str) -> str | None:
+    """The first weight file of a local directory that safetensors cannot open, if any."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    fh.get_slice(key)
+        except Exception as err:  # noqa: BLE001 - any failure to open is what we are looking for
+            return f"{f} ({_first_line(err)})"
+    return None
 
 
 def _auto_class(path: str, revision: str | None, trust_remote_code: bool):
@@ -88,10 +167,26 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     _quiet_transformers()
     path = resolve_model_path(cfg.name)
     device = device or get_device()
-    auto = _auto_class(path, cfg.revision, cfg.trust_remote_code)
-    model = auto.from_pretrained(path, revision=cfg.revision, dtype=DTYPES[cfg.precision],
-                                 trust_remote_code=cfg.trust_remote_code,
-                                 attn_implementation=cfg.attn_implementation)
+    try:
+        auto = _auto_class(path, cfg.revision, cfg.trust_remote_code)
+        model = auto.from_pretrained(path, revision=cfg.revision, dtype=DTYPES[cfg.precision],
+                                     trust_remote_code=cfg.trust_remote_code,
+                                     attn_implementation=cfg.attn_implementation)
+    except Exception as err:
+        if isinstance(err, UserError):
+            raise
+        if Path(path).is_dir():
+            broken = _broken_weight_file(path)
+            if broken:
+                raise UserError(f"model.name={cfg.name!r}: cannot read the weight file {broken}; it is truncated"
+                                " or corrupted: save or download the model again.") from None
+            if isinstance(err, OSError | ValueError):
+                raise UserError(f"model.name={cfg.name!r}: loading {path} failed ({_first_line(err)}).") from None
+        elif isinstance(err, OSError):
+            raise UserError(f"model.name={cfg.name!r} could not be loaded from the hub or the local Hugging Face"
+                            f" cache ({_first_line(err)}). Offline, download it first (huggingface-cli download"
+                            f" {cfg.name}) or give a local model directory.") from None
+        raise
     model.requires_grad_(False)
     model.eval()
     model.to(device)

@@ -38,8 +38,11 @@ def data_path_for(task: str, data_path: str | None) -> Path:
     return Path(data_path)
 
 
-def build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: int, seed: int) -> TaskData:
+def build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: int, seed: int,
+               max_tokens: int | None = None) -> TaskData:
     """`n` examples of `task` for this tokenizer (model_dir lets fixtures name their symbols).
+
+    max_tokens: the model's context; a prompt longer than it raises TaskError naming the row.
 
     Returns TaskData with (N, T) clean/corrupted ids and mask, (N,) answer positions and -1 padded
     answer ids; N == n except for file tasks whose file has fewer rows (then all rows, warned).
@@ -47,6 +50,9 @@ def build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: i
     if task not in SAMPLE_FILES and task in BUILT_TASKS and dp.data_path is not None:
         log.warning("discovery.data_params.data_path=%r is not used: the %s task generates its examples"
                     " (data_path is read by the mmlu and jsonl tasks only).", dp.data_path, task)
+    if max_tokens is not None and task == "induction" and dp.seq_len > max_tokens:
+        raise TaskError(f"discovery.data_params.seq_len={dp.seq_len} exceeds the model's context of {max_tokens}"
+                        f" tokens; set it to at most {max_tokens}.")
     if task == "induction":
         from circuitkit.tasks import induction
 
@@ -62,9 +68,9 @@ def build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: i
     if task == "mmlu":
         from circuitkit.tasks import mmlu
 
-        return mmlu.build(tokenizer, data_path_for(task, dp.data_path), n, seed)
+        return mmlu.build(tokenizer, data_path_for(task, dp.data_path), n, seed, max_tokens)
     if task == "jsonl":
         from circuitkit.tasks import jsonl
 
-        return jsonl.build(tokenizer, data_path_for(task, dp.data_path), n, seed)
+        return jsonl.build(tokenizer, data_path_for(task, dp.data_path), n, seed, max_tokens)
     raise TaskError(f"discovery.task={task!r} is not available in this version; available: {', '.join(BUILT_TASKS)}.")

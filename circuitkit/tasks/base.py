@@ -89,14 +89,19 @@ def pad_answers(rows: list[list[int]]) -> torch.Tensor:
 
 
 def from_token_lists(clean: list[list[int]], corrupted: list[list[int]], correct: list[list[int]],
-                     incorrect: list[list[int]], pad_id: int, row_names: list[str] | None = None) -> TaskData:
+                     incorrect: list[list[int]], pad_id: int, row_names: list[str] | None = None,
+                     max_tokens: int | None = None) -> TaskData:
     """Assemble TaskData from per-row token lists; the answer position is each row's last token.
 
-    Raises TaskError naming the row when a clean/corrupted pair differs in length.
+    Raises TaskError naming the row when a clean/corrupted pair differs in length, or when a
+    prompt is longer than `max_tokens` (the model's context).
     """
     for i, (c, x) in enumerate(zip(clean, corrupted, strict=True)):
+        name = row_names[i] if row_names else f"row {i}"
+        if max_tokens is not None and len(c) > max_tokens:
+            raise TaskError(f"{name}: the prompt is {len(c)} tokens, longer than the model's context of"
+                            f" {max_tokens} tokens; shorten it or remove the row.")
         if len(c) != len(x):
-            name = row_names[i] if row_names else f"row {i}"
             raise TaskError(f"{name}: clean prompt has {len(c)} tokens but corrupted has {len(x)}; a pair must"
                             " tokenize to the same length (edit the corrupted text so the tokens line up).")
     n, width = len(clean), max(len(c) for c in clean)

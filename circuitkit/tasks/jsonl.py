@@ -110,7 +110,7 @@ def tokenize_row(tokenizer, row: PairRow, prefix: Sequence[int]) -> tuple[list[i
     return clean, corrupted, correct, incorrect
 
 
-def build(tokenizer, path: str | Path, n: int, seed: int) -> TaskData:
+def build(tokenizer, path: str | Path, n: int, seed: int, max_tokens: int | None = None) -> TaskData:
     """`n` pairs sampled with `seed` from the JSONL file at `path` (all rows if it has fewer).
 
     Shapes: clean/corrupted/mask (N, T) right-padded to the longest sampled prompt; answer_pos
@@ -123,4 +123,5 @@ def build(tokenizer, path: str | Path, n: int, seed: int) -> TaskData:
     picked = sample_indices(len(rows), n, seed, str(path))
     return from_token_lists([tokenized[i][0] for i in picked], [tokenized[i][1] for i in picked],
                             [tokenized[i][2] for i in picked], [tokenized[i][3] for i in picked],
-                            pad_token_id(tokenizer), row_names=[rows[i].where for i in picked])
+                            pad_token_id(tokenizer), row_names=[rows[i].where for i in picked],
+                            max_tokens=max_tokens)

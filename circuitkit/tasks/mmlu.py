@@ -36,6 +36,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from circuitkit.io import first_non_utf8_line
 from circuitkit.tasks.base import TaskData, TaskError, from_token_lists
 from circuitkit.tasks.text import (
     as_path,
@@ -112,6 +113,9 @@ def read_csv(path: Path) -> list[Question]:
                                     f"{path.name}:{lineno}"))
         except csv.Error as err:
             raise TaskError(f"{path}:{reader.line_num}: unreadable CSV ({err}).") from None
+        except UnicodeDecodeError as err:
+            raise TaskError(f"{path}:{first_non_utf8_line(path)}: not UTF-8 ({err.reason}); save the file as"
+                            " UTF-8.") from None
     return out
 
 
@@ -200,7 +204,7 @@ def letter_ids(tokenizer, n_letters: int) -> list[int]:
     return out
 
 
-def build(tokenizer, path: str | Path, n: int, seed: int) -> TaskData:
+def build(tokenizer, path: str | Path, n: int, seed: int, max_tokens: int | None = None) -> TaskData:
     """`n` questions sampled with `seed` from `path` (all if fewer), as clean/corrupted pairs.
 
     Shapes: clean/corrupted/mask (N, T) right-padded; answer_pos (N,) = the ':' of 'Answer:';
@@ -220,4 +224,4 @@ def build(tokenizer, path: str | Path, n: int, seed: int) -> TaskData:
         correct.append([letters[q.answer]])
         incorrect.append([letters[new]])
         row_names.append(q.where)
-    return from_token_lists(clean, corrupted, correct, incorrect, pad_token_id(tokenizer), row_names)
+    return from_token_lists(clean, corrupted, correct, incorrect, pad_token_id(tokenizer), row_names, max_tokens)

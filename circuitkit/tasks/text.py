@@ -44,7 +44,9 @@ def encode_prompt(tokenizer, text: str, prefix: Sequence[int] | None = None) -> 
     `prefix` is `special_prefix(tokenizer)`, passed in by callers that encode many prompts.
     """
     head = special_prefix(tokenizer) if prefix is None else list(prefix)
-    return head + list(tokenizer.encode(text, add_special_tokens=False))
+    # verbose=False: no "longer than the maximum ... will result in indexing errors" warning; a
+    # prompt beyond the model's context is reported by the task with its file:line instead.
+    return head + list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
 
 def continuation_ids(tokenizer, prompt: str, answer: str) -> list[int] | None:
@@ -53,8 +55,8 @@ def continuation_ids(tokenizer, prompt: str, answer: str) -> list[int] | None:
     Returns None when appending the answer changes the prompt's own tokens (the answer merges
     with the prompt's last token, e.g. "Paris" without its leading space after "is").
     """
-    base = tokenizer.encode(prompt, add_special_tokens=False)
-    full = tokenizer.encode(prompt + answer, add_special_tokens=False)
+    base = tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
+    full = tokenizer.encode(prompt + answer, add_special_tokens=False, verbose=False)
     if full[:len(base)] != base:
         return None
     return list(full[len(base):])
