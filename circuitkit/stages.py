@@ -264,7 +264,8 @@ def _grads(ctx: RunContext) -> StageResult:
                       f" {summary['bytes'] / 2**20:.2f} MiB")
     return StageResult(files, {"index_dir": str(index_dir), "rows_stored": summary["rows_stored"],
                                "row_width": summary["row_width"], "index_bytes": summary["bytes"],
-                               "complete": summary["complete"]}, estimated_peak_bytes=summary["estimated_peak_bytes"])
+                               "complete": summary["complete"], "padding_share": summary.get("padding_share")},
+                       estimated_peak_bytes=summary["estimated_peak_bytes"])
 
 
 # --------------------------------------------------------------------------- inputs
@@ -313,7 +314,11 @@ def _pruning_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
 def _grads_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     if not cfg.grads.enabled:
         return {}
-    return {**model_inputs(cfg), "grads.data_path": grads_data_file(cfg)}
+    data = grads_data_file(cfg)
+    if not data.exists() and cfg.grads.data_format in ("hf", "auto"):
+        # A hub dataset name: no local file to hash; the name and split are what identify it here.
+        return {**model_inputs(cfg), "grads.data_path": f"hf:{cfg.grads.data_path}:{cfg.grads.data_split}"}
+    return {**model_inputs(cfg), "grads.data_path": data}
 
 
 # --------------------------------------------------------------------------- pre-run checks
