@@ -111,6 +111,10 @@ class GradsConfig:
     num_shards: int = _f(1, "workers splitting the data", ge=1)
     shard_index: int = _f(0, "this worker's share, 0 <= shard_index < num_shards", ge=0)
     index_dir: Optional[str] = _f(None, "where the index goes; null = <run dir>/index")
+    circuit: Optional[str] = _f(None, "restrict the index to a circuit's kept heads/MLPs: null = no,"
+                                " 'run' = this run's circuit.pt, or a path to a circuit.pt")
+    circuit_mlps: str = _f("kept", "with grads.circuit: index the kept MLPs' output projections too, or heads only",
+                           choices=("kept", "none"))
 
 
 @dataclass

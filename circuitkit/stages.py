@@ -233,6 +233,22 @@ def _pruning(ctx: RunContext) -> StageResult:
         "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path)})
 
 
+def circuit_for_grads(ctx: RunContext) -> Path | None:
+    """The circuit.pt `grads.circuit` names: 'run' is the file this run's pruning stage writes
+    (read from disk, so a pruning stage skipped on rerun is not recomputed), else the path."""
+    circuit = ctx.cfg.grads.circuit
+    if circuit is None:
+        return None
+    if circuit != "run":
+        return Path(circuit)
+    path = Path(ctx.cfg.output_path) if ctx.cfg.output_path else ctx.run_dir / "circuit.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"grads.circuit=run reads the circuit.pt of this run ({path}), which does not exist:"
+                                " run the pruning stage first (stages=[...,pruning,grads]) or give grads.circuit"
+                                " the path of a circuit.pt.")
+    return path
+
+
 def _grads(ctx: RunContext) -> StageResult:
     """Gradient index of grads.data_path (Gradian), or skipped when grads.enabled is false."""
     g = ctx.cfg.grads
@@ -242,13 +258,20 @@ def _grads(ctx: RunContext) -> StageResult:
     from gradian.indexer import build_index
 
     index_dir = Path(g.index_dir) if g.index_dir else ctx.run_dir / "index"
-    summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model())
+    circuit_path = circuit_for_grads(ctx)
+    summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model(), circuit_path=circuit_path)
     files = [index_dir / "manifest.json", *(index_dir / name for name in summary.get("shard_files", []))]
     ctx.console.print(f"index {index_dir}: {summary['rows_stored']} of {summary['n_rows']} rows,"
                       f" {summary['bytes'] / 2**20:.2f} MiB")
+    restricted = summary.get("circuit")
+    if restricted:
+        ctx.console.print(f"restricted to circuit {circuit_path} (sha256 {restricted['sha256'][:12]}…):"
+                          f" {len(restricted['heads'])} heads, {len(restricted['mlps'])} MLPs")
     return StageResult(files, {"index_dir": str(index_dir), "rows_stored": summary["rows_stored"],
                                "row_width": summary["row_width"], "index_bytes": summary["bytes"],
-                               "complete": summary["complete"]}, estimated_peak_bytes=summary["estimated_peak_bytes"])
+                               "complete": summary["complete"],
+                               "circuit_sha256": restricted["sha256"] if restricted else None},
+                       estimated_peak_bytes=summary["estimated_peak_bytes"])
 
 
 register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), _preflight, cached=False))

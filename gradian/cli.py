@@ -81,7 +81,7 @@ def rank_command(args: argparse.Namespace) -> int:
 
     try:
         results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
-                       out_path=args.out)
+                       out_path=args.out, circuit=args.circuit)
     except (ValueError, FileNotFoundError, DataError) as err:  # IndexMismatchError is a ValueError
         _console.print(f"[bold red]error:[/bold red] {err}")
         return 2
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
                       help="how the per-query scores of a row combine into one ranking")
     rank.add_argument("--out", default=None, help="also write the results as JSONL here")
+    rank.add_argument("--circuit", default=None,
+                      help="circuit.pt the queries are for; refused unless the index was built with it")
     sub.add_parser("doctor", help="versions, devices, backends and self-tests as Markdown ([--json])",
                    add_help=False)
     if not argv or argv[0] in ("-h", "--help"):

@@ -25,7 +25,8 @@ import torch
 from circuitkit.config import ModelConfig
 from circuitkit.io import atomic_write_bytes, sha256_file
 from gradian.index import IndexMismatchError, IndexReader
-from gradian.projection import Projector, module_shapes
+from gradian.projection import Projector
+from gradian.restrict import site_shapes, sites_from_names
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +138,17 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
         raise IndexMismatchError(f"the index manifest has no projection description (got {proj!r}); it cannot"
                                  " be ranked against.")
     names = list(proj["modules"])
-    present = dict(loaded.model.named_modules())
-    missing = [n for n in names if n not in present]
     projector = None
-    if missing:
-        problems.append(f"projection.modules: the loaded model has no module {', '.join(missing[:5])}")
+    try:  # names are modules, or "module:head{h}" sites of a circuit-restricted index
+        sites = sites_from_names(loaded.model, loaded.adapter, names)
+    except ValueError as err:
+        problems.append(f"projection.modules: {err}")
     else:
         dim = proj.get("projection_dim")
         # "raw" (projection_dim null) is what Projector reports for any kind without a dim.
         kind = "kronecker" if proj.get("kind") == "raw" else proj.get("kind")
         try:
-            projector = Projector(module_shapes([(n, present[n]) for n in names]), kind, dim, proj.get("seed", 0))
+            projector = Projector(site_shapes(sites), kind, dim, proj.get("seed", 0))
         except ValueError as err:
             problems.append(f"projection: {err}")
         else:
@@ -166,6 +167,26 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
         raise IndexMismatchError("the index was made with another model or projection than the one loaded: "
                                  + "; ".join(problems) + ". Rank with the model the index was built with.")
     return projector
+
+
+def check_circuit(manifest: dict[str, Any], circuit: str | Path | None) -> None:
+    """Refuse queries restricted to another circuit than the index's (or to one, against an
+    unrestricted index); IndexMismatchError says which circuit each side has."""
+    if circuit is None:
+        return
+    from circuitkit.circuit import circuit_sha256
+
+    if not Path(circuit).is_file():
+        raise FileNotFoundError(f"circuit {str(circuit)!r} does not exist.")
+    ours, theirs = circuit_sha256(circuit), (manifest.get("circuit") or {}).get("sha256")
+    if theirs is None:
+        raise IndexMismatchError(f"the queries are restricted to circuit {circuit} (sha256 {ours[:12]}…) but the"
+                                 " index is unrestricted (built with grads.circuit=null): rank without --circuit,"
+                                 " or build the index with grads.circuit set to this file.")
+    if ours != theirs:
+        raise IndexMismatchError(f"the queries are restricted to circuit {circuit} (sha256 {ours[:12]}…) but the"
+                                 f" index was built for another circuit (sha256 {theirs[:12]}…, heads"
+                                 f" {manifest['circuit'].get('heads')}): rank with that circuit, or rebuild the index.")
 
 
 # ----------------------------------------------------------------------------- queries
@@ -189,7 +210,7 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     if not rows:
         raise ValueError(f"{queries_path}: no query row has a supervised token ({report.summary()}).")
     model, tokenizer = loaded.model, loaded.tokenizer
-    modules = [(n, model.get_submodule(n)) for n in projector.names]
+    modules = sites_from_names(model, loaded.adapter, projector.names)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     parts = []
     for chunk in batches(rows, batch_size):
@@ -281,7 +302,8 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
 
 def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "cosine",
          aggregate: str = "mean", out_path: str | Path | None = None,
-         model_cfg: ModelConfig | None = None, loaded=None) -> list[dict[str, Any]]:
+         model_cfg: ModelConfig | None = None, loaded=None, circuit: str | Path | None = None
+         ) -> list[dict[str, Any]]:
     """Rank the index's training rows against the rows of `queries_path` (JSONL).
 
     Loads the model the manifest names (or `model_cfg`; or an already loaded `loaded`), refuses
@@ -289,6 +311,10 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     the key), computes the query gradients, streams the index (`stream_topk`) and returns dicts
     {"query": query row id or "aggregate", "rank", "row_id", "score", "source_line",
     "text_preview"}, per query then the aggregate. Writes them as JSONL to `out_path` if given.
+
+    `circuit`: the circuit.pt the queries are meant for. It must be the one a restricted index
+    was built with (same sha256); against an unrestricted index it is refused. Without it,
+    a restricted index's queries use the heads and MLPs its manifest records.
     """
     from circuitkit.models.loading import load_model
 
@@ -297,6 +323,7 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     if not Path(queries_path).is_file():
         raise FileNotFoundError(f"queries file {str(queries_path)!r} does not exist.")
     manifest = IndexReader(index_dir).manifest
+    check_circuit(manifest, circuit)
     if loaded is None:
         model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
                                              precision=manifest.get("precision", "bfloat16"))
