@@ -97,7 +97,8 @@ def _attribution(ctx: RunContext) -> StageResult:
     data = pairs[:n_attr]
     scores = run_attribution(loaded.adapter, data, d)
     ctx.state["scores"] = scores
-    path = save_scores(ctx.run_dir / SCORES_FILE, scores, {"model": ctx.cfg.model.name, "task": d.task})
+    path = save_scores(ctx.run_dir / SCORES_FILE, scores, {"model": ctx.cfg.model.name, "task": d.task,
+                                                            "prepend_bos": str(d.data_params.prepend_bos).lower()})
     steps = "" if d.algorithm != "eap-ig" else f", ig_steps={scores.info['ig_steps']}"
     plot = head_heatmap(scores.head, ctx.run_dir / HEATMAP_FILE,
                         f"{d.algorithm} head scores ({d.task}, {d.metric}{steps})")
@@ -211,6 +212,15 @@ def _pruning(ctx: RunContext) -> StageResult:
                                f"kept heads (outlined), {p.scope} sparsity {achieved:.2f}", head_mask)
     metrics = {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f}
     out_path = Path(ctx.cfg.output_path) if ctx.cfg.output_path else ctx.run_dir / "circuit.pt"
+    g = scores.graph
+    circuit["graph"] = {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
+                        "parallel_residual": g.parallel_residual}
+    if p.scope == "heads":
+        circuit["mlp_mask"] = torch.ones(g.n_layers, dtype=torch.bool)  # head pruning never removes an MLP
+    else:
+        circuit["mlp_mask"] = kept[[g.mlp_index(layer) for layer in range(g.n_layers)]].any(dim=1)
+    circuit["prepend_bos"] = d.data_params.prepend_bos
+    circuit["d_model"] = adapter.d_model  # for exports whose format states it (EAP-IG's cfg)
     save_circuit(out_path, {
         **circuit, "model_name": ctx.cfg.model.name, "model_revision": ctx.cfg.model.revision, "scope": p.scope,
         "head_mask": head_mask, "head_scores": scores.head, "mlp_scores": scores.mlp,
@@ -227,7 +237,14 @@ def _pruning(ctx: RunContext) -> StageResult:
     table.add_row(f"{p.target_sparsity:.3f}", f"{achieved:.3f}", f"{m_full:.4g}", f"{m_empty:.4g}",
                   f"{m_circuit:.4g}", f"{f:.3f}", f"{cpr:.3f}", f"{cmd:.3f}")
     ctx.console.print(table)
-    return StageResult([out_path, *curve_files, circuit_png], {
+    graph_files = []
+    if p.graph:
+        from circuitkit.circuit import load_circuit
+        from circuitkit.circuit_graph import write_circuit_graph
+
+        graph_files = write_circuit_graph(load_circuit(out_path), ctx.run_dir / "circuit_graph.png",
+                                          p.graph_top_edges, p.graph_backend)
+    return StageResult([out_path, *curve_files, circuit_png, *graph_files], {
         "faithfulness": f, "achieved_sparsity": achieved, "scope": p.scope,
         "heads_kept": int(head_mask.sum()), f"{unit}_kept": int(kept.sum()), "metric_full": m_full,
         "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path)})
