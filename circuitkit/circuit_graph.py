@@ -91,7 +91,8 @@ def build_picture(circuit: dict[str, Any], top_edges: int = 40) -> CircuitPictur
     if edges is not None:
         upstream, downstream = g.upstream, g.downstream
         scores = edges.float()
-        if circuit.get("scope") == "edges" and circuit.get("edge_mask") is not None:
+        edge_scope = circuit.get("scope") == "edges" and circuit.get("edge_mask") is not None
+        if edge_scope:  # every kept edge, whatever its endpoints keep
             candidates = circuit["edge_mask"].bool()
         else:
             up_kept = torch.tensor([u in kept_nodes for u in upstream])
@@ -105,7 +106,7 @@ def build_picture(circuit: dict[str, Any], top_edges: int = 40) -> CircuitPictur
         for i in flat.argsort(descending=True)[:n].tolist():
             u, v = divmod(i, scores.shape[1])
             for child, letter in _child(downstream[v], g):
-                if child in kept_nodes:
+                if edge_scope or child in kept_nodes:
                     pic.edges.append((upstream[u], child, letter, float(scores[u, v])))
     else:
         pic.note = "node-level scores: no edges (set discovery.level=edge to draw them)"
