@@ -61,7 +61,7 @@ def test_edge_scope_draws_only_kept_edges_and_kv_groups_fan_out() -> None:
     pic = build_picture(c, top_edges=1000)
     kept = c["edge_mask"]
     expected = 0
-    for u, v in kept.nonzero().tolist():
+    for _u, v in kept.nonzero().tolist():
         down = g.downstream[v]
         expected += 2 if ("<k>" in down or "<v>" in down) else 1
     assert len(pic.edges) == expected
