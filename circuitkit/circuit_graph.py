@@ -144,6 +144,18 @@ def _node_colour(score: float, limit: float):
     return matplotlib.colormaps["RdBu"](0.5 + 0.4 * max(-1.0, min(1.0, score / limit)))
 
 
+def _on_arc(ax, start: tuple[float, float], end: tuple[float, float], rad: float, t: float) -> tuple[float, float]:
+    """The point at parameter t of matplotlib's arc3 connection (a quadratic Bézier in display space)."""
+    import numpy as np
+
+    to_display, to_data = ax.transData, ax.transData.inverted()
+    (x1, y1), (x2, y2) = to_display.transform([start, end])
+    control = ((x1 + x2) / 2 + rad * (y2 - y1), (y1 + y2) / 2 - rad * (x2 - x1))
+    point = (1 - t) ** 2 * np.array([x1, y1]) + 2 * (1 - t) * t * np.array(control) + t ** 2 * np.array([x2, y2])
+    x, y = to_data.transform(point)
+    return float(x), float(y)
+
+
 def draw_matplotlib(pic: CircuitPicture, paths: list[Path]) -> list[Path]:
     """The picture with matplotlib (headless), one file per path (format from the suffix)."""
     import matplotlib
@@ -158,24 +170,11 @@ def draw_matplotlib(pic: CircuitPicture, paths: list[Path]) -> list[Path]:
     fig, ax = plt.subplots(figsize=(width, height))
     node_limit = max([abs(s) for _, _, s in pic.nodes.values() if math.isfinite(s)] + [1e-12])
     edge_limit = max([abs(e[3]) for e in pic.edges] + [1e-12])
-    for parent, child, letter, score in sorted(pic.edges, key=lambda e: abs(e[3])):
-        (x0, y0, _), (x1, y1, _) = pic.nodes[parent], pic.nodes[child]
-        strength = abs(score) / edge_limit
-        # Bend edges that would run along a row or through nodes of the same column.
-        rad = 0.25 if abs(x1 - x0) < 0.5 or abs(y1 - y0) < 0.6 else 0.08
-        ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), connectionstyle=f"arc3,rad={rad}",
-                                     arrowstyle="-|>", mutation_scale=8 + 6 * strength, shrinkA=11, shrinkB=11,
-                                     lw=0.6 + 4.4 * strength, linestyle=_STYLE[letter],
-                                     color="#2166ac" if score >= 0 else "#b2182b", alpha=0.35 + 0.6 * strength,
-                                     zorder=1 + strength))
-    for name, (x, y, score) in pic.nodes.items():
-        ax.text(x, y, name, ha="center", va="center", fontsize=7 if len(name) < 7 else 6, zorder=5,
-                bbox={"boxstyle": "round,pad=0.3", "fc": _node_colour(score, node_limit), "ec": "black", "lw": 0.7})
     ax.set_xlim(-0.9, pic.n_heads + 0.9)
     ax.set_ylim(pic.n_layers + 1.6, -0.6)  # input at the top, logits at the bottom
     ax.set_yticks([0, *range(1, pic.n_layers + 1), pic.n_layers + 1],
                   ["embed", *(f"layer {layer}" for layer in range(pic.n_layers)), "logits"], fontsize=7)
-    ax.set_xticks(range(pic.n_heads), [f"h{h}" for h in range(pic.n_heads)], fontsize=7)
+    ax.set_xticks(range(pic.n_heads + 1), [*(f"h{h}" for h in range(pic.n_heads)), "MLP"], fontsize=7)
     ax.tick_params(length=0)
     for side in ("top", "right", "bottom", "left"):
         ax.spines[side].set_visible(False)
@@ -190,7 +189,25 @@ def draw_matplotlib(pic: CircuitPicture, paths: list[Path]) -> list[Path]:
               Line2D([], [], color="white", label="node fill: node score")]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     ax.set_title(pic.title + (f"\n{pic.note}" if pic.note else ""), fontsize=9)
+    # Lay out the frame first: the letters' places on the arcs depend on the final axes box.
     fig.tight_layout()
+    for parent, child, letter, score in sorted(pic.edges, key=lambda e: abs(e[3])):
+        (x0, y0, _), (x1, y1, _) = pic.nodes[parent], pic.nodes[child]
+        strength = abs(score) / edge_limit
+        # Bend edges that would run along a row or through nodes of the same column.
+        rad = 0.25 if abs(x1 - x0) < 0.5 or abs(y1 - y0) < 0.6 else 0.08
+        ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), connectionstyle=f"arc3,rad={rad}",
+                                     arrowstyle="-|>", mutation_scale=8 + 6 * strength, shrinkA=11, shrinkB=11,
+                                     lw=0.6 + 4.4 * strength, linestyle=_STYLE[letter],
+                                     color="#2166ac" if score >= 0 else "#b2182b", alpha=0.35 + 0.6 * strength,
+                                     zorder=1 + strength))
+        if letter:  # name the input read next to the arrow head (line styles alone blur at large widths)
+            ax.text(*_on_arc(ax, (x0, y0), (x1, y1), rad, 0.72), letter, fontsize=7, color="#444444",
+                    ha="center", va="center", zorder=4,
+                    bbox={"boxstyle": "circle,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8})
+    for name, (x, y, score) in pic.nodes.items():
+        ax.text(x, y, name, ha="center", va="center", fontsize=7 if len(name) < 7 else 6, zorder=5,
+                bbox={"boxstyle": "round,pad=0.3", "fc": _node_colour(score, node_limit), "ec": "black", "lw": 0.7})
     for path in paths:
         fmt = Path(path).suffix.lstrip(".").lower() or "png"
         _atomic(Path(path), lambda tmp, fmt=fmt: fig.savefig(tmp, format=fmt, dpi=120))
