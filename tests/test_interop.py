@@ -180,3 +180,25 @@ def test_prepend_bos_policy_on_a_tokenizer_without_bos(tiny_model_dir) -> None:
     # Induction prompts start with BOS already: false removes it.
     ind = build_task("induction", tok, None, DataParams(seq_len=16, prepend_bos=False), 3, 0)
     assert ind.clean_ids.shape[1] == 15 and (ind.answer_pos == 14).all()
+
+
+def test_imported_scores_are_pruned_and_measured_here(tmp_path) -> None:
+    """A graph found elsewhere: import its scores into a run dir, then prune and measure it."""
+    from circuitkit.config import compose
+    from circuitkit.pipeline import run_pipeline
+
+    g = Graph(2, 4, 4, False)
+    circuit = _random_circuit(g, "edges", seed=5)
+    save_circuit(tmp_path / "elsewhere.pt", {**circuit, "ablation": "zero", "rank_by": "abs",
+                                             "target_sparsity": 0.5, "achieved_sparsity": 0.5})
+    export_file(tmp_path / "elsewhere.pt", tmp_path / "graph.json")
+    run_dir = tmp_path / "run"
+    assert cli(["import", str(tmp_path / "graph.json"), str(run_dir / "scores.safetensors")]) == 0
+    _, cfg = compose(["stages=[data,pruning]", "model.precision=float32", "discovery.data_params.num_examples=4",
+                      "discovery.data_params.eval_examples=2", "discovery.data_params.seq_len=16",
+                      "pruning.target_sparsity=0.5", "pruning.graph=false"])
+    manifest = run_pipeline(cfg, run_dir)
+    pruned = load_circuit(run_dir / "circuit.pt")
+    top = circuit["head_scores"].abs().flatten().argsort(descending=True)[:4]
+    assert sorted(pruned["head_mask"].flatten().nonzero().flatten().tolist()) == sorted(top.tolist())
+    assert isinstance(manifest["stages"]["pruning"]["summary"]["faithfulness"], float)
