@@ -34,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from induction_rows import induction_rows
 from rich.console import Console
 from rich.table import Table
 
@@ -43,7 +44,6 @@ from circuitkit.models.loading import load_model
 from circuitkit.pipeline import run_pipeline
 from gradian.indexer import build_index
 from gradian.rank import rank
-from induction_rows import induction_rows
 
 
 def find_circuit(work: Path) -> Path:
