@@ -41,6 +41,9 @@ def inspect_index(index_dir: str) -> int:
         ("projection", f"{proj.get('kind')}, dim {proj.get('projection_dim')} per module, seed {proj.get('seed')}"),
         ("modules", f"{len(modules)}: {', '.join(modules[:4])}{' …' if len(modules) > 4 else ''}"),
         ("row width", f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
+        ("circuit", "none (unrestricted)" if not summary.get("circuit") else
+         f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
+         f" MLPs {summary['circuit']['mlps']}"),
         ("loss", f"{summary.get('loss_reduction')} over supervised tokens"),
         ("data", f"{summary.get('data_file')} (sha256 {str(summary.get('data_sha256'))[:12]}…)"),
         ("rows", f"{report.get('rows_read')} read, {report.get('kept')} kept, {report.get('truncated')} truncated,"

@@ -228,3 +228,18 @@ def test_grads_circuit_run_without_a_circuit_is_one_clear_error(tmp_path) -> Non
     _, cfg = compose(["stages=[grads]", "grads.circuit=run", "model.precision=float32"])
     with pytest.raises(PipelineError, match="run the pruning stage first"):
         run_pipeline(cfg, tmp_path / "run")
+
+
+def test_gradian_index_and_inspect_with_a_circuit(restricted_index, capsys) -> None:
+    from gradian.cli import main
+
+    root = restricted_index
+    data = root / "train.jsonl"
+    args = ["index", "model.precision=float32", "grads.projection_dim=16", f"grads.data_path={data}"]
+    assert main([*args, f"grads.index_dir={root / 'cli'}", f"grads.circuit={root / 'b.pt'}",
+                 "grads.circuit_mlps=none"]) == 0
+    out = capsys.readouterr().out
+    assert "heads [[0, 0], [1, 3]]" in out
+    assert IndexReader(root / "cli").manifest["circuit"]["sha256"] == circuit_sha256(root / "b.pt")
+    assert main([*args, f"grads.index_dir={root / 'cli-run'}", "grads.circuit=run"]) == 1
+    assert "grads.circuit=run means" in capsys.readouterr().err  # (rich wraps the line)
