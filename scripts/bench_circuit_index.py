@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--random", type=int, default=10, help="random head sets averaged")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=120)
     torch.manual_seed(0)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -67,7 +67,9 @@ def _weight_grad(lm, module, seq: torch.Tensor, sup_from: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fixture,kept", [("tiny-gpt2", [(0, 3), (1, 1), (1, 2)]),
-                                          ("tiny-llama", [(0, 1), (1, 0), (1, 3)])])  # tiny-llama: GQA 4q/2kv
+                                          ("tiny-llama", [(0, 1), (1, 0), (1, 3)]),  # GQA: 4 query / 2 KV heads
+                                          ("tiny-neox", [(0, 0), (1, 2)]),  # parallel residual
+                                          ("tiny-gemma3", [(0, 2), (1, 1)])])  # GQA, post-norms
 def test_per_head_rows_equal_autograd_slices(tmp_path, fixture: str, kept) -> None:
     lm = _load(fixture)
     path = tmp_path / "circuit.pt"
