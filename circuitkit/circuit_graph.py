@@ -112,8 +112,6 @@ def build_picture(circuit: dict[str, Any], top_edges: int = 40) -> CircuitPictur
         pic.note = "node-level scores: no edges (set discovery.level=edge to draw them)"
     shown = {"input", "logits"} | {n for n in kept_nodes if n.startswith("a")} \
         | {n for e in pic.edges for n in e[:2]}
-    if circuit.get("scope") == "edges":
-        shown |= {n for n in kept_nodes if n.startswith("m")}
     for name in shown:
         if name == "input":
             pic.nodes[name] = ((g.n_heads - 1) / 2, 0.0, float(circuit.get("embed_score", float("nan"))))
@@ -221,9 +219,9 @@ def to_dot(pic: CircuitPicture) -> str:
              ' fontsize=10]; labelloc=t;', f'  label="{pic.title}";']
     node_limit = max([abs(s) for _, _, s in pic.nodes.values() if math.isfinite(s)] + [1e-12])
     rows: dict[float, list[str]] = {}
-    for name, (_, row, score) in pic.nodes.items():
-        import matplotlib.colors as mcolors
+    import matplotlib.colors as mcolors
 
+    for name, (_, row, score) in pic.nodes.items():
         colour = _node_colour(score, node_limit)
         hex_colour = colour if isinstance(colour, str) else mcolors.to_hex(colour)
         lines.append(f'  "{name}" [fillcolor="{hex_colour}"];')

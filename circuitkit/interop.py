@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,12 @@ def _children(g: Graph) -> list[list[tuple[str, str]]]:
     return out + [[("logits", "")]]
 
 
+def _number(value: float) -> float | None:
+    """A score for JSON: NaN (unknown) becomes null, which JSON can hold."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
 def _edge_name(parent: str, child: str, letter: str) -> str:
     return f"{parent}->{child}" + (f"<{letter}>" if letter else "")
 
@@ -85,12 +92,12 @@ def to_eap_ig(graph: Graph, d_model: int, head_scores: torch.Tensor, mlp_scores:
     cfg = {"n_layers": graph.n_layers, "n_heads": graph.n_heads, "parallel_attn_mlp": graph.parallel_residual,
            "d_model": int(d_model), "n_key_value_heads": graph.n_kv_heads, **(extra_cfg or {})}
     nodes: dict[str, dict[str, Any]] = {"input": {"in_graph": bool(node_in_graph["input"]),
-                                                  "score": float(embed_score)}}
+                                                  "score": _number(embed_score)}}
     for layer in range(graph.n_layers):
         for h in range(graph.n_heads):
             name = f"a{layer}.h{h}"
-            nodes[name] = {"in_graph": bool(node_in_graph[name]), "score": float(head_scores[layer, h])}
-        nodes[f"m{layer}"] = {"in_graph": bool(node_in_graph[f"m{layer}"]), "score": float(mlp_scores[layer])}
+            nodes[name] = {"in_graph": bool(node_in_graph[name]), "score": _number(head_scores[layer, h])}
+        nodes[f"m{layer}"] = {"in_graph": bool(node_in_graph[f"m{layer}"]), "score": _number(mlp_scores[layer])}
     nodes["logits"] = {"in_graph": True}
     exists = graph.edge_mask()
     edges: dict[str, dict[str, Any]] = {}
@@ -278,9 +285,7 @@ def export_file(src: Path, out_path: Path, d_model: int | None = None) -> Path:
         from circuitkit.circuit import load_circuit
 
         obj = export_circuit(load_circuit(src), d_model)
-    # NaN is not JSON: a missing score is written as null.
-    text = json.dumps(obj, default=float, allow_nan=True).replace("NaN", "null")
-    return atomic_write_bytes(Path(out_path), text.encode())
+    return atomic_write_bytes(Path(out_path), json.dumps(obj, allow_nan=False).encode())
 
 
 def export_main(argv: list[str]) -> int:

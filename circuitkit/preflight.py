@@ -72,7 +72,7 @@ def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:
     if path is not None and Path(path).is_file():
         heads, mlps = kept_components(load_circuit(Path(path)))
     if cfg.grads.circuit_mlps == "none":
-        mlps = [False] * int(shape["n_layers"] if isinstance(shape, dict) else shape.n_layers)
+        mlps = [False] * int(shape["n_layers"])
     return circuit_module_shapes(shape, heads, mlps)
 
 
