@@ -117,10 +117,13 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
 
 
 def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console | None = None,
-                loaded=None) -> dict[str, Any]:
+                loaded=None, circuit_path: str | Path | None = None) -> dict[str, Any]:
     """Index `grads.data_path` into `index_dir` (this worker's shards); returns the index summary.
 
     `loaded`: an already loaded model (circuitkit.models.loading.LoadedModel), else loaded here.
+    `circuit_path`: the circuit.pt that `grads.circuit` names (the pipeline resolves 'run' to
+    its own circuit.pt); when given, only the circuit's kept heads and MLPs are indexed
+    (`gradian.restrict`) and the manifest records the circuit.
     """
     from circuitkit.models.loading import context_length, load_model, weights_hash
 
@@ -144,8 +147,23 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
                              context_length=context_length(model.config))
     if not rows:
         raise ValueError(f"{data_path}: no row has a supervised token left to index ({report.summary()}).")
-    modules = select_modules(model, adapter, grads.module_filter)
-    projector = Projector(module_shapes(modules), grads.projection, grads.projection_dim, grads.projection_seed)
+    circuit_path = circuit_path if circuit_path is not None else grads.circuit
+    if circuit_path == "run":
+        raise ValueError("grads.circuit=run means the circuit.pt of this pipeline run; outside the pipeline"
+                         " (gradian index) give the path of a circuit.pt.")
+    circuit = None
+    if circuit_path is not None:
+        from gradian.restrict import restricted_sites, site_shapes
+
+        if grads.module_filter:
+            log.warning("grads.module_filter=%s is not used: grads.circuit decides the indexed weights.",
+                        grads.module_filter)
+        modules, circuit = restricted_sites(model, adapter, circuit_path, grads.circuit_mlps, model_cfg.name)
+        shapes = site_shapes(modules)
+    else:
+        modules = select_modules(model, adapter, grads.module_filter)
+        shapes = module_shapes(modules)
+    projector = Projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed)
     header = {
         "model": model_cfg.name, "revision": model_cfg.revision, "precision": model_cfg.precision,
         "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
@@ -153,12 +171,12 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
         "loss_reduction": grads.loss_reduction, "data_file": str(data_path.resolve()),
         "data_sha256": sha256_file(data_path), "max_seq_length": max_tokens,
         "truncation_side": grads.truncation_side, "on_truncation": grads.on_truncation,
-        "data_report": report.summary(), "row_width": projector.total_width,
+        "data_report": report.summary(), "row_width": projector.total_width, "circuit": circuit,
         "projection_sha256": projection_fingerprint(projector),
     }
     estimate = estimate_grads(
         adapter.shape(), next(model.parameters()).element_size(), min(grads.batch_size, len(rows)),
-        max(len(r.input_ids) for r in rows), max(sum(r.supervised) for r in rows), module_shapes(modules),
+        max(len(r.input_ids) for r in rows), max(sum(r.supervised) for r in rows), shapes,
         grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize, len(rows))
     writer = IndexWriter(index_dir, header, len(rows), grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
