@@ -1,10 +1,11 @@
-# CircuitKit + Gradian. `make demo` sets up a venv and runs the pipeline on the built-in tiny
-# GPT-2; `make test` runs the test suite. VENV=... picks another virtual environment.
+# CircuitKit + Gradian. `make demo` sets up a venv and runs the pipeline on the trained induction
+# model (its circuit, drawn, and the grads stage restricted to it); `make test` runs the test suite.
+# VENV=... picks another virtual environment.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-slow lint bench peers bench-peers fixtures clean
+.PHONY: setup demo demo-gpt2 test test-slow lint bench peers bench-peers fixtures clean
 
 setup: $(VENV)/.installed
 
@@ -14,8 +15,18 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
+# The demo is the trained induction model (conf/demo.yaml): its circuit L0H2 -> L1H1, drawn in
+# outputs/demo/circuit_graph.png, and the training rows indexed through that circuit only.
 demo: setup
-	$(BIN)/python -m circuitkit.run hydra.run.dir=outputs/demo
+	$(BIN)/python -m circuitkit.run --config-name demo hydra.run.dir=outputs/demo
+	$(BIN)/circuitkit show outputs/demo/circuit.pt
+	@echo "circuit picture: outputs/demo/circuit_graph.png (and .svg)"
+	@echo "rank the training rows for copy queries, through the circuit:"
+	@echo "  $(BIN)/gradian rank --index outputs/demo/index --queries gradian/data/induction_queries.jsonl --circuit outputs/demo/circuit.pt"
+
+# The pipeline on the default config (the tiny random GPT-2), as CI smoke runs use it.
+demo-gpt2: setup
+	$(BIN)/python -m circuitkit.run hydra.run.dir=outputs/demo-gpt2
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -5,7 +5,12 @@
         head_scores (L, H), mlp_scores (L,), embed_score (), edge_scores (n_up, n_down) or None,
         mean_z (L, T, H * head_dim) (for mean ablation) or None, ablation, rank_by,
         target_sparsity, achieved_sparsity, n_heads_removed, metrics {full, empty, circuit,
-        faithfulness}, curve [rows], cpr, cmd, config (resolved), versions
+        faithfulness}, curve [rows], cpr, cmd, config (resolved), versions,
+        mlp_mask (L,) bool (True = kept; head scope keeps every MLP), prepend_bos (token policy),
+        edge_mask / upstream_nodes / downstream_nodes (edge scope)
+
+`kept_components(circuit)` is the one reading of "what the circuit keeps" (Gradian's
+circuit-restricted index uses it; it may import this module, nothing else of discovery).
 
 `apply_circuit(adapter, circuit)` ablates the removed heads of a freshly loaded model, so a
 circuit can be evaluated on any prompt.
@@ -90,6 +95,34 @@ def load_circuit(path: Path) -> dict[str, Any]:
     if not isinstance(circuit["head_mask"], torch.Tensor) or circuit["head_mask"].dim() != 2:
         raise CircuitFileError(f"{path} is not a CircuitKit circuit: head_mask is not a (layers, heads) tensor.")
     return circuit
+
+
+def circuit_sha256(path: Path) -> str:
+    """sha256 of a circuit.pt file's bytes: the identity a gradient index records."""
+    from circuitkit.io import sha256_file
+
+    return sha256_file(Path(path))
+
+
+def kept_components(circuit: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head_mask (L, H) bool, mlp_mask (L,) bool): the heads and MLPs the circuit keeps.
+
+    A head is kept when the pruning kept it (head scope) or when at least one of its outgoing
+    edges is kept (edge scope: its write reaches the circuit). MLPs: head-scope pruning never
+    removes an MLP, so a head-scope circuit keeps all of them (the circuit whose faithfulness
+    was measured ran with every MLP live); an edge-scope circuit keeps the MLPs with at least
+    one kept outgoing edge. Files written before mlp_mask existed are read the same way.
+    """
+    heads = circuit["head_mask"].bool()
+    if circuit.get("mlp_mask") is not None:
+        return heads, circuit["mlp_mask"].bool()
+    n_layers, n_heads = heads.shape
+    edge_mask = circuit.get("edge_mask")
+    if circuit.get("scope", "heads") == "edges" and edge_mask is not None:
+        # Upstream rows: input, then per layer n_heads heads and the MLP (circuitkit.attribution.graph).
+        rows = [1 + layer * (n_heads + 1) + n_heads for layer in range(n_layers)]
+        return heads, edge_mask.bool()[rows].any(dim=1)
+    return heads, torch.ones(n_layers, dtype=torch.bool)
 
 
 @contextmanager

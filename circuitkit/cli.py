@@ -2,7 +2,9 @@
 
     circuitkit run [overrides...]       same as `python -m circuitkit.run [overrides...]`
     circuitkit config [overrides...]    print the composed, validated config and exit
-    circuitkit show CIRCUIT.pt          summary table and kept heads of a saved circuit
+    circuitkit show CIRCUIT.pt [--graph FILE.png]   summary table and kept heads of a saved circuit
+    circuitkit export SRC OUT.json [--format eap-ig-json]     circuit.pt / scores.safetensors -> EAP-IG JSON
+    circuitkit import GRAPH.json OUT.pt|OUT.safetensors       EAP-IG JSON -> circuit.pt or scores
     circuitkit discover-smart --model M --algorithm A --task T [--check-memory] [overrides...]
                                         size the batch to the device (or only print the estimate)
 
@@ -41,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("discover-smart", help="pick the largest batch that fits, or --check-memory", add_help=False)
     show = sub.add_parser("show", help="summarize a circuit.pt")
     show.add_argument("path", help="circuit.pt written by the pruning stage")
+    show.add_argument("--graph", default=None, help="also draw the circuit as a layered graph to this .png/.svg")
+    show.add_argument("--top-edges", type=int, default=40, help="at most this many edges in --graph")
+    sub.add_parser("export", help="circuit.pt / scores.safetensors -> EAP-IG JSON graph", add_help=False)
+    sub.add_parser("import", help="EAP-IG JSON graph -> circuit.pt or scores.safetensors", add_help=False)
     return parser
 
 
@@ -73,11 +79,20 @@ def _main(argv: list[str]) -> int:
         from circuitkit.smart import main as smart_main
 
         return smart_main(rest)
+    if command in ("export", "import"):
+        from circuitkit import interop
+
+        return (interop.export_main if command == "export" else interop.import_main)(rest)
     if command == "show":
         from circuitkit.circuit import show_circuit
 
         args = parser.parse_args(argv)
         show_circuit(args.path)
+        if args.graph:
+            from circuitkit.circuit_graph import graph_file
+
+            written = graph_file(args.path, args.graph, args.top_edges)
+            Console(stderr=True).print(f"wrote {', '.join(map(str, written))}", markup=False)
         return 0
     parser.parse_args(argv)  # prints the usage error for unknown commands (exit 2)
     return 2

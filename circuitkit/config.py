@@ -80,6 +80,8 @@ class DataParams:
     eval_examples: int = _f(64, "held-out examples for faithfulness", ge=1)
     data_path: Optional[str] = _f(None, "file or directory for the mmlu and jsonl tasks")
     seq_len: int = _f(128, "sequence length of synthetic tasks (induction)", ge=8)
+    prepend_bos: bool = _f(True, "every prompt starts with the tokenizer's BOS token, added when the tokenizer"
+                           " does not add one (as TransformerLens and the EAP-IG reference do)")
 
 
 @dataclass
@@ -100,6 +102,10 @@ class PruningConfig:
     target_sparsity: float = _f(0.5, "fraction of heads (or edges) removed", ge=0.0, lt=1.0)
     rank_by: str = _f("abs", "order of removal: lowest |score| or lowest signed score", choices=("abs", "signed"))
     ablation: str = _f("mean", "value given to removed heads", choices=("mean", "zero", "corrupted"))
+    graph: bool = _f(True, "also draw the circuit as a layered graph (circuit_graph.png and .svg)")
+    graph_top_edges: int = _f(40, "at most this many edges in the circuit graph, strongest |score| first", ge=1)
+    graph_backend: str = _f("auto", "who draws the graph: Graphviz if `dot` is installed (auto), or matplotlib",
+                            choices=("auto", "matplotlib", "graphviz"))
 
 
 @dataclass
@@ -132,6 +138,10 @@ class GradsConfig:
     num_shards: int = _f(1, "workers splitting the data", ge=1)
     shard_index: int = _f(0, "this worker's share, 0 <= shard_index < num_shards", ge=0)
     index_dir: Optional[str] = _f(None, "where the index goes; null = <run dir>/index")
+    circuit: Optional[str] = _f(None, "restrict the index to a circuit's kept heads/MLPs: null = no,"
+                                " 'run' = this run's circuit.pt, or a path to a circuit.pt")
+    circuit_mlps: str = _f("kept", "with grads.circuit: index the kept MLPs' output projections too, or heads only",
+                           choices=("kept", "none"))
 
 
 @dataclass

@@ -466,3 +466,25 @@ def linear_module_shapes(shape: dict[str, Any], patterns: list[str] | None = Non
             if not patterns or any(module_pattern_matches(name, p) for p in patterns):
                 out[name] = dims(s)
     return out
+
+
+def circuit_module_shapes(shape: dict[str, Any], head_mask: Any | None = None,
+                          mlp_mask: Any | None = None) -> dict[str, tuple[int, int]]:
+    """Sites of a circuit-restricted index (`gradian.restrict`) as name -> (d_out, d_in), from the
+    shape alone: per kept head its (d_model, head_dim) block of the attention output projection,
+    per kept MLP its output projection. head_mask (L, H) / mlp_mask (L,) None = all kept (the
+    upper bound used before the pruning stage has written the circuit)."""
+    s = _shape_dict(shape)
+    prefix, layout = _LINEAR_LAYOUT[s["family"]]
+    # The attention output projection is the 2nd attention linear of every layout; the MLP
+    # output projection is the last linear.
+    o_suffix = {"gpt2": "attn.c_proj", "gpt_neox": "attention.dense"}.get(s["family"], "self_attn.o_proj")
+    mlp_out = layout[-1]
+    out: dict[str, tuple[int, int]] = {}
+    for layer in range(s["n_layers"]):
+        for h in range(s["n_heads"]):
+            if head_mask is None or bool(head_mask[layer][h]):
+                out[f"{prefix.format(l=layer)}{o_suffix}:head{h}"] = (s["d_model"], s["head_dim"])
+        if mlp_mask is None or bool(mlp_mask[layer]):
+            out[prefix.format(l=layer) + mlp_out[0]] = mlp_out[1](s)
+    return out

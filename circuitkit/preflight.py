@@ -21,6 +21,7 @@ from circuitkit.config import AppConfig
 from circuitkit.device import free_memory_bytes, get_device
 from circuitkit.memory import (
     MemoryEstimate,
+    circuit_module_shapes,
     estimate_attribution,
     estimate_grads,
     linear_module_shapes,
@@ -56,13 +57,27 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     g = cfg.grads
     shape = shape_for(cfg.model)
     seq = seq_len or g.max_seq_length
-    modules = linear_module_shapes(shape, g.module_filter)
+    modules = linear_module_shapes(shape, g.module_filter) if g.circuit is None else _circuit_shapes(cfg, shape)
     rows = batch_size or g.batch_size
     if g.batch_tokens is not None:
         rows = max(1, min(rows, g.batch_tokens // seq))
     return estimate_grads(shape, torch.finfo(DTYPES[cfg.model.precision]).bits // 8, rows, seq,
                           supervised or seq, modules, g.projection, g.projection_dim,
                           torch.finfo(DTYPES[g.storage_dtype]).bits // 8, n_rows)
+
+
+def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:
+    """Sites of a grads.circuit-restricted index: from the circuit file when it exists already,
+    else (grads.circuit=run before pruning has run) every head and MLP, an upper bound."""
+    from circuitkit.circuit import kept_components, load_circuit
+
+    path = cfg.grads.circuit if cfg.grads.circuit != "run" else cfg.output_path
+    heads = mlps = None
+    if path is not None and Path(path).is_file():
+        heads, mlps = kept_components(load_circuit(Path(path)))
+    if cfg.grads.circuit_mlps == "none":
+        mlps = [False] * int(shape["n_layers"])
+    return circuit_module_shapes(shape, heads, mlps)
 
 
 def _largest(fits, limit: int = 1024) -> int:

@@ -106,7 +106,8 @@ def _attribution(ctx: RunContext) -> StageResult:
     data = pairs[:n_attr]
     scores = run_attribution(loaded.adapter, data, d)
     ctx.state["scores"] = scores
-    path = save_scores(ctx.run_dir / SCORES_FILE, scores, {"model": ctx.cfg.model.name, "task": d.task})
+    path = save_scores(ctx.run_dir / SCORES_FILE, scores, {"model": ctx.cfg.model.name, "task": d.task,
+                                                            "prepend_bos": str(d.data_params.prepend_bos).lower()})
     steps = "" if d.algorithm != "eap-ig" else f", ig_steps={scores.info['ig_steps']}"
     plot = head_heatmap(scores.head, ctx.run_dir / HEATMAP_FILE,
                         f"{d.algorithm} head scores ({d.task}, {d.metric}{steps})")
@@ -220,6 +221,15 @@ def _pruning(ctx: RunContext) -> StageResult:
                                f"kept heads (outlined), {p.scope} sparsity {achieved:.2f}", head_mask)
     metrics = {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f}
     out_path = Path(ctx.cfg.output_path) if ctx.cfg.output_path else ctx.run_dir / "circuit.pt"
+    g = scores.graph
+    circuit["graph"] = {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
+                        "parallel_residual": g.parallel_residual}
+    if p.scope == "heads":
+        circuit["mlp_mask"] = torch.ones(g.n_layers, dtype=torch.bool)  # head pruning never removes an MLP
+    else:
+        circuit["mlp_mask"] = kept[[g.mlp_index(layer) for layer in range(g.n_layers)]].any(dim=1)
+    circuit["prepend_bos"] = d.data_params.prepend_bos
+    circuit["d_model"] = adapter.d_model  # for exports whose format states it (EAP-IG's cfg)
     save_circuit(out_path, {
         **circuit, "model_name": ctx.cfg.model.name, "model_revision": ctx.cfg.model.revision, "scope": p.scope,
         "head_mask": head_mask, "head_scores": scores.head, "mlp_scores": scores.mlp,
@@ -236,10 +246,33 @@ def _pruning(ctx: RunContext) -> StageResult:
     table.add_row(f"{p.target_sparsity:.3f}", f"{achieved:.3f}", f"{m_full:.4g}", f"{m_empty:.4g}",
                   f"{m_circuit:.4g}", f"{f:.3f}", f"{cpr:.3f}", f"{cmd:.3f}")
     ctx.console.print(table)
-    return StageResult([out_path, *curve_files, circuit_png], {
+    graph_files = []
+    if p.graph:
+        from circuitkit.circuit import load_circuit
+        from circuitkit.circuit_graph import write_circuit_graph
+
+        graph_files = write_circuit_graph(load_circuit(out_path), ctx.run_dir / "circuit_graph.png",
+                                          p.graph_top_edges, p.graph_backend)
+    return StageResult([out_path, *curve_files, circuit_png, *graph_files], {
         "faithfulness": f, "achieved_sparsity": achieved, "scope": p.scope,
         "heads_kept": int(head_mask.sum()), f"{unit}_kept": int(kept.sum()), "metric_full": m_full,
         "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path)})
+
+
+def circuit_for_grads(ctx: RunContext) -> Path | None:
+    """The circuit.pt `grads.circuit` names: 'run' is the file this run's pruning stage writes
+    (read from disk, so a pruning stage skipped on rerun is not recomputed), else the path."""
+    circuit = ctx.cfg.grads.circuit
+    if circuit is None:
+        return None
+    if circuit != "run":
+        return Path(circuit)
+    path = Path(ctx.cfg.output_path) if ctx.cfg.output_path else ctx.run_dir / "circuit.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"grads.circuit=run reads the circuit.pt of this run ({path}), which does not exist:"
+                                " run the pruning stage first (stages=[...,pruning,grads]) or give grads.circuit"
+                                " the path of a circuit.pt.")
+    return path
 
 
 def _grads(ctx: RunContext) -> StageResult:
@@ -252,19 +285,26 @@ def _grads(ctx: RunContext) -> StageResult:
 
     index_dir = Path(g.index_dir) if g.index_dir else ctx.run_dir / "index"
     if not g.index_dir and ctx.changed_inputs and index_dir.is_dir():
-        # The run's own index was made from inputs that changed since (data file, model): it is
-        # stale, not resumable. A user-chosen index_dir is never deleted (Gradian refuses it).
+        # The run's own index was made from inputs that changed since (data file, model, circuit):
+        # it is stale, not resumable. A user-chosen index_dir is never deleted (Gradian refuses it).
         import shutil
 
-        ctx.console.print(f"grads: {', '.join(ctx.changed_inputs[:3])} changed; rebuilding {index_dir}")
+        ctx.console.print(f"grads: {', '.join(ctx.changed_inputs[:3])} changed; rebuilding {index_dir}",
+                          markup=False)
         shutil.rmtree(index_dir)
-    summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model())
+    circuit_path = circuit_for_grads(ctx)
+    summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model(), circuit_path=circuit_path)
     files = [index_dir / "manifest.json", *(index_dir / name for name in summary.get("shard_files", []))]
     ctx.console.print(f"index {index_dir}: {summary['rows_stored']} of {summary['n_rows']} rows,"
                       f" {summary['bytes'] / 2**20:.2f} MiB")
+    restricted = summary.get("circuit")
+    if restricted:
+        ctx.console.print(f"restricted to circuit {circuit_path} (sha256 {restricted['sha256'][:12]}…):"
+                          f" {len(restricted['heads'])} heads, {len(restricted['mlps'])} MLPs")
     return StageResult(files, {"index_dir": str(index_dir), "rows_stored": summary["rows_stored"],
                                "row_width": summary["row_width"], "index_bytes": summary["bytes"],
-                               "complete": summary["complete"], "padding_share": summary.get("padding_share")},
+                               "complete": summary["complete"], "padding_share": summary.get("padding_share"),
+                               "circuit_sha256": restricted["sha256"] if restricted else None},
                        estimated_peak_bytes=summary["estimated_peak_bytes"])
 
 
@@ -317,8 +357,14 @@ def _grads_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     data = grads_data_file(cfg)
     if not data.exists() and cfg.grads.data_format in ("hf", "auto"):
         # A hub dataset name: no local file to hash; the name and split are what identify it here.
-        return {**model_inputs(cfg), "grads.data_path": f"hf:{cfg.grads.data_path}:{cfg.grads.data_split}"}
-    return {**model_inputs(cfg), "grads.data_path": data}
+        inputs: dict[str, Path | str] = {**model_inputs(cfg),
+                                         "grads.data_path": f"hf:{cfg.grads.data_path}:{cfg.grads.data_split}"}
+    else:
+        inputs = {**model_inputs(cfg), "grads.data_path": data}
+    if cfg.grads.circuit is not None:  # the circuit decides which parameters are indexed
+        run_circuit = Path(cfg.output_path) if cfg.output_path else run_dir / "circuit.pt"
+        inputs["grads.circuit"] = run_circuit if cfg.grads.circuit == "run" else Path(cfg.grads.circuit)
+    return inputs
 
 
 # --------------------------------------------------------------------------- pre-run checks

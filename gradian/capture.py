@@ -79,13 +79,15 @@ def _output_tensor(output):
     raise TypeError(f"a selected linear module returned {type(output).__name__}, expected a tensor.")
 
 
-def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple[str, nn.Module]],
+def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
                           projector: Projector, batch: Mapping[str, torch.Tensor],
                           loss_reduction: str = "sum") -> PerExampleGradients:
     """Projected per-example gradients of `modules` for one batch, from one forward+backward.
 
     batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
     (B, T) bool (target t predicted from position t - 1). Every example needs >= 1 target.
+    modules: (name, module) pairs, or (name, module, input columns) sites (`gradian.restrict`:
+    a head's d_head columns of the attention output projection), in row order.
     Returns name -> (B, projector.width(name)) float32 (a `PerExampleGradients`, with
     ``.losses`` (B,) and ``.n_supervised`` (B,)).
 
@@ -98,7 +100,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple[str
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if trainable:
         raise ValueError(f"parameters must be frozen (requires_grad_(False)); trainable: {trainable[:3]}.")
-    missing = [n for n, _ in modules if n not in projector.shapes]
+    missing = [m[0] for m in modules if m[0] not in projector.shapes]
     if missing:
         raise ValueError(f"the projector has no shape for modules {missing[:3]}.")
 
@@ -117,20 +119,30 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple[str
                          " would be zero; drop them before indexing.")
     keep = attention_mask.bool()[..., None]  # (B, T, 1)
 
+    # A site is (name, module) or (name, module, input columns): several sites can share one
+    # module (the kept heads of one o_proj, `gradian.restrict`); one hook per module serves them.
+    sites = [tuple(m) if len(m) == 3 else (m[0], m[1], None) for m in modules]
+    by_module: dict[int, tuple[nn.Module, list[tuple[str, slice | None]]]] = {}
+    for name, module, columns in sites:
+        by_module.setdefault(id(module), (module, []))[1].append((name, columns))
+
     x_proj: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}
     handles = []
 
-    def make_hooks(name: str):
+    def make_hooks(group: list[tuple[str, slice | None]]):
         def forward_hook(module: nn.Module, args: tuple, output):
-            if name in x_proj or name in rows:
-                raise RuntimeError(f"module {name} ran twice in one forward; cannot attribute its gradient.")
+            for name, _ in group:
+                if name in x_proj or name in rows:
+                    raise RuntimeError(f"module {name} ran twice in one forward; cannot attribute its gradient.")
             x = args[0].detach()
             if x.dim() != 3 or x.shape[:2] != input_ids.shape:
-                raise RuntimeError(f"module {name} input is {tuple(x.shape)}, expected (B, T, d_in).")
+                raise RuntimeError(f"module {group[0][0]} input is {tuple(x.shape)}, expected (B, T, d_in).")
             # Zero padded positions: their δ is zero anyway (right padding, causal attention), but a
             # non-finite activation there would turn 0 * x into NaN.
-            x_proj[name] = projector.project_input(name, torch.where(keep, x, torch.zeros_like(x)))
+            x = torch.where(keep, x, torch.zeros_like(x))
+            for name, columns in group:
+                x_proj[name] = projector.project_input(name, x if columns is None else x[..., columns])
             out = _output_tensor(output)
             if not out.requires_grad:
                 # Frozen weights and an input that needs no gradient (the earliest selected
@@ -141,14 +153,15 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple[str
 
             def grad_hook(delta: torch.Tensor) -> None:
                 delta = torch.where(keep, delta, torch.zeros_like(delta))
-                rows[name] = projector.combine(name, x_proj.pop(name), projector.project_output(name, delta))
+                for name, _ in group:
+                    rows[name] = projector.combine(name, x_proj.pop(name), projector.project_output(name, delta))
 
             out.register_hook(grad_hook)
             return out
         return forward_hook
 
-    for name, module in modules:
-        handles.append(module.register_forward_hook(make_hooks(name)))
+    for module, group in by_module.values():
+        handles.append(module.register_forward_hook(make_hooks(group)))
     try:
         with torch.enable_grad():
             hidden = adapter._base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -165,10 +178,10 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple[str
         for h in handles:
             h.remove()
         x_proj.clear()
-    absent = [n for n, _ in modules if n not in rows]
+    absent = [n for n, _, _ in sites if n not in rows]
     if absent:
         raise RuntimeError(f"no gradient reached modules {absent[:3]}: they do not feed the supervised logits.")
-    out = PerExampleGradients((n, rows[n]) for n, _ in modules)
+    out = PerExampleGradients((n, rows[n]) for n, _, _ in sites)
     out.losses = losses.detach()
     out.n_supervised = n_sup
     return out

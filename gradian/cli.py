@@ -69,6 +69,9 @@ def inspect_index(index_dir: str, verify: bool = False) -> int:
                        f", matrices sha256 {str(summary.get('projection_sha256'))[:12]}…"),
         ("modules", f"{len(modules)}: {', '.join(modules[:4])}{' …' if len(modules) > 4 else ''}"),
         ("row width", f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
+        ("circuit", "none (unrestricted)" if not summary.get("circuit") else
+         f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
+         f" MLPs {summary['circuit']['mlps']}"),
         ("loss", f"{summary.get('loss_reduction')} over supervised tokens"),
         ("data", f"{summary.get('data_file')} (sha256 {str(summary.get('data_sha256'))[:12]}…)"),
         ("rows", f"{report.get('rows_read')} read, {report.get('kept')} kept, {report.get('truncated')} truncated,"
@@ -168,7 +171,7 @@ def rank_command(args: argparse.Namespace) -> int:
 
     try:
         results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
-                       out_path=args.out, verify=not args.no_verify)
+                       out_path=args.out, verify=not args.no_verify, circuit=args.circuit)
     except UserError:
         raise
     except (ValueError, FileNotFoundError) as err:  # IndexMismatchError, DataError: the input is wrong
@@ -211,6 +214,8 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--no-verify", action="store_true",
                       help="skip checking each shard's sha256 against the manifest while streaming (faster on"
                            " a slow disk; see docs/benchmarks.md for the cost)")
+    rank.add_argument("--circuit", default=None,
+                      help="circuit.pt the queries are for; refused unless the index was built with it")
     sub.add_parser("doctor", help="versions, devices, backends and self-tests as Markdown ([--json])",
                    add_help=False)
     return parser

@@ -171,13 +171,16 @@ class _Throughput:
 
 
 def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console | None = None,
-                loaded=None) -> dict[str, Any]:
+                loaded=None, circuit_path: str | Path | None = None) -> dict[str, Any]:
     """Index `grads.data_path` into `index_dir` (this worker's shards); returns the index summary.
 
     Rows are read from the source a record at a time and kept tokenized on disk
     (`TokenizedCorpus`); each shard's rows are batched by length under the token budget
     (`plan_batches`) and stored in row order. `loaded`: an already loaded model
     (circuitkit.models.loading.LoadedModel), else loaded here.
+    `circuit_path`: the circuit.pt that `grads.circuit` names (the pipeline resolves 'run' to
+    its own circuit.pt); when given, only the circuit's kept heads and MLPs are indexed
+    (`gradian.restrict`) and the manifest records the circuit.
     """
     console = console or Console(stderr=True)
     if grads.data_path is None:
@@ -200,17 +203,32 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
                                       grads.truncation_side, context_length=context_length(loaded.model.config),
                                       progress=lambda n: status.update(f"tokenizing {source.name}: {n} rows read"))
     with corpus:
-        return _index_corpus(model_cfg, grads, Path(index_dir), console, loaded, source, corpus)
+        return _index_corpus(model_cfg, grads, Path(index_dir), console, loaded, source, corpus, circuit_path)
 
 
 def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console, loaded,
-                  source: Source, corpus: TokenizedCorpus) -> dict[str, Any]:
+                  source: Source, corpus: TokenizedCorpus, circuit_path: str | Path | None) -> dict[str, Any]:
     model, tokenizer, adapter = loaded.model, loaded.tokenizer, loaded.adapter
     report = corpus.report
     if corpus.n_rows == 0:
         raise ValueError(f"{source.name}: no row has a supervised token left to index ({report.summary()}).")
-    modules = select_modules(model, adapter, grads.module_filter)
-    projector = Projector(module_shapes(modules), grads.projection, grads.projection_dim, grads.projection_seed)
+    circuit_path = circuit_path if circuit_path is not None else grads.circuit
+    if circuit_path == "run":
+        raise ValueError("grads.circuit=run means the circuit.pt of this pipeline run; outside the pipeline"
+                         " (gradian index) give the path of a circuit.pt.")
+    circuit = None
+    if circuit_path is not None:
+        from gradian.restrict import restricted_sites, site_shapes
+
+        if grads.module_filter:
+            log.warning("grads.module_filter=%s is not used: grads.circuit decides the indexed weights.",
+                        grads.module_filter)
+        modules, circuit = restricted_sites(model, adapter, circuit_path, grads.circuit_mlps, model_cfg.name)
+        shapes = site_shapes(modules)
+    else:
+        modules = select_modules(model, adapter, grads.module_filter)
+        shapes = module_shapes(modules)
+    projector = Projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed)
     local = Path(source.name)
     data_file = str(local.resolve()) if local.exists() else source.name
     header = {
@@ -222,6 +240,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         "data_sha256": source.fingerprint(),
         "max_seq_length": report.max_seq_length, "truncation_side": grads.truncation_side,
         "on_truncation": grads.on_truncation, "data_report": report.summary(), "row_width": projector.total_width,
+        "circuit": circuit,
         "projection_sha256": projection_fingerprint(projector),
     }
     lengths = corpus.lengths
@@ -231,7 +250,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
     estimate = estimate_grads(
         adapter.shape(), next(model.parameters()).element_size(), worst_rows, longest, longest,
-        module_shapes(modules), grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize,
+        shapes, grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize,
         corpus.n_rows)
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()

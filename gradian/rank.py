@@ -27,7 +27,8 @@ from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
-from gradian.projection import Projector, module_shapes, projection_fingerprint
+from gradian.projection import Projector, projection_fingerprint
+from gradian.restrict import site_shapes, sites_from_names
 from gradian.sources import DataError, Source, SourceSpec
 
 log = logging.getLogger(__name__)
@@ -143,17 +144,17 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
         raise IndexMismatchError(f"the index manifest has no projection description (got {proj!r}); it cannot"
                                  " be ranked against.")
     names = list(proj["modules"])
-    present = dict(loaded.model.named_modules())
-    missing = [n for n in names if n not in present]
     projector = None
-    if missing:
-        problems.append(f"projection.modules: the loaded model has no module {', '.join(missing[:5])}")
+    try:  # names are modules, or "module:head{h}" sites of a circuit-restricted index
+        sites = sites_from_names(loaded.model, loaded.adapter, names)
+    except ValueError as err:
+        problems.append(f"projection.modules: {err}")
     else:
         dim = proj.get("projection_dim")
         # "raw" (projection_dim null) is what Projector reports for any kind without a dim.
         kind = "kronecker" if proj.get("kind") == "raw" else proj.get("kind")
         try:
-            projector = Projector(module_shapes([(n, present[n]) for n in names]), kind, dim, proj.get("seed", 0))
+            projector = Projector(site_shapes(sites), kind, dim, proj.get("seed", 0))
         except ValueError as err:
             problems.append(f"projection: {err}")
         else:
@@ -190,6 +191,26 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
     return projector
 
 
+def check_circuit(manifest: dict[str, Any], circuit: str | Path | None) -> None:
+    """Refuse queries restricted to another circuit than the index's (or to one, against an
+    unrestricted index); IndexMismatchError says which circuit each side has."""
+    if circuit is None:
+        return
+    from circuitkit.circuit import circuit_sha256
+
+    if not Path(circuit).is_file():
+        raise FileNotFoundError(f"circuit {str(circuit)!r} does not exist.")
+    ours, theirs = circuit_sha256(circuit), (manifest.get("circuit") or {}).get("sha256")
+    if theirs is None:
+        raise IndexMismatchError(f"the queries are restricted to circuit {circuit} (sha256 {ours[:12]}…) but the"
+                                 " index is unrestricted (built with grads.circuit=null): rank without --circuit,"
+                                 " or build the index with grads.circuit set to this file.")
+    if ours != theirs:
+        raise IndexMismatchError(f"the queries are restricted to circuit {circuit} (sha256 {ours[:12]}…) but the"
+                                 f" index was built for another circuit (sha256 {theirs[:12]}…, heads"
+                                 f" {manifest['circuit'].get('heads')}): rank with that circuit, or rebuild the index.")
+
+
 # ----------------------------------------------------------------------------- queries
 
 
@@ -213,7 +234,7 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     if not rows:
         raise ValueError(f"{queries_path}: no query row has a supervised token ({report.summary()}).")
     model, tokenizer = loaded.model, loaded.tokenizer
-    modules = [(n, model.get_submodule(n)) for n in projector.names]
+    modules = sites_from_names(model, loaded.adapter, projector.names)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     lengths = [len(r.input_ids) for r in rows]
     out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
@@ -342,7 +363,8 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
 
 def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "cosine",
          aggregate: str = "mean", out_path: str | Path | None = None,
-         model_cfg: ModelConfig | None = None, loaded=None, verify: bool = True) -> list[dict[str, Any]]:
+         model_cfg: ModelConfig | None = None, loaded=None, verify: bool = True,
+         circuit: str | Path | None = None) -> list[dict[str, Any]]:
     """Rank the index's training rows against the rows of `queries_path` (JSONL).
 
     Loads the model the manifest names (or `model_cfg`; or an already loaded `loaded`), refuses
@@ -353,6 +375,10 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     `verify`: check every shard's sha256 as it is streamed (default; IndexIntegrityError on a
     mismatch). Everything that can fail without computing (arguments, the queries file, the
     manifest, where `out_path` goes) is checked before the model is loaded.
+
+    `circuit`: the circuit.pt the queries are meant for. It must be the one a restricted index
+    was built with (same sha256); against an unrestricted index it is refused. Without it,
+    a restricted index's queries use the heads and MLPs its manifest records.
     """
     from circuitkit.models.loading import load_model
     from gradian.indexer import check_input_file
@@ -368,6 +394,7 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     if not isinstance(manifest.get("model"), str):
         raise IndexIntegrityError(f"{Path(index_dir) / 'manifest.json'} names no model (model:"
                                   f" {manifest.get('model')!r}); rebuild the index with `gradian index`.")
+    check_circuit(manifest, circuit)
     if loaded is None:
         model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
                                              precision=manifest.get("precision", "bfloat16"))

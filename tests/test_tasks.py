@@ -404,7 +404,9 @@ GOOD = row(IOI_CLEAN, IOI_CORRUPTED, " Mary", " John")  # single tokens for the 
 def test_jsonl_sample(tok):
     """The shipped JSONL sample builds and its answers decode to the file's strings."""
     rows = [json.loads(line) for line in SAMPLE_FILES["jsonl"].read_text().splitlines() if line.strip()]
-    d = build_task("jsonl", tok, None, DataParams(data_path=str(SAMPLE_FILES["jsonl"])), len(rows), 0)
+    # The tokenizer's own policy (GPT-2: no BOS), so each row decodes to the file's text.
+    d = build_task("jsonl", tok, None, DataParams(data_path=str(SAMPLE_FILES["jsonl"]), prepend_bos=False),
+                   len(rows), 0)
     check_layout(d, len(rows))
     by_clean = {r["clean"]: r for r in rows}
     for i in range(len(d)):

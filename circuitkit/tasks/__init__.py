@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 from circuitkit.config import DataParams
 from circuitkit.tasks.base import TaskData, TaskError
 
-__all__ = ["TaskData", "TaskError", "build_task", "BUILT_TASKS", "SAMPLE_FILES"]
+__all__ = ["TaskData", "TaskError", "apply_bos_policy", "build_task", "BUILT_TASKS", "SAMPLE_FILES"]
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +40,51 @@ def data_path_for(task: str, data_path: str | None) -> Path:
     return Path(data_path)
 
 
+def apply_bos_policy(data: TaskData, tokenizer, prepend_bos: bool) -> TaskData:
+    """`discovery.data_params.prepend_bos`: every prompt starts with BOS (True) or never does (False).
+
+    Tasks encode prompts as the tokenizer does (Llama/Gemma add BOS, GPT-2/NeoX do not); this
+    puts one BOS column in front of rows that lack it, or removes a leading BOS column, and
+    shifts the answer positions. Rows are right-padded, so every prompt starts in column 0.
+    A tokenizer without a BOS token is left as it is.
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if not isinstance(bos, int) or len(data) == 0:
+        return data
+    starts = (data.clean_ids[:, 0] == bos) & (data.corrupted_ids[:, 0] == bos)
+    if prepend_bos and not bool(starts.all()):
+        if bool(starts.any()):
+            raise TaskError("some prompts of the task start with BOS and some do not; cannot apply"
+                            " discovery.data_params.prepend_bos=true uniformly.")
+        col = torch.full((len(data), 1), bos, dtype=data.clean_ids.dtype)
+        ones = torch.ones((len(data), 1), dtype=data.attention_mask.dtype)
+        return TaskData(torch.cat([col, data.clean_ids], 1), torch.cat([col, data.corrupted_ids], 1),
+                        torch.cat([ones, data.attention_mask], 1), data.answer_pos + 1, data.correct, data.incorrect)
+    if not prepend_bos and bool(starts.all()):
+        if bool((data.answer_pos < 1).any()):
+            raise TaskError("a prompt is only its BOS token; discovery.data_params.prepend_bos=false would empty it.")
+        return TaskData(data.clean_ids[:, 1:], data.corrupted_ids[:, 1:], data.attention_mask[:, 1:],
+                        data.answer_pos - 1, data.correct, data.incorrect)
+    return data
+
+
 def build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: int, seed: int,
                max_tokens: int | None = None) -> TaskData:
-    """`n` examples of `task` for this tokenizer (model_dir lets fixtures name their symbols).
+    """`n` examples of `task` for this tokenizer (model_dir lets fixtures name their symbols),
+    with the BOS policy `dp.prepend_bos` applied (`apply_bos_policy`).
 
     max_tokens: the model's context; a prompt longer than it raises TaskError naming the row.
 
     Returns TaskData with (N, T) clean/corrupted ids and mask, (N,) answer positions and -1 padded
     answer ids; N == n except for file tasks whose file has fewer rows (then all rows, warned).
     """
+    # A BOS the policy may add takes one position of the context: prompts get one token less.
+    room = None if max_tokens is None else max_tokens - (1 if dp.prepend_bos else 0)
+    return apply_bos_policy(_build_task(task, tokenizer, model_dir, dp, n, seed, room), tokenizer, dp.prepend_bos)
+
+
+def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: int, seed: int,
+                max_tokens: int | None) -> TaskData:
     if task not in SAMPLE_FILES and task in BUILT_TASKS and dp.data_path is not None:
         log.warning("discovery.data_params.data_path=%r is not used: the %s task generates its examples"
                     " (data_path is read by the mmlu and jsonl tasks only).", dp.data_path, task)
