@@ -129,17 +129,6 @@ def _canonical(record: dict[str, Any], spec: SourceSpec, where: str) -> Any:
                       " grads.completion_column or grads.messages_column to your column names.")
 
 
-def _first_non_utf8_line(path: Path) -> int:
-    """1-based number of the first line that is not valid UTF-8 (0 if none is found)."""
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return lineno
-    return 0
-
-
 class Source:
     """A readable data source (see the module docstring)."""
 
@@ -172,12 +161,8 @@ class Source:
             yield position, where, _canonical(record, self.spec, where)
 
     def _jsonl(self) -> Iterator[tuple[int, str, Any]]:
-        path = Path(self.spec.path)
-        try:
-            yield from jsonl_objects(path, EXPECTED, DataError)
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}:{_first_non_utf8_line(path)}: not UTF-8 text ({err.reason}, byte"
-                            f" {err.object[err.start:err.start + 1]!r}); save the file as UTF-8.") from None
+        # jsonl_objects names a line that is not valid JSON or not UTF-8 as file:line.
+        yield from jsonl_objects(Path(self.spec.path), EXPECTED, DataError)
 
     def _columns(self, names: list[str]) -> list[str]:
         wanted = [c for c in (self.spec.prompt_column, self.spec.completion_column, self.spec.messages_column)
