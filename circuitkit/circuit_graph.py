@@ -271,7 +271,9 @@ def write_circuit_graph(circuit: dict[str, Any], path: Path, top_edges: int = 40
 def graph_file(circuit_path: Path, out: Path, top_edges: int = 40, backend: str = "auto") -> list[Path]:
     """`circuitkit show CIRCUIT --graph OUT`: draw a saved circuit to OUT (.png or .svg only)."""
     from circuitkit.circuit import load_circuit
+    from circuitkit.errors import UserError
 
     if Path(out).suffix.lower() not in (".png", ".svg"):
-        raise ValueError(f"--graph {out}: the picture is written as .png or .svg; name the file accordingly.")
+        raise UserError(f"--graph {out}: the picture is written as .png or .svg; name the file accordingly.",
+                        exit_code=2)
     return write_circuit_graph(load_circuit(Path(circuit_path)), Path(out), top_edges, backend, svg=False)

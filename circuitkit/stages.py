@@ -424,6 +424,8 @@ def _check_grads(cfg: AppConfig) -> None:
     if not cfg.grads.enabled:
         return
     _check_model(cfg)
+    if cfg.grads.index_dir:  # a write probe: permission bits say nothing to root on a read-only mount
+        check_writable(Path(cfg.grads.index_dir), "grads.index_dir", directory=True)
     check_grads_config(cfg.model, cfg.grads, cfg.grads.index_dir)
 
 

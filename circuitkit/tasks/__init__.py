@@ -78,9 +78,14 @@ def build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: i
     Returns TaskData with (N, T) clean/corrupted ids and mask, (N,) answer positions and -1 padded
     answer ids; N == n except for file tasks whose file has fewer rows (then all rows, warned).
     """
-    # A BOS the policy may add takes one position of the context: prompts get one token less.
-    room = None if max_tokens is None else max_tokens - (1 if dp.prepend_bos else 0)
-    return apply_bos_policy(_build_task(task, tokenizer, model_dir, dp, n, seed, room), tokenizer, dp.prepend_bos)
+    data = apply_bos_policy(_build_task(task, tokenizer, model_dir, dp, n, seed, max_tokens), tokenizer,
+                            dp.prepend_bos)
+    if max_tokens is not None and data.clean_ids.shape[1] > max_tokens:
+        # Only a BOS the policy added can take a prompt past the context the task builder checked.
+        raise TaskError(f"with discovery.data_params.prepend_bos=true the longest prompt is {data.clean_ids.shape[1]}"
+                        f" tokens (BOS included), beyond the model's context of {max_tokens} tokens; shorten it by"
+                        " one token or set discovery.data_params.prepend_bos=false.")
+    return data
 
 
 def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: int, seed: int,
