@@ -13,7 +13,8 @@ Llama-shaped model with random weights on IOI pairs):
   reference), and bfloat16 against float32 at equal settings (the guide's "< 0.1% score diff").
 * cost: wall time over the examples and the peak memory of one batch (CPU: the live-tensor
   tracker of circuitkit.device, weights included) for node / edge level, float32 / bfloat16,
-  batch_size 1 / 4 / 16, at ig_steps 5 (the config default; --cost-steps for more).
+  batch_size 1 / 4 / 16, at ig_steps 2 (--cost-steps for more; time per pass is linear and
+  measured in the quality sweep, the peak does not change from 2 points on).
 
 Everything for one model runs in one process, back to back; timings depend on the machine and
 its load, ratios much less. `--write-data` stores the quality table as
@@ -167,14 +168,17 @@ def quality_sweep(bench: Bench, args: argparse.Namespace, console: Console) -> d
     console.print(f"[{bench.name}] reference gauss_legendre m={args.ref_steps}: {ref_s:.1f} s;"
                   f" midpoint m={args.ref_steps} differs by {ref_uncertainty:.2e} (node rel. L2)")
     rows = []
+    fp32_by_setting = {}
     for steps in RIGHT_STEPS:
         s, wall = timed_attribute(bench.model, data, "right", steps, "edge", batch)
+        fp32_by_setting[("right", steps)] = s
         rows.append({"rule": "right", "steps": steps, "precision": "float32", "wall_s": wall, **errors(s, ref)})
     target = next(r for r in rows if r["steps"] == 30)
     for rule in IG_RULES[1:]:
         below_in_a_row = 0
         for steps in RULE_STEPS:
             s, wall = timed_attribute(bench.model, data, rule, steps, "edge", batch)
+            fp32_by_setting[(rule, steps)] = s
             row = {"rule": rule, "steps": steps, "precision": "float32", "wall_s": wall, **errors(s, ref)}
             rows.append(row)
             ok = row["rel_l2_node"] <= target["rel_l2_node"] and row["rel_l2_edge"] <= target["rel_l2_edge"]
@@ -184,7 +188,6 @@ def quality_sweep(bench: Bench, args: argparse.Namespace, console: Console) -> d
     # bfloat16: the model's weights change too, so these errors include the model's own change.
     bf16 = copy.deepcopy(bench.model).to(torch.bfloat16)
     bf16_rows = []
-    fp32_by_setting = {}
     for rule, steps in (("right", 5), ("right", 3), ("gauss_legendre", 3), ("midpoint", 10)):
         s, wall = timed_attribute(bf16, data, rule, steps, "edge", batch)
         s32 = fp32_by_setting.get((rule, steps))
@@ -236,7 +239,7 @@ def cost_sweep(bench: Bench, args: argparse.Namespace) -> list[dict]:
                 adapter = get_adapter(model)
                 with measure_peak(torch.device("cpu"), resident_bytes=lambda model=model: module_bytes(model)) as peak:
                     attribute(adapter, batch_data, "eap-ig", level, ig_steps=2, batch_size=batch, progress=False)
-                for steps in args.cost_steps:
+                for steps in args.cost_steps:  # time per pass is the quality sweep's wall_s slope
                     _, wall = timed_attribute(model, bench.cost_data, "right", steps, level, batch)
                     rows.append({"precision": precision, "level": level, "batch": batch, "steps": steps,
                                  "wall_s": wall, "peak_bytes": peak.peak_bytes,
@@ -289,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=16, help="examples of the cost sweep (and induction quality)")
     parser.add_argument("--quality-pairs", type=int, default=2, help="IOI examples of the quality sweep")
     parser.add_argument("--seq", type=int, default=32, help="induction sequence length")
-    parser.add_argument("--cost-steps", type=int, nargs="+", default=[5], help="ig_steps timed in the cost sweep")
+    parser.add_argument("--cost-steps", type=int, nargs="+", default=[2], help="ig_steps timed in the cost sweep")
+    parser.add_argument("--from-json", default=None, help="print and --write-data from a saved --json instead of running")
     parser.add_argument("--check-ref", action="store_true",
                         help="also run midpoint at --ref-steps to show how converged the reference is")
     parser.add_argument("--batch", type=int, default=16, help="batch size of the quality sweep")
@@ -302,7 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine()}
     results = {}
-    for name in args.models:
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        meta, results = saved["meta"], saved["results"]
+    for name in [] if args.from_json else args.models:
         t0 = time.perf_counter()
         bench = build(name, args)
         res = {"description": bench.description, "quality": quality_sweep(bench, args, console)}
