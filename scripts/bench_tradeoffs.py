@@ -276,6 +276,8 @@ def data_file(results: dict, meta: dict) -> dict:
     """What the advice reads: per model and rule, passes -> node / edge error and wall seconds."""
     models = {}
     for name, res in results.items():
+        if "quality" not in res:
+            continue
         q = res["quality"]
         models[name] = {"description": res["description"],
                         "reference": q["reference"],
@@ -293,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quality-pairs", type=int, default=2, help="IOI examples of the quality sweep")
     parser.add_argument("--seq", type=int, default=32, help="induction sequence length")
     parser.add_argument("--cost-steps", type=int, nargs="+", default=[2], help="ig_steps timed in the cost sweep")
-    parser.add_argument("--from-json", default=None, help="print and --write-data from a saved --json instead of running")
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--from-json", nargs="+", default=None,
+                        help="merge saved --json files (e.g. quality and cost run apart) instead of running")
     parser.add_argument("--check-ref", action="store_true",
                         help="also run midpoint at --ref-steps to show how converged the reference is")
     parser.add_argument("--batch", type=int, default=16, help="batch size of the quality sweep")
@@ -306,15 +310,25 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine()}
     results = {}
-    if args.from_json:
-        saved = json.loads(Path(args.from_json).read_text())
-        meta, results = saved["meta"], saved["results"]
+    for path in args.from_json or []:
+        saved = json.loads(Path(path).read_text())
+        meta = {**saved["meta"], "command": meta["command"] + f" (merging runs of: {saved['meta']['command']})"
+                if "merging" not in meta["command"] else meta["command"]}
+        for name, res in saved["results"].items():
+            results.setdefault(name, {}).update(res)
+    for name, res in results.items():
+        if "quality" in res:
+            console.print(quality_table(name, res["quality"]))
+        if "cost" in res:
+            console.print(cost_table(name, res["cost"]))
     for name in [] if args.from_json else args.models:
         t0 = time.perf_counter()
         bench = build(name, args)
-        res = {"description": bench.description, "quality": quality_sweep(bench, args, console)}
-        console.print(quality_table(name, res["quality"]))
-        console.print(f"passes needed to reach the m=30 right-sum error: {res['quality']['passes_needed']}")
+        res = {"description": bench.description}
+        if not args.skip_quality:
+            res["quality"] = quality_sweep(bench, args, console)
+            console.print(quality_table(name, res["quality"]))
+            console.print(f"passes needed to reach the m=30 right-sum error: {res['quality']['passes_needed']}")
         if not args.skip_cost:
             res["cost"] = cost_sweep(bench, args)
             console.print(cost_table(name, res["cost"]))
