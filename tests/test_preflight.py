@@ -114,10 +114,12 @@ def test_ig_advice_from_the_shipped_table():
     from circuitkit.attribution.tradeoffs import cheapest_within, load_table, worst_error
 
     table = load_table()
-    assert set(table["models"]) >= {"induction", "gpt2-small", "llama-small"}
-    right30 = worst_error("right", 30)
-    best = cheapest_within(right30, "node", than_steps=30)
-    # the measured claim of docs/benchmarks.md: 30 right-sum steps' accuracy with at most a third of the passes
+    assert "induction" in table["models"]
+    for name, model in table["models"].items():
+        needed = [v["first"] for rule, v in model["passes_needed"].items() if rule != "right" and v["first"]]
+        # the measured claim of docs/benchmarks.md: 30 right-sum steps' accuracy with at most a third of the passes
+        assert needed and min(needed) <= 10, (name, model["passes_needed"])
+    best = cheapest_within(worst_error("right", 30), "node", than_steps=30)
     assert best is not None and best.steps <= 10 and best.time_ratio < 0.6
 
 
