@@ -92,6 +92,8 @@ class DiscoveryConfig:
                    choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
     metric: str = _f("logit_diff", "scalar per example", choices=("logit_diff", "prob_diff", "logprob", "kl"))
     ig_steps: Optional[int] = _f(5, "integration steps of EAP-IG (null = 30, 1 = EAP)", ge=1)
+    ig_rule: str = _f("right", "EAP-IG quadrature rule; ig_steps is its number of passes (right = reference EAP-IG)",
+                      choices=("right", "midpoint", "trapezoid", "gauss_legendre"))
     batch_size: int = _f(4, "examples per forward/backward pass", ge=1)
     data_params: DataParams = field(default_factory=DataParams, metadata={"doc": "task data"})
 
@@ -148,6 +150,8 @@ class GradsConfig:
 class PreflightConfig:
     on_exceed: str = _f("error", "when the estimate exceeds free memory", choices=("error", "warn"))
     headroom: float = _f(0.9, "fraction of free device memory a run may plan to use", gt=0.0, le=1.0)
+    ig_error_budget: float = _f(0.01, "EAP-IG score error (relative L2) the ig_rule/ig_steps advice stays within",
+                                gt=0.0, lt=1.0)
 
 
 @dataclass
@@ -338,6 +342,10 @@ def _check_cross_fields(cfg: AppConfig) -> None:
                           f" {list(ALL_STAGES)}; e.g. stages=[{','.join(order)}].")
     if len(set(cfg.stages)) != len(cfg.stages):
         raise ConfigError(f"Config key 'stages' = {list(cfg.stages)} names a stage twice.")
+    d = cfg.discovery
+    if d.algorithm == "eap-ig" and d.ig_rule == "trapezoid" and d.ig_steps == 1:
+        raise ConfigError("Config key 'discovery.ig_steps' = 1 is too few for discovery.ig_rule=trapezoid (its"
+                          " points include both ends, α = 0 and α = 1): set ig_steps >= 2, or ig_rule=right for EAP.")
 
 
 def validate(cfg: DictConfig | Mapping[str, Any] | AppConfig) -> AppConfig:

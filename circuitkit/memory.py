@@ -199,7 +199,7 @@ def _shape_dict(shape: dict[str, Any] | ModelShape) -> dict[str, Any]:
 
 def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
                          algorithm: str = "eap-ig", level: str = "node", ig_steps: int | None = 5,
-                         attn_implementation: str = "sdpa") -> MemoryEstimate:
+                         attn_implementation: str = "sdpa", ig_rule: str = "right") -> MemoryEstimate:
     """Peak device bytes of one attribution batch (`circuitkit.attribution.eap.attribute`).
 
     Terms (notation in the module docstring; float32 is 4 bytes):
@@ -246,12 +246,9 @@ def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: in
         terms["delta buffer"] = delta
         terms["forward temporaries"] = int(N * p * (FWD_TMP_D * d + FWD_TMP_F * f))
         return MemoryEstimate(terms, phase="exact: no-grad forward with cached runs and Δ")
-    if algorithm == "eap":
-        n_points = 1
-    elif algorithm == "clean-corrupted":
-        n_points = 2
-    else:
-        n_points = 30 if ig_steps is None else ig_steps
+    from circuitkit.attribution.quadrature import integration_rule
+
+    n_points = integration_rule(algorithm, ig_steps, ig_rule).passes
     c_d, c_f = ACT_PER_LAYER[fam]
     acts = N * p * (ACT_BASE * d + L * (c_d * d + c_f * f))
     if attn_implementation == "eager":

@@ -5,7 +5,9 @@ config.json, never its weights). When it exceeds `preflight.headroom` × the dev
 memory, the stage stops with a table of the terms and the knobs that lower the peak, in the
 order worth trying: `discovery.batch_size` (with the largest value that fits), then the
 sequence length. Keys that do not change the peak (num_examples, ig_steps: passes run one
-after another) are never suggested.
+after another) are never suggested for memory. For time, EAP-IG gets one line from the measured
+speed/accuracy table (`circuitkit.attribution.tradeoffs`): the current ig_rule / ig_steps'
+estimated score error and the cheapest measured setting within `preflight.ig_error_budget`.
 """
 
 from __future__ import annotations
@@ -132,6 +134,14 @@ def advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
     return tips
 
 
+def ig_advice(cfg: AppConfig) -> str | None:
+    """The speed/accuracy line for EAP-IG (None for other algorithms or without a measured table)."""
+    from circuitkit.attribution.tradeoffs import advice_line
+
+    d = cfg.discovery
+    return advice_line(d.algorithm, d.level, d.ig_steps, d.ig_rule, cfg.preflight.ig_error_budget)
+
+
 def table(estimate: MemoryEstimate, free_bytes: int, headroom: float, title: str) -> Table:
     """Terms of the estimate next to the device budget."""
     t = estimate.table()
@@ -187,6 +197,8 @@ def check(cfg: AppConfig, console: Console | None = None) -> dict[str, MemoryEst
         problems.append(f"estimated {stage} peak {estimate.total_bytes / 2**30:.2f} GiB exceeds"
                         f" {cfg.preflight.headroom:.0%} of the {free / 2**30:.2f} GiB free on {get_device()}."
                         f" Try, in order: {'; '.join(tips)}.")
+    if "attribution" in cfg.stages and (line := ig_advice(cfg)):
+        console.print(f"time/accuracy: {line}", markup=False, highlight=False)
     if problems and cfg.preflight.on_exceed == "error":
         raise PreflightError(" ".join(problems) + " (preflight.on_exceed=warn runs anyway.)")
     for message in problems:

@@ -69,7 +69,7 @@ def budget_table(seq_len: int) -> Table:
 def check_memory(cfg: AppConfig, console: Console) -> int:
     """Print the estimate for `cfg` and whether it fits; load nothing. Exit status 0."""
     from circuitkit.device import free_memory_bytes, get_device
-    from circuitkit.preflight import advice, attribution_estimate, table
+    from circuitkit.preflight import advice, attribution_estimate, ig_advice, table
 
     try:
         estimate = attribution_estimate(cfg)
@@ -91,6 +91,8 @@ def check_memory(cfg: AppConfig, console: Console) -> int:
         console.print(f"[green]fits[/green] on {get_device()}.")
     else:
         console.print(f"[red]does not fit[/red] on {get_device()}; try: " + "; ".join(advice(cfg, budget)))
+    if line := ig_advice(cfg):
+        console.print(f"time/accuracy: {line}", markup=False, highlight=False)
     if (CONF_DIR / "model").is_dir():
         console.print(budget_table(cfg.discovery.data_params.seq_len))
     return 0
@@ -119,6 +121,10 @@ def main(argv: list[str]) -> int:
         raise UserError("even discovery.batch_size=1 does not fit; run with --check-memory for the terms and"
                         " what to change.")
     console.print(f"discovery.batch_size={best}: the largest that fits ({budget / 2**30:.2f} GiB usable)")
+    from circuitkit.preflight import ig_advice
+
+    if line := ig_advice(cfg):
+        console.print(f"time/accuracy: {line}", markup=False, highlight=False)
     from circuitkit.run import main as run_main
 
     return run_main([*_overrides(args), f"discovery.batch_size={best}"])

@@ -108,7 +108,7 @@ def _attribution(ctx: RunContext) -> StageResult:
     ctx.state["scores"] = scores
     path = save_scores(ctx.run_dir / SCORES_FILE, scores, {"model": ctx.cfg.model.name, "task": d.task,
                                                             "prepend_bos": str(d.data_params.prepend_bos).lower()})
-    steps = "" if d.algorithm != "eap-ig" else f", ig_steps={scores.info['ig_steps']}"
+    steps = "" if d.algorithm != "eap-ig" else f", ig_steps={scores.info['ig_steps']}, ig_rule={scores.info['ig_rule']}"
     plot = head_heatmap(scores.head, ctx.run_dir / HEATMAP_FILE,
                         f"{d.algorithm} head scores ({d.task}, {d.metric}{steps})")
     best = top_heads(scores.head, k=min(5, scores.head.numel()))
@@ -123,6 +123,8 @@ def _attribution(ctx: RunContext) -> StageResult:
                "metric_clean": scores.metric_clean, "metric_corrupted": scores.metric_corrupted,
                "embed_score": float(scores.embed), "top_head": f"L{best[0][0]}H{best[0][1]}",
                "top_head_score": best[0][2]}
+    if d.algorithm == "eap-ig":
+        summary.update(ig_steps=scores.info["ig_steps"], ig_rule=scores.info["ig_rule"])
     if scores.edges is not None:
         summary["n_edges"] = scores.graph.n_edges
     from circuitkit.preflight import attribution_estimate

@@ -8,6 +8,15 @@ if any ratio estimate / measured is outside [0.75, 1.25]. The grads sweep runs
 tokens, kronecker projection_dim 64, raw on tiny shapes) the same way.
 
     python scripts/check_memory_estimates.py [--quick] [--json rows.json]
+
+`--real` runs the real shapes of conf/model/*.yaml instead (gpt2, pythia70m, llama1b; gemma4b
+with --real-models when ~20 GB are free) with random weights, in float32 and bfloat16, node and
+edge level and the grads stage, batch 1 and 4 (--real-batches), 32 tokens, ig_steps 3, against
+the tighter tolerance of the issue: estimate / measured within [0.95, 1.10]. `--layers N`
+builds N layers of the real width instead of the full depth (every term is linear in the
+depth but the score matrix, which is small).
+
+    python scripts/check_memory_estimates.py --real [--real-models gpt2 pythia70m llama1b] [--layers N]
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 import transformers as tf
@@ -32,7 +42,9 @@ from circuitkit.tasks.base import random_pairs
 from gradian.capture import per_example_gradients
 from gradian.projection import Projector, module_shapes, select_modules
 
+REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.25
+REAL_RANGE = (0.95, 1.10)  # real shapes: within ±10 %, never more than 5 % below the measured peak
 
 
 def _tiny(family: str) -> tf.PretrainedConfig:
@@ -90,14 +102,82 @@ class Row:
 
 def measure(name: str, level: str, batch: int, seq_len: int, ig_steps: int) -> Row:
     """One batch of eap-ig: measured peak vs estimate."""
-    model = build_model(name)
+    return measure_model(build_model(name), name, level, batch, seq_len, ig_steps)
+
+
+def measure_model(model: torch.nn.Module, name: str, level: str, batch: int, seq_len: int, ig_steps: int) -> Row:
+    """One batch of eap-ig on `model` (its dtype): measured peak (weights resident) vs estimate."""
     adapter = get_adapter(model)
     data = random_pairs(batch, seq_len, model.config.vocab_size)
     with measure_peak(torch.device("cpu"), resident_bytes=lambda: module_bytes(model)) as peak:
         attribute(adapter, data, "eap-ig", level, ig_steps=ig_steps, batch_size=batch, progress=False)
-    est = estimate_attribution(shape_from_config(model.config), 4, batch, seq_len, "eap-ig", level, ig_steps)
+    dtype_bytes = next(model.parameters()).element_size()
+    est = estimate_attribution(shape_from_config(model.config), dtype_bytes, batch, seq_len, "eap-ig", level,
+                               ig_steps)
     return Row(name, level, batch, seq_len, ig_steps, est.total_bytes / MiB, peak.peak_bytes / MiB,
                est.total_bytes / peak.peak_bytes, est.phase)
+
+
+def config_from_shape(shape: dict, n_layers: int | None = None) -> tf.PretrainedConfig:
+    """A transformers config of the shape of conf/model/NAME.yaml (n_layers: fewer layers, same width)."""
+    L = n_layers or shape["n_layers"]
+    fam = shape["family"]
+    if fam == "gpt2":
+        return tf.GPT2Config(n_layer=L, n_head=shape["n_heads"], n_embd=shape["d_model"], n_inner=shape["d_mlp"],
+                             vocab_size=shape["vocab_size"], n_positions=1024)
+    if fam == "gpt_neox":
+        return tf.GPTNeoXConfig(num_hidden_layers=L, num_attention_heads=shape["n_heads"],
+                                hidden_size=shape["d_model"], intermediate_size=shape["d_mlp"],
+                                vocab_size=shape["vocab_size"], tie_word_embeddings=False,
+                                max_position_embeddings=2048)
+    common = dict(num_hidden_layers=L, num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],
+                  head_dim=shape["head_dim"], hidden_size=shape["d_model"], intermediate_size=shape["d_mlp"],
+                  vocab_size=shape["vocab_size"], tie_word_embeddings=True, max_position_embeddings=2048)
+    if fam == "llama":
+        return tf.LlamaConfig(**common)
+    if fam == "gemma3":
+        return tf.Gemma3TextConfig(**common, query_pre_attn_scalar=shape["head_dim"], sliding_window=1024)
+    raise KeyError(fam)
+
+
+def build_real(name: str, dtype: torch.dtype, n_layers: int | None = None) -> torch.nn.Module:
+    """A random model of conf/model/NAME.yaml's shape in `dtype`, frozen, eval mode."""
+    from omegaconf import OmegaConf
+
+    shape = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml").shape)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config_from_shape(shape, n_layers),
+                                                attn_implementation="sdpa").to(dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def real_points(models: Iterable[str], batches: Iterable[int], n_layers: int | None):
+    """Rows of the real-shape sweep: (name, dtype, stage, batch); stage node / edge / grads."""
+    for name in models:
+        for dtype in (torch.float32, torch.bfloat16):
+            for stage in ("node", "edge", "grads"):
+                for batch in batches:
+                    yield name, dtype, stage, batch
+
+
+def run_real_sweep(models: Iterable[str], batches: Iterable[int] = (1, 4), n_layers: int | None = None,
+                   seq_len: int = 32, ig_steps: int = 3) -> list[Row]:
+    """The real-shape sweep; the model is built once per (name, dtype)."""
+    rows, cache = [], {}
+    for name, dtype, stage, batch in real_points(models, batches, n_layers):
+        key = (name, dtype)
+        if key not in cache:
+            cache.clear()
+            cache[key] = build_real(name, dtype, n_layers)
+        model = cache[key]
+        label = f"{name}{'' if n_layers is None else f'[{n_layers}L]'} {str(dtype).removeprefix('torch.')}"
+        if stage == "grads":
+            g = measure_grads_model(model, label, 64, batch, seq_len - 8, 8)
+            rows.append(Row(label, "grads", batch, seq_len, 0, g.estimate_mib, g.measured_mib, g.ratio, g.phase))
+        else:
+            rows.append(measure_model(model, label, stage, batch, seq_len, ig_steps))
+    return rows
 
 
 def sweep_points(quick: bool) -> Iterable[tuple[str, str, int, int, int]]:
@@ -123,7 +203,8 @@ def run_sweep(quick: bool = True) -> list[Row]:
     return [measure(*point) for point in sweep_points(quick)]
 
 
-GRADS_FILTER = {"gpt2": ["mlp.c_proj"], "llama": ["down_proj"]}
+GRADS_FILTER = {"gpt2": ["mlp.c_proj"], "llama": ["down_proj"], "gpt_neox": ["dense_4h_to_h"],
+                "gemma3": ["down_proj"]}
 
 
 @dataclass
@@ -159,7 +240,9 @@ def measure_grads_model(model: torch.nn.Module, name: str, projection_dim: int |
     data = grads_batch(batch, prompt, supervised, model.config.vocab_size)
     with measure_peak(torch.device("cpu"), resident_bytes=lambda: module_bytes(model)) as peak:
         per_example_gradients(model, adapter, modules, projector, data)
-    est = estimate_grads(shape, 4, batch, prompt + supervised, supervised, shapes, "kronecker", projection_dim, 2, 0)
+    dtype_bytes = next(model.parameters()).element_size()
+    est = estimate_grads(shape, dtype_bytes, batch, prompt + supervised, supervised, shapes, "kronecker",
+                         projection_dim, 2, 0)
     return GradsRow(name, projector.kind, batch, prompt, supervised, est.total_bytes / MiB, peak.peak_bytes / MiB,
                     est.total_bytes / peak.peak_bytes, est.phase)
 
@@ -192,8 +275,8 @@ def grads_table(rows: list[GradsRow]) -> Table:
     return table
 
 
-def rows_table(rows: list[Row]) -> Table:
-    table = Table(title="attribution peak memory: estimate vs measured (CPU, float32, eap-ig)")
+def rows_table(rows: list[Row], title: str = "CPU, float32, eap-ig") -> Table:
+    table = Table(title=f"attribution peak memory: estimate vs measured ({title})")
     for col in ("model", "level", "batch", "seq", "ig_steps", "estimate MiB", "measured MiB", "ratio"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -207,9 +290,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (~30 s)")
     parser.add_argument("--json", default=None, help="write the rows here too")
+    parser.add_argument("--real", action="store_true", help="real shapes of conf/model (see the module docstring)")
+    parser.add_argument("--real-models", nargs="+", default=["gpt2", "pythia70m", "llama1b"])
+    parser.add_argument("--real-batches", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--layers", type=int, default=None, help="real width, this many layers")
     args = parser.parse_args(argv)
-    rows = run_sweep(args.quick)
     console = Console()
+    if args.real:
+        rows = run_real_sweep(args.real_models, args.real_batches, args.layers)
+        console.print(rows_table(rows, "real shapes, random weights, 32 tokens, ig_steps 3; grads: 24 + 8 tokens"))
+        lo, hi = REAL_RANGE
+        bad = [r for r in rows if not lo <= r.ratio <= hi]
+        console.print(f"{len(rows) - len(bad)}/{len(rows)} within [{lo}, {hi}]"
+                      f"; ratios {min(r.ratio for r in rows):.3f}..{max(r.ratio for r in rows):.3f}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"real": [asdict(r) for r in rows]}, fh, indent=2)
+        return 0 if not bad else 1
+    rows = run_sweep(args.quick)
     console.print(rows_table(rows))
     worst = max(rows, key=lambda r: abs(r.ratio - 1))
     console.print(f"worst ratio {worst.ratio:.3f} ({worst.model} {worst.level} batch {worst.batch}"

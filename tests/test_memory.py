@@ -156,3 +156,22 @@ def test_grads_index_bytes_matches_disk(tmp_path):
 def _tiny_shape():
     return {"family": "gpt2", "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "d_model": 64,
             "d_mlp": 256, "vocab_size": 1024, "n_params": 100_000}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_width_llama1b_point_within_the_tight_range(dtype):
+    """One layer of Llama-3.2-1B's real width (d 2048, 32 heads, 8 KV heads, f 8192; vocabulary cut
+    to 4096 to keep it fast): node and edge level within [0.95, 1.10] of the measured peak."""
+    script = _load_script()
+    shape = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "llama1b.yaml").shape)
+    shape["vocab_size"] = 4096
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(script.config_from_shape(shape, 1),
+                                                attn_implementation="sdpa").to(dtype).eval()
+    model.requires_grad_(False)
+    lo, hi = script.REAL_RANGE
+    for level in ("node", "edge"):
+        row = script.measure_model(model, "llama1b[1L]", level, 2, 32, 3)
+        assert lo <= row.ratio <= hi, row

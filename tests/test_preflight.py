@@ -87,3 +87,49 @@ def test_discover_smart_picks_a_batch_that_fits_and_runs(tmp_path):
     assert manifest["config"]["discovery"]["batch_size"] == 8  # everything fits: capped at num_examples
     assert [s for s, e in manifest["stages"].items() if e["status"] == "ok"] == [
         "preflight", "data", "attribution", "pruning"]
+
+
+def _table(points_by_model: dict[str, list[tuple[str, int, float]]]) -> dict:
+    return {"models": {name: {"points": [{"rule": r, "steps": m, "rel_l2_node": e, "rel_l2_edge": 2 * e,
+                                          "wall_s": 1.0 + m} for r, m, e in pts]}
+                       for name, pts in points_by_model.items()}}
+
+
+def test_ig_advice_takes_the_worst_model_and_the_fewest_passes():
+    from circuitkit.attribution.tradeoffs import cheapest_within, time_ratio, worst_error
+
+    table = _table({"a": [("right", 5, 0.10), ("right", 30, 0.02), ("midpoint", 3, 0.001), ("midpoint", 10, 0.004)],
+                    "b": [("right", 5, 0.20), ("right", 30, 0.03), ("midpoint", 3, 0.05), ("midpoint", 10, 0.006)]})
+    assert worst_error("midpoint", 3, table=table) == 0.05  # the worse of the two models
+    assert worst_error("midpoint", 3, "edge", table=table) == 0.10
+    assert worst_error("gauss_legendre", 3, table=table) is None  # never measured: never suggested
+    best = cheapest_within(0.01, "node", than_steps=30, table=table)
+    assert (best.rule, best.steps, best.error) == ("midpoint", 10, 0.006)
+    assert abs(best.time_ratio - 11 / 31) < 1e-9 and abs(time_ratio(10, 30, table) - 11 / 31) < 1e-9
+    assert cheapest_within(0.001, "node", table=table) is None
+    assert "ig_rule=midpoint discovery.ig_steps=10" in best.describe()
+
+
+def test_ig_advice_from_the_shipped_table():
+    from circuitkit.attribution.tradeoffs import cheapest_within, load_table, worst_error
+
+    table = load_table()
+    assert "induction" in table["models"]
+    for name, model in table["models"].items():
+        needed = [v["first"] for rule, v in model["passes_needed"].items() if rule != "right" and v["first"]]
+        # the measured claim of docs/benchmarks.md: 30 right-sum steps' accuracy with at most a third of the passes
+        assert needed and min(needed) <= 10, (name, model["passes_needed"])
+    best = cheapest_within(worst_error("right", 30), "node", than_steps=30)
+    assert best is not None and best.steps <= 10 and best.time_ratio < 0.6
+
+
+def test_check_memory_prints_the_time_accuracy_advice():
+    proc = subprocess.run([sys.executable, "-m", "circuitkit.cli", "discover-smart", "--model", "gpt2",
+                           "--algorithm", "eap-ig", "--task", "ioi", "--check-memory", "discovery.ig_steps=30",
+                           "preflight.ig_error_budget=0.05"],
+                          capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", "PATH": "",
+                                                                           "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stderr.split())  # the console of the entry points writes to stderr
+    assert "time/accuracy: ig_rule=right ig_steps=30: est. node-score error <=" in out
+    assert "cheaper within a 5.0% error budget: discovery.ig_rule=" in out

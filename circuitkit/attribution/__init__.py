@@ -24,14 +24,16 @@ def run_attribution(adapter: ModelAdapter, data: TaskData, cfg: DiscoveryConfig,
     """Scores for `cfg.algorithm` at `cfg.level` over `data` in batches of `cfg.batch_size`."""
     if cfg.algorithm == "exact":
         return exact_patching(adapter, data, cfg.level, cfg.metric, cfg.batch_size, progress)
-    return attribute(adapter, data, cfg.algorithm, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress)
+    return attribute(adapter, data, cfg.algorithm, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
+                     ig_rule=cfg.ig_rule)
 
 
 def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str, str] | None = None) -> Path:
     """scores.safetensors: head (L, H), mlp (L,), embed (1,), edges (n_up, n_down) if computed.
 
     Metadata (strings): node names of the edge matrix's rows and columns as JSON, the metric
-    means on clean and corrupted inputs, and how the scores were computed.
+    means on clean and corrupted inputs, and how the scores were computed (`info`, and
+    `ig_rule`: the quadrature rule of eap-ig, "None" for other algorithms).
     """
     g = scores.graph
     tensors = {"head_scores": scores.head.float(), "mlp_scores": scores.mlp.float(),
@@ -39,7 +41,8 @@ def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str,
     meta = {"graph": json.dumps({"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
                                  "parallel_residual": g.parallel_residual}),
             "metric_clean": repr(scores.metric_clean), "metric_corrupted": repr(scores.metric_corrupted),
-            "n_examples": str(scores.n_examples), "info": json.dumps(scores.info)}
+            "n_examples": str(scores.n_examples), "info": json.dumps(scores.info),
+            "ig_rule": str(scores.info.get("ig_rule"))}
     if scores.edges is not None:
         tensors["edge_scores"] = scores.edges.float()
         meta["upstream_nodes"] = json.dumps(g.upstream)

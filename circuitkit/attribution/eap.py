@@ -2,12 +2,14 @@
 
 With Δ_u = a_u(x) - a_u(x̃) and interpolated input embeddings e_k = ẽ + α_k (e - ẽ):
 
-    node:  s(u)   = Σ_positions Δ_u · (1/m) Σ_k ∂m/∂a_u (e_k)
-    edge:  s(u→v) = Σ_positions Δ_u · (1/m) Σ_k ∂m/∂in_v (e_k)
+    node:  s(u)   = Σ_positions Δ_u · Σ_k w_k ∂m/∂a_u (e_k)
+    edge:  s(u→v) = Σ_positions Δ_u · Σ_k w_k ∂m/∂in_v (e_k)
 
-`eap-ig` uses α_k = k/m for k = 1..m (m = ig_steps; null means 30), so m = 1 is EAP.
-`clean-corrupted` averages the gradients at α = 0 and α = 1. Scores are float32 means over
-examples whatever the model dtype; parameters stay frozen (only activation gradients).
+`eap-ig` takes m = ig_steps points (null means 30) of the quadrature rule `ig_rule`
+(`circuitkit.attribution.quadrature`); the default `right` rule is α_k = k/m, w_k = 1/m for
+k = 1..m, so m = 1 is EAP. `clean-corrupted` averages the gradients at α = 0 and α = 1.
+Node and edge level use the same points and weights. Scores are float32 means over examples
+whatever the model dtype; parameters stay frozen (only activation gradients).
 
 The gradient at head h's own residual input never materialises H copies of the residual:
 g_res = norm_backward(x, W_Q[h]ᵀ g_q[h]) from the gradient g_q of the query projection output,
@@ -24,10 +26,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from circuitkit.attribution.graph import Graph
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.attribution.norms import norm_backward
+from circuitkit.attribution.quadrature import (  # noqa: F401  (re-exported: the one rule for points)
+    DEFAULT_IG_RULE,
+    DEFAULT_IG_STEPS,
+    integration_rule,
+    interpolation_points,
+)
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.tasks.base import TaskData
-
-DEFAULT_IG_STEPS = 30  # used when discovery.ig_steps is null
 
 
 @dataclass
@@ -43,20 +49,6 @@ class AttributionScores:
     metric_corrupted: float = float("nan")
     n_examples: int = 0
     info: dict = field(default_factory=dict)
-
-
-def interpolation_points(algorithm: str, ig_steps: int | None) -> list[float]:
-    """The α values at which gradients are taken."""
-    if algorithm == "eap":
-        return [1.0]
-    if algorithm == "clean-corrupted":
-        return [0.0, 1.0]
-    if algorithm == "eap-ig":
-        m = DEFAULT_IG_STEPS if ig_steps is None else ig_steps
-        if m < 1:
-            raise ValueError(f"discovery.ig_steps={ig_steps} must be >= 1 (1 is EAP)")
-        return [k / m for k in range(1, m + 1)]
-    raise ValueError(f"algorithm {algorithm!r} is not gradient-based; use circuitkit.attribution.exact")
 
 
 def graph_of(adapter: ModelAdapter) -> Graph:
@@ -156,11 +148,30 @@ def deltas(adapter: ModelAdapter, clean: dict, corrupt: dict, edges: bool) -> di
     return d
 
 
+def accumulate(total: torch.Tensor | None, g: torch.Tensor, relative_weight: float = 1.0) -> torch.Tensor:
+    """total + relative_weight · g in float32 (a float32 copy of the weighted g when total is None).
+
+    The weighted sum of the quadrature rule; the contraction divides by the number of points
+    (`Quadrature.relative_weights`), so equal-weight rules multiply by nothing here.
+    """
+    if total is None:
+        # copy=True: autograd hands the same gradient tensor to several hooks (residual adds)
+        first = g.to(torch.float32, copy=True)
+        return first if relative_weight == 1.0 else first.mul_(relative_weight)
+    if relative_weight == 1.0:
+        return total.add_(g)
+    return total.add_(g.float(), alpha=relative_weight)
+
+
 class _GradientSums:
-    """Running sums over interpolation points of the gradients the scores need (float32)."""
+    """Running weighted sums over interpolation points of the gradients the scores need (float32).
+
+    `relative_weight` is the current point's weight relative to 1/n_points; set it before each pass.
+    """
 
     def __init__(self, adapter: ModelAdapter, edges: bool) -> None:
         self.adapter, self.edges = adapter, edges
+        self.relative_weight = 1.0
         L = adapter.n_layers
         self.embed = None
         self.z: list = [None] * L
@@ -168,10 +179,8 @@ class _GradientSums:
         self.inputs: list = [None] * L  # edge level: (per_layer_inputs, B, T, d_model) per layer
         self.logits = None
 
-    @staticmethod
-    def _add(total, g):
-        # copy=True: autograd hands the same gradient tensor to several hooks (residual adds)
-        return g.to(torch.float32, copy=True) if total is None else total.add_(g)
+    def _add(self, total, g):
+        return accumulate(total, g, self.relative_weight)
 
     def add(self, name: str, g: torch.Tensor, layer: int | None = None) -> None:
         """Add gradient `g` to the running sum `name` (per layer for "z" and "mlp")."""
@@ -246,7 +255,7 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
 
 def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _GradientSums, n_points: int,
                   out: dict) -> None:
-    """Contract Δ with the mean gradients and add this batch's per-example sums to `out`."""
+    """Contract Δ with the weighted gradient sums / n_points and add this batch's per-example sums to `out`."""
     H = adapter.n_heads
     for layer in range(adapter.n_layers):
         gz = sums.z[layer].unflatten(-1, (H, adapter.head_dim))
@@ -266,15 +275,18 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _Gradi
 
 def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", level: str = "node",
               metric: str = "logit_diff", ig_steps: int | None = 5, batch_size: int = 4,
-              progress: bool = True, group_by_length: bool = True) -> AttributionScores:
+              progress: bool = True, ig_rule: str = DEFAULT_IG_RULE,
+              group_by_length: bool = True) -> AttributionScores:
     """EAP / EAP-IG / clean-corrupted scores of every node (and edge, if level='edge').
 
     data: TaskData with N pairs; scores are means over the N examples, independent of
     batch_size. Pairs of similar length are batched together and each batch is cut to its
-    longest pair (`TaskData.length_batches`; `group_by_length=False` keeps the data order). Returns AttributionScores with head (L, H), mlp (L,), embed () and, at edge
-    level, edges (n_upstream, n_downstream).
+    longest pair (`TaskData.length_batches`; `group_by_length=False` keeps the data order).
+    Returns AttributionScores with head (L, H), mlp (L,), embed () and, at edge level, edges
+    (n_upstream, n_downstream). `ig_rule` chooses the eap-ig quadrature (right, midpoint,
+    trapezoid, gauss_legendre); ig_steps is its number of points = passes.
     """
-    alphas = interpolation_points(algorithm, ig_steps)
+    rule = integration_rule(algorithm, ig_steps, ig_rule)
     edges = level == "edge"
     graph = graph_of(adapter)
     device = next(adapter.model.parameters()).device
@@ -300,15 +312,18 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
             e_clean, e_corrupt = clean["embed"].float(), corrupt["embed"].float()
             del clean, corrupt
             sums = _GradientSums(adapter, edges)
-            for alpha in alphas:
+            for alpha, relative_weight in zip(rule.alphas, rule.relative_weights, strict=True):
                 e_k = (e_corrupt + alpha * (e_clean - e_corrupt)).to(dtype)
+                sums.relative_weight = relative_weight
                 _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k, batch, metric, clean_answer, sums)
-            _batch_scores(adapter, graph, delta, sums, len(alphas), out)
+            _batch_scores(adapter, graph, delta, sums, rule.passes, out)
             bar.advance(task)
     n = len(data)
     return AttributionScores(
         head=(out["head"] / n).cpu(), mlp=(out["mlp"] / n).cpu(), embed=(out["embed"] / n).cpu(), graph=graph,
         edges=(out["edges"] / n).cpu() if edges else None, metric_clean=metric_clean / n,
         metric_corrupted=metric_corrupt / n, n_examples=n,
-        info={"algorithm": algorithm, "level": level, "metric": metric, "ig_steps": len(alphas) if algorithm == "eap-ig" else None,
+        info={"algorithm": algorithm, "level": level, "metric": metric,
+              "ig_steps": rule.passes if algorithm == "eap-ig" else None,
+              "ig_rule": rule.rule if algorithm == "eap-ig" else None, "passes": rule.passes,
               "batch_size": batch_size})
