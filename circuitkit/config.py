@@ -113,7 +113,8 @@ class PruningConfig:
 @dataclass
 class GradsConfig:
     enabled: bool = _f(True, "run the gradient-indexing stage")
-    data_path: Optional[str] = _f(None, "JSONL training data (prompt+completion or messages)")
+    data_path: Optional[str] = _f(None, "training data: a JSONL, Parquet or Arrow file, a datasets.save_to_disk"
+                                  " directory, or a hub dataset name (prompt+completion or messages rows)")
     batch_size: int = _f(8, "rows per forward/backward (first memory lever)", ge=1)
     max_seq_length: int = _f(512, "tokens per row after truncation (second memory lever)", ge=2)
     on_truncation: str = _f("warn", "when a completion is cut", choices=("warn", "error", "drop"))
@@ -125,6 +126,16 @@ class GradsConfig:
     projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)
     storage_dtype: str = _f("float16", "dtype of stored rows (on-disk index size only, not the peak)",
                           choices=("float16", "bfloat16", "float32"))
+    batch_tokens: Optional[int] = _f(None, "token budget of one batch: rows x longest row (padding included);"
+                                     " null = batch_size x max_seq_length", ge=1)
+    group_by_length: bool = _f(True, "batch rows of similar length together (false: batches in source order)")
+    data_format: str = _f("auto", "format of data_path", choices=("auto", "jsonl", "parquet", "arrow", "hf"))
+    data_split: Optional[str] = _f("train", "split of a DatasetDict directory or a hub dataset")
+    data_row_range: Optional[list[int]] = _f(None, "[start, end): read only these records of the source"
+                                              " (0-based, source order); null = all")
+    prompt_column: str = _f("prompt", "column (JSONL key) holding the prompt")
+    completion_column: str = _f("completion", "column (JSONL key) holding the completion")
+    messages_column: str = _f("messages", "column (JSONL key) holding chat messages")
     rows_per_shard: int = _f(4096, "rows per safetensors shard", ge=1)
     num_shards: int = _f(1, "workers splitting the data", ge=1)
     shard_index: int = _f(0, "this worker's share, 0 <= shard_index < num_shards", ge=0)
@@ -195,7 +206,7 @@ def _describe_allowed(tp: Any, optional: bool, meta: Mapping[str, Any]) -> str:
     else:
         name = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp)
         if typing.get_origin(tp) is list:
-            name = "a list of strings"
+            name = "a list of integers" if typing.get_args(tp) == (int,) else "a list of strings"
         parts.append(name or str(tp))
     bounds = []
     if meta.get("ge") is not None:
@@ -260,8 +271,12 @@ def _check_value(path: str, value: Any, tp: Any, meta: Mapping[str, Any]) -> Any
         if not isinstance(value, (list, tuple, ListConfig)):
             raise ConfigError(f"Config key '{path}' = {value!r} must be {allowed}.")
         items = list(value)
+        item_type = (typing.get_args(base) or (str,))[0]
         for item in items:
-            if not isinstance(item, str):
+            if item_type is int and (not isinstance(item, int) or isinstance(item, bool)):
+                raise ConfigError(f"Config key '{path}' contains {item!r} ({type(item).__name__});"
+                                  f" it must be {allowed}.")
+            if item_type is str and not isinstance(item, str):
                 raise ConfigError(f"Config key '{path}' contains {item!r} ({type(item).__name__});"
                                   f" it must be {allowed}.")
             if meta.get("choices") and item not in meta["choices"]:
@@ -318,6 +333,9 @@ def _check_cross_fields(cfg: AppConfig) -> None:
     if g.shard_index >= g.num_shards:
         raise ConfigError(f"Config key 'grads.shard_index' = {g.shard_index} must be < grads.num_shards"
                           f" = {g.num_shards} (workers are numbered 0..num_shards-1).")
+    if g.data_row_range is not None and (len(g.data_row_range) != 2 or not 0 <= g.data_row_range[0] < g.data_row_range[1]):
+        raise ConfigError(f"Config key 'grads.data_row_range' = {list(g.data_row_range)} must be [start, end] with"
+                          " 0 <= start < end (records start..end-1), or null for all.")
     order = [s for s in ALL_STAGES if s in cfg.stages]
     if list(cfg.stages) != order:
         raise ConfigError(f"Config key 'stages' = {list(cfg.stages)} must list stages in pipeline order"

@@ -54,12 +54,16 @@ def attribution_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len:
 def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int | None = None,
                    supervised: int | None = None, n_rows: int = 0) -> MemoryEstimate:
     """Estimated peak of gradient indexing. Before the data is read, rows are assumed as long
-    as `grads.max_seq_length` and fully supervised (the worst case the settings allow)."""
+    as `grads.max_seq_length` and fully supervised (the worst case the settings allow); a batch
+    holds at most `grads.batch_tokens` tokens, so at most batch_tokens // max_seq_length such rows."""
     g = cfg.grads
     shape = shape_for(cfg.model)
     seq = seq_len or g.max_seq_length
     modules = linear_module_shapes(shape, g.module_filter) if g.circuit is None else _circuit_shapes(cfg, shape)
-    return estimate_grads(shape, torch.finfo(DTYPES[cfg.model.precision]).bits // 8, batch_size or g.batch_size, seq,
+    rows = batch_size or g.batch_size
+    if g.batch_tokens is not None:
+        rows = max(1, min(rows, g.batch_tokens // seq))
+    return estimate_grads(shape, torch.finfo(DTYPES[cfg.model.precision]).bits // 8, rows, seq,
                           supervised or seq, modules, g.projection, g.projection_dim,
                           torch.finfo(DTYPES[g.storage_dtype]).bits // 8, n_rows)
 

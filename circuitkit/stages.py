@@ -305,7 +305,7 @@ def _grads(ctx: RunContext) -> StageResult:
                           f" {len(restricted['heads'])} heads, {len(restricted['mlps'])} MLPs")
     return StageResult(files, {"index_dir": str(index_dir), "rows_stored": summary["rows_stored"],
                                "row_width": summary["row_width"], "index_bytes": summary["bytes"],
-                               "complete": summary["complete"],
+                               "complete": summary["complete"], "padding_share": summary.get("padding_share"),
                                "circuit_sha256": restricted["sha256"] if restricted else None},
                        estimated_peak_bytes=summary["estimated_peak_bytes"])
 
@@ -356,7 +356,13 @@ def _pruning_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
 def _grads_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     if not cfg.grads.enabled:
         return {}
-    inputs: dict[str, Path | str] = {**model_inputs(cfg), "grads.data_path": grads_data_file(cfg)}
+    data = grads_data_file(cfg)
+    if not data.exists() and cfg.grads.data_format in ("hf", "auto"):
+        # A hub dataset name: no local file to hash; the name and split are what identify it here.
+        inputs: dict[str, Path | str] = {**model_inputs(cfg),
+                                         "grads.data_path": f"hf:{cfg.grads.data_path}:{cfg.grads.data_split}"}
+    else:
+        inputs = {**model_inputs(cfg), "grads.data_path": data}
     if cfg.grads.circuit is not None:  # the circuit decides which parameters are indexed
         run_circuit = Path(cfg.output_path) if cfg.output_path else run_dir / "circuit.pt"
         inputs["grads.circuit"] = run_circuit if cfg.grads.circuit == "run" else Path(cfg.grads.circuit)

@@ -22,8 +22,15 @@ lines), ``drop`` (skip and report). A row with no supervised token left is never
 gradient would be zero and its index entry meaningless. It is dropped and reported; when truncation
 emptied it and ``on_truncation=error``, loading raises instead.
 
-Row order is the file order and batches are consecutive slices of it, so an index built in batches
-is deterministic and can resume at any row id.
+Row ids follow the source order. Batches are planned per shard of rows (`plan_batches`): with
+length grouping on, rows of similar length share a batch and a batch holds at most
+``batch_tokens`` padded tokens and ``batch_size`` rows, so little compute goes to padding; the
+plan depends only on the rows' lengths, so an index built in batches is deterministic, resumes
+at any shard and gives every worker the same bytes.
+
+Rows come from any `gradian.sources` source (JSONL, Parquet, Arrow, hub datasets) and are
+encoded one at a time (`iter_rows`); the report keeps counts and the first
+``REPORT_LINES`` positions of each kind, so it stays small for files of millions of rows.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from typing import Any
 
 import torch
 
-from circuitkit.io import jsonl_objects
+from gradian.sources import EXPECTED as _EXPECTED
+from gradian.sources import DataError, Source, SourceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +56,10 @@ ROLES = ("system", "user", "assistant")
 PREVIEW_CHARS = 80
 # Error messages list at most this many line numbers; the count says how many there are in all.
 MAX_LINES_SHOWN = 10
+# A report lists at most this many positions per kind (truncated, dropped, ...); counts are exact.
+REPORT_LINES = 100
 
-_EXPECTED = ('an object {"prompt": str, "completion": str} or {"messages": [{"role": "system"|"user"|'
-             '"assistant", "content": str}, ...]}')
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
-
-
-class DataError(ValueError):
-    """Malformed training data or data that cannot be used as configured; names `file:line`."""
 
 
 @dataclass
@@ -67,8 +71,8 @@ class Row:
     t = 0, since no position predicts the first token.
     """
 
-    row_id: int  # 0-based index among the kept rows, in file order
-    line: int  # 1-based line number in the JSONL file
+    row_id: int  # 0-based index among the kept rows, in source order
+    line: int  # position in the source: 1-based JSONL line number, or 0-based table row index
     input_ids: list[int]
     supervised: list[bool]
     preview: str  # first ~80 characters of the row's text, for reports
@@ -77,11 +81,13 @@ class Row:
 
 @dataclass
 class DataReport:
-    """What loading did to the file: counts and the line numbers behind each count.
+    """What loading did to the source: exact counts, and the first positions behind each count.
 
     ``rows_read == kept + dropped_truncated + dropped_unsupervised``. ``truncated`` counts every
     row that lost supervised tokens, kept or not; a row truncated to nothing is listed both in
-    ``truncated_lines`` and ``dropped_unsupervised_lines``.
+    ``truncated_lines`` and ``dropped_unsupervised_lines``. The ``*_lines`` lists hold the first
+    ``REPORT_LINES`` positions (JSONL line numbers, or table row indices) of each kind, so the
+    report stays small whatever the size of the data.
     """
 
     path: str
@@ -89,29 +95,26 @@ class DataReport:
     on_truncation: str
     truncation_side: str
     rows_read: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped_truncated: int = 0
+    dropped_unsupervised: int = 0
+    real_tokens: int = 0  # tokens of the kept rows
     truncated_lines: list[int] = field(default_factory=list)
     dropped_truncated_lines: list[int] = field(default_factory=list)
     dropped_unsupervised_lines: list[int] = field(default_factory=list)
-    kept_lines: list[int] = field(default_factory=list)
+    first_token_lines: list[int] = field(default_factory=list)  # rows whose token 0 was a target
+    limit: str = ""  # how messages name the length bound ("max_seq_length=512", or the model's context)
 
-    @property
-    def kept(self) -> int:
-        return len(self.kept_lines)
-
-    @property
-    def truncated(self) -> int:
-        return len(self.truncated_lines)
-
-    @property
-    def dropped_truncated(self) -> int:
-        return len(self.dropped_truncated_lines)
-
-    @property
-    def dropped_unsupervised(self) -> int:
-        return len(self.dropped_unsupervised_lines)
+    def note(self, kind: str, position: int) -> None:
+        """Count one row of `kind` (truncated, dropped_truncated, dropped_unsupervised)."""
+        setattr(self, kind, getattr(self, kind) + 1)
+        lines = getattr(self, f"{kind}_lines")
+        if len(lines) < REPORT_LINES:
+            lines.append(position)
 
     def summary(self) -> dict[str, Any]:
-        """JSON-ready counts and line numbers (for the manifest and the CLI)."""
+        """JSON-ready counts and the first positions of each kind (for the manifest and the CLI)."""
         return {
             "path": self.path,
             "max_seq_length": self.max_seq_length,
@@ -122,21 +125,22 @@ class DataReport:
             "truncated": self.truncated,
             "dropped_truncated": self.dropped_truncated,
             "dropped_unsupervised": self.dropped_unsupervised,
+            "real_tokens": self.real_tokens,
+            "lines_listed_at_most": REPORT_LINES,
             "truncated_lines": list(self.truncated_lines),
             "dropped_truncated_lines": list(self.dropped_truncated_lines),
             "dropped_unsupervised_lines": list(self.dropped_unsupervised_lines),
-            # row i of the index came from line kept_lines[i] of the data file
-            "kept_lines": list(self.kept_lines),
         }
 
 
 # ----------------------------------------------------------------------------- parsing
 
 
-def _lines_text(lines: Sequence[int]) -> str:
+def _lines_text(lines: Sequence[int], total: int | None = None) -> str:
+    total = len(lines) if total is None else total
     shown = ", ".join(str(n) for n in lines[:MAX_LINES_SHOWN])
-    more = f" and {len(lines) - MAX_LINES_SHOWN} more" if len(lines) > MAX_LINES_SHOWN else ""
-    return f"line{'s' if len(lines) != 1 else ''} {shown}{more}"
+    more = f" and {total - min(len(lines), MAX_LINES_SHOWN)} more" if total > MAX_LINES_SHOWN else ""
+    return f"line{'s' if total != 1 else ''} {shown}{more}"
 
 
 def _preview(text: str) -> str:
@@ -283,26 +287,6 @@ def _truncate(ids: list[int], sup: list[bool], max_len: int, side: str, head: in
 # ----------------------------------------------------------------------------- loading
 
 
-def _first_non_utf8_line(path: Path) -> int:
-    """1-based number of the first line that is not valid UTF-8 (0 if none is found)."""
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return lineno
-    return 0
-
-
-def _utf8_jsonl_objects(path: Path) -> Iterator[tuple[int, str, Any]]:
-    """`jsonl_objects`, with a file that is not UTF-8 reported at its first bad line."""
-    try:
-        yield from jsonl_objects(path, _EXPECTED, DataError)
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}:{_first_non_utf8_line(path)}: not UTF-8 text ({err.reason}, byte"
-                        f" {err.object[err.start:err.start + 1]!r}); save the file as UTF-8.") from None
-
-
 def length_limit(max_seq_length: int, context_length: int | None) -> tuple[int, str]:
     """(tokens a row may have, how to name that limit in messages).
 
@@ -314,16 +298,7 @@ def length_limit(max_seq_length: int, context_length: int | None) -> tuple[int, 
     return max_seq_length, f"max_seq_length={max_seq_length}"
 
 
-def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncation: str = "warn",
-              truncation_side: str = "right", context_length: int | None = None) -> tuple[list[Row], DataReport]:
-    """Read a JSONL file of prompt/completion or chat rows into token rows with a supervision mask.
-
-    Returns the kept rows (``row_id`` 0..n-1 in file order) and a report of what was truncated or
-    dropped, by line number. Raises ``DataError`` naming ``file:line`` for a malformed line (or
-    one that is not UTF-8), and, with ``on_truncation="error"``, naming the lines whose
-    completions do not fit. ``context_length`` (the model's, if known) bounds ``max_seq_length``:
-    rows are cut at the smaller of the two, and the messages name which limit it was.
-    """
+def _check_settings(max_seq_length: int, on_truncation: str, truncation_side: str) -> None:
     if on_truncation not in ON_TRUNCATION:
         raise ValueError(f"on_truncation={on_truncation!r}; use one of {', '.join(ON_TRUNCATION)}.")
     if truncation_side not in TRUNCATION_SIDES:
@@ -331,20 +306,26 @@ def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncati
     if max_seq_length < 2:
         raise ValueError(f"max_seq_length={max_seq_length}; it must be >= 2 (one context token and one"
                          " predicted token).")
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: training data file does not exist (resolved to {path.resolve()}).")
-    if path.is_dir():
-        raise DataError(f"{path}: is a directory; give the JSONL file itself.")
-    max_seq_length, limit = length_limit(max_seq_length, context_length)
-    report = DataReport(path=str(path), max_seq_length=max_seq_length, on_truncation=on_truncation,
-                        truncation_side=truncation_side)
+
+
+def as_source(data: str | Path | SourceSpec | Source) -> Source:
+    """A Source for a path (format picked from it), a SourceSpec, or a Source."""
+    if isinstance(data, Source):
+        return data
+    return Source(data if isinstance(data, SourceSpec) else SourceSpec(path=str(data)))
+
+
+def iter_rows(source: Source, tokenizer: Any, report: DataReport) -> Iterator[Row]:
+    """Encode the source's records one at a time; yields the kept rows (row ids 0, 1, ...).
+
+    Counts what is truncated or dropped in `report` (whose settings decide the truncation).
+    Call `finish_report` after the last row: it raises for ``on_truncation="error"`` and logs
+    the warnings. Raises DataError naming the record for a malformed one.
+    """
+    _check_settings(report.max_seq_length, report.on_truncation, report.truncation_side)
     bos = _adds_bos(tokenizer)
     bos_id = tokenizer.bos_token_id
-    first_token_lines: list[int] = []  # rows whose token 0 was marked supervised (nothing predicts it)
-    candidates: list[Row] = []
-
-    for lineno, where, obj in _utf8_jsonl_objects(path):
+    for position, where, obj in source.records():
         kind = _check_row(obj, where)
         report.rows_read += 1
         if kind == "prompt":
@@ -354,53 +335,88 @@ def load_rows(path: str | Path, tokenizer: Any, max_seq_length: int, on_truncati
             ids, sup = _encode_messages(tokenizer, obj["messages"], where)
             preview = _preview(" / ".join(f"{m['role']}: {m['content']}" for m in obj["messages"]))
         head = 1 if (ids and bos_id is not None and ids[0] == bos_id and not sup[0]) else 0
-        ids, sup, truncated = _truncate(ids, sup, max_seq_length, truncation_side, head)
+        ids, sup, truncated = _truncate(ids, sup, report.max_seq_length, report.truncation_side, head)
         if sup and sup[0]:
             # Only reachable with no BOS and an empty prompt (or a template starting with the
             # assistant turn): no logits predict token 0, so it cannot be in the loss.
             sup[0] = False
-            first_token_lines.append(lineno)
+            if len(report.first_token_lines) < REPORT_LINES:
+                report.first_token_lines.append(position)
         if truncated:
-            report.truncated_lines.append(lineno)
+            report.note("truncated", position)
         if not any(sup):
-            report.dropped_unsupervised_lines.append(lineno)
+            report.note("dropped_unsupervised", position)
             continue
-        if truncated and on_truncation == "drop":
-            report.dropped_truncated_lines.append(lineno)
+        if truncated and report.on_truncation == "drop":
+            report.note("dropped_truncated", position)
             continue
-        candidates.append(Row(row_id=-1, line=lineno, input_ids=ids, supervised=sup, preview=preview,
-                              truncated=truncated))
+        row = Row(row_id=report.kept, line=position, input_ids=ids, supervised=sup, preview=preview,
+                  truncated=truncated)
+        report.kept += 1
+        report.real_tokens += len(ids)
+        yield row
 
-    if on_truncation == "error" and report.truncated_lines:
+
+def finish_report(report: DataReport) -> None:
+    """After `iter_rows`: raise for truncated rows under ``on_truncation="error"``, log the rest."""
+    path, side = report.path, report.truncation_side
+    limit = report.limit or f"max_seq_length={report.max_seq_length}"
+    if report.on_truncation == "error" and report.truncated:
         raise DataError(f"{path}: {report.truncated} row(s) lose completion tokens at {limit}"
-                        f" (truncation_side={truncation_side}): {_lines_text(report.truncated_lines)}"
+                        f" (truncation_side={side}): {_lines_text(report.truncated_lines, report.truncated)}"
                         f" (first at {path}:{report.truncated_lines[0]}). Raise grads.max_seq_length, set"
                         " grads.truncation_side=prompt_left, or set grads.on_truncation=drop or warn.")
-    if report.truncated_lines and on_truncation == "warn":
+    if report.truncated and report.on_truncation == "warn":
         emptied = set(report.dropped_unsupervised_lines)
         kept_cut = [n for n in report.truncated_lines if n not in emptied]
+        n_kept_cut = report.truncated - report.dropped_unsupervised if report.truncated > REPORT_LINES else len(kept_cut)
         if kept_cut:
             logger.warning("%s: %d row(s) kept with completions cut at %s (truncation_side=%s):"
                            " %s. Their gradients see only part of the target; raise grads.max_seq_length,"
-                           " try truncation_side=prompt_left, or set on_truncation=drop.", path, len(kept_cut),
-                           limit, truncation_side, _lines_text(kept_cut))
-    if report.dropped_truncated_lines:
+                           " try truncation_side=prompt_left, or set on_truncation=drop.", path, n_kept_cut,
+                           limit, side, _lines_text(kept_cut))
+    if report.dropped_truncated:
         logger.warning("%s: dropped %d row(s) whose completions did not fit %s: %s.", path,
-                       report.dropped_truncated, limit, _lines_text(report.dropped_truncated_lines))
-    if report.dropped_unsupervised_lines:
+                       report.dropped_truncated, limit,
+                       _lines_text(report.dropped_truncated_lines, report.dropped_truncated))
+    if report.dropped_unsupervised:
         logger.warning("%s: dropped %d row(s) with no supervised token (empty completion, no assistant turn,"
                        " or truncated to nothing): %s.", path, report.dropped_unsupervised,
-                       _lines_text(report.dropped_unsupervised_lines))
-    if first_token_lines:
+                       _lines_text(report.dropped_unsupervised_lines, report.dropped_unsupervised))
+    first = report.first_token_lines
+    if first:
         logger.warning("%s: %d row(s) start with a completion token, which nothing predicts, so it is left out"
-                       " of the loss: %s. Give these rows a prompt.", path, len(first_token_lines),
-                       _lines_text(first_token_lines))
+                       " of the loss: %s. Give these rows a prompt.", path, len(first), _lines_text(first))
 
-    rows: list[Row] = []
-    for row in candidates:
-        row.row_id = len(rows)
-        report.kept_lines.append(row.line)
-        rows.append(row)
+
+def new_report(source: Source, max_seq_length: int, on_truncation: str, truncation_side: str,
+               context_length: int | None = None) -> DataReport:
+    """An empty report for reading `source`, its length bound the smaller of max_seq_length and
+    the model's context (`length_limit`)."""
+    _check_settings(max_seq_length, on_truncation, truncation_side)
+    tokens, limit = length_limit(max_seq_length, context_length)
+    return DataReport(path=source.name, max_seq_length=tokens, on_truncation=on_truncation,
+                      truncation_side=truncation_side, limit=limit)
+
+
+def load_rows(data: str | Path | SourceSpec | Source, tokenizer: Any, max_seq_length: int,
+              on_truncation: str = "warn", truncation_side: str = "right",
+              context_length: int | None = None) -> tuple[list[Row], DataReport]:
+    """Read every row of a source (a JSONL path, or any `gradian.sources` source) into memory.
+
+    Returns the kept rows (``row_id`` 0..n-1 in source order) and a report of what was truncated
+    or dropped, by position. Raises ``DataError`` naming ``file:line`` for a malformed line (or
+    one that is not UTF-8), and, with ``on_truncation="error"``, naming the lines whose
+    completions do not fit. ``context_length`` (the model's, if known) bounds
+    ``max_seq_length``: rows are cut at the smaller of the two, and the messages name which
+    limit it was. For large data, index through `gradian.corpus.TokenizedCorpus`, which keeps
+    the tokens on disk.
+    """
+    _check_settings(max_seq_length, on_truncation, truncation_side)
+    source = as_source(data)
+    report = new_report(source, max_seq_length, on_truncation, truncation_side, context_length)
+    rows = list(iter_rows(source, tokenizer, report))
+    finish_report(report)
     return rows, report
 
 
@@ -432,6 +448,42 @@ def collate(rows: Sequence[Row], pad_id: int) -> dict[str, torch.Tensor]:
     row_ids = torch.tensor([r.row_id for r in rows], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "supervised": supervised,
             "row_ids": row_ids}
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int | None = None,
+                 group_by_length: bool = True) -> list[list[int]]:
+    """Indices into `lengths`, grouped into batches; every index appears exactly once.
+
+    With `group_by_length`, rows are taken longest first (ties: lower index first) and a batch
+    grows while it has fewer than `batch_size` rows and its padded size, rows x its longest row,
+    stays within `batch_tokens` (a row longer than the budget gets a batch of its own). Without
+    it, batches are consecutive runs in source order under the same two limits. The plan depends
+    only on the lengths, so it is the same on every run and every worker.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}; it must be >= 1.")
+    if batch_tokens is not None and batch_tokens < 1:
+        raise ValueError(f"batch_tokens={batch_tokens}; it must be >= 1 (or null).")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)) if group_by_length else range(len(lengths))
+    plan: list[list[int]] = []
+    current: list[int] = []
+    widest = 0
+    for i in order:
+        width = max(widest, lengths[i])
+        if current and (len(current) >= batch_size
+                        or (batch_tokens is not None and (len(current) + 1) * width > batch_tokens)):
+            plan.append(current)
+            current, width = [], lengths[i]
+        current.append(i)
+        widest = width
+    if current:
+        plan.append(current)
+    return plan
+
+
+def padded_tokens(lengths: Sequence[int], plan: Sequence[Sequence[int]]) -> int:
+    """Tokens a plan computes: per batch, its rows x its longest row."""
+    return sum(len(b) * max(lengths[i] for i in b) for b in plan)
 
 
 def batches(rows: Sequence[Row], batch_size: int) -> Iterator[list[Row]]:

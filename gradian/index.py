@@ -256,8 +256,9 @@ class IndexWriter:
             " it to finish, or give each worker its own shard_index.")
 
     # -- writing ----------------------------------------------------------------------------
-    def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor) -> Path:
-        """Store shard k: grads (n, width) float32 in the storage dtype, with float32 norms.
+    def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor | None = None) -> Path:
+        """Store shard k: grads (n, width) float32 in the storage dtype, with float32 norms, and
+        `sources` (n,) int64, where each row is in the data (JSONL line or table row index).
 
         Norms are of the stored values, so cosine scores read back exactly what was stored.
         Raises StorageOverflowError naming the rows if float16 would turn values into inf.
@@ -280,8 +281,10 @@ class IndexWriter:
         with _lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
             if not got:
                 raise self._busy(k)
-            path = atomic_save_safetensors(self.index_dir / shard_name(k),
-                                           {"grads": stored, "norms": norms, "rows": rows.long()})
+            tensors = {"grads": stored, "norms": norms, "rows": rows.long()}
+            if sources is not None:
+                tensors["sources"] = sources.long()
+            path = atomic_save_safetensors(self.index_dir / shard_name(k), tensors)
             digest = sha256_file(path)
         with self._manifest_lock():
             manifest = self._read()
@@ -417,8 +420,8 @@ class IndexReader:
     def _check_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> list[str]:
         """What in a loaded shard disagrees with its manifest entry."""
         entry, problems = self.manifest["shards"][name], []
-        if set(tensors) != {"grads", "norms", "rows"}:
-            return [f"{name} holds tensors {sorted(tensors)}, expected grads, norms, rows"]
+        if set(tensors) - {"sources"} != {"grads", "norms", "rows"}:
+            return [f"{name} holds tensors {sorted(tensors)}, expected grads, norms, rows (and sources)"]
         start, end = entry["rows"]
         rows, grads, norms = tensors["rows"], tensors["grads"], tensors["norms"]
         if rows.dtype != torch.int64 or rows.shape != (end - start,) or not torch.equal(rows, torch.arange(start, end)):
@@ -431,6 +434,10 @@ class IndexReader:
         dtype = STORAGE_DTYPES[self.manifest["storage_dtype"]]
         if grads.dtype != dtype:
             problems.append(f"{name} grads are {grads.dtype}, the manifest says {self.manifest['storage_dtype']}")
+        sources = tensors.get("sources")
+        if sources is not None and (sources.dtype != torch.int64 or sources.shape != (end - start,)):
+            problems.append(f"{name} sources are {sources.dtype} {tuple(sources.shape)}, expected int64"
+                            f" ({end - start},)")
         if norms.dtype != torch.float32 or norms.shape != (end - start,):
             problems.append(f"{name} norms are {norms.dtype} {tuple(norms.shape)}, expected float32"
                             f" ({end - start},)")
@@ -519,6 +526,28 @@ class IndexReader:
                             f" {proj.get('projection_dim')}, seed {proj.get('seed')}) generates ({fingerprint[:12]}…):"
                             " the projection settings were edited")
         return problems
+
+    def source_positions(self, row_ids: list[int]) -> dict[int, int]:
+        """row id -> its position in the data (JSONL line or table row index), read from the
+        `sources` tensor of the shards that hold those rows; rows of shards without it are left out."""
+        from safetensors import safe_open
+
+        per_shard = self.manifest.get("rows_per_shard") or 1
+        by_shard: dict[int, list[int]] = {}
+        for r in row_ids:
+            by_shard.setdefault(r // per_shard, []).append(r)
+        out: dict[int, int] = {}
+        for k, wanted in by_shard.items():
+            entry = self.manifest["shards"].get(shard_name(k))
+            if entry is None:
+                continue
+            with safe_open(str(confined_path(self.index_dir, shard_name(k))), framework="pt") as fh:
+                if "sources" not in fh.keys():
+                    continue
+                sources = fh.get_tensor("sources")
+            first = entry["rows"][0]
+            out.update({r: int(sources[r - first]) for r in wanted})
+        return out
 
     def summary(self) -> dict[str, Any]:
         """Header, shard count, rows stored, bytes on disk, and why it is incomplete (if it is)."""

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,14 @@ from rich.progress import (
 
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.errors import UserError
-from circuitkit.io import sha256_file
 from circuitkit.memory import estimate_grads
+from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
-from gradian.data import batches, collate, length_limit, load_rows
+from gradian.corpus import TokenizedCorpus
+from gradian.data import collate, length_limit, plan_batches
 from gradian.index import MANIFEST, STORAGE_DTYPES, IndexReader, IndexWriter, read_manifest
 from gradian.projection import Projector, module_shapes, projection_fingerprint, select_modules
+from gradian.sources import Source, SourceSpec
 
 log = logging.getLogger(__name__)
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample_train.jsonl"
@@ -50,6 +53,35 @@ def check_input_file(path: Path, what: str) -> None:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{what}={str(path)!r} is a directory; give the JSONL file itself.", exit_code=2)
+    _check_readable(path, what)
+
+
+def check_data_source(grads: GradsConfig, path: str | Path) -> None:
+    """grads.data_path names data that can be read: a readable file, a `datasets.save_to_disk`
+    directory, or (not a local path) a hub dataset name. UserError (exit code 2) otherwise."""
+    from gradian.sources import DataError, SourceSpec, resolve_format
+
+    spec = SourceSpec.from_grads(grads, path)
+    try:
+        fmt = resolve_format(spec)
+    except DataError as err:
+        raise UserError(str(err), exit_code=2) from None
+    local = Path(path)
+    if fmt == "hf" and not local.exists():
+        return
+    if local.is_dir():
+        if not any((local / marker).is_file() for marker in _DATASET_DIR_MARKERS) and fmt != "hf":
+            raise UserError(f"grads.data_path={str(local)!r} is a directory, but not one written by"
+                            " datasets' save_to_disk; give the JSONL, Parquet or Arrow file itself.", exit_code=2)
+        return
+    _check_readable(local, "grads.data_path")
+
+
+# Files that datasets' save_to_disk writes into a Dataset / DatasetDict directory.
+_DATASET_DIR_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")
+
+
+def _check_readable(path: Path, what: str) -> None:
     if not path.exists():
         raise UserError(f"{what}={str(path)!r} does not exist (resolved to {path.resolve()}).", exit_code=2)
     if not os.access(path, os.R_OK):
@@ -95,8 +127,8 @@ def model_context_length(model_cfg: ModelConfig) -> int | None:
 def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path | str | None = None) -> int:
     """What can be checked before any work, cheaply (the model's config.json, no weights).
 
-    Checks that grads.shard_index < grads.num_shards, that grads.data_path (when set) is a
-    readable file, and that the index directory (`index_dir`, else grads.index_dir, when set)
+    Checks that grads.shard_index < grads.num_shards, that grads.data_path (when set) can be
+    read (a file, a save_to_disk directory or a hub dataset name), and that the index directory (`index_dir`, else grads.index_dir, when set)
     is writable. Returns the row length the run will use: grads.max_seq_length bounded by the
     model's context length (logged when the bound applies). Raises UserError (exit code 2)
     naming the key, the value and the fix.
@@ -105,7 +137,7 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
         raise UserError(f"grads.shard_index={grads.shard_index} must be < grads.num_shards={grads.num_shards}"
                         f" (workers are numbered 0..{grads.num_shards - 1}).", exit_code=2)
     if grads.data_path is not None:
-        check_input_file(Path(grads.data_path), "grads.data_path")
+        check_data_source(grads, grads.data_path)
     target = index_dir if index_dir is not None else grads.index_dir
     if target is not None:
         check_writable_dir(Path(target), "grads.index_dir")
@@ -116,37 +148,70 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     return tokens
 
 
+class _Throughput:
+    """Rows/s, tokens/s and the padding share of the work done so far, for the progress bar."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.rows = self.real_tokens = self.computed_tokens = 0
+
+    def add(self, rows: int, real_tokens: int, computed_tokens: int) -> None:
+        self.rows += rows
+        self.real_tokens += real_tokens
+        self.computed_tokens += computed_tokens
+
+    @property
+    def padding_share(self) -> float:
+        return 1.0 - self.real_tokens / self.computed_tokens if self.computed_tokens else 0.0
+
+    def text(self) -> str:
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        return (f"{self.rows / wall:.1f} rows/s, {self.real_tokens / wall:.0f} tok/s,"
+                f" padding {100 * self.padding_share:.1f}%")
+
+
 def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console | None = None,
                 loaded=None, circuit_path: str | Path | None = None) -> dict[str, Any]:
     """Index `grads.data_path` into `index_dir` (this worker's shards); returns the index summary.
 
-    `loaded`: an already loaded model (circuitkit.models.loading.LoadedModel), else loaded here.
+    Rows are read from the source a record at a time and kept tokenized on disk
+    (`TokenizedCorpus`); each shard's rows are batched by length under the token budget
+    (`plan_batches`) and stored in row order. `loaded`: an already loaded model
+    (circuitkit.models.loading.LoadedModel), else loaded here.
     `circuit_path`: the circuit.pt that `grads.circuit` names (the pipeline resolves 'run' to
     its own circuit.pt); when given, only the circuit's kept heads and MLPs are indexed
     (`gradian.restrict`) and the manifest records the circuit.
     """
-    from circuitkit.models.loading import context_length, load_model, weights_hash
-
     console = console or Console(stderr=True)
     if grads.data_path is None:
-        data_path = SAMPLE_DATA
+        data_path = str(SAMPLE_DATA)
         log.warning("grads.data_path is null: indexing the shipped sample %s (24 hand-written rows, for trying"
-                    " the pipeline); set grads.data_path to your JSONL data.", SAMPLE_DATA.name)
+                    " the pipeline); set grads.data_path to your data.", SAMPLE_DATA.name)
     else:
-        data_path = Path(grads.data_path)
+        data_path = str(grads.data_path)
     # Before the model loads: nothing is worth loading for a run that cannot read or write.
     check_grads_config(model_cfg, grads, index_dir)
-    check_input_file(data_path, "grads.data_path")
+    check_data_source(grads, data_path)
     if (Path(index_dir) / MANIFEST).is_file():
         read_manifest(Path(index_dir))  # a damaged or tampered index to resume is refused first
+    source = Source(SourceSpec.from_grads(grads, data_path))
     loaded = loaded or load_model(model_cfg)
+    tokenizer = loaded.tokenizer
+    with console.status(f"reading and tokenizing {source.name}") as status:
+        # The loaded model's own config decides the bound (check_grads_config may not have seen one offline).
+        corpus = TokenizedCorpus.scan(source, tokenizer, grads.max_seq_length, grads.on_truncation,
+                                      grads.truncation_side, context_length=context_length(loaded.model.config),
+                                      progress=lambda n: status.update(f"tokenizing {source.name}: {n} rows read"))
+    with corpus:
+        return _index_corpus(model_cfg, grads, Path(index_dir), console, loaded, source, corpus, circuit_path)
+
+
+def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console, loaded,
+                  source: Source, corpus: TokenizedCorpus, circuit_path: str | Path | None) -> dict[str, Any]:
     model, tokenizer, adapter = loaded.model, loaded.tokenizer, loaded.adapter
-    # The loaded model's own config decides (check_grads_config may not have seen one offline).
-    max_tokens, _ = length_limit(grads.max_seq_length, context_length(model.config))
-    rows, report = load_rows(data_path, tokenizer, grads.max_seq_length, grads.on_truncation, grads.truncation_side,
-                             context_length=context_length(model.config))
-    if not rows:
-        raise ValueError(f"{data_path}: no row has a supervised token left to index ({report.summary()}).")
+    report = corpus.report
+    if corpus.n_rows == 0:
+        raise ValueError(f"{source.name}: no row has a supervised token left to index ({report.summary()}).")
     circuit_path = circuit_path if circuit_path is not None else grads.circuit
     if circuit_path == "run":
         raise ValueError("grads.circuit=run means the circuit.pt of this pipeline run; outside the pipeline"
@@ -164,35 +229,56 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
         modules = select_modules(model, adapter, grads.module_filter)
         shapes = module_shapes(modules)
     projector = Projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed)
+    local = Path(source.name)
+    data_file = str(local.resolve()) if local.exists() else source.name
     header = {
         "model": model_cfg.name, "revision": model_cfg.revision, "precision": model_cfg.precision,
         "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
         "projection": projector.describe(), "storage_dtype": grads.storage_dtype,
-        "loss_reduction": grads.loss_reduction, "data_file": str(data_path.resolve()),
-        "data_sha256": sha256_file(data_path), "max_seq_length": max_tokens,
-        "truncation_side": grads.truncation_side, "on_truncation": grads.on_truncation,
-        "data_report": report.summary(), "row_width": projector.total_width, "circuit": circuit,
+        "loss_reduction": grads.loss_reduction,
+        "data_file": data_file, "data_source": {**source.spec.describe(), "path": data_file},
+        "data_sha256": source.fingerprint(),
+        "max_seq_length": report.max_seq_length, "truncation_side": grads.truncation_side,
+        "on_truncation": grads.on_truncation, "data_report": report.summary(), "row_width": projector.total_width,
+        "circuit": circuit,
         "projection_sha256": projection_fingerprint(projector),
     }
+    lengths = corpus.lengths
+    longest = int(lengths.max())
+    budget = grads.batch_tokens or grads.batch_size * report.max_seq_length
+    # The largest batch the plan can form: the token budget bounds rows x longest row.
+    worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
     estimate = estimate_grads(
-        adapter.shape(), next(model.parameters()).element_size(), min(grads.batch_size, len(rows)),
-        max(len(r.input_ids) for r in rows), max(sum(r.supervised) for r in rows), shapes,
-        grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize, len(rows))
-    writer = IndexWriter(index_dir, header, len(rows), grads.rows_per_shard, grads.num_shards, grads.shard_index)
+        adapter.shape(), next(model.parameters()).element_size(), worst_rows, longest, longest,
+        shapes, grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize,
+        corpus.n_rows)
+    writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     n_pending_rows = sum(end - start for start, end in map(writer.row_range, pending))
+    stats = _Throughput()
     with Progress(TextColumn("indexing"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("rows", total=n_pending_rows)
+                  TextColumn("{task.fields[rates]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("rows", total=n_pending_rows, rates="")
         for k in pending:
             start, end = writer.row_range(k)
-            parts = []
-            for chunk in batches(rows[start:end], grads.batch_size):
+            rows = corpus.rows(start, end)
+            row_lengths = [len(r.input_ids) for r in rows]
+            grads_out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
+            for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length):
+                chunk = [rows[i] for i in plan]
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
-                parts.append(per_example_gradients(model, adapter, modules, projector, batch,
-                                                   grads.loss_reduction).row().cpu())
-                bar.advance(task, len(chunk))
-            writer.write_shard(k, torch.cat(parts), torch.arange(start, end))
-    # The estimate is for the longest row and the most supervised tokens in one batch: an upper bound.
-    return {**IndexReader(index_dir).summary(), "estimated_peak_bytes": estimate.total_bytes}
+                grads_out[plan] = per_example_gradients(model, adapter, modules, projector, batch,
+                                                        grads.loss_reduction).row().cpu()
+                stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())
+                bar.update(task, advance=len(chunk), rates=stats.text())
+            writer.write_shard(k, grads_out, torch.arange(start, end),
+                               sources=torch.from_numpy(corpus.positions[start:end].copy()))
+    if stats.rows:
+        console.print(f"indexed {stats.rows} rows: {stats.text()} ({stats.real_tokens} tokens,"
+                      f" {stats.computed_tokens} computed)")
+    # The estimate is for the longest row in the largest batch the budget allows: an upper bound.
+    return {**IndexReader(index_dir).summary(), "estimated_peak_bytes": estimate.total_bytes,
+            "padding_share": round(stats.padding_share, 4), "real_tokens": stats.real_tokens,
+            "computed_tokens": stats.computed_tokens}

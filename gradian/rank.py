@@ -25,10 +25,11 @@ import torch
 
 from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
-from circuitkit.io import atomic_write_bytes, sha256_file
+from circuitkit.io import atomic_write_bytes
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.projection import Projector, projection_fingerprint
 from gradian.restrict import site_shapes, sites_from_names
+from gradian.sources import DataError, Source, SourceSpec
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     """
     from circuitkit.models.loading import context_length
     from gradian.capture import per_example_gradients
-    from gradian.data import batches, collate, load_rows
+    from gradian.data import collate, load_rows, plan_batches
     from gradian.indexer import check_input_file
 
     queries_path = Path(queries_path)
@@ -235,12 +236,14 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     model, tokenizer = loaded.model, loaded.tokenizer
     modules = sites_from_names(model, loaded.adapter, projector.names)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    parts = []
-    for chunk in batches(rows, batch_size):
-        batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
-        parts.append(per_example_gradients(model, loaded.adapter, modules, projector, batch,
-                                           manifest.get("loss_reduction", "sum")).row().float().cpu())
-    return torch.cat(parts), rows
+    lengths = [len(r.input_ids) for r in rows]
+    out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
+    budget = batch_size * max(lengths)
+    for plan in plan_batches(lengths, batch_size, budget):
+        batch = {key: t.to(loaded.device) for key, t in collate([rows[i] for i in plan], pad_id).items()}
+        out[plan] = per_example_gradients(model, loaded.adapter, modules, projector, batch,
+                                          manifest.get("loss_reduction", "sum")).row().float().cpu()
+    return out, rows
 
 
 # ----------------------------------------------------------------------------- output
@@ -258,74 +261,97 @@ def check_output_file(path: Path, what: str) -> None:
         raise UserError(f"{what} {str(path)!r} exists and is not writable; choose another file.", exit_code=2)
 
 
-def _kept_lines(manifest: dict[str, Any], data_file: Path | None) -> list[int] | None:
-    """Line number (1-based) of each index row in the training file, or None if unknown.
+def _positions(index_dir: Path, manifest: dict[str, Any], row_ids: set[int]) -> dict[int, int]:
+    """row id -> its position in the training data (JSONL line, or table row index).
 
-    From data_report.kept_lines when the manifest has it; otherwise rebuilt from the file: the
-    kept rows are the non-blank lines minus the dropped ones, in file order (as load_rows does).
+    From the shards' `sources` tensors; for indexes written before shards carried them, from
+    the manifest's data_report.kept_lines, or rebuilt from the JSONL file (the kept rows are the
+    non-blank lines minus the dropped ones, in file order).
     """
+    found = IndexReader(index_dir).source_positions(sorted(row_ids))
+    missing = row_ids - set(found)
+    if not missing:
+        return found
     report = manifest.get("data_report") or {}
-    if report.get("kept_lines") is not None:
-        return list(report["kept_lines"])
-    if data_file is None:
+    kept = report.get("kept_lines")
+    if kept is None:
+        source = _usable_source(manifest)
+        if source is None or source.format != "jsonl":
+            return found
+        dropped = set(report.get("dropped_truncated_lines", [])) | set(report.get("dropped_unsupervised_lines", []))
+        with open(source.name, encoding="utf-8-sig") as fh:
+            kept = [n for n, line in enumerate(fh, start=1) if line.strip() and n not in dropped]
+    found.update({r: kept[r] for r in missing if r < len(kept)})
+    return found
+
+
+def _usable_source(manifest: dict[str, Any]) -> Source | None:
+    """The training data if it is still where the index says and unchanged (else no previews)."""
+    described = manifest.get("data_source")
+    try:
+        if described:
+            cols = described.get("columns") or {}
+            rng = described.get("row_range")
+            # data_file says where the data is now (a test or a user may point it elsewhere).
+            spec = SourceSpec(path=manifest.get("data_file") or described["path"], format=described.get("format", "auto"),
+                              split=described.get("split"), prompt_column=cols.get("prompt", "prompt"),
+                              completion_column=cols.get("completion", "completion"),
+                              messages_column=cols.get("messages", "messages"),
+                              row_range=tuple(rng) if rng else None)
+        elif manifest.get("data_file"):
+            spec = SourceSpec(path=manifest["data_file"])
+        else:
+            return None
+        source = Source(spec)
+        if manifest.get("data_sha256") and source.fingerprint() != manifest["data_sha256"]:
+            log.warning("training data %s changed since the index was built: previews are left empty.", spec.path)
+            return None
+        return source
+    except (DataError, OSError) as err:
+        log.warning("training data %s cannot be read any more (%s): previews are left empty.",
+                    manifest.get("data_file"), err)
         return None
-    dropped = set(report.get("dropped_truncated_lines", [])) | set(report.get("dropped_unsupervised_lines", []))
-    with open(data_file, encoding="utf-8-sig") as fh:
-        return [n for n, line in enumerate(fh, start=1) if line.strip() and n not in dropped]
 
 
-def _usable_data_file(manifest: dict[str, Any]) -> Path | None:
-    """The training file if it is still where the index says and unchanged (else no previews)."""
-    path = manifest.get("data_file")
-    if not path or not Path(path).is_file():
-        log.warning("training data %s is not there any more: previews are left empty.", path)
-        return None
-    if manifest.get("data_sha256") and sha256_file(Path(path)) != manifest["data_sha256"]:
-        log.warning("training data %s changed since the index was built: previews are left empty.", path)
-        return None
-    return Path(path)
-
-
-def _read_previews(data_file: Path, lines: Iterable[int]) -> dict[int, str]:
-    """Preview text of the given 1-based lines; reads the file once, up to the last line asked."""
+def _read_previews(source: Source, positions: Iterable[int]) -> dict[int, str]:
+    """Preview text of the records at the given positions; reads the source once, in order, up
+    to the last position asked."""
     from gradian.data import _preview
 
-    wanted = set(lines)
+    wanted = set(positions)
     out: dict[int, str] = {}
     if not wanted:
         return out
     last = max(wanted)
-    with open(data_file, encoding="utf-8-sig") as fh:
-        for n, line in enumerate(fh, start=1):
-            if n in wanted:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if "messages" in obj:
-                    text = " / ".join(f"{m.get('role')}: {m.get('content')}" for m in obj["messages"])
+    try:
+        for position, _where, obj in source.records():
+            if position in wanted and isinstance(obj, dict):
+                if isinstance(obj.get("messages"), list):
+                    text = " / ".join(f"{m.get('role')}: {m.get('content')}" for m in obj["messages"]
+                                      if isinstance(m, dict))
                 else:
                     text = f"{obj.get('prompt', '')}{obj.get('completion', '')}"
-                out[n] = _preview(text)
-            if n >= last:
+                out[position] = _preview(text)
+            if position >= last:
                 break
+    except DataError as err:  # a record that does not parse any more: previews stop there
+        log.warning("previews stop at %s", err)
     return out
 
 
-def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query_ids: Sequence[Any]
-                   ) -> list[dict[str, Any]]:
+def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query_ids: Sequence[Any],
+                   index_dir: str | Path) -> list[dict[str, Any]]:
     """Result rows: per query then the aggregate, ranks 1..k, with source line and preview."""
-    data_file = _usable_data_file(manifest)
-    kept = _kept_lines(manifest, data_file)
     lists: list[tuple[Any, torch.Tensor, torch.Tensor]] = [
         (qid, top["query_rows"][i], top["query_scores"][i]) for i, qid in enumerate(query_ids)]
     lists.append(("aggregate", top["aggregate_rows"], top["aggregate_scores"]))
+    positions = _positions(Path(index_dir), manifest, {int(r) for _, rows, _ in lists for r in rows})
 
     def line_of(row: int) -> int | None:
-        return kept[row] if kept is not None and row < len(kept) else None
+        return positions.get(row)
 
-    needed = {line_of(int(r)) for _, rows, _ in lists for r in rows}
-    previews = _read_previews(data_file, needed - {None}) if data_file is not None else {}
+    source = _usable_source(manifest)
+    previews = _read_previews(source, set(positions.values())) if source is not None else {}
     out = []
     for qid, rows, scores in lists:
         for position, (row, value) in enumerate(zip(rows.tolist(), scores.tolist(), strict=True), start=1):
@@ -376,7 +402,7 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     projector = check_compatible(manifest, loaded)
     q_grads, q_rows = query_gradients(manifest, loaded, projector, queries_path)
     top = stream_topk(index_dir, q_grads, top_k, score, aggregate, verify=verify)
-    results = format_results(manifest, top, [r.row_id for r in q_rows])
+    results = format_results(manifest, top, [r.row_id for r in q_rows], index_dir)
     if out_path is not None:
         payload = "".join(json.dumps(r) + "\n" for r in results).encode()
         atomic_write_bytes(Path(out_path), payload)

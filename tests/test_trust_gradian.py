@@ -235,7 +235,7 @@ CASES = [
          no_model=True),
     Case("queries not UTF-8", then(lambda d, i, t: _write(d / "q.jsonl", json.dumps(ROWS[0]).encode() + b"\n"
                                                           + b'{"prompt": "caf\xe9", "completion": " x"}\n'), rank()),
-         2, r"q\.jsonl:2: not UTF-8 text"),
+         2, r"q\.jsonl:2: not UTF-8"),
     Case("queries not JSON", then(lambda d, i, t: _write(d / "q.jsonl", b'{"prompt": \n'), rank()), 2,
          r"q\.jsonl:1: not valid JSON"),
     Case("--out in a file's place", then(lambda d, i, t: (d / "plain").write_text("x"),
@@ -256,7 +256,7 @@ CASES = [
          no_model=True),
     Case("data not UTF-8", then(lambda d, i, t: _write(d / "bad.jsonl", b"".join(
         json.dumps(r).encode() + b"\n" for r in ROWS[:2]) + b'{"prompt": "\xff\xfe", "completion": " x"}\n'),
-        index(data="bad.jsonl")), 1, r"bad\.jsonl:3: not UTF-8 text"),
+        index(data="bad.jsonl")), 1, r"bad\.jsonl:3: not UTF-8"),
     Case("override syntax", index("grads.batch_size=["), 2, r"cannot parse the override 'grads\.batch_size=\['", no_model=True),
     Case("unknown key", index("grads.nope=1"), 2, r"nope", no_model=True),
     Case("shard_index >= num_shards", index("grads.num_shards=2", "grads.shard_index=2"), 2,

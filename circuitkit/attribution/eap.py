@@ -275,13 +275,16 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _Gradi
 
 def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", level: str = "node",
               metric: str = "logit_diff", ig_steps: int | None = 5, batch_size: int = 4,
-              progress: bool = True, ig_rule: str = DEFAULT_IG_RULE) -> AttributionScores:
+              progress: bool = True, ig_rule: str = DEFAULT_IG_RULE,
+              group_by_length: bool = True) -> AttributionScores:
     """EAP / EAP-IG / clean-corrupted scores of every node (and edge, if level='edge').
 
     data: TaskData with N pairs; scores are means over the N examples, independent of
-    batch_size. Returns AttributionScores with head (L, H), mlp (L,), embed () and, at edge
-    level, edges (n_upstream, n_downstream). `ig_rule` chooses the eap-ig quadrature
-    (right, midpoint, trapezoid, gauss_legendre); ig_steps is its number of points = passes.
+    batch_size. Pairs of similar length are batched together and each batch is cut to its
+    longest pair (`TaskData.length_batches`; `group_by_length=False` keeps the data order).
+    Returns AttributionScores with head (L, H), mlp (L,), embed () and, at edge level, edges
+    (n_upstream, n_downstream). `ig_rule` chooses the eap-ig quadrature (right, midpoint,
+    trapezoid, gauss_legendre); ig_steps is its number of points = passes.
     """
     rule = integration_rule(algorithm, ig_steps, ig_rule)
     edges = level == "edge"
@@ -294,11 +297,11 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     if edges:
         out["edges"] = torch.zeros(len(graph.upstream), len(graph.downstream), device=device)
     metric_clean = metric_corrupt = 0.0
-    n_batches = (len(data) + batch_size - 1) // batch_size
+    planned = data.length_batches(batch_size, group_by_length)
     with Progress(TextColumn(f"{algorithm} {level}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
                   TimeElapsedColumn(), TimeRemainingColumn(), disable=not progress, transient=True) as bar:
-        task = bar.add_task("attribution", total=n_batches)
-        for batch in data.batches(batch_size):
+        task = bar.add_task("attribution", total=len(planned))
+        for batch in planned:
             batch = batch.to(device)
             clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges)
             corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges)

@@ -14,6 +14,8 @@ import torch
 
 from circuitkit.io import atomic_save_safetensors
 
+_POSITIONAL = ("clean_ids", "corrupted_ids", "attention_mask")  # the fields with a position axis
+
 
 class TaskError(ValueError):
     """Task data that cannot be used (the message names the row and what to fix)."""
@@ -41,6 +43,30 @@ class TaskData:
         """Consecutive slices of `batch_size` examples (the last may be shorter)."""
         for start in range(0, len(self), batch_size):
             yield self[start:start + batch_size]
+
+    def lengths(self) -> list[int]:
+        """Real tokens per pair (the attention mask's row sums)."""
+        return self.attention_mask.sum(dim=1).tolist()
+
+    def length_batches(self, batch_size: int, group_by_length: bool = True) -> list[TaskData]:
+        """Batches of at most `batch_size` pairs, each trimmed to its own longest pair.
+
+        With `group_by_length`, pairs of similar length share a batch (longest first, ties by
+        index), so few positions are padding; without it, consecutive slices in data order. The
+        positions trimmed are padding after every pair's last token: no metric reads them (the
+        answer position comes before them and attention is causal), so per-example scores are
+        unchanged up to float round-off, and sums over examples do not depend on the batching.
+        """
+        lengths = self.lengths()
+        order = sorted(range(len(self)), key=lambda i: (-lengths[i], i)) if group_by_length else list(range(len(self)))
+        out = []
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            width = max(lengths[i] for i in idx)
+            batch = self[torch.tensor(idx)]
+            out.append(TaskData(**{f.name: (getattr(batch, f.name)[:, :width] if f.name in _POSITIONAL
+                                            else getattr(batch, f.name)) for f in fields(self)}))
+        return out
 
     def save(self, path: Path, metadata: dict[str, str] | None = None) -> Path:
         return atomic_save_safetensors(path, {f.name: getattr(self, f.name) for f in fields(self)}, metadata)

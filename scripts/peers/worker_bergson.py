@@ -81,7 +81,7 @@ def run(spec: dict, result: dict) -> None:
     work = Path(spec["work_dir"])
     # bergson batches by tokens and refuses a budget above the tokenizer's model_max_length.
     context = AutoTokenizer.from_pretrained(spec["model_dir"]).model_max_length
-    token_batch_size = min(context, spec["batch_size"] * spec["max_length"])
+    token_batch_size = min(context, spec.get("batch_tokens") or spec["batch_size"] * spec["max_length"])
     with measured() as cold:  # first build in this process: lazy imports, dataset caches
         index(spec, spec["docs"], work / "bergson_warmup", token_batch_size)
     with measured() as m:

@@ -39,23 +39,34 @@ def floor_seconds(spec: dict) -> dict[str, float]:
     """The floor of any per-example method, timed like the index (second pass in the process): one
     batched forward+backward of the same batches with frozen parameters, activation gradients only,
     loss over the completion tokens; with logits everywhere (a plain model call, `floor_seconds`)
-    and only where supervised (`floor_supervised_seconds`)."""
+    and only where supervised (`floor_supervised_seconds`). With `padding_free_floor` in the spec,
+    also `floor_padding_free_seconds`: the rows bucketed by exact length (batches of at most
+    batch_size rows of one length, so no token is padding), supervised logits only."""
     import torch
     import torch.nn.functional as F
 
     from circuitkit.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.capture import supervised_positions
-    from gradian.data import batches, collate, load_rows
+    from gradian.data import collate, load_rows, plan_batches
 
     loaded = load_model(ModelConfig(name=spec["model_dir"], precision=spec.get("precision", "float32")))
     rows, _ = load_rows(spec["docs"], loaded.tokenizer, spec["max_length"])
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
     embed = loaded.model.get_input_embeddings()
 
-    def one_pass(supervised_logits_only: bool) -> None:
-        for chunk in batches(rows, spec["batch_size"]):
-            batch = collate(chunk, pad)
+    lengths = [len(r.input_ids) for r in rows]
+    # The same batches as the index: Gradian's plan for the spec's batching.
+    plan = plan_batches(lengths, spec["batch_size"], spec.get("batch_tokens"), spec.get("group_by_length", True))
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_length.setdefault(n, []).append(i)
+    padding_free = [ids[k:k + spec["batch_size"]] for ids in by_length.values()
+                    for k in range(0, len(ids), spec["batch_size"])]
+
+    def one_pass(supervised_logits_only: bool, batches_of: list[list[int]] = plan) -> None:
+        for idx in batches_of:
+            batch = collate([rows[i] for i in idx], pad)
             ex, pos, target = supervised_positions(batch)
             embeds = embed(batch["input_ids"]).detach().requires_grad_(True)
             if supervised_logits_only:
@@ -67,11 +78,16 @@ def floor_seconds(spec: dict) -> dict[str, float]:
             torch.autograd.grad(loss, embeds)
 
     out = {}
-    for key, supervised_only in (("floor_seconds", False), ("floor_supervised_seconds", True)):
-        one_pass(supervised_only)
+    passes = [("floor_seconds", False, plan), ("floor_supervised_seconds", True, plan)]
+    if spec.get("padding_free_floor"):
+        passes.append(("floor_padding_free_seconds", True, padding_free))
+    for key, supervised_only, batches_of in passes:
+        one_pass(supervised_only, batches_of)
         with measured() as m:
-            one_pass(supervised_only)
+            one_pass(supervised_only, batches_of)
         out[key] = m.seconds
+    out["computed_tokens"] = sum(len(b) * max(lengths[i] for i in b) for b in plan)
+    out["real_tokens"] = sum(lengths)
     return out
 
 
@@ -88,7 +104,8 @@ def run(spec: dict, result: dict) -> None:
     model_cfg = ModelConfig(name=spec["model_dir"], precision=spec.get("precision", "float32"))
     grads = GradsConfig(data_path=spec["docs"], batch_size=spec["batch_size"], max_seq_length=spec["max_length"],
                         module_filter=spec["modules"], projection="kronecker", projection_dim=spec["per_module_dim"],
-                        projection_seed=spec["seed"], storage_dtype=storage)
+                        projection_seed=spec["seed"], storage_dtype=storage,
+                        group_by_length=spec.get("group_by_length", True), batch_tokens=spec.get("batch_tokens"))
     index_dir = work / f"gradian_{storage}"
     quiet = Console(stderr=True, quiet=True)
     with measured() as cold:  # first build in this process: lazy imports
@@ -109,7 +126,9 @@ def run(spec: dict, result: dict) -> None:
                   f" {spec.get('precision', 'float32')} model, {storage} rows",
         "n_rows": n_docs, "cold_seconds": cold.seconds, "index_seconds": m.seconds, "index_peak_bytes": m.peak_bytes,
         "query_seconds": query_s, "row_width": summary["row_width"], "bytes_per_row": shard_bytes / n_docs,
-        "scores": scores, "scoring": "gradian rank, cosine"})
+        "scores": scores, "scoring": "gradian rank, cosine",
+        "padding_share": summary.get("padding_share"), "real_tokens": summary.get("real_tokens"),
+        "computed_tokens": summary.get("computed_tokens")})
     if spec.get("floor"):
         result.update(floor_seconds(spec))
 

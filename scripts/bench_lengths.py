@@ -1,0 +1,235 @@
+"""Benchmark: rows of realistic, very different lengths; Gradian's length-aware batching side by side.
+
+The workload (`lengths_corpus`, deterministic): prompt and completion lengths drawn from
+log-normal distributions (prompt median 74 tokens, completion median 20, row total clipped to
+29..497 tokens, mean about 124), text from the tiny tokenizer's synthetic corpus; a
+GPT-2-small-shaped model with random weights; gradients of the 12 `mlp.c_proj`, kronecker
+18 x 18 per module; float32 and bfloat16. Every tool runs in a fresh process of its own
+(`scripts/peers/`, as in bench_peers.py), timed on its second build in that process:
+
+* **gradian, length-aware**: the default batching (rows grouped by length, at most
+  `--batch-size` rows and `--batch-tokens` padded tokens per batch);
+* **gradian, file order**: batches of `--batch-size` consecutive rows (version 0.1's batching);
+* **bergson** (if `make peers` built it): its own token batching with the same token budget;
+* **floor, padding-free**: forward+backward of the rows bucketed by exact length (no padding at
+  all), supervised logits only, frozen weights: the least work any per-example method can do.
+
+Attribution over a JSONL task whose pairs vary in length (6 to 120 tokens) is timed too: EAP-IG
+at node level on the same model with pairs grouped by length vs in file order.
+
+    python scripts/bench_lengths.py [--rows 96] [--batch-size 16] [--batch-tokens 1024]
+                                    [--tools gradian,gradian-file-order,bergson] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import random
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from bench_peers import CONCAT_TEMPLATE, THROUGHPUT, THROUGHPUT_DIM, run_worker, write_jsonl  # noqa: E402
+
+from circuitkit.config import ModelConfig  # noqa: E402
+from circuitkit.models.loading import load_model  # noqa: E402
+
+PROMPT_MEDIAN, COMPLETION_MEDIAN, SIGMA = 74, 20, 0.7
+MIN_TOKENS, MAX_TOKENS = 29, 497
+
+
+def lengths_corpus(n_rows: int, tokenizer: Any, seed: int = 0) -> list[dict[str, str]]:
+    """n_rows prompt/completion rows with log-normal token lengths (see the module docstring)."""
+    from circuitkit.models.tiny import synthetic_corpus
+
+    rng = random.Random(seed)
+    sentences = iter(synthetic_corpus(n_sentences=200 * n_rows, seed=seed + 1))
+    rows = []
+    for _ in range(n_rows):
+        n_prompt = max(1, round(rng.lognormvariate(math.log(PROMPT_MEDIAN), SIGMA)))
+        n_completion = max(1, round(rng.lognormvariate(math.log(COMPLETION_MEDIAN), SIGMA)))
+        total = min(MAX_TOKENS, max(MIN_TOKENS, n_prompt + n_completion))
+        n_completion = min(n_completion, total - 1)
+        n_prompt = total - n_completion
+        ids: list[int] = []
+        while len(ids) < total:
+            ids += tokenizer(" " + next(sentences), add_special_tokens=False)["input_ids"]
+        rows.append({"prompt": tokenizer.decode(ids[:n_prompt]), "completion": tokenizer.decode(ids[n_prompt:total])})
+    return rows
+
+
+def prepare(work: Path, n_rows: int) -> dict[str, Any]:
+    """The GPT-2-small-shaped model dir and the JSONL rows."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = load_model(ModelConfig(name="builtin:tiny-gpt2", precision="float32")).tokenizer
+    tokenizer.chat_template = CONCAT_TEMPLATE  # bergson renders rows with it: the same tokens for all
+    tokenizer.model_max_length = THROUGHPUT["n_positions"]
+    torch.manual_seed(0)
+    model_dir = work / "gpt2_small_shape"
+    GPT2LMHeadModel(GPT2Config(**THROUGHPUT)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rows = lengths_corpus(n_rows, tokenizer)
+    docs = write_jsonl(work / "rows.jsonl", rows)
+    queries = {"full": str(write_jsonl(work / "queries.jsonl", rows[:4]))}
+    modules = [f"transformer.h.{layer}.mlp.c_proj" for layer in range(THROUGHPUT["n_layer"])]
+    token_counts = [len(tokenizer(r["prompt"] + r["completion"])["input_ids"]) for r in rows]
+    return {"model_dir": str(model_dir), "docs": str(docs), "queries": queries, "modules": modules,
+            "lengths": {"min": min(token_counts), "max": max(token_counts),
+                        "mean": sum(token_counts) / len(token_counts)}}
+
+
+TOOL_SPECS = {  # tool -> (worker in bench_peers.TOOLS, spec entries)
+    "gradian": ("gradian", {"group_by_length": True}),
+    "gradian-file-order": ("gradian", {"group_by_length": False, "batch_tokens": None}),
+    "bergson": ("bergson", {}),
+}
+
+
+def run_indexing(work: Path, data: dict[str, Any], tools: list[str], batch_size: int, batch_tokens: int,
+                 timeout: float, console: Console) -> list[dict[str, Any]]:
+    rows = []
+    for precision in ("float32", "bfloat16"):
+        for tool in tools:
+            worker, own = TOOL_SPECS[tool]
+            tool_work = work / f"{tool}_{precision}"
+            tool_work.mkdir(parents=True, exist_ok=True)
+            spec = {k: data[k] for k in ("model_dir", "docs", "queries", "modules")}
+            spec.update(per_module_dim=THROUGHPUT_DIM, total_dim=THROUGHPUT_DIM * len(data["modules"]),
+                        batch_size=batch_size, batch_tokens=batch_tokens, max_length=512, seed=0,
+                        work_dir=str(tool_work), precision=precision, storage_dtype="float16",
+                        floor=tool == "gradian", padding_free_floor=tool == "gradian")
+            spec.update(own)
+            console.print(f"[dim]{tool}, {precision}...[/dim]")
+            result = run_worker(worker, spec, tool_work, timeout)
+            if result.get("error"):
+                rows.append({"tool": tool, "precision": precision, "error": result["error"]})
+                continue
+            rows.append({"tool": tool, "precision": precision, "n_rows": result["n_rows"],
+                         "seconds": result["index_seconds"], "examples_per_s": result["n_rows"] / result["index_seconds"],
+                         "peak_mib": result["index_peak_bytes"] / 2**20, "padding_share": result.get("padding_share")})
+            if "floor_padding_free_seconds" in result:
+                rows.append({"tool": "floor, padding-free", "precision": precision, "n_rows": result["n_rows"],
+                             "seconds": result["floor_padding_free_seconds"],
+                             "examples_per_s": result["n_rows"] / result["floor_padding_free_seconds"],
+                             "padding_share": 0.0})
+    return rows
+
+
+def attribution_pairs(n: int, seed: int = 0) -> list[tuple[list[int], list[int], int, int]]:
+    """n (clean ids, corrupted ids, correct, incorrect) of 6..120 tokens (log-normal lengths)."""
+    rng = random.Random(seed)
+    vocab = list(range(300, 1000))
+    pairs = []
+    for _ in range(n):
+        length = min(120, max(6, round(rng.lognormvariate(math.log(30), 0.8))))
+        ids = [rng.choice(vocab) for _ in range(length)]
+        other = list(ids)
+        other[rng.randrange(length - 1)] = rng.choice(vocab)
+        pairs.append((ids, other, rng.choice(vocab), rng.choice(vocab)))
+    return pairs
+
+
+def run_attribution(data: dict[str, Any], n_pairs: int, batch_size: int, console: Console) -> list[dict[str, Any]]:
+    """EAP-IG node scores over pairs of varied length: grouped by length vs file order, same process."""
+    from circuitkit.attribution import attribute
+    from circuitkit.tasks.base import from_token_lists
+
+    loaded = load_model(ModelConfig(name=data["model_dir"], precision="float32"))
+    pairs = attribution_pairs(n_pairs)
+    task = from_token_lists([p[0] for p in pairs], [p[1] for p in pairs], [[p[2]] for p in pairs],
+                            [[p[3]] for p in pairs], pad_id=0)
+    real = int(task.attention_mask.sum())
+    out, scores = [], {}
+    for grouped in (True, False, True):  # the first run warms up
+        t0 = time.perf_counter()
+        scores[grouped] = attribute(loaded.adapter, task, "eap-ig", "node", ig_steps=3, batch_size=batch_size,
+                                    progress=False, group_by_length=grouped)
+        seconds = time.perf_counter() - t0
+        computed = sum(b.clean_ids.numel() for b in task.length_batches(batch_size, grouped))
+        out.append({"batching": "length-aware" if grouped else "file order", "seconds": seconds,
+                    "padding_share": 1 - real / computed})
+    out = out[1:]
+    diff = (scores[True].head - scores[False].head).abs().max() / scores[False].head.abs().max()
+    console.print(f"attribution: head scores grouped vs file order, max relative difference {diff:.1e}")
+    return out
+
+
+def print_tables(report: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"gradient indexing, {report['n_rows']} rows of {report['lengths']['min']}.."
+                        f"{report['lengths']['max']} tokens (mean {report['lengths']['mean']:.0f}), GPT-2-small shape,"
+                        f" 12 x mlp.c_proj, 18 x 18; batch <= {report['batch_size']} rows, <= {report['batch_tokens']} tokens")
+    for col in ("tool", "dtype", "examples/s", "length-aware speed-up", "peak MiB", "padding share", "s"):
+        table.add_column(col, justify="left" if col in ("tool", "dtype") else "right")
+    for r in report["indexing"]:
+        if r.get("error"):
+            table.add_row(r["tool"], r["precision"], "-", "-", "-", "-", f"[red]{r['error']}[/red]")
+            continue
+        ours = next((o for o in report["indexing"] if o["tool"] == "gradian" and o["precision"] == r["precision"]
+                     and not o.get("error")), None)
+        ratio = f"{ours['examples_per_s'] / r['examples_per_s']:.2f}x" if ours else "-"
+        peak = "-" if "peak_mib" not in r else f"{r['peak_mib']:.0f}"
+        pad = "-" if r.get("padding_share") is None else f"{100 * r['padding_share']:.1f}%"
+        table.add_row(r["tool"], r["precision"], f"{r['examples_per_s']:.2f}", ratio, peak, pad, f"{r['seconds']:.1f}")
+    console.print(table)
+    if report.get("attribution"):
+        table = Table(title=f"attribution, EAP-IG node level (m=3), {report['n_pairs']} pairs of 6..120 tokens")
+        for col in ("batching", "seconds", "padding share", "speed-up"):
+            table.add_column(col)
+        grouped = report["attribution"][0]["seconds"]
+        for r in report["attribution"]:
+            table.add_row(r["batching"], f"{r['seconds']:.1f}", f"{100 * r['padding_share']:.1f}%",
+                          f"{r['seconds'] / grouped:.2f}x")
+        console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=96)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-tokens", type=int, default=1024,
+                   help="token budget of a batch, for gradian and bergson alike")
+    p.add_argument("--tools", default="gradian,gradian-file-order,bergson")
+    p.add_argument("--pairs", type=int, default=48, help="attribution pairs (0 skips attribution)")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)
+    console = Console(width=160)
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_lengths_") as tmp:
+        work = Path(tmp)
+        data = prepare(work, args.rows)
+        report: dict[str, Any] = {
+            "date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch"
+            f" {torch.__version__}, {torch.get_num_threads()} threads", "n_rows": args.rows,
+            "batch_size": args.batch_size, "batch_tokens": args.batch_tokens, "lengths": data["lengths"],
+            "n_pairs": args.pairs}
+        report["indexing"] = run_indexing(work, data, tools, args.batch_size, args.batch_tokens, args.timeout, console)
+        if args.pairs:
+            report["attribution"] = run_attribution(data, args.pairs, args.batch_size, console)
+    report["wall_s"] = time.perf_counter() - start
+    print_tables(report, console)
+    console.print(f"{report['machine']}; wall time {report['wall_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
