@@ -458,28 +458,39 @@ def check_overrides(overrides: Iterable[str], ranges: bool = True) -> None:
             _check_value(key, v, leaf_tp, meta)
 
 
+def _hydra_compose(overrides: list[str], config_name: str, with_hydra: bool, keep: bool = False) -> DictConfig:
+    """Hydra's compose API on conf/, its errors turned into ConfigError naming the problem.
+
+    with_hydra: include the `hydra` block (run and sweep dirs). keep: leave Hydra's global
+    state initialized afterwards (as `compose` always has), else clear it.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=with_hydra)
+    except OmegaConfBaseException as err:
+        raise config_error_from_omegaconf(err) from None
+    except HydraException as err:  # e.g. a group option that does not exist (model=nope)
+        raise ConfigError(" ".join(str(err).split())) from None
+    finally:
+        if not keep:
+            GlobalHydra.instance().clear()
+
+
 def compose(overrides: Iterable[str] = (), config_name: str = "config") -> tuple[DictConfig, AppConfig]:
     """Compose the config like `python -m circuitkit.run` would, with Hydra's compose API.
 
     Returns the composed DictConfig and its validated AppConfig.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     overrides = list(overrides)
     check_overrides(overrides)
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    from hydra.errors import HydraException
-
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name=config_name, overrides=overrides)
-    except OmegaConfBaseException as err:
-        raise config_error_from_omegaconf(err) from None
-    except HydraException as err:  # e.g. a group option that does not exist (model=nope)
-        raise ConfigError(" ".join(str(err).split())) from None
+    cfg = _hydra_compose(overrides, config_name, with_hydra=False, keep=True)
     return cfg, validate(cfg)
 
 
@@ -487,50 +498,29 @@ def compose_with_run_dir(overrides: Iterable[str], config_name: str = "config") 
     """One composition that gives what `compose` validates and `hydra.run.dir` resolved now,
     so a single run is checked before Hydra creates its directory (a composition takes
     seconds on a busy machine: one, not two)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-
     overrides = list(overrides)
     check_overrides(overrides)
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
+    cfg = _hydra_compose(overrides, config_name, with_hydra=True)
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
         run_dir = str(OmegaConf.select(cfg, "hydra.run.dir", throw_on_resolution_failure=True))
         typed = validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
     except OmegaConfBaseException as err:
         raise config_error_from_omegaconf(err) from None
-    except HydraException as err:
-        raise ConfigError(" ".join(str(err).split())) from None
-    finally:
-        GlobalHydra.instance().clear()
     return typed, run_dir
 
 
 def hydra_dir(overrides: Iterable[str], kind: str = "run", config_name: str = "config") -> str:
     """`hydra.run.dir` (kind "run") or `hydra.sweep.dir` ("sweep") as these overrides set it,
     resolved now (so it can be checked before Hydra creates it)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     overrides = list(overrides)
     # A sweep's values do not decide its directory; compose cannot take them.
     single = [text for text, ov in zip(overrides, _parse_overrides(overrides), strict=True)
               if not ov.is_sweep_override()]
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
+    cfg = _hydra_compose(single, config_name, with_hydra=True)
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name=config_name, overrides=single, return_hydra_config=True)
         return str(OmegaConf.select(cfg, f"hydra.{kind}.dir", throw_on_resolution_failure=True))
     except OmegaConfBaseException as err:
         raise config_error_from_omegaconf(err) from None
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def to_dict(cfg: AppConfig) -> dict[str, Any]:
