@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from test_gradian_grads import _rows  # the right-padded batch builder those tests use
 
 from circuitkit.circuit import circuit_sha256, kept_components, save_circuit
 from circuitkit.config import ModelConfig, compose
@@ -38,16 +39,6 @@ def _circuit(path, adapter, kept: list[tuple[int, int]], scope: str = "heads", *
                "rank_by": "abs", "target_sparsity": 0.5, "achieved_sparsity": 0.5, **extra}
     save_circuit(path, circuit)
     return circuit
-
-
-def _batch(seqs: list[torch.Tensor], sup_from: list[int]) -> dict[str, torch.Tensor]:
-    t = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), t, dtype=torch.long)
-    mask = torch.zeros(len(seqs), t, dtype=torch.long)
-    sup = torch.zeros(len(seqs), t, dtype=torch.bool)
-    for i, (s, k) in enumerate(zip(seqs, sup_from, strict=True)):
-        ids[i, :len(s)], mask[i, :len(s)], sup[i, k:len(s)] = s, 1, True
-    return {"input_ids": ids, "attention_mask": mask, "supervised": sup}
 
 
 def _weight_grad(lm, module, seq: torch.Tensor, sup_from: int) -> torch.Tensor:
@@ -88,7 +79,7 @@ def test_per_head_rows_equal_autograd_slices(tmp_path, fixture: str, kept) -> No
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(5, 250, (n,), generator=g) for n in (11, 16, 8)]
     sup_from = [5, 9, 3]
-    got = per_example_gradients(lm.model, lm.adapter, sites, projector, _batch(seqs, sup_from))
+    got = per_example_gradients(lm.model, lm.adapter, sites, projector, _rows(seqs, sup_from))
     worst = 0.0
     for b, (seq, k) in enumerate(zip(seqs, sup_from, strict=True)):
         for site in sites:
