@@ -101,9 +101,10 @@ TOOL_SPECS = {  # tool -> (worker in bench_peers.TOOLS, spec entries)
 
 
 def run_indexing(work: Path, data: dict[str, Any], tools: list[str], batch_size: int, batch_tokens: int,
-                 timeout: float, console: Console) -> list[dict[str, Any]]:
+                 timeout: float, console: Console, dtypes: tuple[str, ...] = ("float32", "bfloat16")
+                 ) -> list[dict[str, Any]]:
     rows = []
-    for precision in ("float32", "bfloat16"):
+    for precision in dtypes:
         for tool in tools:
             worker, own = TOOL_SPECS[tool]
             tool_work = work / f"{tool}_{precision}"
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="token budget of a batch, for gradian and bergson alike")
     p.add_argument("--tools", default="gradian,gradian-file-order,bergson")
     p.add_argument("--pairs", type=int, default=48, help="attribution pairs (0 skips attribution)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes, comma-separated")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -220,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             f" {torch.__version__}, {torch.get_num_threads()} threads", "n_rows": args.rows,
             "batch_size": args.batch_size, "batch_tokens": args.batch_tokens, "lengths": data["lengths"],
             "n_pairs": args.pairs}
-        report["indexing"] = run_indexing(work, data, tools, args.batch_size, args.batch_tokens, args.timeout, console)
+        report["indexing"] = run_indexing(work, data, tools, args.batch_size, args.batch_tokens, args.timeout, console,
+                                          tuple(d.strip() for d in args.dtypes.split(",")))
         if args.pairs:
             report["attribution"] = run_attribution(data, args.pairs, args.batch_size, console)
     report["wall_s"] = time.perf_counter() - start
