@@ -4,8 +4,9 @@ Indexing needs every row's length and id before the first shard (shards are fixe
 so that workers and resumed runs agree), but it must not hold millions of token lists in
 memory. `TokenizedCorpus.scan` therefore reads the source record by record, encodes each row
 (`gradian.data.iter_rows`) and appends its tokens and supervision mask to two flat files in a
-private temporary directory; memory keeps three numbers per row (offset, length, source
-position). `rows(start, end)` rebuilds the `Row`s of one shard from the files.
+private temporary directory; memory keeps two int64 per row (offset and source position:
+16 MB for a million rows). `rows(start, end)` reads one shard's bytes back and rebuilds its
+`Row`s.
 
     tokens.bin   int32, all kept rows' token ids back to back
     mask.bin     uint8, 1 where the token is supervised
@@ -35,8 +36,6 @@ class TokenizedCorpus:
         self.offsets = offsets  # (n + 1,) int64: row i is tokens[offsets[i]:offsets[i + 1]]
         self.positions = positions  # (n,) int64: where row i is in the source (line or row index)
         self.report = report
-        self._tokens = np.memmap(self.workdir / "tokens.bin", dtype=np.int32, mode="r") if offsets[-1] else None
-        self._mask = np.memmap(self.workdir / "mask.bin", dtype=np.uint8, mode="r") if offsets[-1] else None
 
     @classmethod
     def scan(cls, source: Source, tokenizer: Any, max_seq_length: int, on_truncation: str = "warn",
@@ -78,17 +77,23 @@ class TokenizedCorpus:
         return np.diff(self.offsets)
 
     def rows(self, start: int, end: int) -> list[Row]:
-        """Rows [start, end) with their token ids and supervision masks (previews left empty)."""
+        """Rows [start, end) with their token ids and supervision masks (previews left empty).
+
+        The shard's bytes are read with one positioned read per file, not through a memory map,
+        so pages of rows already indexed do not stay resident as the corpus is walked.
+        """
+        first, last = int(self.offsets[start]), int(self.offsets[end])
+        tokens = np.fromfile(self.workdir / "tokens.bin", dtype=np.int32, count=last - first, offset=4 * first)
+        mask = np.fromfile(self.workdir / "mask.bin", dtype=np.uint8, count=last - first, offset=first).astype(bool)
         out = []
         for i in range(start, end):
-            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-            out.append(Row(row_id=i, line=int(self.positions[i]), input_ids=self._tokens[a:b].tolist(),
-                           supervised=self._mask[a:b].astype(bool).tolist(), preview=""))
+            a, b = int(self.offsets[i]) - first, int(self.offsets[i + 1]) - first
+            out.append(Row(row_id=i, line=int(self.positions[i]), input_ids=tokens[a:b].tolist(),
+                           supervised=mask[a:b].tolist(), preview=""))
         return out
 
     def close(self) -> None:
         """Remove the temporary files."""
-        self._tokens = self._mask = None
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> TokenizedCorpus:
