@@ -484,15 +484,3 @@ def plan_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int | No
 def padded_tokens(lengths: Sequence[int], plan: Sequence[Sequence[int]]) -> int:
     """Tokens a plan computes: per batch, its rows x its longest row."""
     return sum(len(b) * max(lengths[i] for i in b) for b in plan)
-
-
-def batches(rows: Sequence[Row], batch_size: int) -> Iterator[list[Row]]:
-    """Consecutive slices of ``batch_size`` rows in row order (the last may be shorter).
-
-    No length sorting: batch k always holds rows k*batch_size.., so a run is deterministic and can
-    resume from a row id.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}; it must be >= 1.")
-    for start in range(0, len(rows), batch_size):
-        yield list(rows[start:start + batch_size])

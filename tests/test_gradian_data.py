@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradian.data import DataError, Row, batches, collate, load_rows
+from gradian.data import DataError, Row, collate, load_rows, plan_batches
 
 CHAT = [
     {"role": "system", "content": "Be nice"},
@@ -193,8 +193,8 @@ def test_collate_and_batches(tok: Any, tmp_path: Path) -> None:
         {"messages": CHAT},
     ])
     rows, _ = load_rows(data, tok, 64)
-    got = [[r.row_id for r in b] for b in batches(rows, 2)]
-    assert got == [[0, 1], [2]]
+    in_order = plan_batches([len(r.input_ids) for r in rows], 2, group_by_length=False)
+    assert [[rows[i].row_id for i in b] for b in in_order] == [[0, 1], [2]]
     pad = tok.pad_token_id
     out = collate(rows, pad)
     lengths = [len(r.input_ids) for r in rows]
@@ -209,7 +209,7 @@ def test_collate_and_batches(tok: Any, tmp_path: Path) -> None:
         assert out["supervised"][b, :n].tolist() == row.supervised and not out["supervised"][b, n:].any()
     assert not out["supervised"][:, 0].any()  # nothing predicts position 0
     with pytest.raises(ValueError):
-        list(batches(rows, 0))
+        plan_batches([len(r.input_ids) for r in rows], 0)
 
 
 def test_prompt_left_keeps_bos() -> None:
