@@ -44,7 +44,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from circuitkit.config import GradsConfig, ModelConfig  # noqa: E402
 from circuitkit.models.loading import LoadedModel, load_model  # noqa: E402
-from gradian.data import batches, collate, load_rows  # noqa: E402
+from gradian.data import collate, load_rows  # noqa: E402
 from gradian.indexer import build_index  # noqa: E402
 from gradian.rank import rank  # noqa: E402
 
@@ -126,7 +126,8 @@ def fine_tune(loaded: LoadedModel, docs_path: Path, epochs: int = 30, lr: float 
     for _ in range(epochs):
         order = torch.randperm(len(rows), generator=gen).tolist()
         total, count = 0.0, 0
-        for chunk in batches([rows[i] for i in order], batch_size):
+        for first in range(0, len(order), batch_size):  # shuffled minibatches of training
+            chunk = [rows[i] for i in order[first:first + batch_size]]
             b = {k: t.to(loaded.device) for k, t in collate(chunk, pad_id).items()}
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
             sup = b["supervised"][:, 1:]
