@@ -95,6 +95,10 @@ class DiscoveryConfig:
     ig_rule: str = _f("right", "EAP-IG quadrature rule; ig_steps is its number of passes (right = reference EAP-IG)",
                       choices=("right", "midpoint", "trapezoid", "gauss_legendre"))
     batch_size: int = _f(4, "examples per forward/backward pass", ge=1)
+    num_shards: int = _f(1, "jobs splitting the attribution examples (contiguous ranges; merged by the last to finish)", ge=1)
+    shard_index: int = _f(0, "this job's share of the attribution examples, 0 <= shard_index < num_shards", ge=0)
+    shard_dir: Optional[str] = _f(None, "where attribution shards meet and are merged; null = <run dir>/../attribution_shards"
+                                  " (the sweep dir in a multirun)")
     data_params: DataParams = field(default_factory=DataParams, metadata={"doc": "task data"})
 
 
@@ -343,6 +347,13 @@ def _check_cross_fields(cfg: AppConfig) -> None:
     if len(set(cfg.stages)) != len(cfg.stages):
         raise ConfigError(f"Config key 'stages' = {list(cfg.stages)} names a stage twice.")
     d = cfg.discovery
+    if d.shard_index >= d.num_shards:
+        raise ConfigError(f"Config key 'discovery.shard_index' = {d.shard_index} must be < discovery.num_shards"
+                          f" = {d.num_shards} (jobs are numbered 0..num_shards-1).")
+    if d.num_shards > d.data_params.num_examples:
+        raise ConfigError(f"Config key 'discovery.num_shards' = {d.num_shards} exceeds"
+                          f" discovery.data_params.num_examples = {d.data_params.num_examples}: every shard needs"
+                          " at least one example; use fewer shards.")
     if d.algorithm == "eap-ig" and d.ig_rule == "trapezoid" and d.ig_steps == 1:
         raise ConfigError("Config key 'discovery.ig_steps' = 1 is too few for discovery.ig_rule=trapezoid (its"
                           " points include both ends, α = 0 and α = 1): set ig_steps >= 2, or ig_rule=right for EAP.")

@@ -276,7 +276,7 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _Gradi
 def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", level: str = "node",
               metric: str = "logit_diff", ig_steps: int | None = 5, batch_size: int = 4,
               progress: bool = True, ig_rule: str = DEFAULT_IG_RULE,
-              group_by_length: bool = True) -> AttributionScores:
+              group_by_length: bool = True, sums: bool = False) -> AttributionScores:
     """EAP / EAP-IG / clean-corrupted scores of every node (and edge, if level='edge').
 
     data: TaskData with N pairs; scores are means over the N examples, independent of
@@ -285,8 +285,11 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     Returns AttributionScores with head (L, H), mlp (L,), embed () and, at edge level, edges
     (n_upstream, n_downstream). `ig_rule` chooses the eap-ig quadrature (right, midpoint,
     trapezoid, gauss_legendre); ig_steps is its number of points = passes.
+    `sums=True` returns sums over the examples instead of means (scores and metrics), which
+    shards of the examples add exactly (`circuitkit.attribution.shards`).
     """
     rule = integration_rule(algorithm, ig_steps, ig_rule)
+    divisor = 1 if sums else len(data)  # `sums` is reused below for the gradient sums
     edges = level == "edge"
     graph = graph_of(adapter)
     device = next(adapter.model.parameters()).device
@@ -318,11 +321,11 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
                 _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k, batch, metric, clean_answer, sums)
             _batch_scores(adapter, graph, delta, sums, rule.passes, out)
             bar.advance(task)
-    n = len(data)
+    n = divisor
     return AttributionScores(
         head=(out["head"] / n).cpu(), mlp=(out["mlp"] / n).cpu(), embed=(out["embed"] / n).cpu(), graph=graph,
         edges=(out["edges"] / n).cpu() if edges else None, metric_clean=metric_clean / n,
-        metric_corrupted=metric_corrupt / n, n_examples=n,
+        metric_corrupted=metric_corrupt / n, n_examples=len(data),
         info={"algorithm": algorithm, "level": level, "metric": metric,
               "ig_steps": rule.passes if algorithm == "eap-ig" else None,
               "ig_rule": rule.rule if algorithm == "eap-ig" else None, "passes": rule.passes,

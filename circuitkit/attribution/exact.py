@@ -99,8 +99,9 @@ def _edge_patch(adapter: ModelAdapter, graph, column: int, delta_u: torch.Tensor
 
 
 def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", metric: str = "logit_diff",
-                   batch_size: int = 4, progress: bool = True) -> AttributionScores:
-    """Exact patching scores, in the same layout as `attribute` (means over examples)."""
+                   batch_size: int = 4, progress: bool = True, sums: bool = False) -> AttributionScores:
+    """Exact patching scores, in the same layout as `attribute` (means over examples; sums
+    over them with `sums=True`)."""
     graph = graph_of(adapter)
     device = next(adapter.model.parameters()).device
     L, H = adapter.n_layers, adapter.n_heads
@@ -133,7 +134,7 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
                     install = _edge_patch(adapter, graph, v, up[u])
                     edges[u, v] += (m_clean - _metric(adapter, batch, metric, clean_answer, install)).sum().cpu()
             bar.advance(task)
-    n = len(data)
+    n = 1 if sums else len(data)
     return AttributionScores(head / n, mlp / n, embed / n, graph, None if edges is None else edges / n,
-                             m_clean_total / n, m_corrupt_total / n, n,
+                             m_clean_total / n, m_corrupt_total / n, len(data),
                              {"algorithm": "exact", "level": level, "metric": metric, "batch_size": batch_size})
