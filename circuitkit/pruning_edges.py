@@ -25,6 +25,7 @@ from circuitkit.attribution.eap import (
 )
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.placement import input_device, resident
 from circuitkit.pruning import fit_positions
 from circuitkit.tasks.base import TaskData
 
@@ -43,7 +44,7 @@ def upstream_writes(adapter: ModelAdapter, rec: dict) -> torch.Tensor:
 @torch.no_grad()
 def mean_writes(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tensor:
     """Mean write of every upstream node over the clean examples per position: (n_up, T, d)."""
-    device = next(adapter.model.parameters()).device
+    device = input_device(adapter.model)
     total = count = None
     for batch in data.batches(batch_size):
         batch = batch.to(device)
@@ -71,9 +72,10 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
     hk.pre(adapter.blocks[0], lambda m, a, k: live.append(first_input(a, k).float().unsqueeze(0)), with_kwargs=True)
     for layer in range(L):
         cols = graph.layer_columns(layer)
-        w = adapter.qkv_weights(layer)
-        attn_spec = adapter.norm_spec(adapter.attn_norm(layer))
-        mlp_spec = adapter.norm_spec(adapter.mlp_norm(layer))
+        with resident(adapter.blocks[layer]):  # offloaded layers (model.device_map): real weights
+            w = adapter.qkv_weights(layer)
+            attn_spec = adapter.norm_spec(adapter.attn_norm(layer))
+            mlp_spec = adapter.norm_spec(adapter.mlp_norm(layer))
 
         def attn_in(module, args, out, layer=layer, cols=cols, attn_spec=attn_spec, w=w):
             s = shift(graph.upstream_before_attn(layer), slice(cols.start, cols.stop - 1))  # (H+2KV, B, T, d)
@@ -121,7 +123,7 @@ class EdgeEvaluator:
     def __init__(self, adapter: ModelAdapter, data: TaskData, metric: str, ablation: str,
                  mean_values: torch.Tensor | None, batch_size: int) -> None:
         self.adapter, self.metric = adapter, metric
-        device = next(adapter.model.parameters()).device
+        device = input_device(adapter.model)
         self.batches = []
         for batch in data.batches(batch_size):
             batch = batch.to(device)

@@ -33,6 +33,7 @@ from circuitkit.attribution.quadrature import (  # noqa: F401  (re-exported: the
     interpolation_points,
 )
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.placement import input_device, resident
 from circuitkit.tasks.base import TaskData
 
 
@@ -91,11 +92,12 @@ def head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total: 
     Post-norm models (Gemma 3): γ ⊙ (W_O[h] z_h) / rms(total attention output), which sums
     exactly to the layer's write.
     """
-    w_o, _ = adapter.o_weights(layer)
+    with resident(adapter.blocks[layer]):  # offloaded layers (model.device_map): real weights for a moment
+        w_o, _ = adapter.o_weights(layer)
+        norm = adapter.post_attn_norm(layer)
+        spec = adapter.norm_spec(norm) if norm is not None else None
     writes = torch.einsum("bthe,hde->hbtd", z.float(), w_o.float())
-    norm = adapter.post_attn_norm(layer)
-    if norm is not None:
-        spec = adapter.norm_spec(norm)
+    if spec is not None:
         total = attn_total.float()
         writes = writes * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + spec.eps) * spec.weight.float()
     return writes
@@ -193,14 +195,14 @@ class _GradientSums:
     def add_layer_inputs(self, layer: int, x_attn, grads_qkv: dict, x_mlp, g_mlp_in) -> None:
         """Residual-space gradients of every input of `layer`, through its own path only."""
         a = self.adapter
-        w = a.qkv_weights(layer)
-        attn_spec = a.norm_spec(a.attn_norm(layer))
+        with resident(a.blocks[layer]):  # offloaded layers (model.device_map): real weights for a moment
+            w = a.qkv_weights(layer)
+            attn_spec, mlp_spec = a.norm_spec(a.attn_norm(layer)), a.norm_spec(a.mlp_norm(layer))
         parts = []
         for key, weight in (("q", w.w_q), ("k", w.w_k), ("v", w.w_v)):
             # (B, T, n, dh) x (n, dh, d_model) -> (n, B, T, d_model): the norm output's gradient
             g_norm_out = torch.einsum("btne,ned->nbtd", grads_qkv[key].float(), weight.float())
             parts.append(norm_backward(attn_spec, x_attn, g_norm_out))
-        mlp_spec = a.norm_spec(a.mlp_norm(layer))
         parts.append(norm_backward(mlp_spec, x_mlp, g_mlp_in.float().unsqueeze(0)))
         self.inputs[layer] = self._add(self.inputs[layer], torch.cat(parts))
 
@@ -292,7 +294,7 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     divisor = 1 if sums else len(data)  # `sums` is reused below for the gradient sums
     edges = level == "edge"
     graph = graph_of(adapter)
-    device = next(adapter.model.parameters()).device
+    device = input_device(adapter.model)
     dtype = adapter.embed.weight.dtype
     L, H = adapter.n_layers, adapter.n_heads
     out = {"head": torch.zeros(L, H, device=device), "mlp": torch.zeros(L, device=device),

@@ -24,6 +24,7 @@ from circuitkit.attribution.eap import (
 )
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.placement import input_device
 from circuitkit.tasks.base import TaskData
 
 
@@ -103,7 +104,7 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
     """Exact patching scores, in the same layout as `attribute` (means over examples; sums
     over them with `sums=True`)."""
     graph = graph_of(adapter)
-    device = next(adapter.model.parameters()).device
+    device = input_device(adapter.model)
     L, H = adapter.n_layers, adapter.n_heads
     head, mlp, embed = torch.zeros(L, H), torch.zeros(L), torch.zeros(())
     edge_mask = graph.edge_mask()
