@@ -189,8 +189,10 @@ def check(cfg: AppConfig, console: Console | None = None) -> dict[str, MemoryEst
     if "grads" in cfg.stages and cfg.grads.enabled:
         estimates["grads"] = grads_estimate(cfg)
     problems = []
+    # model.device_map: each device against its own free memory, not the whole model against one
+    split = _check_split(cfg, estimates, console) if cfg.model.device_map is not None else None
     for stage, estimate in estimates.items():
-        if estimate.total_bytes <= budget:
+        if split is not None or estimate.total_bytes <= budget:
             continue
         tips = advice(cfg, budget) if stage == "attribution" else grads_advice(cfg, budget)
         console.print(table(estimate, free, cfg.preflight.headroom, f"{stage} does not fit"))
@@ -199,11 +201,38 @@ def check(cfg: AppConfig, console: Console | None = None) -> dict[str, MemoryEst
                         f" Try, in order: {'; '.join(tips)}.")
     if "attribution" in cfg.stages and (line := ig_advice(cfg)):
         console.print(f"time/accuracy: {line}", markup=False, highlight=False)
+    problems += split or []
     if problems and cfg.preflight.on_exceed == "error":
         raise PreflightError(" ".join(problems) + " (preflight.on_exceed=warn runs anyway.)")
     for message in problems:
         log.warning(message)
     return estimates
+
+
+def _check_split(cfg: AppConfig, estimates: dict[str, MemoryEstimate], console: Console) -> list[str]:
+    """model.device_map: a table per stage of each device's share (weights it holds, the other
+    terms in proportion to the layers it runs), each against that device's free memory."""
+    from circuitkit.models.placement import device_of, per_device_estimates
+
+    problems = []
+    for stage, estimate in estimates.items():
+        per_device = per_device_estimates(cfg.model, estimate)
+        out = Table(title=f"estimated {stage} peak per device (model.device_map)")
+        for col in ("device", "weights MiB", "other MiB", "total MiB", "free MiB", "fits"):
+            out.add_column(col, justify="right")
+        for device, est in per_device.items():
+            free = None if device == "disk" else free_memory_bytes(device_of(device))
+            fits = free is None or est.total_bytes <= cfg.preflight.headroom * free
+            weights = est.terms["weights"]
+            out.add_row(device, f"{weights / 2**20:.1f}", f"{(est.total_bytes - weights) / 2**20:.1f}",
+                        f"{est.total_bytes / 2**20:.1f}", "-" if free is None else f"{free / 2**20:.1f}",
+                        "yes" if fits else "NO")
+            if not fits:
+                problems.append(f"estimated {stage} share of {device} {est.total_bytes / 2**30:.2f} GiB exceeds"
+                                f" {cfg.preflight.headroom:.0%} of its {free / 2**30:.2f} GiB free: give it less"
+                                " with model.max_memory, or lower discovery.batch_size / grads.batch_size.")
+        console.print(out)
+    return problems
 
 
 def summary(estimates: dict[str, MemoryEstimate], free: int, budget: int) -> dict:

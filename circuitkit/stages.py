@@ -92,7 +92,13 @@ def _preflight(ctx: RunContext) -> StageResult:
         plots.append(memory_plot(estimate, ctx.run_dir / f"memory_estimate_{stage}.png", budget))
     if not estimates:
         ctx.console.print("no stage with a memory estimate selected (attribution, grads)")
-    return StageResult(plots, summary(estimates, free, budget))
+    out = summary(estimates, free, budget)
+    if ctx.cfg.model.device_map is not None:
+        from circuitkit.models.placement import per_device_estimates
+
+        out["per_device_bytes"] = {stage: {dev: e.total_bytes for dev, e in per_device_estimates(ctx.cfg.model, est).items()}
+                                   for stage, est in estimates.items()}
+    return StageResult(plots, out)
 
 
 def _attribution(ctx: RunContext) -> StageResult:

@@ -78,3 +78,23 @@ def test_device_map_config_errors():
         compose(["model.device_map=everywhere"])
     with pytest.raises(ConfigError, match="only apply with model.device_map set"):
         compose(["model.max_memory={cpu: 1GiB}"])
+
+
+def test_preflight_splits_the_estimate_per_device(tmp_path, capsys):
+    from circuitkit.models.placement import per_device_estimates, planned_weight_bytes
+    from circuitkit.preflight import attribution_estimate, check
+
+    whole = load_model(compose(_model_overrides("tiny-gpt2", tmp_path, False))[1].model).model
+    on_disk = sum(p.numel() * p.element_size() for p in whole.transformer.h[1].parameters())
+    total = sum(p.numel() * p.element_size() for p in whole.parameters())  # tied unembedding counted once
+    cfg = compose(_model_overrides("tiny-gpt2", tmp_path, True))[1]
+    assert planned_weight_bytes(cfg.model) == {"cpu": total - on_disk, "disk": on_disk}
+    estimate = attribution_estimate(cfg)
+    per_device = per_device_estimates(cfg.model, estimate)
+    # the CPU runs every layer (the disk block is streamed to it): all but the disk's weights
+    assert per_device["cpu"].total_bytes == estimate.total_bytes - estimate.terms["weights"] + total - on_disk
+    assert per_device["disk"].total_bytes == on_disk
+    check(cfg, console=None)
+    out = capsys.readouterr().err
+    assert "estimated attribution peak per device" in out and "disk" in out
+    assert planned_weight_bytes(compose(["model.precision=float32"])[1].model) is None
