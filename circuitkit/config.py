@@ -71,8 +71,8 @@ class ModelConfig:
     precision: str = _f("bfloat16", "weight dtype", choices=("bfloat16", "float16", "float32"))
     trust_remote_code: bool = _f(False, "allow model code from the hub; off unless you set it")
     attn_implementation: str = _f("sdpa", "attention kernel", choices=("sdpa", "eager"))
-    device_map: Any = _f(None, "split the model over devices with accelerate: null = whole model on one device,"
-                         " auto | balanced | sequential, or {module name: device | 'cpu' | 'disk'}")
+    device_map: Any = _f(None, "split the model over devices with accelerate: null = whole model on one device;"
+                         " auto, balanced, balanced_low_0, sequential; or {module name: GPU number, cpu or disk}")
     max_memory: Any = _f(None, "with device_map: the most each device may hold, e.g. {0: 20GiB, 1: 20GiB, cpu: 64GiB};"
                          " null = what accelerate finds free")
     offload_folder: Optional[str] = _f(None, "with device_map: where layers mapped to 'disk' are stored")
@@ -209,6 +209,8 @@ def _type_hints(cls: type) -> dict[str, Any]:
 
 
 def _describe_allowed(tp: Any, optional: bool, meta: Mapping[str, Any]) -> str:
+    if tp is Any:  # the free-form placement keys
+        return "null, a name or a mapping (see below)"
     parts = []
     if meta.get("choices"):
         parts.append("one of " + ", ".join(repr(c) for c in meta["choices"]))
