@@ -140,12 +140,13 @@ def deltas(adapter: ModelAdapter, clean: dict, corrupt: dict, edges: bool) -> di
     }
     if edges:
         rows = [d["embed"].unsqueeze(0)]
+        dev = d["embed"].device  # every write's Δ on one device for the edge contraction (model.device_map)
         for layer in range(L):
             zc = clean["z"][layer].unflatten(-1, (H, adapter.head_dim))
             zx = corrupt["z"][layer].unflatten(-1, (H, adapter.head_dim))
-            rows.append(head_writes(adapter, layer, zc, clean["attn_total"][layer])
-                        - head_writes(adapter, layer, zx, corrupt["attn_total"][layer]))
-            rows.append(d["mlp"][layer].unsqueeze(0))
+            rows.append((head_writes(adapter, layer, zc, clean["attn_total"][layer])
+                         - head_writes(adapter, layer, zx, corrupt["attn_total"][layer])).to(dev))
+            rows.append(d["mlp"][layer].unsqueeze(0).to(dev))
         d["up"] = torch.cat(rows)  # (n_upstream, B, T, d_model)
     return d
 
@@ -259,20 +260,23 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _Gradi
                   out: dict) -> None:
     """Contract Δ with the weighted gradient sums / n_points and add this batch's per-example sums to `out`."""
     H = adapter.n_heads
+    # Under model.device_map each layer's Δ and gradient sums live on that layer's device; the
+    # contraction happens there and only the small results move (no-ops on one device).
+    dev = out["head"].device
     for layer in range(adapter.n_layers):
         gz = sums.z[layer].unflatten(-1, (H, adapter.head_dim))
-        out["head"][layer] += torch.einsum("bthe,bthe->h", delta["z"][layer], gz) / n_points
-        out["mlp"][layer] += (delta["mlp"][layer] * sums.mlp[layer]).sum() / n_points
-    out["embed"] += (delta["embed"] * sums.embed).sum() / n_points
+        out["head"][layer] += (torch.einsum("bthe,bthe->h", delta["z"][layer], gz) / n_points).to(dev)
+        out["mlp"][layer] += ((delta["mlp"][layer] * sums.mlp[layer]).sum() / n_points).to(dev)
+    out["embed"] += ((delta["embed"] * sums.embed).sum() / n_points).to(dev)
     if sums.edges:
-        up = delta["up"].flatten(1)  # (n_upstream, B*T*d_model)
+        up = delta["up"].flatten(1)  # (n_upstream, B*T*d_model), on the first layer's device
         for layer in range(adapter.n_layers):
             cols = graph.layer_columns(layer)
-            g = sums.inputs[layer].flatten(1)  # (per_layer_inputs, B*T*d_model)
+            g = sums.inputs[layer].flatten(1).to(up.device)  # (per_layer_inputs, B*T*d_model)
             n_attn, n_mlp = graph.upstream_before_attn(layer), graph.upstream_before_mlp(layer)
             out["edges"][:n_attn, cols.start:cols.stop - 1] += up[:n_attn] @ g[:-1].T / n_points
             out["edges"][:n_mlp, cols.stop - 1] += up[:n_mlp] @ g[-1] / n_points
-        out["edges"][:, graph.logits_column] += up @ sums.logits.flatten() / n_points
+        out["edges"][:, graph.logits_column] += up @ sums.logits.flatten().to(up.device) / n_points
 
 
 def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", level: str = "node",
