@@ -9,7 +9,9 @@ N > 1 a multirun with `hydra/launcher=local hydra.launcher.n_jobs=N` and num_sha
 are left as each launcher sets them (a single run uses every core; joblib gives each of N
 workers cpu_count // N). The merge cost is timed separately: `circuitkit merge --no-prune` over
 the N shard run dirs (read, check, add, write), and the merging shard's attribution stage time
-against the others'. Ratios are to the 1-worker wall time of the same run.
+against the others' (the merging one also writes the merged scores and the heatmap). Each job's
+own stage time (from its manifest) shows how the work itself split, apart from start-up.
+Ratios are to the 1-worker wall time of the same run.
 """
 
 from __future__ import annotations
@@ -61,17 +63,24 @@ def _timed(args: list[str]) -> float:
 
 def _run(kind: str, workers: int, common: list[str], root: Path) -> dict:
     out = root / f"{kind}-{workers}"
+    stage = "grads" if kind == "index" else "attribution"
     if workers == 1:
         extra = [f"grads.index_dir={out / 'index'}"] if kind == "index" else []
-        return {"kind": kind, "workers": workers, "wall_s": _timed([*common, *extra, f"hydra.run.dir={out}"])}
+        wall = _timed([*common, *extra, f"hydra.run.dir={out}"])
+        from circuitkit.pipeline import load_manifest
+
+        return {"kind": kind, "workers": workers, "wall_s": wall,
+                "stage_s": [load_manifest(out)["stages"][stage]["wall_s"]]}
     key = "grads" if kind == "index" else "discovery"
     extra = [f"grads.index_dir={out / 'index'}"] if kind == "index" else []
     wall = _timed(["-m", "hydra/launcher=local", f"hydra.launcher.n_jobs={workers}", *common, *extra,
                    f"{key}.num_shards={workers}", f"{key}.shard_index=range({workers})", f"hydra.sweep.dir={out}"])
     row = {"kind": kind, "workers": workers, "wall_s": wall}
+    from circuitkit.pipeline import load_manifest
+
+    row["stage_s"] = [load_manifest(out / str(i))["stages"][stage]["wall_s"] for i in range(workers)]
     if kind == "attribution":
         from circuitkit.merge import merge_run_dirs
-        from circuitkit.pipeline import load_manifest
 
         run_dirs = [out / str(i) for i in range(workers)]
         t0 = time.perf_counter()
@@ -105,15 +114,16 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(_run(kind, workers, common, root))
     table = Table(title=f"scale-out on this machine ({os.cpu_count()} cores): {args.examples} attribution examples,"
                         f" {args.rows} index rows")
-    for col in ("stage", "workers", "wall s", "speed-up vs 1", "merge s (circuitkit merge)", "merging shard's stage s",
-                "other shards' stage s"):
+    for col in ("stage", "workers", "wall s", "speed-up vs 1", "stage s per job", "merge s (circuitkit merge)",
+                "merging shard's stage s", "other shards' stage s"):
         table.add_column(col, justify="right")
     base = {r["kind"]: r["wall_s"] for r in rows if r["workers"] == 1}
     def fmt(r, key):
         return "-" if r.get(key) is None else f"{r[key]:.2f}"
     for r in rows:
         speed = f"{base[r['kind']] / r['wall_s']:.2f}x" if r["kind"] in base else "-"
-        table.add_row(r["kind"], str(r["workers"]), f"{r['wall_s']:.1f}", speed, fmt(r, "merge_s"),
+        table.add_row(r["kind"], str(r["workers"]), f"{r['wall_s']:.1f}", speed,
+                      " / ".join(f"{x:.1f}" for x in r["stage_s"]), fmt(r, "merge_s"),
                       fmt(r, "merging_shard_stage_s"), fmt(r, "other_shards_stage_s"))
     Console().print(table)
     if args.json:
