@@ -111,6 +111,10 @@ def _attribution(ctx: RunContext) -> StageResult:
     pairs, n_attr = task_data(ctx)
     data = pairs[:n_attr]
     meta = {"model": ctx.cfg.model.name, "task": d.task, "prepend_bos": str(d.data_params.prepend_bos).lower()}
+    from circuitkit.preflight import attribution_estimate
+
+    estimate = attribution_estimate(ctx.cfg, batch_size=min(d.batch_size, len(data)),
+                                    seq_len=int(data.clean_ids.shape[1])).total_bytes
     shard_files, shard_summary = [], {}
     if d.num_shards > 1:  # this job's sums; the last shard to finish merges (circuitkit.attribution.shards)
         from circuitkit.attribution.shards import run_attribution_shard
@@ -121,8 +125,10 @@ def _attribution(ctx: RunContext) -> StageResult:
                          "example_range": list(outcome.example_range), "shard_dir": str(outcome.shard_dir),
                          "merged": outcome.merged is not None, "shards": outcome.shards}
         if outcome.merged is None:
+            (ctx.run_dir / SCORES_FILE).unlink(missing_ok=True)  # an earlier merge's scores are stale now
             return StageResult(shard_files, {**shard_summary, "n_examples": outcome.example_range[1]
-                                             - outcome.example_range[0], "waiting_for": outcome.missing})
+                                             - outcome.example_range[0], "waiting_for": outcome.missing},
+                               estimated_peak_bytes=estimate)
         scores = outcome.merged
         save_scores(outcome.shard_dir / SCORES_FILE, scores, meta)
     else:
@@ -148,10 +154,6 @@ def _attribution(ctx: RunContext) -> StageResult:
         summary.update(ig_steps=scores.info["ig_steps"], ig_rule=scores.info["ig_rule"])
     if scores.edges is not None:
         summary["n_edges"] = scores.graph.n_edges
-    from circuitkit.preflight import attribution_estimate
-
-    estimate = attribution_estimate(ctx.cfg, batch_size=min(d.batch_size, len(data)),
-                                    seq_len=int(data.clean_ids.shape[1])).total_bytes
     return StageResult([*shard_files, path, plot], summary, estimated_peak_bytes=estimate)
 
 
