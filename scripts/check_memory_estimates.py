@@ -152,20 +152,22 @@ def build_real(name: str, dtype: torch.dtype, n_layers: int | None = None) -> to
     return model
 
 
-def real_points(models: Iterable[str], batches: Iterable[int], n_layers: int | None):
+def real_points(models: Iterable[str], batches: Iterable[int], n_layers: int | None,
+                dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat16)):
     """Rows of the real-shape sweep: (name, dtype, stage, batch); stage node / edge / grads."""
     for name in models:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             for stage in ("node", "edge", "grads"):
                 for batch in batches:
                     yield name, dtype, stage, batch
 
 
 def run_real_sweep(models: Iterable[str], batches: Iterable[int] = (1, 4), n_layers: int | None = None,
-                   seq_len: int = 32, ig_steps: int = 3) -> list[Row]:
+                   seq_len: int = 32, ig_steps: int = 3,
+                   dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat16)) -> list[Row]:
     """The real-shape sweep; the model is built once per (name, dtype)."""
     rows, cache = [], {}
-    for name, dtype, stage, batch in real_points(models, batches, n_layers):
+    for name, dtype, stage, batch in real_points(models, batches, n_layers, tuple(dtypes)):
         key = (name, dtype)
         if key not in cache:
             cache.clear()
@@ -294,10 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-models", nargs="+", default=["gpt2", "pythia70m", "llama1b"])
     parser.add_argument("--real-batches", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--layers", type=int, default=None, help="real width, this many layers")
+    parser.add_argument("--real-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                        help="e.g. bfloat16 alone for gemma4b (its float32 weights alone are 16 GB)")
     args = parser.parse_args(argv)
     console = Console()
     if args.real:
-        rows = run_real_sweep(args.real_models, args.real_batches, args.layers)
+        rows = run_real_sweep(args.real_models, args.real_batches, args.layers,
+                              dtypes=[getattr(torch, d) for d in args.real_dtypes])
         console.print(rows_table(rows, "real shapes, random weights, 32 tokens, ig_steps 3; grads: 24 + 8 tokens"))
         lo, hi = REAL_RANGE
         bad = [r for r in rows if not lo <= r.ratio <= hi]
