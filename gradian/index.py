@@ -20,8 +20,6 @@ index and lists every problem (`gradian inspect --verify`).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -36,7 +34,7 @@ from typing import Any
 import torch
 
 from circuitkit.errors import UserError
-from circuitkit.io import atomic_save_safetensors, atomic_write_json, sha256_file
+from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 FORMAT_VERSION = 2
@@ -144,22 +142,6 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
     return manifest
 
 
-@contextlib.contextmanager
-def _lock(path: Path, blocking: bool = True) -> Iterator[bool]:
-    """An exclusive fcntl lock on `path`; yields False if `blocking` is off and it is taken."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     keys = sorted(set(old) | set(new))
     return [f"{k}: index has {old.get(k)!r}, asked {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
@@ -209,7 +191,7 @@ class IndexWriter:
         return max(1, math.ceil(self.n_rows / self.rows_per_shard))
 
     def _manifest_lock(self):
-        return _lock(self.index_dir / ".manifest.lock")
+        return file_lock(self.index_dir / ".manifest.lock")
 
     def _read(self) -> dict[str, Any] | None:
         # The same checks as a reader: a resumed run must not follow a shard entry out of the index.
@@ -242,7 +224,7 @@ class IndexWriter:
         """
         todo = [k for k in self.my_shards() if not self.is_done(k)]
         for k in todo:
-            with _lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
+            with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
                 if not got:
                     raise self._busy(k)
                 for stale in self.index_dir.glob(f".{shard_name(k)}.*.tmp"):
@@ -278,7 +260,7 @@ class IndexWriter:
                 f"rows {which} of shard {k} {why}; nothing of this shard was written. Set"
                 " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
         norms = stored.float().norm(dim=1)
-        with _lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
+        with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
             if not got:
                 raise self._busy(k)
             tensors = {"grads": stored, "norms": norms, "rows": rows.long()}

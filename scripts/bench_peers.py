@@ -119,7 +119,7 @@ def prepare_throughput(work: Path, n_rows: int) -> dict[str, Any]:
     about 64 tokens of which the last 16 are the completion, the 12 MLP output projections."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from circuitkit.models.tiny import synthetic_corpus
+    from circuitkit.fixtures.models import synthetic_corpus
 
     tokenizer = load_model(ModelConfig(name="builtin:tiny-gpt2", precision="float32")).tokenizer
     tokenizer.chat_template = CONCAT_TEMPLATE

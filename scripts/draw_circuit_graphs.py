@@ -26,7 +26,7 @@ def gpt2_small_shape(directory: Path) -> Path:
     """Save a random GPT-2-small-shaped model with the fixtures' tokenizer into `directory`."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from circuitkit.models.tiny import build_tokenizer
+    from circuitkit.fixtures.models import build_tokenizer
 
     if (directory / "config.json").is_file():
         return directory

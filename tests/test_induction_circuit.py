@@ -17,8 +17,8 @@ from scipy.stats import spearmanr
 from circuitkit.attribution import attribute, exact_patching
 from circuitkit.attribution.eap import graph_of
 from circuitkit.config import DataParams, ModelConfig
+from circuitkit.fixtures.induction import head_pattern_scores, induction_batch
 from circuitkit.models.loading import load_model
-from circuitkit.models.tiny_train import head_pattern_scores, induction_batch
 from circuitkit.pruning import Evaluator, faithfulness, mean_z, select_heads
 from circuitkit.tasks import build_task
 

@@ -229,7 +229,7 @@ def _log_to_this_tests_stderr(capsys):
 
 
 def _tiny() -> Path:
-    from circuitkit.models.tiny import ensure_fixture
+    from circuitkit.fixtures.models import ensure_fixture
 
     return ensure_fixture("tiny-gpt2")
 

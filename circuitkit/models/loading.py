@@ -19,6 +19,7 @@ from torch import nn
 from circuitkit.config import ModelConfig
 from circuitkit.device import get_device
 from circuitkit.errors import UserError
+from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
 from circuitkit.models.adapters import ModelAdapter, get_adapter
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,6 @@ def resolve_model_path(name: str) -> str:
     """The argument for `from_pretrained`: builtin fixtures become their cached directory,
     local directories are checked (UserError naming what is missing), hub ids pass through."""
     if name.startswith(BUILTIN_PREFIX):
-        from circuitkit.models.tiny import FIXTURE_NAMES, ensure_fixture
-
         fixture = name[len(BUILTIN_PREFIX):]
         if fixture not in FIXTURE_NAMES:
             raise ModelReferenceError(f"model.name '{name}' names no built-in fixture; available:"
