@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from circuitkit.attribution.eap import HookSet, cached_run
+from circuitkit.attribution.eap import cached_run
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.hooks import HookSet
 from circuitkit.tasks.base import TaskData
 
 log = logging.getLogger(__name__)

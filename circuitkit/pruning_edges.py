@@ -14,17 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from circuitkit.attribution.eap import (
-    HookSet,
-    cached_run,
-    deltas,
-    first_input,
-    graph_of,
-    head_writes,
-    replace_first,
-)
+from circuitkit.attribution.eap import cached_run, deltas, graph_of, head_writes
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
 from circuitkit.pruning import fit_positions
 from circuitkit.tasks.base import TaskData
 
@@ -106,7 +99,7 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
         hk.post(adapter.mlp_norm(layer), mlp_in)
 
         def mlp_out(module, args, out):
-            live.append((out[0] if isinstance(out, tuple) else out).float().unsqueeze(0))
+            live.append(first_output(out).float().unsqueeze(0))
         hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_out)
 
     def final(module, args, kwargs):

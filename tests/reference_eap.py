@@ -7,15 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from circuitkit.attribution.eap import (
-    HookSet,
-    cached_run,
-    deltas,
-    graph_of,
-    interpolation_points,
-    replace_first,
-)
+from circuitkit.attribution.eap import cached_run, deltas, graph_of, interpolation_points
 from circuitkit.attribution.metrics import answer_logits, compute_metric
+from circuitkit.models.hooks import HookSet, replace_first
 
 
 def _layer_input_grads(adapter, batch, e_k, layer, metric, clean_answer):

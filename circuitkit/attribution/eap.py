@@ -33,6 +33,7 @@ from circuitkit.attribution.quadrature import (  # noqa: F401  (re-exported: the
     interpolation_points,
 )
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
 from circuitkit.tasks.base import TaskData
 
 
@@ -53,36 +54,6 @@ class AttributionScores:
 
 def graph_of(adapter: ModelAdapter) -> Graph:
     return Graph(adapter.n_layers, adapter.n_heads, adapter.n_kv_heads, adapter.parallel_residual)
-
-
-class HookSet:
-    """Registers forward hooks and removes them all on exit."""
-
-    def __init__(self) -> None:
-        self.handles: list = []
-
-    def pre(self, module, fn, with_kwargs: bool = False) -> None:
-        self.handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
-
-    def post(self, module, fn) -> None:
-        self.handles.append(module.register_forward_hook(fn))
-
-    def __enter__(self) -> HookSet:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def first_input(args, kwargs):
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def replace_first(args, kwargs, value):
-    if args:
-        return (value, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": value}
 
 
 def head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total: torch.Tensor | None) -> torch.Tensor:
@@ -117,7 +88,7 @@ def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, ans
             hk.pre(adapter.o_proj(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
-                rec["mlp"][layer] = (out[0] if isinstance(out, tuple) else out).detach()
+                rec["mlp"][layer] = first_output(out).detach()
             hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
             if edges and adapter.post_attn_norm(layer) is not None:
                 def total_hook(module, args, layer=layer):
@@ -221,7 +192,7 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
             hk.pre(adapter.o_proj(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
-                t = out[0] if isinstance(out, tuple) else out
+                t = first_output(out)
                 t.register_hook(lambda g: sums.add("mlp", g, layer))
             hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
             if not edges:

@@ -13,17 +13,10 @@ from __future__ import annotations
 import torch
 from rich.progress import Progress
 
-from circuitkit.attribution.eap import (
-    AttributionScores,
-    HookSet,
-    cached_run,
-    deltas,
-    first_input,
-    graph_of,
-    replace_first,
-)
+from circuitkit.attribution.eap import AttributionScores, cached_run, deltas, graph_of
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.hooks import HookSet, first_input, replace_first, replace_first_output
 from circuitkit.tasks.base import TaskData
 
 
@@ -52,7 +45,7 @@ def _node_patches(adapter: ModelAdapter, corrupt: dict):
 
         def patch_mlp(hk, layer=layer):
             def hook(module, args, out):
-                return (corrupt["mlp"][layer], *out[1:]) if isinstance(out, tuple) else corrupt["mlp"][layer]
+                return replace_first_output(out, corrupt["mlp"][layer])
             hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), hook)
         yield "mlp", layer, patch_mlp
 
