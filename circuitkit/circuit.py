@@ -60,6 +60,12 @@ def _plain(value: Any, where: str) -> Any:
     raise TypeError(f"circuit field {where} holds a {type(value).__name__}; only tensors and plain types are stored.")
 
 
+def run_circuit_path(output_path: str | None, run_dir: Path) -> Path:
+    """Where a pipeline run's pruning stage writes circuit.pt (and `grads.circuit=run` reads it):
+    `output_path` when set, else `run_dir/circuit.pt`."""
+    return Path(output_path) if output_path else Path(run_dir) / "circuit.pt"
+
+
 def save_circuit(path: Path, circuit: dict[str, Any]) -> Path:
     """Write circuit.pt atomically (only tensors and plain Python types)."""
     payload = {"format_version": FORMAT_VERSION, **circuit}

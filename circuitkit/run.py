@@ -24,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from circuitkit.config import CONF_DIR, check_overrides, compose_with_run_dir, hydra_dir, validate
 from circuitkit.errors import UserError, debug_enabled, exit_code_and_message, print_error, run_entry
 from circuitkit.io import check_writable
-from circuitkit.pipeline import check_stages, make_console, run_pipeline
+from circuitkit.pipeline import make_console
+from circuitkit.stage_list import check_stages, run_pipeline
 
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",

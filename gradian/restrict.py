@@ -46,7 +46,7 @@ class Site(NamedTuple):
 
 def site_shape(site: Site) -> tuple[int, int]:
     """(d_out, d_in) of the block in nn.Linear orientation (d_in = d_head for a head)."""
-    from gradian.projection import module_shape
+    from circuitkit.models.linear_modules import module_shape
 
     d_out, d_in = module_shape(site.module)
     if site.columns is None:
@@ -65,7 +65,7 @@ def _module_names(model: nn.Module) -> dict[int, str]:
 
 def _mlp_out(adapter, layer: int) -> nn.Module:
     """The MLP's output projection: the last linear module registered in the MLP."""
-    from gradian.projection import is_linear
+    from circuitkit.models.linear_modules import is_linear
 
     linears = [m for m in adapter.mlp(layer).modules() if is_linear(m)]
     if not linears:

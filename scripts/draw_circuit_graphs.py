@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from circuitkit.config import compose
-from circuitkit.pipeline import make_console, run_pipeline
+from circuitkit.pipeline import make_console
+from circuitkit.stage_list import run_pipeline
 
 
 def gpt2_small_shape(directory: Path) -> Path:
