@@ -49,6 +49,15 @@ def _f(default: Any, doc: str, *, choices: Iterable[Any] | None = None, ge: floa
     return field(default=default, metadata=meta)
 
 
+def choices(schema: type, key: str) -> tuple[Any, ...]:
+    """The allowed values of `key` in the dataclass `schema` (its field's `choices`): the one
+    list that validation, argument parsers and the code that branches on the value all read."""
+    for f in dataclasses.fields(schema):
+        if f.name == key and f.metadata.get("choices"):
+            return f.metadata["choices"]
+    raise KeyError(f"{schema.__name__}.{key} has no choices")
+
+
 @dataclass
 class ModelShape:
     """Shape of a model, known without loading weights (used by the memory estimate)."""

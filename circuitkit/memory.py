@@ -23,16 +23,14 @@ from typing import Any
 
 from rich.table import Table
 
-from circuitkit.config import ModelConfig, ModelShape
+from circuitkit.config import ModelConfig, ModelShape, choices
+from circuitkit.models.adapters import MODEL_TYPE_FAMILIES
 
 MiB = 2**20
 FP32 = 4
 SHAPE_KEYS = ("family", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_model", "d_mlp", "vocab_size",
               "n_params")
-FAMILIES = ("gpt2", "gpt_neox", "llama", "gemma3")
-# Hugging Face model_type -> family (Qwen2 and Mistral are Llama-shaped).
-MODEL_TYPES = {"gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "qwen2": "llama", "mistral": "llama",
-               "gemma3": "gemma3", "gemma3_text": "gemma3"}
+FAMILIES = choices(ModelShape, "family")
 
 # Activations autograd saves for the backward of one forward pass, per layer, in units of N·d and
 # N·f elements of the model dtype, plus ACT_BASE·N·d outside the blocks (embedding output, final
@@ -124,9 +122,9 @@ def shape_from_config(hf_config: Any) -> dict[str, Any]:
     """
     cfg = getattr(hf_config, "text_config", None) or hf_config
     model_type = getattr(cfg, "model_type", None)
-    fam = MODEL_TYPES.get(model_type)
+    fam = MODEL_TYPE_FAMILIES.get(model_type)
     if fam is None:
-        raise ValueError(f"model_type {model_type!r} has no memory estimate; known: {', '.join(sorted(MODEL_TYPES))}")
+        raise ValueError(f"model_type {model_type!r} has no memory estimate; known: {', '.join(sorted(MODEL_TYPE_FAMILIES))}")
     extra: dict[str, Any] = {"tied": getattr(hf_config, "tie_word_embeddings", None)}
     # The outer model_type says which class holds the blocks (Gemma 3: text-only or multimodal),
     # which decides their module names (circuitkit.models.linear_modules).

@@ -18,8 +18,16 @@ from circuitkit.attribution.eap import cached_run, deltas, graph_of, head_writes
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
-from circuitkit.pruning import fit_positions
 from circuitkit.tasks.base import TaskData
+
+
+def fit_positions(values: torch.Tensor, n_positions: int) -> torch.Tensor:
+    """(..., T, D) -> (..., n_positions, D): truncate, or extend with the mean over positions."""
+    T = values.shape[-2]
+    if n_positions <= T:
+        return values[..., :n_positions, :]
+    extra = values.mean(-2, keepdim=True).expand(*values.shape[:-2], n_positions - T, values.shape[-1])
+    return torch.cat([values, extra], dim=-2)
 
 
 def upstream_writes(adapter: ModelAdapter, rec: dict) -> torch.Tensor:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from circuitkit.attribution.memory import advice, attribution_estimate, ig_advice, largest_fitting_batch
-from circuitkit.config import CONF_DIR, AppConfig, compose
+from circuitkit.config import CONF_DIR, AppConfig, DiscoveryConfig, choices, compose
 from circuitkit.device import free_memory_bytes, get_device
 from circuitkit.errors import EXIT_USAGE, UserError
 from circuitkit.pipeline import make_console
@@ -101,8 +101,8 @@ def check_memory(cfg: AppConfig, console: Console) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="circuitkit discover-smart", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model group, hub name or local directory")
-    parser.add_argument("--algorithm", required=True, choices=("eap", "eap-ig", "clean-corrupted", "exact"))
-    parser.add_argument("--task", required=True, choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
+    parser.add_argument("--algorithm", required=True, choices=choices(DiscoveryConfig, "algorithm"))
+    parser.add_argument("--task", required=True, choices=choices(DiscoveryConfig, "task"))
     parser.add_argument("--check-memory", action="store_true", help="print the estimate and exit; loads nothing")
     parser.add_argument("overrides", nargs="*", help="further key=value overrides")
     args = parser.parse_args(argv)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import torch
 from rich.table import Table
 from safetensors import safe_open
 
@@ -25,16 +24,7 @@ from circuitkit.io import check_writable
 from circuitkit.models.loading import check_model, context_length, model_context, model_inputs
 from circuitkit.pipeline import RunContext, Stage, StageResult, package_versions
 from circuitkit.plots import faithfulness_curve, head_heatmap
-from circuitkit.pruning import (
-    Evaluator,
-    curve_areas,
-    faithfulness,
-    keep_top,
-    mean_z,
-    select_heads,
-    sparsity_curve,
-)
-from circuitkit.pruning_edges import EdgeEvaluator, mean_writes
+from circuitkit.pruning import prune
 from circuitkit.tasks import SAMPLE_FILES, TaskData, build_task
 
 DATA_FILE = "data.safetensors"
@@ -155,60 +145,31 @@ def _pruning(ctx: RunContext) -> StageResult:
     if len(held_out) == 0:
         raise ValueError("no held-out examples for faithfulness: set discovery.data_params.eval_examples >= 1.")
 
-    circuit: dict = {}
-    if p.scope == "heads":
-        means = mean_z(adapter, data[:n_attr], d.batch_size) if p.ablation == "mean" else None
-        evaluator = Evaluator(adapter, held_out, d.metric, p.ablation, means, d.batch_size)
-
-        def evaluate_kept(kept):
-            return evaluator(~kept)
-        selection = select_heads(scores.head, p.target_sparsity, p.rank_by)
-        kept, valid, ranked = selection.mask, None, scores.head
-        head_mask, achieved, n_removed = selection.mask, selection.achieved_sparsity, selection.n_removed
-        circuit["mean_z"] = means
-    else:
-        means = mean_writes(adapter, data[:n_attr], d.batch_size) if p.ablation == "mean" else None
-        evaluate_kept = EdgeEvaluator(adapter, held_out, d.metric, p.ablation, means, d.batch_size)
-        valid, ranked = scores.graph.edge_mask(), scores.edges
-        n_total = int(valid.sum())
-        n_removed = round(p.target_sparsity * n_total)
-        kept = keep_top(scores.edges, n_total - n_removed, p.rank_by, valid)
-        achieved = n_removed / n_total
-        g = scores.graph
-        head_mask = torch.tensor([[bool(kept[g.head_index(layer, h)].any()) for h in range(g.n_heads)]
-                                  for layer in range(g.n_layers)])
-        circuit.update(edge_mask=kept, mean_z=None, upstream_nodes=g.upstream, downstream_nodes=g.downstream)
-    m_full = evaluate_kept(torch.ones_like(kept) if valid is None else valid)
-    m_empty = evaluate_kept(torch.zeros_like(kept))
-    m_circuit = evaluate_kept(kept)
-    f = faithfulness(m_circuit, m_full, m_empty)
-    curve = sparsity_curve(evaluate_kept, ranked, p.rank_by, m_full, m_empty, valid)
-    cpr, cmd = curve_areas(curve)
+    found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size)
+    kept, head_mask, achieved = found.selection.mask, found.head_mask, found.selection.achieved_sparsity
+    m_full, m_empty, m_circuit, f = (found.metrics[k] for k in ("full", "empty", "circuit", "faithfulness"))
+    curve, cpr, cmd = found.curve, found.cpr, found.cmd
     curve_files = _write_curve(ctx, curve, f"{d.task}, {p.scope}: CPR {cpr:.3f}, CMD {cmd:.3f}")
     circuit_png = head_heatmap(scores.head, ctx.run_dir / "circuit_heads.png",
                                f"kept heads (outlined), {p.scope} sparsity {achieved:.2f}", head_mask)
-    metrics = {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f}
     out_path = run_circuit_path(ctx.cfg.output_path, ctx.run_dir)
     g = scores.graph
-    circuit["graph"] = {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
-                        "parallel_residual": g.parallel_residual}
-    if p.scope == "heads":
-        circuit["mlp_mask"] = torch.ones(g.n_layers, dtype=torch.bool)  # head pruning never removes an MLP
-    else:
-        circuit["mlp_mask"] = kept[[g.mlp_index(layer) for layer in range(g.n_layers)]].any(dim=1)
-    circuit["prepend_bos"] = d.data_params.prepend_bos
-    circuit["d_model"] = adapter.d_model  # for exports whose format states it (EAP-IG's cfg)
     save_circuit(out_path, {
-        **circuit, "model_name": ctx.cfg.model.name, "model_revision": ctx.cfg.model.revision, "scope": p.scope,
+        **found.ablation_values,
+        "graph": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
+                  "parallel_residual": g.parallel_residual},
+        "mlp_mask": found.mlp_mask, "prepend_bos": d.data_params.prepend_bos,
+        "d_model": adapter.d_model,  # for exports whose format states it (EAP-IG's cfg)
+        "model_name": ctx.cfg.model.name, "model_revision": ctx.cfg.model.revision, "scope": p.scope,
         "head_mask": head_mask, "head_scores": scores.head, "mlp_scores": scores.mlp,
         "embed_score": scores.embed, "edge_scores": scores.edges,
         "ablation": p.ablation, "rank_by": p.rank_by, "target_sparsity": p.target_sparsity,
-        "achieved_sparsity": achieved, "n_removed": n_removed, "n_heads_removed": int((~head_mask).sum()),
-        "metrics": metrics, "curve": curve, "cpr": cpr, "cmd": cmd, "n_eval_examples": len(held_out),
+        "achieved_sparsity": achieved, "n_removed": found.selection.n_removed,
+        "n_heads_removed": int((~head_mask).sum()), "metrics": found.metrics, "curve": curve, "cpr": cpr, "cmd": cmd, "n_eval_examples": len(held_out),
         "config": to_dict(ctx.cfg), "versions": package_versions(),
     })
     unit = "heads" if p.scope == "heads" else "edges"
-    table = Table(title=f"circuit: {int(kept.sum())} of {kept.numel() if valid is None else int(valid.sum())} {unit} kept")
+    table = Table(title=f"circuit: {int(kept.sum())} of {found.n_total} {unit} kept")
     for col in ("target sparsity", "achieved", "m(full)", "m(empty)", "m(circuit)", "faithfulness", "CPR", "CMD"):
         table.add_column(col, justify="right")
     table.add_row(f"{p.target_sparsity:.3f}", f"{achieved:.3f}", f"{m_full:.4g}", f"{m_empty:.4g}",

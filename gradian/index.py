@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
+from circuitkit.device import DTYPES
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class IndexMismatchError(ValueError):
@@ -123,9 +123,9 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
     if manifest["format_version"] > FORMAT_VERSION:
         raise IndexIntegrityError(f"{path}: format_version {manifest['format_version']} is newer than this"
                                   f" Gradian reads ({FORMAT_VERSION}); upgrade circuitkit.")
-    if manifest["storage_dtype"] not in STORAGE_DTYPES:
+    if manifest["storage_dtype"] not in DTYPES:
         raise IndexIntegrityError(f"{path}: storage_dtype {manifest['storage_dtype']!r} is not one of"
-                                  f" {', '.join(STORAGE_DTYPES)}; {_REBUILD}.")
+                                  f" {', '.join(DTYPES)}; {_REBUILD}.")
     if manifest["n_rows"] < 0 or manifest["rows_per_shard"] < 1:
         raise IndexIntegrityError(f"{path}: n_rows={manifest['n_rows']}, rows_per_shard="
                                   f"{manifest['rows_per_shard']} are not valid; {_REBUILD}.")
@@ -248,7 +248,7 @@ class IndexWriter:
         start, end = self.row_range(k)
         if rows.tolist() != list(range(start, end)):
             raise ValueError(f"shard {k} must hold rows {start}..{end - 1}, got {rows.tolist()[:5]}...")
-        dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
+        dtype = DTYPES[self.header["storage_dtype"]]
         stored = grads.float().to(dtype)
         bad = ~torch.isfinite(stored).all(dim=1)
         if bad.any():
@@ -413,7 +413,7 @@ class IndexReader:
         want = (end - start, width) if isinstance(width, int) else (end - start,) + tuple(grads.shape[1:])
         if tuple(grads.shape) != want or grads.ndim != 2:
             problems.append(f"{name} grads have shape {tuple(grads.shape)}, the manifest says {want}")
-        dtype = STORAGE_DTYPES[self.manifest["storage_dtype"]]
+        dtype = DTYPES[self.manifest["storage_dtype"]]
         if grads.dtype != dtype:
             problems.append(f"{name} grads are {grads.dtype}, the manifest says {self.manifest['storage_dtype']}")
         sources = tensors.get("sources")
@@ -493,8 +493,7 @@ class IndexReader:
                     " the rows were made with cannot be checked"]
         try:
             shapes = {n: tuple(e["shape"]) for n, e in proj["modules"].items()}
-            kind = "kronecker" if proj.get("kind") == "raw" else proj.get("kind")
-            projector = Projector(shapes, kind, proj.get("projection_dim"), proj.get("seed", 0))
+            projector = Projector.from_description(shapes, proj)
         except (KeyError, TypeError, ValueError) as err:
             return [f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
         problems = []

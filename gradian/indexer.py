@@ -28,13 +28,14 @@ from rich.progress import (
 )
 
 from circuitkit.config import GradsConfig, ModelConfig
+from circuitkit.device import DTYPES
 from circuitkit.errors import UserError
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.data import collate, length_limit, plan_batches
-from gradian.index import MANIFEST, STORAGE_DTYPES, IndexReader, IndexWriter, read_manifest
+from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
 from gradian.memory import estimate_grads
 from gradian.projection import Projector, projection_fingerprint
 from gradian.sources import Source, SourceSpec
@@ -251,7 +252,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
     estimate = estimate_grads(
         adapter.shape(), next(model.parameters()).element_size(), worst_rows, longest, longest,
-        projector, STORAGE_DTYPES[grads.storage_dtype].itemsize, corpus.n_rows)
+        projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows)
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -18,6 +18,7 @@ import torch
 
 from circuitkit.circuit import kept_components, load_circuit
 from circuitkit.config import AppConfig
+from circuitkit.device import DTYPES
 from circuitkit.memory import (
     ACT_BASE,
     ACT_PER_LAYER,
@@ -29,7 +30,6 @@ from circuitkit.memory import (
     shape_for,
 )
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
-from circuitkit.models.loading import DTYPES
 from circuitkit.pipeline import StageMemory
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 

@@ -35,9 +35,11 @@ from collections.abc import Mapping
 
 import torch
 
+from circuitkit.config import GradsConfig, choices
+
 log = logging.getLogger(__name__)
 
-PROJECTION_KINDS = ("kronecker", "dense")
+PROJECTION_KINDS = choices(GradsConfig, "projection")
 # Columns of the dense matrix generated per seeded chunk. A constant, so the matrix does not
 # depend on how much memory a run has (chunks are regenerated when the matrix is not cached).
 _DENSE_CHUNK_COLS = 4096
@@ -161,6 +163,17 @@ class Projector:
                     log.warning("grads.projection_dim=%d exceeds the %d weights of %s: the dense"
                                 " projection adds no information.", projection_dim, d_out * d_in, name)
         self._cache: dict[tuple[str, str, str], torch.Tensor] = {}
+
+    @classmethod
+    def from_description(cls, shapes: Mapping[str, tuple[int, int]], described: Mapping) -> Projector:
+        """The projector an index manifest's `projection` entry (`describe()`) records, for `shapes`.
+
+        `projection_dim` null is the one meaning of "raw": a projector without a dim describes
+        itself as kind "raw" whatever kind it was given, so "raw" reads back as the default kind.
+        """
+        kind = described.get("kind")
+        return cls(shapes, "kronecker" if kind == "raw" else kind, described.get("projection_dim"),
+                   described.get("seed", 0))
 
     # -- widths -----------------------------------------------------------------------------
     def width(self, name: str) -> int:

@@ -150,11 +150,8 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
     except ValueError as err:
         problems.append(f"projection.modules: {err}")
     else:
-        dim = proj.get("projection_dim")
-        # "raw" (projection_dim null) is what Projector reports for any kind without a dim.
-        kind = "kronecker" if proj.get("kind") == "raw" else proj.get("kind")
         try:
-            projector = Projector(site_shapes(sites), kind, dim, proj.get("seed", 0))
+            projector = Projector.from_description(site_shapes(sites), proj)
         except ValueError as err:
             problems.append(f"projection: {err}")
         else:

@@ -30,10 +30,11 @@ import torch
 from torch import nn
 
 from circuitkit.circuit import circuit_sha256, kept_components, load_circuit
+from circuitkit.config import GradsConfig, choices
 
 log = logging.getLogger(__name__)
 _HEAD_SUFFIX = re.compile(r"^(?P<module>.+):head(?P<head>\d+)$")
-CIRCUIT_MLPS = ("kept", "none")
+CIRCUIT_MLPS = choices(GradsConfig, "circuit_mlps")
 
 
 class Site(NamedTuple):

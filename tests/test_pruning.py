@@ -57,7 +57,7 @@ def test_circuit_with_no_head_removed_is_bit_identical_and_all_removed_is_empty(
         with apply_circuit(a, circuit):
             same = lm.model(input_ids=data.clean_ids).logits
         evaluator = Evaluator(a, data, "logit_diff", "mean", means, 3)
-        empty = evaluator(torch.ones(a.n_layers, a.n_heads, dtype=torch.bool))
+        empty = evaluator(torch.zeros(a.n_layers, a.n_heads, dtype=torch.bool))  # nothing kept
         with apply_circuit(a, {**circuit, "head_mask": torch.zeros_like(circuit["head_mask"])}):
             logits = lm.model(input_ids=data.clean_ids).logits
     assert torch.equal(ref, same)

@@ -15,6 +15,7 @@ import torch
 from circuitkit.attribution.quadrature import integration_rule
 from circuitkit.attribution.tradeoffs import advice_line
 from circuitkit.config import AppConfig
+from circuitkit.device import DTYPES
 from circuitkit.memory import (
     ACT_BASE,
     ACT_PER_LAYER,
@@ -25,7 +26,6 @@ from circuitkit.memory import (
     shape_dict,
     shape_for,
 )
-from circuitkit.models.loading import DTYPES
 from circuitkit.pipeline import StageMemory
 
 # Eager attention also saves the (B, H, T, T) softmax output (not calibrated: the fixtures use sdpa).

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from circuitkit.config import ModelConfig
-from circuitkit.device import get_device
+from circuitkit.device import DTYPES, get_device
 from circuitkit.errors import UserError
 from circuitkit.fingerprint import hub_revision
 from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
@@ -25,7 +25,6 @@ from circuitkit.models.adapters import ModelAdapter, get_adapter
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BUILTIN_PREFIX = "builtin:"
 
 

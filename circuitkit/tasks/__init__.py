@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.config import DataParams
+from circuitkit.config import DataParams, DiscoveryConfig, choices
 from circuitkit.tasks.base import TaskData, TaskError
 
 __all__ = ["TaskData", "TaskError", "apply_bos_policy", "build_task", "BUILT_TASKS", "SAMPLE_FILES"]
 
 log = logging.getLogger(__name__)
 
-BUILT_TASKS = ("induction", "ioi", "greater_than", "mmlu", "jsonl")
+BUILT_TASKS = choices(DiscoveryConfig, "task")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SAMPLE_FILES = {"mmlu": DATA_DIR / "mmlu_sample.csv", "jsonl": DATA_DIR / "jsonl_sample.jsonl"}
 
