@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from circuitkit.errors import EXIT_USAGE, UserError
-from circuitkit.io import atomic_torch_save
+from circuitkit.io import atomic_torch_save, sha256_file
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.pruning import ablate_heads
 
@@ -105,8 +105,6 @@ def load_circuit(path: Path) -> dict[str, Any]:
 
 def circuit_sha256(path: Path) -> str:
     """sha256 of a circuit.pt file's bytes: the identity a gradient index records."""
-    from circuitkit.io import sha256_file
-
     return sha256_file(Path(path))
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import filelock
 
+from circuitkit.errors import UserError
+
 _UMASK_LOCK = threading.Lock()
 
 
@@ -170,8 +172,6 @@ def check_writable(path: Path, what: str, directory: bool = False) -> None:
     directory in which a file can be created (probed with a temporary file, because
     permission bits say nothing for root or on read-only mounts).
     """
-    from circuitkit.errors import UserError
-
     path = Path(path).expanduser()
     if path.exists():
         if directory and not path.is_dir():

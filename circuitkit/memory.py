@@ -25,6 +25,7 @@ from rich.table import Table
 
 from circuitkit.config import ModelConfig, ModelShape, choices
 from circuitkit.models.adapters import MODEL_TYPE_FAMILIES
+from circuitkit.models.loading import resolve_model_path
 
 MiB = 2**20
 FP32 = 4
@@ -163,8 +164,6 @@ def shape_for(model_cfg: ModelConfig) -> dict[str, Any]:
     if all(v is not None for v in values.values()):
         return values
     from transformers import AutoConfig
-
-    from circuitkit.models.loading import resolve_model_path
 
     path = resolve_model_path(model_cfg.name)
     hf = AutoConfig.from_pretrained(path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)

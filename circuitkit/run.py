@@ -26,6 +26,7 @@ from circuitkit.errors import UserError, debug_enabled, exit_code_and_message, p
 from circuitkit.io import check_writable
 from circuitkit.pipeline import make_console
 from circuitkit.stage_list import check_stages, run_pipeline
+from circuitkit.sweep import forget_last_sweep, last_sweep, record_job_failure
 
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
@@ -68,7 +69,6 @@ def _hydra_main(cfg: DictConfig) -> None:
         if code:
             sys.exit(code)
         return
-    from circuitkit.sweep import record_job_failure
 
     try:
         _run_job(cfg)
@@ -96,7 +96,6 @@ def _main(argv: list[str]) -> int:
             check_writable(Path(run_dir), "hydra.run.dir", directory=True)
     if debug_enabled():
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    from circuitkit.sweep import forget_last_sweep, last_sweep
 
     forget_last_sweep()
     sys.argv = [sys.argv[0], *argv]

@@ -36,6 +36,7 @@ import torch
 from circuitkit.device import DTYPES
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
+from gradian.projection import Projector, projection_fingerprint
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 FORMAT_VERSION = 2
@@ -483,8 +484,6 @@ class IndexReader:
         return problems
 
     def _projection_problems(self) -> list[str]:
-        from gradian.projection import Projector, projection_fingerprint
-
         proj = self.manifest.get("projection")
         if not isinstance(proj, dict) or not isinstance(proj.get("modules"), dict):
             return ["no projection description (projection.modules): queries cannot be projected like the rows"]
