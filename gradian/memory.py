@@ -202,8 +202,9 @@ def grads_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
     seq = largest_fitting(lambda n: grads_estimate(cfg, batch_size=1, seq_len=n, projector=projector).total_bytes
                           <= budget_bytes, g.max_seq_length)
     tips = [f"grads.batch_size=1 with grads.max_seq_length={seq}"] if seq >= 2 else []
-    return tips + ["a device with more memory, or a smaller model (storage_dtype, module_filter and"
-                   " projection_dim only shrink the index on disk)"]
+    return tips + ["a device with more memory, or a smaller model (storage_dtype only shrinks the index on"
+                   " disk; module_filter and projection_dim mostly do, and move only the peak's capture"
+                   " buffers and projection matrices)"]
 
 
 def _grads_stage_estimate(cfg: AppConfig) -> MemoryEstimate | None:
