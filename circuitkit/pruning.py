@@ -94,7 +94,7 @@ def mean_z(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tens
     for batch in data.batches(batch_size):
         batch = batch.to(device)
         rec = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
-        z = torch.stack([zl.float() for zl in rec["z"]])  # (L, B, T, H*dh)
+        z = torch.stack([zl.float() for zl in rec.z])  # (L, B, T, H*dh)
         w = batch.attention_mask.float()[None, :, :, None]
         part, n = (z * w).sum(1), w.sum(1)
         total = part if total is None else total + part
@@ -137,19 +137,19 @@ class Evaluator:
         for batch in data.batches(batch_size):
             batch = batch.to(device)
             clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
-            corrupt_z = None
+            corrupted_z = None
             if ablation == "corrupted":
-                corrupt_z = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos,
-                                       edges=False)["z"]
-            self.batches.append((batch, clean["logits"].float(), corrupt_z))
+                corrupted_z = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos,
+                                       edges=False).z
+            self.batches.append((batch, clean.logits.float(), corrupted_z))
         self.mean_values = None if mean_values is None else [v.to(device)[None] for v in mean_values]
         self.n = len(data)
 
-    def _values(self, corrupt_z):
+    def _values(self, corrupted_z):
         if self.ablation == "zero":
             return [None] * self.adapter.n_layers
         if self.ablation == "corrupted":
-            return corrupt_z
+            return corrupted_z
         return self.mean_values
 
     @torch.no_grad()
@@ -157,12 +157,12 @@ class Evaluator:
         """kept: (n_layers, n_heads) bool, or None for the full model."""
         removed = None if kept is None else ~kept
         total = 0.0
-        for batch, clean_answer, corrupt_z in self.batches:
+        for batch, clean_answer, corrupted_z in self.batches:
             args = (self.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
             if removed is None or not removed.any():
                 logits = answer_forward(*args)
             else:
-                with ablate_heads(self.adapter, removed, self._values(corrupt_z)):
+                with ablate_heads(self.adapter, removed, self._values(corrupted_z)):
                     logits = answer_forward(*args)
             total += compute_metric(self.metric, logits, batch, clean_answer).sum().item()
         return total / self.n

@@ -33,11 +33,11 @@ def fit_positions(values: torch.Tensor, n_positions: int) -> torch.Tensor:
 def upstream_writes(adapter: ModelAdapter, rec: dict) -> torch.Tensor:
     """What every upstream node wrote in a recorded run: (n_upstream, B, T, d_model) float32."""
     H, dh = adapter.n_heads, adapter.head_dim
-    rows = [rec["embed"].float().unsqueeze(0)]
+    rows = [rec.embed.float().unsqueeze(0)]
     for layer in range(adapter.n_layers):
-        z = rec["z"][layer].unflatten(-1, (H, dh))
-        rows.append(head_writes(adapter, layer, z, rec["attn_total"][layer]))
-        rows.append(rec["mlp"][layer].float().unsqueeze(0))
+        z = rec.z[layer].unflatten(-1, (H, dh))
+        rows.append(head_writes(adapter, layer, z, rec.attn_total[layer]))
+        rows.append(rec.mlp[layer].float().unsqueeze(0))
     return torch.cat(rows)
 
 
@@ -128,13 +128,13 @@ class EdgeEvaluator:
             batch = batch.to(device)
             clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=True)
             if ablation == "corrupted":
-                corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=True)
-                ablated = upstream_writes(adapter, clean) - deltas(adapter, clean, corrupt, edges=True)["up"]
+                corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=True)
+                ablated = upstream_writes(adapter, clean) - deltas(adapter, clean, corrupted, edges=True).up
             elif ablation == "mean":
                 ablated = fit_positions(mean_values.to(device), batch.clean_ids.shape[1]).unsqueeze(1)
             else:
                 ablated = torch.zeros(1, 1, 1, 1, device=device)
-            self.batches.append((batch, clean["logits"].float(), ablated))
+            self.batches.append((batch, clean.logits.float(), ablated))
         self.n = len(data)
 
     @torch.no_grad()
