@@ -179,6 +179,15 @@ def shape_dict(shape: dict[str, Any] | ModelShape) -> dict[str, Any]:
     return {k: getattr(shape, k) for k in SHAPE_KEYS}
 
 
+def calibrated(shape: dict[str, Any] | ModelShape) -> tuple[dict[str, Any], tuple[float, float]]:
+    """(the shape as a dict, its family's ACT_PER_LAYER coefficients (c_d, c_f)): what every
+    estimate starts from; ValueError for a family without measured coefficients."""
+    s = shape_dict(shape)
+    if s["family"] not in ACT_PER_LAYER:
+        raise ValueError(f"family {s['family']!r} has no calibrated estimate; known: {', '.join(FAMILIES)}")
+    return s, ACT_PER_LAYER[s["family"]]
+
+
 def largest_fitting(fits, limit: int = 1024) -> int:
     """Largest n in 1..limit with fits(n) (fits is monotone, e.g. "the estimate at batch size n
     is under the budget"), 0 if none."""

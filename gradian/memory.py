@@ -19,16 +19,7 @@ import torch
 from circuitkit.circuit import kept_components, load_circuit
 from circuitkit.config import AppConfig
 from circuitkit.device import DTYPES
-from circuitkit.memory import (
-    ACT_BASE,
-    ACT_PER_LAYER,
-    FAMILIES,
-    FP32,
-    MemoryEstimate,
-    largest_fitting,
-    shape_dict,
-    shape_for,
-)
+from circuitkit.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
 from circuitkit.pipeline import StageMemory
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
@@ -111,15 +102,11 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     with prompt length; the logit terms are linear in N_s. `index_bytes` (attribute, not in the
     total: it is disk) is `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)`.
     """
-    s = shape_dict(shape)
-    fam = s["family"]
-    if fam not in ACT_PER_LAYER:
-        raise ValueError(f"family {fam!r} has no calibrated estimate; known: {', '.join(FAMILIES)}")
+    s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
     d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
     B, N, Ns = batch_size, batch_size * seq_len, batch_size * supervised_per_row
     kind, projection_dim, module_shapes = projector.kind, projector.projection_dim, projector.shapes
-    c_d, c_f = ACT_PER_LAYER[fam]
     acts = N * p * (ACT_BASE * d + _graph_layers(list(module_shapes), s["n_layers"], c_d, c_f, d, f))
     capture = matrices = width = 0
     max_g = 0

@@ -16,16 +16,7 @@ from circuitkit.attribution.quadrature import integration_rule
 from circuitkit.attribution.tradeoffs import advice_line
 from circuitkit.config import AppConfig
 from circuitkit.device import DTYPES
-from circuitkit.memory import (
-    ACT_BASE,
-    ACT_PER_LAYER,
-    FAMILIES,
-    FP32,
-    MemoryEstimate,
-    largest_fitting,
-    shape_dict,
-    shape_for,
-)
+from circuitkit.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from circuitkit.pipeline import StageMemory
 
 # Eager attention also saves the (B, H, T, T) softmax output (not calibrated: the fixtures use sdpa).
@@ -77,10 +68,7 @@ def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: in
     and reuse the same sums. `exact` runs no backward: weights, the two cached runs, Δ and
     one no-grad forward.
     """
-    s = shape_dict(shape)
-    fam = s["family"]
-    if fam not in ACT_PER_LAYER:
-        raise ValueError(f"family {fam!r} has no calibrated estimate; known: {', '.join(FAMILIES)}")
+    s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
     L, H, KV, dh = s["n_layers"], s["n_heads"], s["n_kv_heads"], s["head_dim"]
     d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
@@ -99,7 +87,6 @@ def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: in
         terms["forward temporaries"] = int(N * p * (FWD_TMP_D * d + FWD_TMP_F * f))
         return MemoryEstimate(terms, phase="exact: no-grad forward with cached runs and Δ")
     n_points = integration_rule(algorithm, ig_steps, ig_rule).passes
-    c_d, c_f = ACT_PER_LAYER[fam]
     acts = N * p * (ACT_BASE * d + L * (c_d * d + c_f * f))
     if attn_implementation == "eager":
         acts += EAGER_ATTN_PER_LAYER * L * B * H * seq_len**2 * p
