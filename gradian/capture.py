@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from circuitkit.config import GradsConfig, choices
 from gradian.projection import Projector
 
 
@@ -95,7 +96,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     gradients only. An example's row does not depend on the rest of its batch: padding
     positions are masked out of x, and nothing downstream of a padding position feeds a loss.
     """
-    if loss_reduction not in ("sum", "mean"):
+    if loss_reduction not in choices(GradsConfig, "loss_reduction"):
         raise ValueError(f"grads.loss_reduction={loss_reduction!r}; valid: sum, mean.")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if trainable:

@@ -28,15 +28,18 @@ from rich.progress import (
 )
 
 from circuitkit.config import GradsConfig, ModelConfig
+from circuitkit.device import DTYPES
 from circuitkit.errors import UserError
-from circuitkit.memory import estimate_grads
-from circuitkit.models.loading import context_length, load_model, weights_hash
+from circuitkit.models.linear_modules import module_shapes, select_modules
+from circuitkit.models.loading import context_length, load_model, resolve_model_path, weights_hash
 from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.data import collate, length_limit, plan_batches
-from gradian.index import MANIFEST, STORAGE_DTYPES, IndexReader, IndexWriter, read_manifest
-from gradian.projection import Projector, module_shapes, projection_fingerprint, select_modules
-from gradian.sources import Source, SourceSpec
+from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
+from gradian.memory import estimate_grads
+from gradian.projection import Projector, projection_fingerprint
+from gradian.restrict import restricted_sites, site_shapes
+from gradian.sources import DataError, Source, SourceSpec, resolve_format
 
 log = logging.getLogger(__name__)
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample_train.jsonl"
@@ -59,8 +62,6 @@ def check_input_file(path: Path, what: str) -> None:
 def check_data_source(grads: GradsConfig, path: str | Path) -> None:
     """grads.data_path names data that can be read: a readable file, a `datasets.save_to_disk`
     directory, or (not a local path) a hub dataset name. UserError (exit code 2) otherwise."""
-    from gradian.sources import DataError, SourceSpec, resolve_format
-
     spec = SourceSpec.from_grads(grads, path)
     try:
         fmt = resolve_format(spec)
@@ -112,8 +113,6 @@ def model_context_length(model_cfg: ModelConfig) -> int | None:
     after the model is loaded, from the loaded model's config.
     """
     from transformers import AutoConfig
-
-    from circuitkit.models.loading import context_length, resolve_model_path
 
     try:
         hf = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name), revision=model_cfg.revision,
@@ -218,8 +217,6 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                          " (gradian index) give the path of a circuit.pt.")
     circuit = None
     if circuit_path is not None:
-        from gradian.restrict import restricted_sites, site_shapes
-
         if grads.module_filter:
             log.warning("grads.module_filter=%s is not used: grads.circuit decides the indexed weights.",
                         grads.module_filter)
@@ -250,8 +247,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
     estimate = estimate_grads(
         adapter.shape(), next(model.parameters()).element_size(), worst_rows, longest, longest,
-        shapes, grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize,
-        corpus.n_rows)
+        projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows)
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -59,7 +59,7 @@ MIN_TOKENS, MAX_TOKENS = 29, 497
 
 def lengths_corpus(n_rows: int, tokenizer: Any, seed: int = 0) -> list[dict[str, str]]:
     """n_rows prompt/completion rows with log-normal token lengths (see the module docstring)."""
-    from circuitkit.models.tiny import synthetic_corpus
+    from circuitkit.fixtures.models import synthetic_corpus
 
     rng = random.Random(seed)
     sentences = iter(synthetic_corpus(n_sentences=200 * n_rows, seed=seed + 1))

@@ -1,4 +1,5 @@
-"""Check circuitkit.memory.estimate_attribution and estimate_grads against measured peaks on the CPU.
+"""Check the attribution and gradient-indexing memory estimates (circuitkit.attribution.memory,
+gradian.memory) against measured peaks on the CPU.
 
 Builds random float32 models from transformers config classes (tiny fixture-like shapes and
 GPT-2-small shapes), runs `attribute` on one batch of random TaskData inside `measure_peak`
@@ -35,12 +36,15 @@ from rich.console import Console
 from rich.table import Table
 
 from circuitkit.attribution.eap import attribute
+from circuitkit.attribution.memory import estimate_attribution
 from circuitkit.device import measure_peak, module_bytes
-from circuitkit.memory import MiB, estimate_attribution, estimate_grads, shape_from_config
+from circuitkit.memory import MiB, shape_from_config
 from circuitkit.models.adapters import get_adapter
+from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.tasks.base import random_pairs
 from gradian.capture import per_example_gradients
-from gradian.projection import Projector, module_shapes, select_modules
+from gradian.memory import estimate_grads
+from gradian.projection import Projector
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.25
@@ -243,8 +247,7 @@ def measure_grads_model(model: torch.nn.Module, name: str, projection_dim: int |
     with measure_peak(torch.device("cpu"), resident_bytes=lambda: module_bytes(model)) as peak:
         per_example_gradients(model, adapter, modules, projector, data)
     dtype_bytes = next(model.parameters()).element_size()
-    est = estimate_grads(shape, dtype_bytes, batch, prompt + supervised, supervised, shapes, "kronecker",
-                         projection_dim, 2, 0)
+    est = estimate_grads(shape, dtype_bytes, batch, prompt + supervised, supervised, projector, 2, 0)
     return GradsRow(name, projector.kind, batch, prompt, supervised, est.total_bytes / MiB, peak.peak_bytes / MiB,
                     est.total_bytes / peak.peak_bytes, est.phase)
 

@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
+from circuitkit.attribution.memory import attribution_estimate, largest_fitting_batch
 from circuitkit.config import compose
-from circuitkit.pipeline import run_pipeline
-from circuitkit.preflight import attribution_estimate, largest_fitting_batch
+from circuitkit.stage_list import run_pipeline
 
 
 def test_gemma4b_at_batch_64_stops_in_preflight_fast_and_loads_nothing(tmp_path):
@@ -58,7 +58,7 @@ def test_preflight_passes_and_attribution_records_estimate_next_to_measured(tmp_
 
 
 def test_grads_preflight_advises_grads_batch_size_then_length(tmp_path):
-    from circuitkit.preflight import grads_advice, grads_estimate
+    from gradian.memory import grads_advice, grads_estimate
 
     _, cfg = compose(["model=llama1b", "grads.batch_size=64", "grads.max_seq_length=2048"])
     est = grads_estimate(cfg)
