@@ -49,6 +49,15 @@ def _f(default: Any, doc: str, *, choices: Iterable[Any] | None = None, ge: floa
     return field(default=default, metadata=meta)
 
 
+def choices(schema: type, key: str) -> tuple[Any, ...]:
+    """The allowed values of `key` in the dataclass `schema` (its field's `choices`): the one
+    list that validation, argument parsers and the code that branches on the value all read."""
+    for f in dataclasses.fields(schema):
+        if f.name == key and f.metadata.get("choices"):
+            return f.metadata["choices"]
+    raise KeyError(f"{schema.__name__}.{key} has no choices")
+
+
 @dataclass
 class ModelShape:
     """Shape of a model, known without loading weights (used by the memory estimate)."""
@@ -129,9 +138,9 @@ class GradsConfig:
     on_truncation: str = _f("warn", "when a completion is cut", choices=("warn", "error", "drop"))
     truncation_side: str = _f("right", "what truncation removes", choices=("right", "prompt_left"))
     loss_reduction: str = _f("sum", "per-example loss over supervised tokens", choices=("sum", "mean"))
-    module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (on-disk index size only, not the peak)")
+    module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (the index size, and the peak a little: activations kept from the first selected module on, capture buffers)")
     projection: str = _f("kronecker", "random projection kind", choices=("kronecker", "dense"))
-    projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (on-disk index size only, not the peak)", ge=1)
+    projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (the index size, and the peak a little: capture buffers, projection matrices)", ge=1)
     projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)
     storage_dtype: str = _f("float16", "dtype of stored rows (on-disk index size only, not the peak)",
                           choices=("float16", "bfloat16", "float32"))

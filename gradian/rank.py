@@ -23,10 +23,15 @@ from typing import Any
 
 import torch
 
+from circuitkit.circuit import circuit_sha256
 from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes
+from circuitkit.models.loading import context_length, load_model, weights_hash
+from gradian.capture import per_example_gradients
+from gradian.data import _preview, collate, load_rows, plan_batches
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.indexer import check_input_file, check_writable_dir, tokenizer_hash
 from gradian.projection import Projector, projection_fingerprint
 from gradian.restrict import site_shapes, sites_from_names
 from gradian.sources import DataError, Source, SourceSpec
@@ -127,9 +132,6 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
     `projection_sha256` (so an edited seed or kind cannot pass).
     Raises IndexMismatchError naming every differing key.
     """
-    from circuitkit.models.loading import weights_hash
-    from gradian.indexer import tokenizer_hash
-
     problems: list[str] = []
     ours = weights_hash(loaded.model)
     if ours != manifest.get("weights_sha256"):
@@ -150,11 +152,8 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
     except ValueError as err:
         problems.append(f"projection.modules: {err}")
     else:
-        dim = proj.get("projection_dim")
-        # "raw" (projection_dim null) is what Projector reports for any kind without a dim.
-        kind = "kronecker" if proj.get("kind") == "raw" else proj.get("kind")
         try:
-            projector = Projector(site_shapes(sites), kind, dim, proj.get("seed", 0))
+            projector = Projector.from_description(site_shapes(sites), proj)
         except ValueError as err:
             problems.append(f"projection: {err}")
         else:
@@ -196,7 +195,6 @@ def check_circuit(manifest: dict[str, Any], circuit: str | Path | None) -> None:
     unrestricted index); IndexMismatchError says which circuit each side has."""
     if circuit is None:
         return
-    from circuitkit.circuit import circuit_sha256
 
     if not Path(circuit).is_file():
         raise FileNotFoundError(f"circuit {str(circuit)!r} does not exist.")
@@ -221,11 +219,6 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     Returns (grads (Q, width) float32 on the CPU, the query Rows from gradian.data.load_rows with
     the manifest's max_seq_length / truncation settings).
     """
-    from circuitkit.models.loading import context_length
-    from gradian.capture import per_example_gradients
-    from gradian.data import collate, load_rows, plan_batches
-    from gradian.indexer import check_input_file
-
     queries_path = Path(queries_path)
     check_input_file(queries_path, "--queries")
     rows, report = load_rows(queries_path, loaded.tokenizer, manifest.get("max_seq_length", 512),
@@ -251,8 +244,6 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
 
 def check_output_file(path: Path, what: str) -> None:
     """`path` can be written as a file (UserError, exit code 2, if not): checked before any work."""
-    from gradian.indexer import check_writable_dir
-
     if path.is_dir():
         raise UserError(f"{what} {str(path)!r} is a directory; give a file name (e.g. {path / 'ranked.jsonl'}).",
                         exit_code=2)
@@ -316,8 +307,6 @@ def _usable_source(manifest: dict[str, Any]) -> Source | None:
 def _read_previews(source: Source, positions: Iterable[int]) -> dict[int, str]:
     """Preview text of the records at the given positions; reads the source once, in order, up
     to the last position asked."""
-    from gradian.data import _preview
-
     wanted = set(positions)
     out: dict[int, str] = {}
     if not wanted:
@@ -380,9 +369,6 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     was built with (same sha256); against an unrestricted index it is refused. Without it,
     a restricted index's queries use the heads and MLPs its manifest records.
     """
-    from circuitkit.models.loading import load_model
-    from gradian.indexer import check_input_file
-
     _check_choice("score", score, SCORES)
     _check_choice("aggregate", aggregate, AGGREGATES)
     if top_k < 1:

@@ -79,7 +79,7 @@ class Corpus:
 
 def make_corpus(n_entities: int = 40, n_generic: int | None = None, seed: int = 0) -> Corpus:
     """Fact documents (one per entity and attribute), generic distractors, and one query per fact."""
-    from circuitkit.models.tiny import synthetic_corpus
+    from circuitkit.fixtures.models import synthetic_corpus
 
     rng = random.Random(seed)
     names = [a + b for a in FIRST for b in SECOND]

@@ -40,7 +40,7 @@ INDEX = ["stages=[grads]", "model=induction", "model.precision=float32", "grads.
 
 def _rows(path: Path, n: int) -> Path:
     """Induction-style training rows of the fixture's symbols (prompt + completion)."""
-    from circuitkit.models.tiny import synthetic_corpus
+    from circuitkit.fixtures.models import synthetic_corpus
 
     sentences = synthetic_corpus(2 * n + 4, seed=2)
     rng = random.Random(0)

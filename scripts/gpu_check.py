@@ -39,10 +39,11 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from circuitkit.attribution.memory import attribution_estimate  # noqa: E402
 from circuitkit.config import compose  # noqa: E402
 from circuitkit.device import free_memory_bytes, get_device  # noqa: E402
-from circuitkit.pipeline import run_pipeline  # noqa: E402
-from circuitkit.preflight import attribution_estimate, grads_estimate  # noqa: E402
+from circuitkit.stage_list import run_pipeline  # noqa: E402
+from gradian.memory import grads_estimate  # noqa: E402
 
 GiB = 2**30
 PREFLIGHT_MODELS = ("gemma4b", "llama3b", "llama1b")
@@ -83,7 +84,7 @@ def random_model_dir(shape: dict, out: Path, device: torch.device) -> Path:
     """A random-weight Llama of `shape` in bfloat16 with the tiny fixtures' tokenizer."""
     import transformers as tf
 
-    from circuitkit.models.tiny import ensure_fixture
+    from circuitkit.fixtures.models import ensure_fixture
 
     tokenizer = tf.AutoTokenizer.from_pretrained(ensure_fixture("tiny-llama"))
     assert len(tokenizer) <= shape["vocab_size"]
@@ -104,7 +105,7 @@ def random_model_dir(shape: dict, out: Path, device: torch.device) -> Path:
 
 def training_rows(path: Path, n_rows: int) -> Path:
     """JSONL prompt/completion rows of the tiny corpus' sentences (about 40-120 tokens each)."""
-    from circuitkit.models.tiny import synthetic_corpus
+    from circuitkit.fixtures.models import synthetic_corpus
 
     sentences = synthetic_corpus(2 * n_rows + 8, seed=1)
     rng = random.Random(0)

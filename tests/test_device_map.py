@@ -21,7 +21,7 @@ pytest.importorskip("accelerate")
 from circuitkit.attribution import run_attribution  # noqa: E402
 from circuitkit.config import ConfigError, compose  # noqa: E402
 from circuitkit.models.loading import load_model, weights_hash  # noqa: E402
-from circuitkit.pipeline import run_pipeline  # noqa: E402
+from circuitkit.stage_list import run_pipeline  # noqa: E402
 from circuitkit.tasks.base import random_pairs  # noqa: E402
 
 SPLITS = {  # every module on the CPU except the last block, offloaded to disk
@@ -81,8 +81,10 @@ def test_device_map_config_errors():
 
 
 def test_preflight_splits_the_estimate_per_device(tmp_path, capsys):
-    from circuitkit.models.placement import per_device_estimates, planned_weight_bytes
-    from circuitkit.preflight import attribution_estimate, check
+    from circuitkit.attribution.memory import attribution_estimate
+    from circuitkit.models.device_shares import per_device_estimates, planned_weight_bytes
+    from circuitkit.preflight import check
+    from circuitkit.stage_list import PIPELINE
 
     whole = load_model(compose(_model_overrides("tiny-gpt2", tmp_path, False))[1].model).model
     on_disk = sum(p.numel() * p.element_size() for p in whole.transformer.h[1].parameters())
@@ -94,7 +96,7 @@ def test_preflight_splits_the_estimate_per_device(tmp_path, capsys):
     # the CPU runs every layer (the disk block is streamed to it): all but the disk's weights
     assert per_device["cpu"].total_bytes == estimate.total_bytes - estimate.terms["weights"] + total - on_disk
     assert per_device["disk"].total_bytes == on_disk
-    check(cfg, console=None)
+    check(cfg, PIPELINE.selected(cfg), console=None)
     out = capsys.readouterr().err
     assert "estimated attribution peak per device" in out and "disk" in out
     assert planned_weight_bytes(compose(["model.precision=float32"])[1].model) is None

@@ -26,7 +26,7 @@ import torch
 from circuitkit.attribution.eap import AttributionScores
 from circuitkit.attribution.graph import Graph
 from circuitkit.errors import UserError
-from circuitkit.io import atomic_save_safetensors, atomic_write_json, sha256_file
+from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 
 PARTIAL_FILE = "attribution_shard.safetensors"  # a shard's sums, in its own run dir
 MERGE_RECORD = "merge.json"
@@ -182,10 +182,7 @@ def shard_records(partials: list[Partial]) -> list[dict[str, Any]]:
 
 def shard_lock(shard_dir: Path):
     """An exclusive lock on the shard dir, so that two shards finishing together merge once."""
-    from filelock import FileLock
-
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(shard_dir / LOCK_FILE))
+    return file_lock(shard_dir / LOCK_FILE)
 
 
 def publish_and_try_merge(partial_path: Path, shard_dir: Path, shard_index: int, num_shards: int,
