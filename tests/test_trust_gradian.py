@@ -307,10 +307,15 @@ def test_bad_input_gives_one_line(case: Case, built: Path, tmp_path: Path, capsy
         case.patch(monkeypatch)
     if case.no_model:
         import circuitkit.models.loading
+        import gradian.indexer
+        import gradian.rank
 
         def no_load(*args, **kwargs):
             raise AssertionError("the model was loaded before the input was checked")
-        monkeypatch.setattr(circuitkit.models.loading, "load_model", no_load)
+        # Every module that holds the name: the entry points import gradian.rank / indexer on first
+        # use, and a first import under this patch would otherwise keep no_load for later tests.
+        for module in (circuitkit.models.loading, gradian.rank, gradian.indexer):
+            monkeypatch.setattr(module, "load_model", no_load)
     before = _tree(d)
     capsys.readouterr()
     try:
