@@ -120,6 +120,10 @@ class GradsConfig:
     on_truncation: str = _f("warn", "when a completion is cut", choices=("warn", "error", "drop"))
     truncation_side: str = _f("right", "what truncation removes", choices=("right", "prompt_left"))
     loss_reduction: str = _f("sum", "per-example loss over supervised tokens", choices=("sum", "mean"))
+    append_eos: bool = _f(False, "prompt/completion rows end with the tokenizer's EOS, supervised; chat rows also"
+                          " supervise the template's end-of-turn tokens (false: only what the rows wrote)")
+    prepend_bos: Optional[bool] = _f(None, "prompt/completion rows start with BOS: true, false, or null = as the"
+                                     " tokenizer does by itself (chat rows: as the template writes)")
     module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (on-disk index size only, not the peak)")
     projection: str = _f("kronecker", "random projection kind", choices=("kronecker", "dense"))
     projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (on-disk index size only, not the peak)", ge=1)

@@ -33,7 +33,7 @@ from circuitkit.memory import estimate_grads
 from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
-from gradian.data import collate, length_limit, plan_batches
+from gradian.data import TokenPolicy, collate, length_limit, plan_batches
 from gradian.index import MANIFEST, STORAGE_DTYPES, IndexReader, IndexWriter, read_manifest
 from gradian.projection import Projector, module_shapes, projection_fingerprint, select_modules
 from gradian.sources import Source, SourceSpec
@@ -148,6 +148,11 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     return tokens
 
 
+def token_policy(grads: GradsConfig) -> TokenPolicy:
+    """The BOS / EOS policy the grads keys ask for (`gradian.data.TokenPolicy`)."""
+    return TokenPolicy(append_eos=grads.append_eos, prepend_bos=grads.prepend_bos)
+
+
 class _Throughput:
     """Rows/s, tokens/s and the padding share of the work done so far, for the progress bar."""
 
@@ -201,6 +206,7 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
         # The loaded model's own config decides the bound (check_grads_config may not have seen one offline).
         corpus = TokenizedCorpus.scan(source, tokenizer, grads.max_seq_length, grads.on_truncation,
                                       grads.truncation_side, context_length=context_length(loaded.model.config),
+                                      policy=token_policy(grads),
                                       progress=lambda n: status.update(f"tokenizing {source.name}: {n} rows read"))
     with corpus:
         return _index_corpus(model_cfg, grads, Path(index_dir), console, loaded, source, corpus, circuit_path)
@@ -239,7 +245,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         "data_file": data_file, "data_source": {**source.spec.describe(), "path": data_file},
         "data_sha256": source.fingerprint(),
         "max_seq_length": report.max_seq_length, "truncation_side": grads.truncation_side,
-        "on_truncation": grads.on_truncation, "data_report": report.summary(), "row_width": projector.total_width,
+        "on_truncation": grads.on_truncation, "data_report": report.summary(),
+        "token_policy": report.policy.resolve(tokenizer), "row_width": projector.total_width,
         "circuit": circuit,
         "projection_sha256": projection_fingerprint(projector),
     }

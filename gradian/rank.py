@@ -191,6 +191,28 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
     return projector
 
 
+def check_token_policy(manifest: dict[str, Any], append_eos: bool | None = None,
+                       prepend_bos: bool | None | str = "index") -> None:
+    """Refuse queries asked to be tokenized under another policy than the index's rows.
+
+    `append_eos` None and `prepend_bos` "index" mean "as the index": the queries then follow the
+    manifest's ``token_policy``. IndexMismatchError names both sides otherwise.
+    """
+    from gradian.data import policy_of
+
+    ours = policy_of(manifest)
+    problems = []
+    if append_eos is not None and append_eos != ours.append_eos:
+        problems.append(f"append_eos: index has {str(ours.append_eos).lower()}, asked {str(append_eos).lower()}")
+    if prepend_bos != "index" and prepend_bos != ours.prepend_bos:
+        problems.append(f"prepend_bos: index has {ours.prepend_bos}, asked {prepend_bos}")
+    if problems:
+        raise IndexMismatchError("the queries would be tokenized under another token policy than the index's rows ("
+                                 + "; ".join(problems) + "): their gradients would not be comparable. Leave the"
+                                 " option out (queries follow the index's policy), or rebuild the index with"
+                                 " grads.append_eos / grads.prepend_bos set as asked.")
+
+
 def check_circuit(manifest: dict[str, Any], circuit: str | Path | None) -> None:
     """Refuse queries restricted to another circuit than the index's (or to one, against an
     unrestricted index); IndexMismatchError says which circuit each side has."""
@@ -219,18 +241,19 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     """Projected gradients of the query rows, as the index's rows were made.
 
     Returns (grads (Q, width) float32 on the CPU, the query Rows from gradian.data.load_rows with
-    the manifest's max_seq_length / truncation settings).
+    the manifest's max_seq_length / truncation settings and token policy: a query's tokens are
+    made exactly as a training row's, EOS / BOS and chat supervision included).
     """
     from circuitkit.models.loading import context_length
     from gradian.capture import per_example_gradients
-    from gradian.data import collate, load_rows, plan_batches
+    from gradian.data import collate, load_rows, plan_batches, policy_of
     from gradian.indexer import check_input_file
 
     queries_path = Path(queries_path)
     check_input_file(queries_path, "--queries")
     rows, report = load_rows(queries_path, loaded.tokenizer, manifest.get("max_seq_length", 512),
                              manifest.get("on_truncation", "warn"), manifest.get("truncation_side", "right"),
-                             context_length=context_length(loaded.model.config))
+                             context_length=context_length(loaded.model.config), policy=policy_of(manifest))
     if not rows:
         raise ValueError(f"{queries_path}: no query row has a supervised token ({report.summary()}).")
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -275,7 +298,7 @@ def _positions(index_dir: Path, manifest: dict[str, Any], row_ids: set[int]) -> 
     report = manifest.get("data_report") or {}
     kept = report.get("kept_lines")
     if kept is None:
-        source = _usable_source(manifest)
+        source = training_source(manifest)
         if source is None or source.format != "jsonl":
             return found
         dropped = set(report.get("dropped_truncated_lines", [])) | set(report.get("dropped_unsupervised_lines", []))
@@ -285,7 +308,7 @@ def _positions(index_dir: Path, manifest: dict[str, Any], row_ids: set[int]) -> 
     return found
 
 
-def _usable_source(manifest: dict[str, Any]) -> Source | None:
+def training_source(manifest: dict[str, Any]) -> Source | None:
     """The training data if it is still where the index says and unchanged (else no previews)."""
     described = manifest.get("data_source")
     try:
@@ -350,7 +373,7 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
     def line_of(row: int) -> int | None:
         return positions.get(row)
 
-    source = _usable_source(manifest)
+    source = training_source(manifest)
     previews = _read_previews(source, set(positions.values())) if source is not None else {}
     out = []
     for qid, rows, scores in lists:
@@ -364,7 +387,7 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
 def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "cosine",
          aggregate: str = "mean", out_path: str | Path | None = None,
          model_cfg: ModelConfig | None = None, loaded=None, verify: bool = True,
-         circuit: str | Path | None = None) -> list[dict[str, Any]]:
+         circuit: str | Path | None = None, append_eos: bool | None = None) -> list[dict[str, Any]]:
     """Rank the index's training rows against the rows of `queries_path` (JSONL).
 
     Loads the model the manifest names (or `model_cfg`; or an already loaded `loaded`), refuses
@@ -379,6 +402,9 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     `circuit`: the circuit.pt the queries are meant for. It must be the one a restricted index
     was built with (same sha256); against an unrestricted index it is refused. Without it,
     a restricted index's queries use the heads and MLPs its manifest records.
+
+    Query rows are tokenized with the index's token policy (manifest ``token_policy``);
+    `append_eos`, when given, must be that policy's (IndexMismatchError otherwise).
     """
     from circuitkit.models.loading import load_model
     from gradian.indexer import check_input_file
@@ -395,6 +421,7 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
         raise IndexIntegrityError(f"{Path(index_dir) / 'manifest.json'} names no model (model:"
                                   f" {manifest.get('model')!r}); rebuild the index with `gradian index`.")
     check_circuit(manifest, circuit)
+    check_token_policy(manifest, append_eos)
     if loaded is None:
         model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
                                              precision=manifest.get("precision", "bfloat16"))
