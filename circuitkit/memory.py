@@ -393,7 +393,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     for name, (d_out, d_in) in module_shapes.items():
         w = d_out * d_in if projection_dim is None else projection_dim
         width += w
-        if kind == "kronecker":
+        if kind.startswith("kronecker"):  # kronecker, kronecker_orthogonal: same factors and buffers
             k_o, k_i = kronecker_factors(projection_dim, d_out, d_in, name)
             capture += N * k_i * FP32
             matrices += (k_o * d_out + k_i * d_in) * FP32

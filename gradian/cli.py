@@ -6,8 +6,8 @@
                                manifest summary and sizes of a gradient index; --verify checks
                                every shard and lists what is wrong (exit 1 if anything is);
                                --row N shows training row N's tokens and which are supervised
-    gradian rank --index DIR --queries FILE [--top-k K] [--score cosine|dot] [--aggregate mean|max]
-                 [--out FILE] [--no-verify] [--append-eos true|false]
+    gradian rank --index DIR --queries FILE [--top-k K] [--score cosine|dot|influence|whitened]
+                 [--damping D] [--aggregate mean|max] [--out FILE] [--no-verify] [--append-eos true|false]
                                training rows most similar (by gradient) to each query row and overall
     gradian doctor [--json]    versions, devices, determinism, backends and self-tests (Markdown)
 
@@ -75,7 +75,8 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
         ("circuit", "none (unrestricted)" if not summary.get("circuit") else
          f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
          f" MLPs {summary['circuit']['mlps']}"),
-        ("loss", f"{summary.get('loss_reduction')} over supervised tokens"),
+        ("loss", f"{summary.get('loss', 'ce')}, {summary.get('loss_reduction')} over supervised tokens;"
+                 f" preconditioner {summary.get('preconditioner', 'none')}"),
         ("data", f"{summary.get('data_file')} (sha256 {str(summary.get('data_sha256'))[:12]}…)"),
         ("rows", f"{report.get('rows_read')} read, {report.get('kept')} kept, {report.get('truncated')} truncated,"
                  f" {dropped} dropped"),
@@ -183,7 +184,7 @@ def rank_command(args: argparse.Namespace) -> int:
     try:
         results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
                        out_path=args.out, verify=not args.no_verify, circuit=args.circuit,
-                       append_eos=args.append_eos)
+                       append_eos=args.append_eos, damping=args.damping)
     except UserError:
         raise
     except (ValueError, FileNotFoundError) as err:  # IndexMismatchError, DataError: the input is wrong
@@ -220,7 +221,11 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--index", required=True, help="index directory (holds manifest.json)")
     rank.add_argument("--queries", required=True, help="JSONL of query rows (same format as training rows)")
     rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
-    rank.add_argument("--score", choices=("cosine", "dot"), default="cosine")
+    rank.add_argument("--score", choices=("cosine", "dot", "influence", "whitened"), default="cosine",
+                      help="influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
+                           " the cosine after whitening with each module's damped second moment A")
+    rank.add_argument("--damping", type=float, default=None,
+                      help="for influence / whitened: λ as a share of each module's mean eigenvalue (default 0.1)")
     rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
                       help="how the per-query scores of a row combine into one ranking")
     rank.add_argument("--out", default=None,

@@ -35,6 +35,7 @@ from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.data import TokenPolicy, collate, length_limit, plan_batches
 from gradian.index import MANIFEST, STORAGE_DTYPES, IndexReader, IndexWriter, read_manifest
+from gradian.precondition import check_block_width
 from gradian.projection import Projector, module_shapes, projection_fingerprint, select_modules
 from gradian.sources import Source, SourceSpec
 
@@ -136,6 +137,10 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     if grads.shard_index >= grads.num_shards:
         raise UserError(f"grads.shard_index={grads.shard_index} must be < grads.num_shards={grads.num_shards}"
                         f" (workers are numbered 0..{grads.num_shards - 1}).", exit_code=2)
+    try:
+        check_block_width(grads.projection_dim, grads.preconditioner)
+    except ValueError as err:
+        raise UserError(str(err), exit_code=2) from None
     if grads.data_path is not None:
         check_data_source(grads, grads.data_path)
     target = index_dir if index_dir is not None else grads.index_dir
@@ -241,7 +246,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         "model": model_cfg.name, "revision": model_cfg.revision, "precision": model_cfg.precision,
         "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
         "projection": projector.describe(), "storage_dtype": grads.storage_dtype,
-        "loss_reduction": grads.loss_reduction,
+        "loss_reduction": grads.loss_reduction, "loss": grads.loss, "preconditioner": grads.preconditioner,
         "data_file": data_file, "data_source": {**source.spec.describe(), "path": data_file},
         "data_sha256": source.fingerprint(),
         "max_seq_length": report.max_seq_length, "truncation_side": grads.truncation_side,
@@ -277,11 +282,12 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                 chunk = [rows[i] for i in plan]
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
                 grads_out[plan] = per_example_gradients(model, adapter, modules, projector, batch,
-                                                        grads.loss_reduction).row().cpu()
+                                                        grads.loss_reduction, grads.loss).row().cpu()
                 stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())
                 bar.update(task, advance=len(chunk), rates=stats.text())
             writer.write_shard(k, grads_out, torch.arange(start, end),
-                               sources=torch.from_numpy(corpus.positions[start:end].copy()))
+                               sources=torch.from_numpy(corpus.positions[start:end].copy()),
+                               second_moment_blocks=len(shapes) if grads.preconditioner == "module" else None)
     if stats.rows:
         console.print(f"indexed {stats.rows} rows: {stats.text()} ({stats.real_tokens} tokens,"
                       f" {stats.computed_tokens} computed)")

@@ -8,7 +8,9 @@ memory is bounded by one shard plus Q x k, never by the index size.
 
 Scores: ``dot`` = <g_query, g_row>; ``cosine`` = dot / (|g_query| |g_row|), using the norms
 stored in the index (norms of the stored values, so the cosine is exactly that of what is on
-disk). ``aggregate`` turns the Q per-query scores of a row into one (``mean`` or ``max``) and
+disk). ``influence`` and ``whitened`` use the per-module second moments an index built with
+``grads.preconditioner: module`` holds (`gradian.precondition`): qᵀ A g, and that divided by
+‖q‖_A ‖g‖_A. ``aggregate`` turns the Q per-query scores of a row into one (``mean`` or ``max``) and
 ranks the rows by it as well.
 """
 
@@ -33,7 +35,8 @@ from gradian.sources import DataError, Source, SourceSpec
 
 log = logging.getLogger(__name__)
 
-SCORES = ("cosine", "dot")
+SCORES = ("cosine", "dot", "influence", "whitened")
+PRECONDITIONED_SCORES = ("influence", "whitened")
 AGGREGATES = ("mean", "max")
 QUERY_BATCH_SIZE = 8
 # Norms below this count as zero: a zero gradient has no direction, its cosine is defined as 0.
@@ -69,7 +72,7 @@ def _check_choice(name: str, value: str, valid: Sequence[str]) -> None:
 
 
 def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 10, score: str = "cosine",
-                aggregate: str = "mean", verify: bool = True) -> dict[str, torch.Tensor]:
+                aggregate: str = "mean", verify: bool = True, damping: float | None = None) -> dict[str, torch.Tensor]:
     """Top-k training rows per query and for the aggregate, streaming the index's shards.
 
     query_grads: (Q, width) float32, projected query gradients (width = the index's row width).
@@ -78,7 +81,8 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     ``aggregate_rows`` (k',): rows ranked by the mean or max over queries of their scores;
     k' = min(top_k, rows in the index). Peak memory is about one shard in float32 plus Q x
     shard rows of scores, whatever the number of rows. `verify`: check each shard's sha256
-    against the manifest as it is read (IndexIntegrityError on a mismatch).
+    against the manifest as it is read (IndexIntegrityError on a mismatch). `damping`: λ_m as a
+    share of module m's mean eigenvalue for the preconditioned scores (None: 0.1).
     """
     _check_choice("score", score, SCORES)
     _check_choice("aggregate", aggregate, AGGREGATES)
@@ -95,13 +99,21 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     if not reader.complete:
         log.warning("%s is incomplete (%s): ranking only the rows stored so far.", reader.index_dir,
                     "; ".join(reader.missing()) or "the manifest says so")
-    if score == "cosine":
+    precond = _preconditioner(reader, damping) if score in PRECONDITIONED_SCORES else None
+    if score == "influence":
+        q = precond.precondition(q)  # (A q)ᵀ g = qᵀ A g: the rows need nothing more
+    elif score == "whitened":
+        q = precond.whiten(q)
+    if score in ("cosine", "whitened"):
         # Unit query vectors: then cosine = (q̂ · g) / |g| per row, one matmul per shard.
         q = q / q.norm(dim=1, keepdim=True).clamp_min(_EPS)
     per_query, combined = _TopK(q.shape[0], top_k), _TopK(1, top_k)
     for rows, grads, norms in reader.shards(verify=verify):
+        if score == "whitened":
+            grads = precond.whiten(grads)
+            norms = grads.norm(dim=1)
         scores = q @ grads.T  # (Q, n)
-        if score == "cosine":
+        if score in ("cosine", "whitened"):
             scores /= norms.float().clamp_min(_EPS)
         per_query.push(scores, rows)
         agg = scores.mean(dim=0) if aggregate == "mean" else scores.amax(dim=0)
@@ -109,6 +121,18 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
         del scores, grads  # release the shard before the next one is read
     return {"query_scores": per_query.values, "query_rows": per_query.rows,
             "aggregate_scores": combined.values[0], "aggregate_rows": combined.rows[0]}
+
+
+def _preconditioner(reader: IndexReader, damping: float | None):
+    from gradian.precondition import DAMPING, Preconditioner
+
+    if reader.second_moment_blocks is None:
+        raise IndexMismatchError(f"{reader.index_dir} was built with grads.preconditioner="
+                                 f"{reader.manifest.get('preconditioner', 'none')}: it holds no second moments for"
+                                 " --score influence or whitened. Rank with cosine or dot, or rebuild the index with"
+                                 " grads.preconditioner=module.")
+    n_rows = sum(e["rows"][1] - e["rows"][0] for e in reader.manifest["shards"].values())
+    return Preconditioner.from_sums(reader.second_moment_sums(), n_rows, DAMPING if damping is None else damping)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -265,7 +289,8 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     for plan in plan_batches(lengths, batch_size, budget):
         batch = {key: t.to(loaded.device) for key, t in collate([rows[i] for i in plan], pad_id).items()}
         out[plan] = per_example_gradients(model, loaded.adapter, modules, projector, batch,
-                                          manifest.get("loss_reduction", "sum")).row().float().cpu()
+                                          manifest.get("loss_reduction", "sum"),
+                                          manifest.get("loss", "ce")).row().float().cpu()
     return out, rows
 
 
@@ -387,7 +412,8 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
 def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "cosine",
          aggregate: str = "mean", out_path: str | Path | None = None,
          model_cfg: ModelConfig | None = None, loaded=None, verify: bool = True,
-         circuit: str | Path | None = None, append_eos: bool | None = None) -> list[dict[str, Any]]:
+         circuit: str | Path | None = None, append_eos: bool | None = None,
+         damping: float | None = None) -> list[dict[str, Any]]:
     """Rank the index's training rows against the rows of `queries_path` (JSONL).
 
     Loads the model the manifest names (or `model_cfg`; or an already loaded `loaded`), refuses
@@ -403,6 +429,8 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     was built with (same sha256); against an unrestricted index it is refused. Without it,
     a restricted index's queries use the heads and MLPs its manifest records.
 
+    `score`: cosine, dot, or (an index built with grads.preconditioner=module) influence or
+    whitened, with `damping` (share of the mean eigenvalue, default 0.1; `gradian.precondition`).
     Query rows are tokenized with the index's token policy (manifest ``token_policy``);
     `append_eos`, when given, must be that policy's (IndexMismatchError otherwise).
     """
@@ -422,13 +450,18 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
                                   f" {manifest.get('model')!r}); rebuild the index with `gradian index`.")
     check_circuit(manifest, circuit)
     check_token_policy(manifest, append_eos)
+    if damping is not None and damping <= 0:
+        raise UserError(f"--damping {damping}: it must be > 0 (a share of each module's mean eigenvalue).",
+                        exit_code=2)
+    if score in PRECONDITIONED_SCORES and IndexReader(index_dir).second_moment_blocks is None:
+        _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads
     if loaded is None:
         model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
                                              precision=manifest.get("precision", "bfloat16"))
         loaded = load_model(model_cfg)
     projector = check_compatible(manifest, loaded)
     q_grads, q_rows = query_gradients(manifest, loaded, projector, queries_path)
-    top = stream_topk(index_dir, q_grads, top_k, score, aggregate, verify=verify)
+    top = stream_topk(index_dir, q_grads, top_k, score, aggregate, verify=verify, damping=damping)
     results = format_results(manifest, top, [r.row_id for r in q_rows], index_dir)
     if out_path is not None:
         payload = "".join(json.dumps(r) + "\n" for r in results).encode()

@@ -19,6 +19,11 @@ and the queries ranked by cosine (``rank``); reported: recall@1, recall@10 and M
 with chance levels 1/n_docs and 10/n_docs.
 
     python scripts/bench_planted_facts.py [--entities 40] [--epochs 30] [--small] [--json out.json]
+    python scripts/bench_planted_facts.py --eos-study [--epochs 30]
+
+``--eos-study`` is the evidence for ``grads.append_eos``'s default: the model is fine-tuned once
+with EOS after every completion (supervised) and once without, each is indexed under both
+policies, and the table gives recall and how much of a row's gradient the EOS token carries.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from circuitkit.config import GradsConfig, ModelConfig  # noqa: E402
 from circuitkit.models.loading import LoadedModel, load_model  # noqa: E402
-from gradian.data import collate, load_rows  # noqa: E402
+from gradian.data import TokenPolicy, collate, load_rows  # noqa: E402
 from gradian.indexer import build_index  # noqa: E402
 from gradian.rank import rank  # noqa: E402
 
@@ -109,13 +114,15 @@ def write_jsonl(path: Path, rows: list[dict[str, str]]) -> Path:
 
 
 def fine_tune(loaded: LoadedModel, docs_path: Path, epochs: int = 30, lr: float = 3e-3, batch_size: int = 16,
-              seed: int = 0) -> dict[str, Any]:
+              seed: int = 0, append_eos: bool = False) -> dict[str, Any]:
     """AdamW on the documents' completion tokens (the supervised tokens the index uses), in place.
 
-    Unfreezes the parameters for training and freezes them again. Returns steps and losses.
+    `append_eos`: train with the tokenizer's EOS after each completion, supervised (the
+    grads.append_eos=true rows). Unfreezes the parameters for training and freezes them again.
+    Returns steps and losses.
     """
     model, tokenizer = loaded.model, loaded.tokenizer
-    rows, _ = load_rows(docs_path, tokenizer, 512)
+    rows, _ = load_rows(docs_path, tokenizer, 512, policy=TokenPolicy(append_eos=append_eos))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     gen = torch.Generator().manual_seed(seed)
     model.requires_grad_(True)
@@ -175,7 +182,7 @@ def metrics(ranks: list[int | None]) -> dict[str, float]:
 
 
 def evaluate(loaded: LoadedModel, model_cfg: ModelConfig, corpus: Corpus, work: Path,
-             grid: list[tuple[str, int | None, str]], tag: str) -> list[dict[str, Any]]:
+             grid: list[tuple[str, int | None, str]], tag: str, append_eos: bool = False) -> list[dict[str, Any]]:
     """Index the documents once per grid entry and rank every query style against it."""
     docs_path = work / "docs.jsonl"
     query_paths = {s: write_jsonl(work / f"queries_{s}.jsonl", corpus.queries[s]) for s in QUERY_STYLES}
@@ -185,8 +192,8 @@ def evaluate(loaded: LoadedModel, model_cfg: ModelConfig, corpus: Corpus, work: 
     for projection, dim, dtype in grid:
         grads = GradsConfig(data_path=str(docs_path), batch_size=16, module_filter=None,
                             projection="kronecker" if projection == "raw" else projection,
-                            projection_dim=dim, storage_dtype=dtype, rows_per_shard=4096)
-        index_dir = work / f"index_{tag}_{projection}_{dim}_{dtype}"
+                            projection_dim=dim, storage_dtype=dtype, rows_per_shard=4096, append_eos=append_eos)
+        index_dir = work / f"index_{tag}_{projection}_{dim}_{dtype}_eos{int(append_eos)}"
         start = time.perf_counter()
         summary = build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)
         index_s = time.perf_counter() - start
@@ -197,7 +204,8 @@ def evaluate(loaded: LoadedModel, model_cfg: ModelConfig, corpus: Corpus, work: 
             results = rank(index_dir, query_paths[style], top_k=n_docs, score="cosine", aggregate="mean",
                            loaded=loaded)
             out.append({"model": tag, "projection": projection, "projection_dim": dim, "storage_dtype": dtype,
-                        "query": style, "row_width": summary.get("row_width"), "index_s": index_s,
+                        "query": style, "append_eos": append_eos, "index_dir": str(index_dir),
+                        "row_width": summary.get("row_width"), "index_s": index_s,
                         "rank_s": time.perf_counter() - start,
                         **metrics(target_ranks(results, corpus.targets))})
     return out
@@ -222,6 +230,61 @@ def run(n_entities: int = 40, epochs: int = 30, grid: list[tuple[str, int | None
     return {"n_entities": n_entities, "n_docs": n_docs, "n_queries": corpus.n_facts,
             "chance": {"recall@1": 1 / n_docs, "recall@10": min(1.0, 10 / n_docs)},
             "fine_tune": info, "module_filter": None, "score": "cosine", "rows": rows}
+
+
+EOS_GRID = [("raw", None, "float32"), ("kronecker", 256, "float32")]
+
+
+def _eos_share(without_dir: Path, with_dir: Path) -> dict[str, float]:
+    """From two raw-gradient indexes of the same rows (sum reduction, so the gradient with EOS is
+    the completion's plus the EOS token's): median over rows of |g_eos| / |g_with|, and of the
+    cosine between the row with EOS and the completion-only row."""
+    from gradian.index import IndexReader
+
+    g_without = torch.cat([g for _, g, _ in IndexReader(without_dir).shards()])
+    g_with = torch.cat([g for _, g, _ in IndexReader(with_dir).shards()])
+    share = (g_with - g_without).norm(dim=1) / g_with.norm(dim=1)
+    cos = F.cosine_similarity(g_with, g_without, dim=1)
+    return {"eos_norm_share_median": share.median().item(), "cosine_with_vs_without_median": cos.median().item()}
+
+
+def eos_study(n_entities: int = 40, epochs: int = 30, seed: int = 0) -> dict[str, Any]:
+    """Fine-tune with and without EOS; index each under both grads.append_eos values."""
+    torch.manual_seed(seed)
+    corpus = make_corpus(n_entities, seed=seed)
+    base = ModelConfig(name="builtin:tiny-gpt2", precision="float32")
+    rows, shares = [], []
+    with tempfile.TemporaryDirectory(prefix="planted_eos_") as tmp:
+        work = Path(tmp)
+        docs_path = write_jsonl(work / "docs.jsonl", corpus.docs)
+        for trained_eos in (False, True):
+            out = work / f"fine_tuned_eos{int(trained_eos)}"
+            tuned, info = fine_tuned_model(base, docs_path, out, epochs=epochs, seed=seed, append_eos=trained_eos)
+            tag = f"trained {'with' if trained_eos else 'without'} EOS"
+            found = []
+            for index_eos in (False, True):
+                found += evaluate(tuned, ModelConfig(name=str(out), precision="float32"), corpus, work, EOS_GRID,
+                                  f"eos{int(trained_eos)}", append_eos=index_eos)
+            for r in found:
+                r["model"] = tag
+            raw = {r["append_eos"]: Path(r["index_dir"]) for r in found if r["projection"] == "raw"}
+            shares.append({"model": tag, "loss_last_epoch": info["loss_last_epoch"], **_eos_share(raw[False], raw[True])})
+            rows += found
+    return {"n_entities": n_entities, "n_docs": len(corpus.docs), "epochs": epochs, "rows": rows, "shares": shares}
+
+
+def print_eos_study(report: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"grads.append_eos on planted facts ({report['n_docs']} documents, {report['epochs']} epochs)")
+    for col in ("model", "projection", "dim", "append_eos", "query", "recall@1", "recall@10", "MRR"):
+        table.add_column(col, justify="left" if col in ("model", "projection", "query") else "right")
+    for r in report["rows"]:
+        table.add_row(r["model"], r["projection"], str(r["projection_dim"] or "-"), str(r["append_eos"]).lower(),
+                      r["query"], f"{r['recall@1']:.3f}", f"{r['recall@10']:.3f}", f"{r['mrr']:.3f}")
+    console.print(table)
+    for s in report["shares"]:
+        console.print(f"{s['model']} (final loss {s['loss_last_epoch']:.3f}): EOS carries a median"
+                      f" {100 * s['eos_norm_share_median']:.1f}% of a row's raw gradient norm; median cosine of"
+                      f" the row with EOS to the completion-only row {s['cosine_with_vs_without_median']:.3f}")
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
@@ -252,9 +315,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="12 entities, raw + kronecker 256 only (seconds)")
     p.add_argument("--no-baseline", action="store_true", help="skip the un-fine-tuned model")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--eos-study", action="store_true",
+                   help="fine-tune with and without EOS, index under both grads.append_eos values")
     args = p.parse_args(argv)
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice, x3
     start = time.perf_counter()
+    if args.eos_study:
+        report = eos_study(args.entities, args.epochs)
+        print_eos_study(report, Console(width=140))
+        print(f"wall time {time.perf_counter() - start:.1f} s")
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+        return 0
     if args.small:
         report = run(12, args.epochs, SMALL_GRID, baseline=not args.no_baseline)
     else:
