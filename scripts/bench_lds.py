@@ -16,7 +16,7 @@ cosine ceilings), and bergson, TRAK (traker) and dattri with their own score fun
 width, each in its own virtual environment (scripts/peers/, `make peers`), as bench_peers.py.
 
     python scripts/bench_lds.py [--entities 12] [--subsets 48] [--epochs 10] [--dim 64]
-                                [--tools bergson,traker,dattri] [--json out.json]
+                                [--tools bergson,traker,dattri] [--work DIR] [--json out.json]
 
 Positive τ means "training on i lowers q's loss" for every tool here (gradient inner products of
 the loss; TRAK's and dattri's scores of their output function), so a useful method has LDS > 0.
@@ -86,7 +86,16 @@ def query_losses(model_dir: str, queries: dict[str, str]) -> dict[str, list[floa
 
 def subset_losses(data: dict[str, Any], work: Path, n_subsets: int, epochs: int, seed: int,
                   console: Console) -> tuple[list[list[int]], dict[str, list[list[float]]]]:
-    """Train one model per random half of the documents; (subsets, style -> (n_subsets, Q) losses)."""
+    """Train one model per random half of the documents; (subsets, style -> (n_subsets, Q) losses).
+
+    Kept in work/subset_losses.json: a rerun with the same --work, subsets, epochs and seed reuses them.
+    """
+    cache = work / "subset_losses.json"
+    key = {"n_subsets": n_subsets, "epochs": epochs, "seed": seed, "docs": Path(data["docs"]).read_text()}
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved["key"] == key:
+            return saved["subsets"], saved["losses"]
     docs = [json.loads(line) for line in Path(data["docs"]).read_text().splitlines() if line.strip()]
     rng = random.Random(seed)
     subsets, losses = [], {style: [] for style in data["queries"]}
@@ -104,6 +113,7 @@ def subset_losses(data: dict[str, Any], work: Path, n_subsets: int, epochs: int,
             losses[style].append(values)
         subsets.append(subset)
         console.print(f"[dim]subset model {j + 1}/{n_subsets} ({time.perf_counter() - start:.0f} s)[/dim]")
+    cache.write_text(json.dumps({"key": key, "subsets": subsets, "losses": losses}))
     return subsets, losses
 
 
@@ -203,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--work", type=Path, default=None,
+                   help="keep the work files here (default: a temp dir); a rerun reuses the subset models' losses")
     args = p.parse_args(argv)
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
@@ -212,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=160)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_lds_") as tmp:
-        work = Path(tmp)
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         data = prepare(work, "tiny", args.entities, args.epochs)
         subsets, losses = subset_losses(data, work, args.subsets, args.epochs, args.seed, console)
         rows = gradian_scores(data, work, args.dim, args.seed) + peer_scores(data, work, tools, args.dim, args.seed,
