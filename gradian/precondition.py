@@ -20,7 +20,8 @@ Scores of a query q against a row g:
     influence(q, g) = Σ_m q_mᵀ A_m g_m                                  (influence-function style)
     whitened(q, g)  = influence(q, g) / (‖q‖_A ‖g‖_A),  ‖v‖_A² = Σ_m v_mᵀ A_m v_m
 
-``whitened`` is the cosine after whitening each block with A_m^{1/2}: directions every row
+``whitened`` is the cosine after whitening each block with W_m = L_m⁻¹, where F_m + λ_m I =
+L_m L_mᵀ (Cholesky), so W_mᵀ W_m = A_m and ‖W_m g_m‖ = ‖g_m‖_A: directions every row
 shares (large eigenvalues of F_m) count less, directions that single rows out count more. The
 damping keeps directions no row explored (eigenvalue ~0) from dominating: relative to the mean
 eigenvalue it does not depend on the loss scale, the model or k.
@@ -65,17 +66,17 @@ def shard_second_moment(stored: torch.Tensor, n_blocks: int) -> torch.Tensor:
 
 
 class Preconditioner:
-    """Per-module damped inverse second moments A_m (M, k, k) float64, and their square roots.
+    """Per-module damped inverse second moments A_m (M, k, k) float64 and whiteners W_m (WᵀW = A).
 
     Built from the total of the shards' ``second_moment`` sums and the row count (`from_sums`).
     """
 
-    def __init__(self, inverse: torch.Tensor, inverse_sqrt: torch.Tensor, damping: float, lambdas: torch.Tensor) -> None:
+    def __init__(self, inverse: torch.Tensor, whitener: torch.Tensor, damping: float, lambdas: torch.Tensor) -> None:
         self.inverse = inverse  # (M, k, k) A_m, float64
-        self.inverse_sqrt = inverse_sqrt  # (M, k, k) A_m^{1/2}, symmetric, float64
+        self.whitener = whitener  # (M, k, k) W_m = L_m⁻¹, lower triangular, float64
         # Applied in float32: rows are stored in float16/bfloat16/float32, so float64 would only
-        # slow the per-shard whitening down.
-        self._inverse32, self._inverse_sqrt32 = inverse.float(), inverse_sqrt.float()
+        # slow the per-shard whitening down. Row vectors: A g -> g A (A symmetric), W g -> g Wᵀ.
+        self._inverse32, self._whitener_t32 = inverse.float(), whitener.transpose(1, 2).contiguous().float()
         self.damping = damping
         self.lambdas = lambdas  # (M,) λ_m
 
@@ -91,21 +92,22 @@ class Preconditioner:
             raise ValueError("no second-moment sums to build a preconditioner from.")
         fisher = total / n_rows  # (M, k, k)
         k = fisher.shape[-1]
-        eigvals, eigvecs = torch.linalg.eigh(fisher)  # ascending, (M, k), (M, k, k)
-        eigvals = eigvals.clamp_min(0.0)  # round-off can make a zero eigenvalue slightly negative
-        lambdas = damping * eigvals.sum(dim=1) / k
+        # The mean eigenvalue is the trace over k: no eigendecomposition (which is also far
+        # slower than a Cholesky factorisation on some LAPACK builds: seconds for 8 x 256²).
+        lambdas = damping * torch.diagonal(fisher, dim1=1, dim2=2).sum(dim=1) / k
         lambdas = torch.where(lambdas > 0, lambdas, torch.ones_like(lambdas))  # an all-zero block: identity
-        shifted = eigvals + lambdas[:, None]
-        inverse = eigvecs @ torch.diag_embed(1.0 / shifted) @ eigvecs.transpose(1, 2)
-        inverse_sqrt = eigvecs @ torch.diag_embed(shifted.rsqrt()) @ eigvecs.transpose(1, 2)
-        return cls(inverse, inverse_sqrt, damping, lambdas)
+        eye = torch.eye(k, dtype=torch.float64)
+        chol = torch.linalg.cholesky(fisher + lambdas[:, None, None] * eye)  # L, (M, k, k)
+        whitener = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)  # L⁻¹
+        inverse = whitener.transpose(1, 2) @ whitener  # L⁻ᵀ L⁻¹ = (F + λI)⁻¹
+        return cls(inverse, whitener, damping, lambdas)
 
     @property
     def n_blocks(self) -> int:
         return self.inverse.shape[0]
 
     def _apply(self, mats: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """rows (n, M·k) -> each block multiplied by its (symmetric) matrix, (n, M·k) float32."""
+        """rows (n, M·k) -> each block times its (k, k) matrix on the right, (n, M·k) float32."""
         n = rows.shape[0]
         blocks = rows.float().reshape(n, self.n_blocks, -1).transpose(0, 1)  # (M, n, k)
         return (blocks @ mats).transpose(0, 1).reshape(n, -1)
@@ -115,5 +117,5 @@ class Preconditioner:
         return self._apply(self._inverse32, rows)
 
     def whiten(self, rows: torch.Tensor) -> torch.Tensor:
-        """A^{1/2} g per block: (n, M·k) -> (n, M·k) float32; ‖A^{1/2} g‖ = ‖g‖_A."""
-        return self._apply(self._inverse_sqrt32, rows)
+        """W g per block: (n, M·k) -> (n, M·k) float32; ‖W g‖ = ‖g‖_A and (W q)·(W g) = qᵀ A g."""
+        return self._apply(self._whitener_t32, rows)

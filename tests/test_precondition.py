@@ -159,7 +159,9 @@ def test_damping_rule() -> None:
     for m in range(2):
         fisher = rows[:, m * 4:(m + 1) * 4].T @ rows[:, m * 4:(m + 1) * 4] / 50
         assert p.lambdas[m].item() == pytest.approx(0.1 * torch.linalg.eigvalsh(fisher).mean().item(), rel=1e-5)
-        torch.testing.assert_close(p.inverse_sqrt[m] @ p.inverse_sqrt[m], p.inverse[m])
+        torch.testing.assert_close(p.whitener[m].T @ p.whitener[m], p.inverse[m])
+        lam = p.lambdas[m].item()
+        torch.testing.assert_close(p.inverse[m], torch.linalg.inv(fisher + lam * torch.eye(4, dtype=torch.float64)))
 
 
 # ----------------------------------------------------------------------------- grads.loss
