@@ -61,8 +61,12 @@ def shard_second_moment(stored: torch.Tensor, n_blocks: int) -> torch.Tensor:
     n, width = stored.shape
     if width % n_blocks:
         raise ValueError(f"row width {width} is not {n_blocks} blocks of equal width.")
-    blocks = stored.double().reshape(n, n_blocks, width // n_blocks).transpose(0, 1)  # (M, n, k)
-    return (blocks.transpose(1, 2) @ blocks).float()
+    k = width // n_blocks
+    out = torch.empty(n_blocks, k, k, dtype=torch.float32)
+    for m in range(n_blocks):  # one block at a time: float64 scratch of n x k, not n x M x k
+        block = stored[:, m * k:(m + 1) * k].double()
+        out[m] = (block.T @ block).float()
+    return out
 
 
 class Preconditioner:
