@@ -22,15 +22,7 @@ from typing import Any
 
 from circuitkit.circuit import load_circuit
 from circuitkit.config import validate
-from circuitkit.pipeline import run_pipeline, stage_registry
-
-CIRCUIT_STAGES = ("preflight", "data", "attribution", "pruning")
-
-
-def _default_stages() -> list[str]:
-    """The circuit stages; the memory preflight joins them once it is built."""
-    registry = stage_registry()
-    return [s for s in CIRCUIT_STAGES if s != "preflight" or registry[s].run is not None]
+from circuitkit.stage_list import CIRCUIT_STAGE_NAMES, run_pipeline
 
 
 def discover_circuit(cfg: dict[str, Any], run_dir: str | Path | None = None) -> dict[str, Any]:
@@ -41,7 +33,7 @@ def discover_circuit(cfg: dict[str, Any], run_dir: str | Path | None = None) -> 
     stored in circuit.pt (see circuitkit.circuit).
     """
     cfg = copy.deepcopy(dict(cfg))
-    cfg.setdefault("stages", _default_stages())
+    cfg.setdefault("stages", list(CIRCUIT_STAGE_NAMES))
     typed = validate(cfg)
     if run_dir is None:
         if typed.output_path:

@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from circuitkit.errors import EXIT_USAGE, UserError
-from circuitkit.io import atomic_torch_save
+from circuitkit.io import atomic_torch_save, sha256_file
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.pruning import ablate_heads
 
@@ -58,6 +58,12 @@ def _plain(value: Any, where: str) -> Any:
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
         return value.item()
     raise TypeError(f"circuit field {where} holds a {type(value).__name__}; only tensors and plain types are stored.")
+
+
+def run_circuit_path(output_path: str | None, run_dir: Path) -> Path:
+    """Where a pipeline run's pruning stage writes circuit.pt (and `grads.circuit=run` reads it):
+    `output_path` when set, else `run_dir/circuit.pt`."""
+    return Path(output_path) if output_path else Path(run_dir) / "circuit.pt"
 
 
 def save_circuit(path: Path, circuit: dict[str, Any]) -> Path:
@@ -99,8 +105,6 @@ def load_circuit(path: Path) -> dict[str, Any]:
 
 def circuit_sha256(path: Path) -> str:
     """sha256 of a circuit.pt file's bytes: the identity a gradient index records."""
-    from circuitkit.io import sha256_file
-
     return sha256_file(Path(path))
 
 

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from circuitkit.attribution.graph import Graph
-from circuitkit.circuit import kept_components
+from circuitkit.circuit import kept_components, load_circuit
+from circuitkit.errors import UserError
 from circuitkit.io import _atomic
 
 BACKENDS = ("auto", "matplotlib", "graphviz")
@@ -270,9 +271,6 @@ def write_circuit_graph(circuit: dict[str, Any], path: Path, top_edges: int = 40
 
 def graph_file(circuit_path: Path, out: Path, top_edges: int = 40, backend: str = "auto") -> list[Path]:
     """`circuitkit show CIRCUIT --graph OUT`: draw a saved circuit to OUT (.png or .svg only)."""
-    from circuitkit.circuit import load_circuit
-    from circuitkit.errors import UserError
-
     if Path(out).suffix.lower() not in (".png", ".svg"):
         raise UserError(f"--graph {out}: the picture is written as .png or .svg; name the file accordingly.",
                         exit_code=2)

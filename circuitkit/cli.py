@@ -22,6 +22,8 @@ from rich.syntax import Syntax
 
 from circuitkit.errors import DEBUG_ENV, run_entry
 
+# Each subcommand imports its module when it runs (inside main): `circuitkit --help` and a
+# mistyped command load neither torch nor Hydra, so they answer at once.
 HELP_FLAGS = ("-h", "--help")
 CONFIG_HELP = """usage: circuitkit config [overrides...]
 

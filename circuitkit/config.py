@@ -49,6 +49,15 @@ def _f(default: Any, doc: str, *, choices: Iterable[Any] | None = None, ge: floa
     return field(default=default, metadata=meta)
 
 
+def choices(schema: type, key: str) -> tuple[Any, ...]:
+    """The allowed values of `key` in the dataclass `schema` (its field's `choices`): the one
+    list that validation, argument parsers and the code that branches on the value all read."""
+    for f in dataclasses.fields(schema):
+        if f.name == key and f.metadata.get("choices"):
+            return f.metadata["choices"]
+    raise KeyError(f"{schema.__name__}.{key} has no choices")
+
+
 @dataclass
 class ModelShape:
     """Shape of a model, known without loading weights (used by the memory estimate)."""
@@ -126,10 +135,10 @@ class GradsConfig:
                           " supervise the template's end-of-turn tokens (false: only what the rows wrote)")
     prepend_bos: Optional[bool] = _f(None, "prompt/completion rows start with BOS: true, false, or null = as the"
                                      " tokenizer does by itself (chat rows: as the template writes)")
-    module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (on-disk index size only, not the peak)")
+    module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (the index size, and the peak a little: activations kept from the first selected module on, capture buffers)")
     projection: str = _f("kronecker", "random projection kind (kronecker_orthogonal: orthonormal Kronecker factors)",
                          choices=("kronecker", "kronecker_orthogonal", "dense"))
-    projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (on-disk index size only, not the peak)", ge=1)
+    projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (the index size, and the peak a little: capture buffers, projection matrices)", ge=1)
     projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)
     preconditioner: str = _f("none", "store each module's second moment of the rows in the shards (module), for"
                              " `gradian rank --score influence|whitened`", choices=("none", "module"))

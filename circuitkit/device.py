@@ -16,6 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+# The dtypes a config may name (model.precision, grads.storage_dtype): one map for every user.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
 
 def get_device() -> torch.device:
     """The best available device: CUDA, then Apple MPS, then CPU."""

@@ -45,8 +45,14 @@ from typing import Any
 
 import torch
 
+from circuitkit.attribution import AttributionScores, load_scores, save_scores
 from circuitkit.attribution.graph import Graph
+from circuitkit.circuit import kept_components, load_circuit, save_circuit
+from circuitkit.circuit_graph import graph_shape
+from circuitkit.config import ModelConfig
+from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes, sha256_file
+from circuitkit.memory import shape_for
 
 FORMATS = ("eap-ig-json",)
 _EDGE = re.compile(r"^(?P<parent>input|a\d+\.h\d+|m\d+)->(?P<child>a\d+\.h\d+|m\d+|logits)(?:<(?P<letter>[qkv])>)?$")
@@ -117,9 +123,6 @@ def _d_model(explicit: int | None, stored: Any, model_name: str | None) -> int:
         return int(stored)
     if model_name:
         try:
-            from circuitkit.config import ModelConfig
-            from circuitkit.memory import shape_for
-
             return int(shape_for(ModelConfig(name=model_name))["d_model"])
         except Exception as err:  # noqa: BLE001 - any failure to read the config means: ask the user
             raise InteropError(f"d_model of {model_name!r} is needed for the EAP-IG cfg and could not be read"
@@ -129,9 +132,6 @@ def _d_model(explicit: int | None, stored: Any, model_name: str | None) -> int:
 
 def export_circuit(circuit: dict[str, Any], d_model: int | None = None) -> dict[str, Any]:
     """circuit.pt contents -> EAP-IG JSON object (see the module docstring for what is in_graph)."""
-    from circuitkit.circuit import kept_components
-    from circuitkit.circuit_graph import graph_shape
-
     g = graph_shape(circuit)
     heads, mlps = kept_components(circuit)
     in_graph = {"input": True}
@@ -155,8 +155,6 @@ def export_circuit(circuit: dict[str, Any], d_model: int | None = None) -> dict[
 def export_scores(path: Path, d_model: int | None = None) -> dict[str, Any]:
     """scores.safetensors -> EAP-IG JSON object with every node and edge in the graph."""
     from safetensors import safe_open
-
-    from circuitkit.attribution import load_scores
 
     scores = load_scores(path)
     with safe_open(str(path), framework="pt") as fh:
@@ -242,15 +240,12 @@ def import_eap_ig(json_path: Path, out_path: Path, model_name: str | None = None
     g: Graph = parsed["graph"]
     model_name = model_name or parsed["cfg"].get("model_name") or "unknown"
     if out_path.suffix == ".safetensors":
-        from circuitkit.attribution import AttributionScores, save_scores
-
         scores = AttributionScores(parsed["head_scores"], parsed["mlp_scores"], parsed["embed_score"], g,
                                    parsed["edge_scores"], info={"imported_from": str(json_path)})
         return save_scores(out_path, scores, {"model": model_name, "task": "imported",
                                               "source_sha256": sha256_file(json_path)})
     if out_path.suffix != ".pt":
         raise InteropError(f"output {out_path} must end in .pt (a circuit) or .safetensors (scores).")
-    from circuitkit.circuit import save_circuit
 
     n_total = int(g.edge_mask().sum())
     n_kept = int(parsed["edge_mask"].sum())
@@ -282,16 +277,12 @@ def export_file(src: Path, out_path: Path, d_model: int | None = None) -> Path:
     if src.suffix == ".safetensors":
         obj = export_scores(src, d_model)
     else:
-        from circuitkit.circuit import load_circuit
-
         obj = export_circuit(load_circuit(src), d_model)
     return atomic_write_bytes(Path(out_path), json.dumps(obj, allow_nan=False).encode())
 
 
 def export_main(argv: list[str]) -> int:
     """`circuitkit export SRC --format eap-ig-json OUT [--d-model D]`."""
-    from circuitkit.errors import UserError
-
     parser = argparse.ArgumentParser(prog="circuitkit export",
                                      description="Export a circuit.pt or scores.safetensors to another tool's format.")
     parser.add_argument("src", help="circuit.pt (pruning stage) or scores.safetensors (attribution stage)")
@@ -312,8 +303,6 @@ def export_main(argv: list[str]) -> int:
 
 def import_main(argv: list[str]) -> int:
     """`circuitkit import GRAPH.json OUT(.pt|.safetensors) [--model NAME] [--n-kv-heads K]`."""
-    from circuitkit.errors import UserError
-
     parser = argparse.ArgumentParser(prog="circuitkit import",
                                      description="Import an EAP-IG JSON graph as a circuit.pt or scores.safetensors.")
     parser.add_argument("src", help="EAP-IG JSON graph (Graph.to_json)")

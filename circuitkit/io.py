@@ -9,6 +9,7 @@ permissions of an ordinary `open()` under the user's umask, not the 0600 of a te
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -19,6 +20,10 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import filelock
+
+from circuitkit.errors import UserError
 
 _UMASK_LOCK = threading.Lock()
 
@@ -167,8 +172,6 @@ def check_writable(path: Path, what: str, directory: bool = False) -> None:
     directory in which a file can be created (probed with a temporary file, because
     permission bits say nothing for root or on read-only mounts).
     """
-    from circuitkit.errors import UserError
-
     path = Path(path).expanduser()
     if path.exists():
         if directory and not path.is_dir():
@@ -198,3 +201,25 @@ def first_non_utf8_line(path: Path) -> int | None:
             except UnicodeDecodeError:
                 return lineno
     return None
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, blocking: bool = True) -> Iterator[bool]:
+    """Hold an exclusive lock on the file `path` (created if missing) for the `with` block.
+
+    Yields True once held; with `blocking=False` yields False at once when another holder has
+    it. Between processes and between threads alike, on every platform (`filelock`; `fcntl`
+    alone does not exist on Windows). Used by the fixture cache and the Gradian index writer.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(path), timeout=-1 if blocking else 0)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()

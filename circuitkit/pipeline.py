@@ -12,10 +12,14 @@ makes every stage after it rerun.
 Before the run directory is touched, every selected stage's `check(cfg)` runs: cheap checks
 that read configs only (never weights) and catch what would otherwise fail after hours of
 work, such as a length beyond the model's context or an unwritable output path.
+
+The pipeline knows no stage by name: each domain defines its stages, and the entry layer
+(`circuitkit.stage_list`) assembles the one `Pipeline` of them with the model loader.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import sys
@@ -52,10 +56,6 @@ class PipelineError(UserError, RuntimeError):
     """A stage failed; the manifest records which and why, earlier artifacts are kept."""
 
 
-class StageNotBuiltError(PipelineError):
-    """A selected stage does not exist in this version."""
-
-
 @dataclass
 class StageResult:
     """What a stage hands back: its artifact files and its headline numbers."""
@@ -68,7 +68,22 @@ class StageResult:
 InputsFn = Callable[[AppConfig, Path], dict[str, "Path | str"]]
 
 
-@dataclass
+@dataclass(frozen=True)
+class StageMemory:
+    """How a stage's peak device memory is estimated before anything is loaded (the preflight).
+
+    estimate(cfg): a MemoryEstimate (circuitkit.memory) from the model's shape, or None when
+    the stage will not run under `cfg` (e.g. grads.enabled=false).
+    advice(cfg, budget_bytes): the settings that bring the peak under the budget, in order.
+    note(cfg): an optional line printed with the estimate (e.g. EAP-IG's time/accuracy).
+    """
+
+    estimate: Callable[[AppConfig], Any]
+    advice: Callable[[AppConfig, int], list[str]]
+    note: Callable[[AppConfig], str | None] | None = None
+
+
+@dataclass(frozen=True)
 class Stage:
     """A pipeline stage: `run(ctx)` does the work, `blocks` are the config keys it reads.
 
@@ -76,15 +91,16 @@ class Stage:
     file in it) or `{label: fingerprint string}`; a change in any reruns the stage.
     check(cfg): cheap pre-run check (configs only, no weights, no writes); raises UserError
     (or ConfigError) naming the problem. Runs for every selected stage before the first one.
+    memory: its peak estimate, read by the preflight stage (None: nothing worth estimating).
     """
 
     name: str
     blocks: tuple[str, ...]
-    run: Callable[[RunContext], StageResult] | None  # None: not built in this version
-    not_built_reason: str = ""
+    run: Callable[[RunContext], StageResult]
     cached: bool = True  # False: runs every time and feeds no later stage (the preflight)
     inputs: InputsFn | None = None
     check: Callable[[AppConfig], None] | None = None
+    memory: StageMemory | None = None
 
 
 class RunContext:
@@ -94,12 +110,15 @@ class RunContext:
     reloaded from its artifacts by the stage that needs them.
     """
 
-    def __init__(self, cfg: AppConfig, run_dir: Path, console: Console | None = None) -> None:
+    def __init__(self, cfg: AppConfig, run_dir: Path, console: Console | None = None,
+                 load_model: Callable[[Any], Any] | None = None, stages: tuple[Stage, ...] = ()) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.console = console or make_console()
         self.state: dict[str, Any] = {}
         self.changed_inputs: list[str] = []  # of the running stage, against its last recorded run
+        self.stages = stages  # the selected stages of this run, in order (the preflight reads them)
+        self._load_model = load_model
         self._loaded = None
 
     @property
@@ -109,29 +128,14 @@ class RunContext:
     def model(self):
         """The LoadedModel for `cfg.model`, loaded on first use."""
         if self._loaded is None:
-            from circuitkit.models.loading import load_model
-
+            if self._load_model is None:
+                raise PipelineError("this pipeline was assembled without a model loader.")
             with self.console.status(f"Loading {self.cfg.model.name} ({self.cfg.model.precision})"):
-                self._loaded = load_model(self.cfg.model)
+                self._loaded = self._load_model(self.cfg.model)
         return self._loaded
 
     def resident_bytes(self) -> int:
         return module_bytes(self._loaded.model) if self._loaded is not None else 0
-
-
-_REGISTRY: dict[str, Stage] = {}
-
-
-def register_stage(stage: Stage) -> Stage:
-    """Make a stage available to `stages=[...]`."""
-    _REGISTRY[stage.name] = stage
-    return stage
-
-
-def stage_registry() -> dict[str, Stage]:
-    import circuitkit.stages  # noqa: F401  (registers the stages)
-
-    return _REGISTRY
 
 
 def package_versions() -> dict[str, str]:
@@ -164,8 +168,6 @@ def stage_hashes(cfg: AppConfig, stages: list[Stage]) -> dict[str, str]:
 
 
 def load_manifest(run_dir: Path) -> dict[str, Any]:
-    import json
-
     path = Path(run_dir) / MANIFEST
     if not path.is_file():
         return {}
@@ -192,27 +194,6 @@ def _artifact_record(run_dir: Path, paths: list[Path]) -> dict[str, dict[str, An
     return out
 
 
-def selected_stages(cfg: AppConfig) -> list[Stage]:
-    """The stages `cfg.stages` names, in order; StageNotBuiltError if one is not built."""
-    registry = stage_registry()
-    selected = [registry[name] for name in cfg.stages]
-    missing = [s for s in selected if s.run is None]
-    if missing:
-        built = [n for n, s in registry.items() if s.run is not None]
-        lines = "; ".join(f"'{s.name}': {s.not_built_reason}" for s in missing)
-        raise StageNotBuiltError(
-            f"Selected stage(s) not built in this version: {lines}. Stages available now: {', '.join(built)}."
-            f" Choose them explicitly, e.g. stages=[{','.join(n for n in cfg.stages if n in built)}].")
-    return selected
-
-
-def check_stages(cfg: AppConfig) -> None:
-    """Run every selected stage's pre-run check; the first problem raises (nothing written)."""
-    for stage in selected_stages(cfg):
-        if stage.check is not None:
-            stage.check(cfg)
-
-
 def _stage_error_message(err: BaseException) -> str:
     if isinstance(err, OSError) and not isinstance(err, FileNotFoundError | IsADirectoryError):
         return describe_os_error(err)
@@ -221,24 +202,54 @@ def _stage_error_message(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def run_pipeline(cfg: AppConfig, run_dir: Path, console: Console | None = None,
-                 overrides: list[str] | None = None, checked: bool = False) -> dict[str, Any]:
-    """Run `cfg.stages` in order in `run_dir`; returns the manifest (also written to disk).
+@dataclass
+class Pipeline:
+    """The stages a run can select, in pipeline order, and how their model is loaded.
 
-    Before anything is written: StageNotBuiltError if a selected stage does not exist, and
-    the stages' pre-run checks (skipped when `checked`, i.e. the caller ran check_stages).
-    Raises PipelineError when a stage fails and KeyboardInterrupt when interrupted, after
-    recording the stage as `failed` / `interrupted` in the manifest.
+    stages: name -> Stage (a run executes those `cfg.stages` names, in this order).
+    load_model(model_cfg): the LoadedModel a stage gets from `ctx.model()`.
     """
+
+    stages: dict[str, Stage]
+    load_model: Callable[[Any], Any]
+
+    def selected(self, cfg: AppConfig) -> list[Stage]:
+        """The stages `cfg.stages` names, in order; PipelineError naming any this pipeline lacks."""
+        missing = [name for name in cfg.stages if name not in self.stages]
+        if missing:
+            raise PipelineError(f"stage(s) {', '.join(missing)} are not part of this pipeline; it has:"
+                                f" {', '.join(self.stages)}.")
+        return [self.stages[name] for name in cfg.stages]
+
+    def check(self, cfg: AppConfig) -> None:
+        """Run every selected stage's pre-run check; the first problem raises (nothing written)."""
+        for stage in self.selected(cfg):
+            if stage.check is not None:
+                stage.check(cfg)
+
+    def run(self, cfg: AppConfig, run_dir: Path, console: Console | None = None,
+            overrides: list[str] | None = None, checked: bool = False) -> dict[str, Any]:
+        """Run `cfg.stages` in order in `run_dir`; returns the manifest (also written to disk).
+
+        Before anything is written: PipelineError if a selected stage is not in this pipeline,
+        and the stages' pre-run checks (skipped when `checked`, i.e. the caller ran `check`).
+        Raises PipelineError when a stage fails and KeyboardInterrupt when interrupted, after
+        recording the stage as `failed` / `interrupted` in the manifest.
+        """
+        return _run(self, cfg, run_dir, console, overrides, checked)
+
+
+def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | None,
+         overrides: list[str] | None, checked: bool) -> dict[str, Any]:
     run_dir = Path(run_dir)
-    selected = selected_stages(cfg)
+    selected = pipeline.selected(cfg)
     if not checked:
-        check_stages(cfg)
+        pipeline.check(cfg)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} is a file; choose another hydra.run.dir.", exit_code=2)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    ctx = RunContext(cfg, run_dir, console)
+    ctx = RunContext(cfg, run_dir, console, pipeline.load_model, tuple(selected))
     hashes = stage_hashes(cfg, selected)
     manifest = load_manifest(run_dir)
     fingerprints = Fingerprinter(record for e in manifest.get("stages", {}).values()

@@ -1,7 +1,10 @@
-"""Head-level (and edge-level) pruning to a target sparsity, and faithfulness.
+"""Pruning to a target sparsity, and faithfulness: `prune` is what the pruning stage runs.
 
-Heads are removed lowest score first (`rank_by: abs` on |score|, `signed` on the score) and
-ablated through a hook on z, the input of the attention output projection:
+`pruning.scope: heads` removes heads, `edges` removes edges (`circuitkit.pruning_edges` runs
+the edge circuits); both select with `keep_top` (`select_heads`, `select_edges`) and both
+evaluators take the kept mask. Heads are removed lowest score first (`rank_by: abs` on
+|score|, `signed` on the score) and ablated through a hook on z, the input of the attention
+output projection:
 
     mean       the mean of z over the task's clean examples at each position
     zero       0
@@ -21,9 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from circuitkit.attribution.eap import HookSet, cached_run
+from circuitkit.attribution.eap import AttributionScores, cached_run
 from circuitkit.attribution.metrics import answer_forward, compute_metric
+from circuitkit.config import PruningConfig
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.hooks import HookSet
+from circuitkit.pruning_edges import EdgeEvaluator, fit_positions, mean_writes
 from circuitkit.tasks.base import TaskData
 
 log = logging.getLogger(__name__)
@@ -31,13 +37,15 @@ CURVE_PERCENTS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
 
 
 @dataclass
-class HeadSelection:
-    mask: torch.Tensor  # (n_layers, n_heads) bool, True = kept
+class Selection:
+    """What a target sparsity keeps: heads (n_layers, n_heads) or edges (n_upstream, n_downstream)."""
+
+    mask: torch.Tensor  # bool, True = kept
     n_removed: int
     achieved_sparsity: float
 
 
-def select_heads(head_scores: torch.Tensor, target_sparsity: float, rank_by: str = "abs") -> HeadSelection:
+def select_heads(head_scores: torch.Tensor, target_sparsity: float, rank_by: str = "abs") -> Selection:
     """Keep the highest-ranked heads; remove round(target_sparsity * n_heads) of them.
 
     Warns when the target rounds to no head removed although it is above 0.
@@ -50,7 +58,16 @@ def select_heads(head_scores: torch.Tensor, target_sparsity: float, rank_by: str
         log.warning("pruning.target_sparsity=%s removes 0 of %d heads after rounding to whole heads;"
                     " achieved sparsity 0.0 (the circuit is the full model). Raise it to at least %.3g to"
                     " remove one head.", target_sparsity, n_total, 0.5 / n_total)
-    return HeadSelection(keep_top(head_scores, n_total - n_removed, rank_by), n_removed, n_removed / n_total)
+    return Selection(keep_top(head_scores, n_total - n_removed, rank_by), n_removed, n_removed / n_total)
+
+
+def select_edges(edge_scores: torch.Tensor, valid: torch.Tensor, target_sparsity: float,
+                 rank_by: str = "abs") -> Selection:
+    """Keep the highest-ranked of the edges that exist (`valid`, (n_upstream, n_downstream));
+    remove round(target_sparsity * n_edges) of them."""
+    n_total = int(valid.sum())
+    n_removed = round(target_sparsity * n_total)
+    return Selection(keep_top(edge_scores, n_total - n_removed, rank_by, valid), n_removed, n_removed / n_total)
 
 
 def keep_top(scores: torch.Tensor, n_keep: int, rank_by: str = "abs", valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,21 +94,12 @@ def mean_z(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tens
     for batch in data.batches(batch_size):
         batch = batch.to(device)
         rec = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
-        z = torch.stack([zl.float() for zl in rec["z"]])  # (L, B, T, H*dh)
+        z = torch.stack([zl.float() for zl in rec.z])  # (L, B, T, H*dh)
         w = batch.attention_mask.float()[None, :, :, None]
         part, n = (z * w).sum(1), w.sum(1)
         total = part if total is None else total + part
         count = n if count is None else count + n
     return (total / count.clamp(min=1)).cpu()
-
-
-def fit_positions(values: torch.Tensor, n_positions: int) -> torch.Tensor:
-    """(..., T, D) -> (..., n_positions, D): truncate, or extend with the mean over positions."""
-    T = values.shape[-2]
-    if n_positions <= T:
-        return values[..., :n_positions, :]
-    extra = values.mean(-2, keepdim=True).expand(*values.shape[:-2], n_positions - T, values.shape[-1])
-    return torch.cat([values, extra], dim=-2)
 
 
 @contextmanager
@@ -119,7 +127,7 @@ def ablate_heads(adapter: ModelAdapter, removed: torch.Tensor, values: list[torc
 
 
 class Evaluator:
-    """Mean metric on held-out examples with a set of heads ablated."""
+    """Mean metric on held-out examples with only the kept heads live (the others ablated)."""
 
     def __init__(self, adapter: ModelAdapter, data: TaskData, metric: str, ablation: str,
                  mean_values: torch.Tensor | None, batch_size: int) -> None:
@@ -129,30 +137,32 @@ class Evaluator:
         for batch in data.batches(batch_size):
             batch = batch.to(device)
             clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
-            corrupt_z = None
+            corrupted_z = None
             if ablation == "corrupted":
-                corrupt_z = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos,
-                                       edges=False)["z"]
-            self.batches.append((batch, clean["logits"].float(), corrupt_z))
+                corrupted_z = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos,
+                                       edges=False).z
+            self.batches.append((batch, clean.logits.float(), corrupted_z))
         self.mean_values = None if mean_values is None else [v.to(device)[None] for v in mean_values]
         self.n = len(data)
 
-    def _values(self, corrupt_z):
+    def _values(self, corrupted_z):
         if self.ablation == "zero":
             return [None] * self.adapter.n_layers
         if self.ablation == "corrupted":
-            return corrupt_z
+            return corrupted_z
         return self.mean_values
 
     @torch.no_grad()
-    def __call__(self, removed: torch.Tensor | None) -> float:
+    def __call__(self, kept: torch.Tensor | None) -> float:
+        """kept: (n_layers, n_heads) bool, or None for the full model."""
+        removed = None if kept is None else ~kept
         total = 0.0
-        for batch, clean_answer, corrupt_z in self.batches:
+        for batch, clean_answer, corrupted_z in self.batches:
             args = (self.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
             if removed is None or not removed.any():
                 logits = answer_forward(*args)
             else:
-                with ablate_heads(self.adapter, removed, self._values(corrupt_z)):
+                with ablate_heads(self.adapter, removed, self._values(corrupted_z)):
                     logits = answer_forward(*args)
             total += compute_metric(self.metric, logits, batch, clean_answer).sum().item()
         return total / self.n
@@ -192,3 +202,56 @@ def curve_areas(rows: list[dict]) -> tuple[float, float]:
         cpr += dx * (fs[i] + fs[i - 1]) / 2
         cmd += dx * (abs(1 - fs[i]) + abs(1 - fs[i - 1])) / 2
     return cpr, cmd
+
+
+@dataclass
+class PrunedCircuit:
+    """What `prune` found: the kept set, its masks, the metrics and the faithfulness curve."""
+
+    selection: Selection  # heads (L, H) or edges (n_upstream, n_downstream); mask True = kept
+    n_total: int  # heads or existing edges
+    head_mask: torch.Tensor  # (L, H) bool: heads kept (edge scope: with any kept edge)
+    mlp_mask: torch.Tensor  # (L,) bool
+    metrics: dict[str, float]  # full, empty, circuit, faithfulness
+    curve: list[dict]
+    cpr: float
+    cmd: float
+    ablation_values: dict  # stored in circuit.pt: mean_z (heads) or the edge mask and node lists
+
+
+def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData, held_out: TaskData,
+          p: PruningConfig, metric: str, batch_size: int) -> PrunedCircuit:
+    """Select the circuit at `p.target_sparsity`, and measure it on the held-out pairs.
+
+    Mean ablation takes its means over `attr_data` (the attribution examples). Edge scope needs
+    `scores.edges`. The faithfulness curve evaluates the same ranking at CURVE_PERCENTS kept.
+    """
+    g = scores.graph
+    if p.scope == "heads":
+        means = mean_z(adapter, attr_data, batch_size) if p.ablation == "mean" else None
+        evaluate = Evaluator(adapter, held_out, metric, p.ablation, means, batch_size)
+        selection = select_heads(scores.head, p.target_sparsity, p.rank_by)
+        valid, ranked = None, scores.head
+        head_mask = selection.mask
+        mlp_mask = torch.ones(g.n_layers, dtype=torch.bool)  # head pruning never removes an MLP
+        stored = {"mean_z": means}
+    else:
+        means = mean_writes(adapter, attr_data, batch_size) if p.ablation == "mean" else None
+        evaluate = EdgeEvaluator(adapter, held_out, metric, p.ablation, means, batch_size)
+        valid, ranked = g.edge_mask(), scores.edges
+        selection = select_edges(scores.edges, valid, p.target_sparsity, p.rank_by)
+        kept = selection.mask
+        head_mask = torch.tensor([[bool(kept[g.head_index(layer, h)].any()) for h in range(g.n_heads)]
+                                  for layer in range(g.n_layers)])
+        mlp_mask = kept[[g.mlp_index(layer) for layer in range(g.n_layers)]].any(dim=1)
+        stored = {"edge_mask": kept, "mean_z": None, "upstream_nodes": g.upstream, "downstream_nodes": g.downstream}
+    kept = selection.mask
+    m_full = evaluate(torch.ones_like(kept) if valid is None else valid)
+    m_empty = evaluate(torch.zeros_like(kept))
+    m_circuit = evaluate(kept)
+    f = faithfulness(m_circuit, m_full, m_empty)
+    curve = sparsity_curve(evaluate, ranked, p.rank_by, m_full, m_empty, valid)
+    cpr, cmd = curve_areas(curve)
+    return PrunedCircuit(selection, kept.numel() if valid is None else int(valid.sum()), head_mask, mlp_mask,
+                         {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f},
+                         curve, cpr, cmd, stored)

@@ -14,29 +14,30 @@ from __future__ import annotations
 
 import torch
 
-from circuitkit.attribution.eap import (
-    HookSet,
-    cached_run,
-    deltas,
-    first_input,
-    graph_of,
-    head_writes,
-    replace_first,
-)
+from circuitkit.attribution.eap import cached_run, deltas, graph_of, head_writes
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
-from circuitkit.pruning import fit_positions
+from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
 from circuitkit.tasks.base import TaskData
+
+
+def fit_positions(values: torch.Tensor, n_positions: int) -> torch.Tensor:
+    """(..., T, D) -> (..., n_positions, D): truncate, or extend with the mean over positions."""
+    T = values.shape[-2]
+    if n_positions <= T:
+        return values[..., :n_positions, :]
+    extra = values.mean(-2, keepdim=True).expand(*values.shape[:-2], n_positions - T, values.shape[-1])
+    return torch.cat([values, extra], dim=-2)
 
 
 def upstream_writes(adapter: ModelAdapter, rec: dict) -> torch.Tensor:
     """What every upstream node wrote in a recorded run: (n_upstream, B, T, d_model) float32."""
     H, dh = adapter.n_heads, adapter.head_dim
-    rows = [rec["embed"].float().unsqueeze(0)]
+    rows = [rec.embed.float().unsqueeze(0)]
     for layer in range(adapter.n_layers):
-        z = rec["z"][layer].unflatten(-1, (H, dh))
-        rows.append(head_writes(adapter, layer, z, rec["attn_total"][layer]))
-        rows.append(rec["mlp"][layer].float().unsqueeze(0))
+        z = rec.z[layer].unflatten(-1, (H, dh))
+        rows.append(head_writes(adapter, layer, z, rec.attn_total[layer]))
+        rows.append(rec.mlp[layer].float().unsqueeze(0))
     return torch.cat(rows)
 
 
@@ -106,7 +107,7 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
         hk.post(adapter.mlp_norm(layer), mlp_in)
 
         def mlp_out(module, args, out):
-            live.append((out[0] if isinstance(out, tuple) else out).float().unsqueeze(0))
+            live.append(first_output(out).float().unsqueeze(0))
         hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_out)
 
     def final(module, args, kwargs):
@@ -127,13 +128,13 @@ class EdgeEvaluator:
             batch = batch.to(device)
             clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=True)
             if ablation == "corrupted":
-                corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=True)
-                ablated = upstream_writes(adapter, clean) - deltas(adapter, clean, corrupt, edges=True)["up"]
+                corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=True)
+                ablated = upstream_writes(adapter, clean) - deltas(adapter, clean, corrupted, edges=True).up
             elif ablation == "mean":
                 ablated = fit_positions(mean_values.to(device), batch.clean_ids.shape[1]).unsqueeze(1)
             else:
                 ablated = torch.zeros(1, 1, 1, 1, device=device)
-            self.batches.append((batch, clean["logits"].float(), ablated))
+            self.batches.append((batch, clean.logits.float(), ablated))
         self.n = len(data)
 
     @torch.no_grad()

@@ -24,7 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 from circuitkit.config import CONF_DIR, check_overrides, compose_with_run_dir, hydra_dir, validate
 from circuitkit.errors import UserError, debug_enabled, exit_code_and_message, print_error, run_entry
 from circuitkit.io import check_writable
-from circuitkit.pipeline import check_stages, make_console, run_pipeline
+from circuitkit.pipeline import make_console
+from circuitkit.stage_list import check_stages, run_pipeline
+from circuitkit.sweep import forget_last_sweep, last_sweep, record_job_failure
 
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
@@ -67,7 +69,6 @@ def _hydra_main(cfg: DictConfig) -> None:
         if code:
             sys.exit(code)
         return
-    from circuitkit.sweep import record_job_failure
 
     try:
         _run_job(cfg)
@@ -95,7 +96,6 @@ def _main(argv: list[str]) -> int:
             check_writable(Path(run_dir), "hydra.run.dir", directory=True)
     if debug_enabled():
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    from circuitkit.sweep import forget_last_sweep, last_sweep
 
     forget_last_sweep()
     sys.argv = [sys.argv[0], *argv]

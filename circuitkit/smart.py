@@ -13,13 +13,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.config import CONF_DIR, AppConfig, compose
+from circuitkit.attribution.memory import advice, attribution_estimate, ig_advice, largest_fitting_batch
+from circuitkit.config import CONF_DIR, AppConfig, DiscoveryConfig, choices, compose
+from circuitkit.device import free_memory_bytes, get_device
 from circuitkit.errors import EXIT_USAGE, UserError
+from circuitkit.pipeline import make_console
+from circuitkit.preflight import table
+from circuitkit.run import main as run_main
+from circuitkit.stage_list import CIRCUIT_STAGE_NAMES
 
-CIRCUIT_STAGES = "stages=[preflight,data,attribution,pruning]"
 # The budget table of the memory guide: these models at ig_steps=5, batch_size=4, num_examples=128.
 BUDGET_MODELS = ("gpt2", "llama1b", "llama3b", "gemma4b")
 
@@ -27,8 +33,6 @@ BUDGET_MODELS = ("gpt2", "llama1b", "llama3b", "gemma4b")
 def model_group_for(model: str) -> str | None:
     """The group in conf/model/ that `model` names: the group itself (`gemma4b`) or its hub name
     (`google/gemma-3-4b-it`), so known models keep their shape offline."""
-    from omegaconf import OmegaConf
-
     if (CONF_DIR / "model" / f"{model}.yaml").is_file():
         return model
     for path in sorted((CONF_DIR / "model").glob("*.yaml")):
@@ -41,7 +45,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     group = model_group_for(args.model)
     model = f"model={group}" if group else f"model.name={args.model}"
     algo = ["discovery=eap"] if args.algorithm == "eap" else [f"discovery.algorithm={args.algorithm}"]
-    return [model, *algo, f"discovery.task={args.task}", CIRCUIT_STAGES, *args.overrides]
+    return [model, *algo, f"discovery.task={args.task}",
+            f"stages=[{','.join(CIRCUIT_STAGE_NAMES)}]", *args.overrides]
 
 
 def _gib(n_bytes: int) -> str:
@@ -50,8 +55,6 @@ def _gib(n_bytes: int) -> str:
 
 def budget_table(seq_len: int) -> Table:
     """Estimated peaks of the named models: weights only, EAP-IG default, and all levers pulled."""
-    from circuitkit.preflight import attribution_estimate
-
     table = Table(title=f"attribution peak estimates (node level, {seq_len} tokens per example)")
     for col in ("model", "weights (bf16)", "eap-ig, batch 4, ig_steps 5", "batch 1, ig_steps 3"):
         table.add_column(col, justify="right")
@@ -68,9 +71,6 @@ def budget_table(seq_len: int) -> Table:
 
 def check_memory(cfg: AppConfig, console: Console) -> int:
     """Print the estimate for `cfg` and whether it fits; load nothing. Exit status 0."""
-    from circuitkit.device import free_memory_bytes, get_device
-    from circuitkit.preflight import advice, attribution_estimate, ig_advice, table
-
     try:
         estimate = attribution_estimate(cfg)
     except (OSError, ValueError) as err:
@@ -101,19 +101,16 @@ def check_memory(cfg: AppConfig, console: Console) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="circuitkit discover-smart", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model group, hub name or local directory")
-    parser.add_argument("--algorithm", required=True, choices=("eap", "eap-ig", "clean-corrupted", "exact"))
-    parser.add_argument("--task", required=True, choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
+    parser.add_argument("--algorithm", required=True, choices=choices(DiscoveryConfig, "algorithm"))
+    parser.add_argument("--task", required=True, choices=choices(DiscoveryConfig, "task"))
     parser.add_argument("--check-memory", action="store_true", help="print the estimate and exit; loads nothing")
     parser.add_argument("overrides", nargs="*", help="further key=value overrides")
     args = parser.parse_args(argv)
-    from circuitkit.pipeline import make_console
 
     console = make_console()
     _, cfg = compose(_overrides(args))
     if args.check_memory:
         return check_memory(cfg, console)
-    from circuitkit.device import free_memory_bytes
-    from circuitkit.preflight import largest_fitting_batch
 
     budget = int(cfg.preflight.headroom * free_memory_bytes())
     best = min(largest_fitting_batch(cfg, budget), cfg.discovery.data_params.num_examples)
@@ -121,10 +118,8 @@ def main(argv: list[str]) -> int:
         raise UserError("even discovery.batch_size=1 does not fit; run with --check-memory for the terms and"
                         " what to change.")
     console.print(f"discovery.batch_size={best}: the largest that fits ({budget / 2**30:.2f} GiB usable)")
-    from circuitkit.preflight import ig_advice
 
     if line := ig_advice(cfg):
         console.print(f"time/accuracy: {line}", markup=False, highlight=False)
-    from circuitkit.run import main as run_main
 
     return run_main([*_overrides(args), f"discovery.batch_size={best}"])

@@ -1,4 +1,4 @@
-"""The pipeline's stages: preflight -> data -> attribution -> pruning -> grads.
+"""The circuit stages of the pipeline: data -> attribution -> pruning.
 
 Each reads its inputs from `ctx.state` when the stage before it ran in this process, else
 from that stage's artifact in the run directory (so a rerun can skip completed stages).
@@ -8,16 +8,24 @@ pre-run check (`_check_*`) that reads configs only.
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
-import torch
 from rich.table import Table
+from safetensors import safe_open
 
-from circuitkit.config import AppConfig, ConfigError
+from circuitkit.attribution import load_scores, run_attribution, save_scores, top_heads
+from circuitkit.attribution.memory import ATTRIBUTION_MEMORY, attribution_estimate
+from circuitkit.circuit import load_circuit, run_circuit_path, save_circuit
+from circuitkit.circuit_graph import write_circuit_graph
+from circuitkit.config import AppConfig, ConfigError, to_dict
 from circuitkit.errors import UserError
 from circuitkit.io import check_writable
-from circuitkit.pipeline import RunContext, Stage, StageResult, register_stage
-from gradian.indexer import check_grads_config
+from circuitkit.models.loading import check_model, context_length, model_context, model_inputs
+from circuitkit.pipeline import RunContext, Stage, StageResult, package_versions
+from circuitkit.plots import faithfulness_curve, head_heatmap
+from circuitkit.pruning import prune
+from circuitkit.tasks import SAMPLE_FILES, TaskData, build_task
 
 DATA_FILE = "data.safetensors"
 SCORES_FILE = "scores.safetensors"
@@ -37,13 +45,9 @@ def split_sizes(n_rows: int, n_attr: int, n_eval: int) -> tuple[int, int]:
 
 def _data(ctx: RunContext) -> StageResult:
     """Build the task's clean/corrupted pairs: attribution examples, then held-out examples."""
-    from circuitkit.tasks import build_task
-
     d = ctx.cfg.discovery
     loaded = ctx.model()
     n_attr, n_eval = d.data_params.num_examples, d.data_params.eval_examples
-    from circuitkit.models.loading import context_length
-
     data = build_task(d.task, loaded.tokenizer, loaded.path, d.data_params, n_attr + n_eval, ctx.cfg.seed,
                       max_tokens=context_length(loaded.model.config))
     attr, held_out = split_sizes(len(data), n_attr, n_eval)
@@ -64,10 +68,6 @@ def task_data(ctx: RunContext):
 
     The pairs after the first `number` are the held-out ones.
     """
-    from safetensors import safe_open
-
-    from circuitkit.tasks import TaskData
-
     if "data" not in ctx.state:
         path = ctx.run_dir / DATA_FILE
         if not path.is_file():
@@ -78,28 +78,8 @@ def task_data(ctx: RunContext):
     return ctx.state["data"], ctx.state["n_attr"]
 
 
-def _preflight(ctx: RunContext) -> StageResult:
-    """Estimate the peak of the selected stages from the model's shape; stop if one cannot fit."""
-    from circuitkit.device import free_memory_bytes
-    from circuitkit.preflight import check, memory_plot, summary, table
-
-    estimates = check(ctx.cfg, ctx.console)
-    free = free_memory_bytes()
-    budget = int(ctx.cfg.preflight.headroom * free)
-    plots = []
-    for stage, estimate in estimates.items():
-        ctx.console.print(table(estimate, free, ctx.cfg.preflight.headroom, f"estimated {stage} peak"))
-        plots.append(memory_plot(estimate, ctx.run_dir / f"memory_estimate_{stage}.png", budget))
-    if not estimates:
-        ctx.console.print("no stage with a memory estimate selected (attribution, grads)")
-    return StageResult(plots, summary(estimates, free, budget))
-
-
 def _attribution(ctx: RunContext) -> StageResult:
     """EAP / EAP-IG / exact scores on the attribution examples; scores.safetensors + heatmap."""
-    from circuitkit.attribution import run_attribution, save_scores, top_heads
-    from circuitkit.plots import head_heatmap
-
     d = ctx.cfg.discovery
     loaded = ctx.model()
     pairs, n_attr = task_data(ctx)
@@ -127,8 +107,6 @@ def _attribution(ctx: RunContext) -> StageResult:
         summary.update(ig_steps=scores.info["ig_steps"], ig_rule=scores.info["ig_rule"])
     if scores.edges is not None:
         summary["n_edges"] = scores.graph.n_edges
-    from circuitkit.preflight import attribution_estimate
-
     estimate = attribution_estimate(ctx.cfg, batch_size=min(d.batch_size, len(data)),
                                     seq_len=int(data.clean_ids.shape[1])).total_bytes
     return StageResult([path, plot], summary, estimated_peak_bytes=estimate)
@@ -136,8 +114,6 @@ def _attribution(ctx: RunContext) -> StageResult:
 
 def attribution_scores(ctx: RunContext):
     """The attribution stage's scores: from this run, or from scores.safetensors in the run dir."""
-    from circuitkit.attribution import load_scores
-
     if "scores" not in ctx.state:
         path = ctx.run_dir / SCORES_FILE
         if not path.is_file():
@@ -148,10 +124,6 @@ def attribution_scores(ctx: RunContext):
 
 
 def _write_curve(ctx: RunContext, curve: list[dict], title: str) -> list[Path]:
-    import csv
-
-    from circuitkit.plots import faithfulness_curve
-
     path = ctx.run_dir / "faithfulness_curve.csv"
     with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(curve[0]))
@@ -162,20 +134,6 @@ def _write_curve(ctx: RunContext, curve: list[dict], title: str) -> list[Path]:
 
 def _pruning(ctx: RunContext) -> StageResult:
     """Remove the lowest-ranked heads (or edges), measure faithfulness on held-out pairs, write circuit.pt."""
-    from circuitkit.circuit import save_circuit
-    from circuitkit.config import to_dict
-    from circuitkit.pipeline import package_versions
-    from circuitkit.plots import head_heatmap
-    from circuitkit.pruning import (
-        Evaluator,
-        curve_areas,
-        faithfulness,
-        keep_top,
-        mean_z,
-        select_heads,
-        sparsity_curve,
-    )
-
     p, d = ctx.cfg.pruning, ctx.cfg.discovery
     scores = attribution_scores(ctx)
     if p.scope == "edges" and scores.edges is None:
@@ -187,62 +145,31 @@ def _pruning(ctx: RunContext) -> StageResult:
     if len(held_out) == 0:
         raise ValueError("no held-out examples for faithfulness: set discovery.data_params.eval_examples >= 1.")
 
-    circuit: dict = {}
-    if p.scope == "heads":
-        means = mean_z(adapter, data[:n_attr], d.batch_size) if p.ablation == "mean" else None
-        evaluator = Evaluator(adapter, held_out, d.metric, p.ablation, means, d.batch_size)
-
-        def evaluate_kept(kept):
-            return evaluator(~kept)
-        selection = select_heads(scores.head, p.target_sparsity, p.rank_by)
-        kept, valid, ranked = selection.mask, None, scores.head
-        head_mask, achieved, n_removed = selection.mask, selection.achieved_sparsity, selection.n_removed
-        circuit["mean_z"] = means
-    else:
-        from circuitkit.pruning_edges import EdgeEvaluator, mean_writes
-
-        means = mean_writes(adapter, data[:n_attr], d.batch_size) if p.ablation == "mean" else None
-        evaluate_kept = EdgeEvaluator(adapter, held_out, d.metric, p.ablation, means, d.batch_size)
-        valid, ranked = scores.graph.edge_mask(), scores.edges
-        n_total = int(valid.sum())
-        n_removed = round(p.target_sparsity * n_total)
-        kept = keep_top(scores.edges, n_total - n_removed, p.rank_by, valid)
-        achieved = n_removed / n_total
-        g = scores.graph
-        head_mask = torch.tensor([[bool(kept[g.head_index(layer, h)].any()) for h in range(g.n_heads)]
-                                  for layer in range(g.n_layers)])
-        circuit.update(edge_mask=kept, mean_z=None, upstream_nodes=g.upstream, downstream_nodes=g.downstream)
-    m_full = evaluate_kept(torch.ones_like(kept) if valid is None else valid)
-    m_empty = evaluate_kept(torch.zeros_like(kept))
-    m_circuit = evaluate_kept(kept)
-    f = faithfulness(m_circuit, m_full, m_empty)
-    curve = sparsity_curve(evaluate_kept, ranked, p.rank_by, m_full, m_empty, valid)
-    cpr, cmd = curve_areas(curve)
+    found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size)
+    kept, head_mask, achieved = found.selection.mask, found.head_mask, found.selection.achieved_sparsity
+    m_full, m_empty, m_circuit, f = (found.metrics[k] for k in ("full", "empty", "circuit", "faithfulness"))
+    curve, cpr, cmd = found.curve, found.cpr, found.cmd
     curve_files = _write_curve(ctx, curve, f"{d.task}, {p.scope}: CPR {cpr:.3f}, CMD {cmd:.3f}")
     circuit_png = head_heatmap(scores.head, ctx.run_dir / "circuit_heads.png",
                                f"kept heads (outlined), {p.scope} sparsity {achieved:.2f}", head_mask)
-    metrics = {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f}
-    out_path = Path(ctx.cfg.output_path) if ctx.cfg.output_path else ctx.run_dir / "circuit.pt"
+    out_path = run_circuit_path(ctx.cfg.output_path, ctx.run_dir)
     g = scores.graph
-    circuit["graph"] = {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
-                        "parallel_residual": g.parallel_residual}
-    if p.scope == "heads":
-        circuit["mlp_mask"] = torch.ones(g.n_layers, dtype=torch.bool)  # head pruning never removes an MLP
-    else:
-        circuit["mlp_mask"] = kept[[g.mlp_index(layer) for layer in range(g.n_layers)]].any(dim=1)
-    circuit["prepend_bos"] = d.data_params.prepend_bos
-    circuit["d_model"] = adapter.d_model  # for exports whose format states it (EAP-IG's cfg)
     save_circuit(out_path, {
-        **circuit, "model_name": ctx.cfg.model.name, "model_revision": ctx.cfg.model.revision, "scope": p.scope,
+        **found.ablation_values,
+        "graph": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
+                  "parallel_residual": g.parallel_residual},
+        "mlp_mask": found.mlp_mask, "prepend_bos": d.data_params.prepend_bos,
+        "d_model": adapter.d_model,  # for exports whose format states it (EAP-IG's cfg)
+        "model_name": ctx.cfg.model.name, "model_revision": ctx.cfg.model.revision, "scope": p.scope,
         "head_mask": head_mask, "head_scores": scores.head, "mlp_scores": scores.mlp,
         "embed_score": scores.embed, "edge_scores": scores.edges,
         "ablation": p.ablation, "rank_by": p.rank_by, "target_sparsity": p.target_sparsity,
-        "achieved_sparsity": achieved, "n_removed": n_removed, "n_heads_removed": int((~head_mask).sum()),
-        "metrics": metrics, "curve": curve, "cpr": cpr, "cmd": cmd, "n_eval_examples": len(held_out),
+        "achieved_sparsity": achieved, "n_removed": found.selection.n_removed,
+        "n_heads_removed": int((~head_mask).sum()), "metrics": found.metrics, "curve": curve, "cpr": cpr, "cmd": cmd, "n_eval_examples": len(held_out),
         "config": to_dict(ctx.cfg), "versions": package_versions(),
     })
     unit = "heads" if p.scope == "heads" else "edges"
-    table = Table(title=f"circuit: {int(kept.sum())} of {kept.numel() if valid is None else int(valid.sum())} {unit} kept")
+    table = Table(title=f"circuit: {int(kept.sum())} of {found.n_total} {unit} kept")
     for col in ("target sparsity", "achieved", "m(full)", "m(empty)", "m(circuit)", "faithfulness", "CPR", "CMD"):
         table.add_column(col, justify="right")
     table.add_row(f"{p.target_sparsity:.3f}", f"{achieved:.3f}", f"{m_full:.4g}", f"{m_empty:.4g}",
@@ -250,9 +177,6 @@ def _pruning(ctx: RunContext) -> StageResult:
     ctx.console.print(table)
     graph_files = []
     if p.graph:
-        from circuitkit.circuit import load_circuit
-        from circuitkit.circuit_graph import write_circuit_graph
-
         graph_files = write_circuit_graph(load_circuit(out_path), ctx.run_dir / "circuit_graph.png",
                                           p.graph_top_edges, p.graph_backend)
     return StageResult([out_path, *curve_files, circuit_png, *graph_files], {
@@ -261,129 +185,30 @@ def _pruning(ctx: RunContext) -> StageResult:
         "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path)})
 
 
-def circuit_for_grads(ctx: RunContext) -> Path | None:
-    """The circuit.pt `grads.circuit` names: 'run' is the file this run's pruning stage writes
-    (read from disk, so a pruning stage skipped on rerun is not recomputed), else the path."""
-    circuit = ctx.cfg.grads.circuit
-    if circuit is None:
-        return None
-    if circuit != "run":
-        return Path(circuit)
-    path = Path(ctx.cfg.output_path) if ctx.cfg.output_path else ctx.run_dir / "circuit.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"grads.circuit=run reads the circuit.pt of this run ({path}), which does not exist:"
-                                " run the pruning stage first (stages=[...,pruning,grads]) or give grads.circuit"
-                                " the path of a circuit.pt.")
-    return path
-
-
-def _grads(ctx: RunContext) -> StageResult:
-    """Gradient index of grads.data_path (Gradian), or skipped when grads.enabled is false."""
-    g = ctx.cfg.grads
-    if not g.enabled:
-        ctx.console.print("grads.enabled=false: gradient indexing skipped")
-        return StageResult([], {"status": "skipped"})
-    from gradian.indexer import build_index
-
-    index_dir = Path(g.index_dir) if g.index_dir else ctx.run_dir / "index"
-    if not g.index_dir and ctx.changed_inputs and index_dir.is_dir():
-        # The run's own index was made from inputs that changed since (data file, model, circuit):
-        # it is stale, not resumable. A user-chosen index_dir is never deleted (Gradian refuses it).
-        import shutil
-
-        ctx.console.print(f"grads: {', '.join(ctx.changed_inputs[:3])} changed; rebuilding {index_dir}",
-                          markup=False)
-        shutil.rmtree(index_dir)
-    circuit_path = circuit_for_grads(ctx)
-    summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model(), circuit_path=circuit_path)
-    files = [index_dir / "manifest.json", *(index_dir / name for name in summary.get("shard_files", []))]
-    ctx.console.print(f"index {index_dir}: {summary['rows_stored']} of {summary['n_rows']} rows,"
-                      f" {summary['bytes'] / 2**20:.2f} MiB")
-    restricted = summary.get("circuit")
-    if restricted:
-        ctx.console.print(f"restricted to circuit {circuit_path} (sha256 {restricted['sha256'][:12]}…):"
-                          f" {len(restricted['heads'])} heads, {len(restricted['mlps'])} MLPs")
-    return StageResult(files, {"index_dir": str(index_dir), "rows_stored": summary["rows_stored"],
-                               "row_width": summary["row_width"], "index_bytes": summary["bytes"],
-                               "complete": summary["complete"], "padding_share": summary.get("padding_share"),
-                               "circuit_sha256": restricted["sha256"] if restricted else None},
-                       estimated_peak_bytes=summary["estimated_peak_bytes"])
-
-
 # --------------------------------------------------------------------------- inputs
-
-def model_inputs(cfg: AppConfig) -> dict[str, Path | str]:
-    """The model as an input: a local or builtin directory (every file: weights, config,
-    tokenizer), or a hub id at its resolved revision."""
-    from circuitkit.fingerprint import hub_revision
-    from circuitkit.models.loading import BUILTIN_PREFIX, is_local_path, resolve_model_path
-
-    name = cfg.model.name
-    if name.startswith(BUILTIN_PREFIX) or is_local_path(name):
-        return {"model": Path(resolve_model_path(name))}
-    return {"model": hub_revision(name, cfg.model.revision)}
-
 
 def task_data_file(cfg: AppConfig) -> Path | None:
     """The file (or directory) a file-based discovery task reads; None for generated tasks."""
-    from circuitkit.tasks import SAMPLE_FILES
-
     d = cfg.discovery
     if d.task not in SAMPLE_FILES:
         return None
     return Path(d.data_params.data_path).expanduser() if d.data_params.data_path else SAMPLE_FILES[d.task]
 
 
-def grads_data_file(cfg: AppConfig) -> Path:
-    from gradian.indexer import SAMPLE_DATA
-
-    return Path(cfg.grads.data_path).expanduser() if cfg.grads.data_path else SAMPLE_DATA
-
-
 def _data_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     data_file = task_data_file(cfg)
-    return {**model_inputs(cfg), **({"discovery.data_params.data_path": data_file} if data_file else {})}
+    return {**model_inputs(cfg.model), **({"discovery.data_params.data_path": data_file} if data_file else {})}
 
 
 def _attribution_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
-    return {**model_inputs(cfg), DATA_FILE: run_dir / DATA_FILE}
+    return {**model_inputs(cfg.model), DATA_FILE: run_dir / DATA_FILE}
 
 
 def _pruning_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
-    return {**model_inputs(cfg), DATA_FILE: run_dir / DATA_FILE, SCORES_FILE: run_dir / SCORES_FILE}
-
-
-def _grads_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
-    if not cfg.grads.enabled:
-        return {}
-    data = grads_data_file(cfg)
-    if not data.exists() and cfg.grads.data_format in ("hf", "auto"):
-        # A hub dataset name: no local file to hash; the name and split are what identify it here.
-        inputs: dict[str, Path | str] = {**model_inputs(cfg),
-                                         "grads.data_path": f"hf:{cfg.grads.data_path}:{cfg.grads.data_split}"}
-    else:
-        inputs = {**model_inputs(cfg), "grads.data_path": data}
-    if cfg.grads.circuit is not None:  # the circuit decides which parameters are indexed
-        run_circuit = Path(cfg.output_path) if cfg.output_path else run_dir / "circuit.pt"
-        inputs["grads.circuit"] = run_circuit if cfg.grads.circuit == "run" else Path(cfg.grads.circuit)
-    return inputs
+    return {**model_inputs(cfg.model), DATA_FILE: run_dir / DATA_FILE, SCORES_FILE: run_dir / SCORES_FILE}
 
 
 # --------------------------------------------------------------------------- pre-run checks
-
-def _check_model(cfg: AppConfig) -> None:
-    from circuitkit.models.loading import resolve_model_path
-
-    resolve_model_path(cfg.model.name)
-
-
-def model_context(cfg: AppConfig) -> int | None:
-    """The model's context length from its config (no weights); None when not known offline."""
-    from circuitkit.models.loading import context_length, load_hf_config
-
-    hf = load_hf_config(cfg.model)
-    return context_length(hf) if hf is not None else None
-
 
 def _check_input_file(path: Path, key: str, allow_dir: bool = False) -> None:
     if not path.exists():
@@ -395,20 +220,20 @@ def _check_input_file(path: Path, key: str, allow_dir: bool = False) -> None:
 
 def _check_data(cfg: AppConfig) -> None:
     """The model reference, the task's data file, and synthetic lengths within the context."""
-    _check_model(cfg)
+    check_model(cfg.model)
     d = cfg.discovery
     data_file = task_data_file(cfg)
     if data_file is not None and d.data_params.data_path:
         _check_input_file(data_file, "discovery.data_params.data_path", allow_dir=d.task == "mmlu")
     if d.task == "induction":
-        limit = model_context(cfg)
+        limit = model_context(cfg.model)
         if limit is not None and d.data_params.seq_len > limit:
             raise ConfigError(f"Config key 'discovery.data_params.seq_len' = {d.data_params.seq_len} exceeds the"
                               f" context of {cfg.model.name} ({limit} tokens); set it to at most {limit}.")
 
 
 def _check_attribution(cfg: AppConfig) -> None:
-    _check_model(cfg)
+    check_model(cfg.model)
 
 
 def _check_pruning(cfg: AppConfig) -> None:
@@ -420,23 +245,10 @@ def _check_pruning(cfg: AppConfig) -> None:
         check_writable(Path(cfg.output_path), "output_path")
 
 
-def _check_grads(cfg: AppConfig) -> None:
-    """The model reference, then Gradian's own pre-run checks from config files alone: the data
-    can be read, the index dir written, shard_index < num_shards, rows bounded by the context."""
-    if not cfg.grads.enabled:
-        return
-    _check_model(cfg)
-    if cfg.grads.index_dir:  # a write probe: permission bits say nothing to root on a read-only mount
-        check_writable(Path(cfg.grads.index_dir), "grads.index_dir", directory=True)
-    check_grads_config(cfg.model, cfg.grads, cfg.grads.index_dir)
-
-
-register_stage(Stage("preflight", ("model", "discovery", "grads", "preflight"), _preflight, cached=False,
-                     check=_check_model))
-register_stage(Stage("data", ("model", "discovery.task", "discovery.data_params", "seed"), _data,
-                     inputs=_data_inputs, check=_check_data))
-register_stage(Stage("attribution", ("model", "discovery"), _attribution, inputs=_attribution_inputs,
-                     check=_check_attribution))
-register_stage(Stage("pruning", ("pruning", "output_path"), _pruning, inputs=_pruning_inputs,
-                     check=_check_pruning))
-register_stage(Stage("grads", ("model", "grads"), _grads, inputs=_grads_inputs, check=_check_grads))
+CIRCUIT_STAGES = (
+    Stage("data", ("model", "discovery.task", "discovery.data_params", "seed"), _data, inputs=_data_inputs,
+          check=_check_data),
+    Stage("attribution", ("model", "discovery"), _attribution, inputs=_attribution_inputs,
+          check=_check_attribution, memory=ATTRIBUTION_MEMORY),
+    Stage("pruning", ("pruning", "output_path"), _pruning, inputs=_pruning_inputs, check=_check_pruning),
+)

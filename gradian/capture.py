@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from circuitkit.config import GradsConfig, choices
 from gradian.projection import Projector
 
 
@@ -119,7 +120,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     gradients only. An example's row does not depend on the rest of its batch: padding
     positions are masked out of x, and nothing downstream of a padding position feeds a loss.
     """
-    if loss_reduction not in ("sum", "mean"):
+    if loss_reduction not in choices(GradsConfig, "loss_reduction"):
         raise ValueError(f"grads.loss_reduction={loss_reduction!r}; valid: sum, mean.")
     if loss not in LOSSES:
         raise ValueError(f"grads.loss={loss!r}; valid: {', '.join(LOSSES)}.")
@@ -165,10 +166,12 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             if x.dim() != 3 or x.shape[:2] != input_ids.shape:
                 raise RuntimeError(f"module {group[0][0]} input is {tuple(x.shape)}, expected (B, T, d_in).")
             # Zero padded positions: their δ is zero anyway (right padding, causal attention), but a
-            # non-finite activation there would turn 0 * x into NaN.
-            x = torch.where(keep, x, torch.zeros_like(x))
+            # non-finite activation there would turn 0 * x into NaN. Masked after the projection, on
+            # (B, T, k_i) rather than (B, T, d_in): a projected row depends on its own position only,
+            # so this is the same as projecting a masked x, without a copy of every module input.
             for name, columns in group:
-                x_proj[name] = projector.project_input(name, x if columns is None else x[..., columns])
+                xp = projector.project_input(name, x if columns is None else x[..., columns])
+                x_proj[name] = torch.where(keep, xp, torch.zeros_like(xp))
             out = _output_tensor(output)
             if not out.requires_grad:
                 # Frozen weights and an input that needs no gradient (the earliest selected
@@ -178,9 +181,9 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
                 out = out + anchor
 
             def grad_hook(delta: torch.Tensor) -> None:
-                delta = torch.where(keep, delta, torch.zeros_like(delta))
                 for name, _ in group:
-                    rows[name] = projector.combine(name, x_proj.pop(name), projector.project_output(name, delta))
+                    dp = projector.project_output(name, delta)  # (B, T, k_o); masked like x above
+                    rows[name] = projector.combine(name, x_proj.pop(name), torch.where(keep, dp, torch.zeros_like(dp)))
 
             out.register_hook(grad_hook)
             return out

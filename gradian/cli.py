@@ -27,6 +27,7 @@ from rich.text import Text
 
 from circuitkit.errors import UserError, error_console, print_error, run_entry
 
+# Each subcommand imports its module when it runs: `gradian --help` loads no torch (fast).
 # With --out, the terminal shows this much of the ranking; the file gets all of it. Rendering
 # thousands of table rows takes minutes (600 ranks x 10 queries: ~3 min on 2 cores).
 SUMMARY_QUERIES = 3

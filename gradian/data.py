@@ -50,13 +50,14 @@ from typing import Any
 
 import torch
 
+from circuitkit.config import GradsConfig, choices
 from gradian.sources import EXPECTED as _EXPECTED
 from gradian.sources import DataError, Source, SourceSpec
 
 logger = logging.getLogger(__name__)
 
-ON_TRUNCATION = ("warn", "error", "drop")
-TRUNCATION_SIDES = ("right", "prompt_left")
+ON_TRUNCATION = choices(GradsConfig, "on_truncation")
+TRUNCATION_SIDES = choices(GradsConfig, "truncation_side")
 ROLES = ("system", "user", "assistant")
 PREVIEW_CHARS = 80
 # Error messages list at most this many line numbers; the count says how many there are in all.

@@ -357,8 +357,9 @@ def _test_batch_invariance() -> dict[str, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from circuitkit.models.adapters import get_adapter
+    from circuitkit.models.linear_modules import module_shapes, select_modules
     from gradian.capture import per_example_gradients
-    from gradian.projection import Projector, module_shapes, select_modules
+    from gradian.projection import Projector
 
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0,
                         eos_token_id=0)

@@ -20,8 +20,6 @@ index and lists every problem (`gradian inspect --verify`).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -35,8 +33,10 @@ from typing import Any
 
 import torch
 
+from circuitkit.device import DTYPES
 from circuitkit.errors import UserError
-from circuitkit.io import atomic_save_safetensors, atomic_write_json, sha256_file
+from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
+from gradian.projection import Projector, projection_fingerprint
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 # 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
@@ -45,7 +45,6 @@ FORMAT_VERSION = 3
 # Optional shard tensors besides grads, norms and rows.
 OPTIONAL_TENSORS = ("sources", "second_moment")
 MANIFEST = "manifest.json"
-STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class IndexMismatchError(ValueError):
@@ -129,9 +128,9 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
     if manifest["format_version"] > FORMAT_VERSION:
         raise IndexIntegrityError(f"{path}: format_version {manifest['format_version']} is newer than this"
                                   f" Gradian reads ({FORMAT_VERSION}); upgrade circuitkit.")
-    if manifest["storage_dtype"] not in STORAGE_DTYPES:
+    if manifest["storage_dtype"] not in DTYPES:
         raise IndexIntegrityError(f"{path}: storage_dtype {manifest['storage_dtype']!r} is not one of"
-                                  f" {', '.join(STORAGE_DTYPES)}; {_REBUILD}.")
+                                  f" {', '.join(DTYPES)}; {_REBUILD}.")
     if manifest["n_rows"] < 0 or manifest["rows_per_shard"] < 1:
         raise IndexIntegrityError(f"{path}: n_rows={manifest['n_rows']}, rows_per_shard="
                                   f"{manifest['rows_per_shard']} are not valid; {_REBUILD}.")
@@ -146,22 +145,6 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
                                       ' {"index": k, "rows": [start, end], "sha256": hex, "bytes": n};'
                                       f" {_REBUILD}.")
     return manifest
-
-
-@contextlib.contextmanager
-def _lock(path: Path, blocking: bool = True) -> Iterator[bool]:
-    """An exclusive fcntl lock on `path`; yields False if `blocking` is off and it is taken."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -213,7 +196,7 @@ class IndexWriter:
         return max(1, math.ceil(self.n_rows / self.rows_per_shard))
 
     def _manifest_lock(self):
-        return _lock(self.index_dir / ".manifest.lock")
+        return file_lock(self.index_dir / ".manifest.lock")
 
     def _read(self) -> dict[str, Any] | None:
         # The same checks as a reader: a resumed run must not follow a shard entry out of the index.
@@ -246,7 +229,7 @@ class IndexWriter:
         """
         todo = [k for k in self.my_shards() if not self.is_done(k)]
         for k in todo:
-            with _lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
+            with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
                 if not got:
                     raise self._busy(k)
                 for stale in self.index_dir.glob(f".{shard_name(k)}.*.tmp"):
@@ -273,7 +256,7 @@ class IndexWriter:
         start, end = self.row_range(k)
         if rows.tolist() != list(range(start, end)):
             raise ValueError(f"shard {k} must hold rows {start}..{end - 1}, got {rows.tolist()[:5]}...")
-        dtype = STORAGE_DTYPES[self.header["storage_dtype"]]
+        dtype = DTYPES[self.header["storage_dtype"]]
         stored = grads.float().to(dtype)
         bad = ~torch.isfinite(stored).all(dim=1)
         if bad.any():
@@ -285,7 +268,7 @@ class IndexWriter:
                 f"rows {which} of shard {k} {why}; nothing of this shard was written. Set"
                 " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
         norms = stored.float().norm(dim=1)
-        with _lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
+        with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
             if not got:
                 raise self._busy(k)
             tensors = {"grads": stored, "norms": norms, "rows": rows.long()}
@@ -447,7 +430,7 @@ class IndexReader:
         want = (end - start, width) if isinstance(width, int) else (end - start,) + tuple(grads.shape[1:])
         if tuple(grads.shape) != want or grads.ndim != 2:
             problems.append(f"{name} grads have shape {tuple(grads.shape)}, the manifest says {want}")
-        dtype = STORAGE_DTYPES[self.manifest["storage_dtype"]]
+        dtype = DTYPES[self.manifest["storage_dtype"]]
         if grads.dtype != dtype:
             problems.append(f"{name} grads are {grads.dtype}, the manifest says {self.manifest['storage_dtype']}")
         sources = tensors.get("sources")
@@ -554,8 +537,6 @@ class IndexReader:
         return problems
 
     def _projection_problems(self) -> list[str]:
-        from gradian.projection import Projector, projection_fingerprint
-
         proj = self.manifest.get("projection")
         if not isinstance(proj, dict) or not isinstance(proj.get("modules"), dict):
             return ["no projection description (projection.modules): queries cannot be projected like the rows"]
@@ -564,8 +545,7 @@ class IndexReader:
                     " the rows were made with cannot be checked"]
         try:
             shapes = {n: tuple(e["shape"]) for n, e in proj["modules"].items()}
-            kind = "kronecker" if proj.get("kind") == "raw" else proj.get("kind")
-            projector = Projector(shapes, kind, proj.get("projection_dim"), proj.get("seed", 0))
+            projector = Projector.from_description(shapes, proj)
         except (KeyError, TypeError, ValueError) as err:
             return [f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
         problems = []

@@ -28,16 +28,19 @@ from rich.progress import (
 )
 
 from circuitkit.config import GradsConfig, ModelConfig
+from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
-from circuitkit.memory import estimate_grads
-from circuitkit.models.loading import context_length, load_model, weights_hash
+from circuitkit.models.linear_modules import module_shapes, select_modules
+from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.data import TokenPolicy, collate, length_limit, plan_batches
-from gradian.index import MANIFEST, STORAGE_DTYPES, IndexReader, IndexWriter, read_manifest
+from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
+from gradian.memory import estimate_grads
 from gradian.precondition import check_block_width
-from gradian.projection import Projector, module_shapes, projection_fingerprint, select_modules
-from gradian.sources import Source, SourceSpec
+from gradian.projection import Projector, projection_fingerprint
+from gradian.restrict import restricted_sites, site_shapes
+from gradian.sources import DataError, Source, SourceSpec, resolve_format
 
 log = logging.getLogger(__name__)
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample_train.jsonl"
@@ -60,8 +63,6 @@ def check_input_file(path: Path, what: str) -> None:
 def check_data_source(grads: GradsConfig, path: str | Path) -> None:
     """grads.data_path names data that can be read: a readable file, a `datasets.save_to_disk`
     directory, or (not a local path) a hub dataset name. UserError (exit code 2) otherwise."""
-    from gradian.sources import DataError, SourceSpec, resolve_format
-
     spec = SourceSpec.from_grads(grads, path)
     try:
         fmt = resolve_format(spec)
@@ -106,23 +107,21 @@ def check_writable_dir(path: Path, what: str) -> None:
                         " choose a directory you can write to.", exit_code=2)
 
 
-def model_context_length(model_cfg: ModelConfig) -> int | None:
-    """The model's context length from its config.json alone (no weights); None if unknown here.
-
-    None when the config cannot be read now (e.g. a hub name offline): the bound is then applied
-    after the model is loaded, from the loaded model's config.
-    """
-    from transformers import AutoConfig
-
-    from circuitkit.models.loading import context_length, resolve_model_path
-
-    try:
-        hf = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name), revision=model_cfg.revision,
-                                        trust_remote_code=model_cfg.trust_remote_code)
-    except (OSError, ValueError) as err:
-        log.debug("no config for %s before loading (%s); the context bound waits for the model", model_cfg.name, err)
-        return None
-    return context_length(hf)
+def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int) -> int:
+    """A shard's float32 rows stay in host memory until the shard is written: refuse a shard that
+    cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
+    Returns the buffer's bytes."""
+    rows = min(grads.rows_per_shard, n_rows)
+    need = rows * row_width * 4
+    available = free_memory_bytes(torch.device("cpu"))
+    if need > available:
+        fits = max(1, available // (2 * row_width * 4))
+        raise UserError(
+            f"grads.rows_per_shard={grads.rows_per_shard}: a shard holds {rows} rows of {row_width:,} float32 values"
+            f" ({need / 2**30:.1f} GiB) in host memory until it is written, and {available / 2**30:.1f} GiB are"
+            f" available. Lower grads.rows_per_shard (e.g. {fits}) or shrink the rows (grads.projection_dim,"
+            " grads.module_filter).", exit_code=2)
+    return need
 
 
 def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path | str | None = None) -> int:
@@ -146,7 +145,7 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     target = index_dir if index_dir is not None else grads.index_dir
     if target is not None:
         check_writable_dir(Path(target), "grads.index_dir")
-    context = model_context_length(model_cfg)
+    context = model_context(model_cfg)
     tokens, limit = length_limit(grads.max_seq_length, context)
     if tokens < grads.max_seq_length:
         log.info("rows are cut at %s", limit)
@@ -229,8 +228,6 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                          " (gradian index) give the path of a circuit.pt.")
     circuit = None
     if circuit_path is not None:
-        from gradian.restrict import restricted_sites, site_shapes
-
         if grads.module_filter:
             log.warning("grads.module_filter=%s is not used: grads.circuit decides the indexed weights.",
                         grads.module_filter)
@@ -262,8 +259,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
     estimate = estimate_grads(
         adapter.shape(), next(model.parameters()).element_size(), worst_rows, longest, longest,
-        shapes, grads.projection, grads.projection_dim, STORAGE_DTYPES[grads.storage_dtype].itemsize,
-        corpus.n_rows)
+        projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows)
+    check_shard_buffer(grads, corpus.n_rows, projector.total_width)
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

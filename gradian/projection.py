@@ -31,19 +31,19 @@ the backward (δ -> P_out δ), then `combine` contracts over positions.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
-from torch import nn
 
-from circuitkit.memory import module_pattern_matches
+from circuitkit.config import GradsConfig, choices
 
 log = logging.getLogger(__name__)
 
-PROJECTION_KINDS = ("kronecker", "kronecker_orthogonal", "dense")
+PROJECTION_KINDS = choices(GradsConfig, "projection")
 KRONECKER_KINDS = ("kronecker", "kronecker_orthogonal")
 # Columns of the dense matrix generated per seeded chunk. A constant, so the matrix does not
 # depend on how much memory a run has (chunks are regenerated when the matrix is not cached).
@@ -53,72 +53,6 @@ _DENSE_CHUNK_COLS = 4096
 _DENSE_CACHE_BYTES = 256 * 2**20
 # k_o / k_i beyond this ratio projects one side through very few directions: warn.
 _MAX_FACTOR_RATIO = 16
-
-
-def _conv1d_type() -> type | None:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers is a dependency, but keep it optional here
-        return None
-    return Conv1D
-
-
-def is_linear(module: nn.Module) -> bool:
-    """nn.Linear or transformers' Conv1D (GPT-2's linear layer, weight stored (in, out))."""
-    conv1d = _conv1d_type()
-    return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
-
-
-def module_shape(module: nn.Module) -> tuple[int, int]:
-    """(d_out, d_in) of a linear module in nn.Linear orientation, whatever its weight layout.
-
-    nn.Linear stores W as (d_out, d_in); Conv1D stores it transposed, (d_in, d_out).
-    """
-    if isinstance(module, nn.Linear):
-        return module.out_features, module.in_features
-    conv1d = _conv1d_type()
-    if conv1d is not None and isinstance(module, conv1d):
-        d_in, d_out = module.weight.shape
-        return int(d_out), int(d_in)
-    raise TypeError(f"{type(module).__name__} is not a linear module (nn.Linear or Conv1D).")
-
-
-def module_shapes(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, tuple[int, int]]:
-    """name -> (d_out, d_in) for the output of `select_modules`, in the same order."""
-    return {name: module_shape(m) for name, m in modules}
-
-
-def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
-    """The linear modules inside the transformer blocks whose full name matches a pattern.
-
-    `patterns` are substrings ("down_proj") or fnmatch globs on the full module name
-    ("*.mlp.c_proj", "model.layers.1.*"); None or [] selects every linear module in the blocks.
-    The embedding and unembedding are never selected (they are not in `adapter.blocks`).
-    Order is forward order: blocks in layer order, modules in registration order inside each.
-
-    Raises ValueError when nothing matches, listing some available names.
-    """
-    names = {id(m): n for n, m in model.named_modules()}
-    candidates: list[tuple[str, nn.Module]] = []
-    for block in adapter.blocks:
-        prefix = names[id(block)]
-        for sub, module in block.named_modules(prefix=prefix):
-            if is_linear(module):
-                candidates.append((sub, module))
-    if not candidates:
-        raise ValueError(f"No linear modules found in the blocks of {type(model).__name__}.")
-    if not patterns:
-        return candidates
-    chosen = [(n, m) for n, m in candidates if any(module_pattern_matches(n, p) for p in patterns)]
-    if not chosen:
-        # Show distinct module "kinds" (name without the layer index) first: more useful than
-        # the first few names, which all belong to layer 0.
-        kinds = sorted({".".join(p for p in n.split(".") if not p.isdigit()) for n, _ in candidates})
-        raise ValueError(
-            f"grads.module_filter {list(patterns)} matches no linear module in the transformer blocks."
-            f" Patterns are substrings or fnmatch globs of the full name. Available (e.g.):"
-            f" {', '.join(n for n, _ in candidates[:6])}; kinds: {', '.join(kinds[:12])}.")
-    return chosen
 
 
 def stable_seed(*parts: object) -> int:
@@ -174,11 +108,14 @@ def _suggest(n: int, d_out: int, d_in: int, count: int = 3) -> list[int]:
     return sorted(found[:count])
 
 
+@functools.lru_cache(maxsize=4096)
 def kronecker_factors(projection_dim: int, d_out: int, d_in: int, name: str = "") -> tuple[int, int]:
     """(k_o, k_i) with k_o * k_i == projection_dim, k_o <= d_out, k_i <= d_in, closest to sqrt.
 
     Raises ValueError with suggested projection dims when no such pair exists; logs a warning
     when the only pairs are very unbalanced (e.g. a prime: 1 x p keeps one direction of δ).
+    Memoised: the preflight's estimate and the index's Projector ask for the same modules, and
+    a run computes (and warns about) each factorisation once.
     """
     pair = _usable(projection_dim, d_out, d_in)
     where = f" for module {name}" if name else ""
@@ -231,6 +168,17 @@ class Projector:
                     log.warning("grads.projection_dim=%d exceeds the %d weights of %s: the dense"
                                 " projection adds no information.", projection_dim, d_out * d_in, name)
         self._cache: dict[tuple[str, str, str], torch.Tensor] = {}
+
+    @classmethod
+    def from_description(cls, shapes: Mapping[str, tuple[int, int]], described: Mapping) -> Projector:
+        """The projector an index manifest's `projection` entry (`describe()`) records, for `shapes`.
+
+        `projection_dim` null is the one meaning of "raw": a projector without a dim describes
+        itself as kind "raw" whatever kind it was given, so "raw" reads back as the default kind.
+        """
+        kind = described.get("kind")
+        return cls(shapes, "kronecker" if kind == "raw" else kind, described.get("projection_dim"),
+                   described.get("seed", 0))
 
     # -- widths -----------------------------------------------------------------------------
     def width(self, name: str) -> int:

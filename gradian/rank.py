@@ -25,10 +25,16 @@ from typing import Any
 
 import torch
 
+from circuitkit.circuit import circuit_sha256
 from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes
+from circuitkit.models.loading import context_length, load_model, weights_hash
+from gradian.capture import per_example_gradients
+from gradian.data import _preview, collate, load_rows, plan_batches, policy_of
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.indexer import check_input_file, check_writable_dir, tokenizer_hash
+from gradian.precondition import DAMPING, Preconditioner
 from gradian.projection import Projector, projection_fingerprint
 from gradian.restrict import site_shapes, sites_from_names
 from gradian.sources import DataError, Source, SourceSpec
@@ -124,8 +130,6 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
 
 
 def _preconditioner(reader: IndexReader, damping: float | None):
-    from gradian.precondition import DAMPING, Preconditioner
-
     if reader.second_moment_blocks is None:
         raise IndexMismatchError(f"{reader.index_dir} was built with grads.preconditioner="
                                  f"{reader.manifest.get('preconditioner', 'none')}: it holds no second moments for"
@@ -151,9 +155,6 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
     `projection_sha256` (so an edited seed or kind cannot pass).
     Raises IndexMismatchError naming every differing key.
     """
-    from circuitkit.models.loading import weights_hash
-    from gradian.indexer import tokenizer_hash
-
     problems: list[str] = []
     ours = weights_hash(loaded.model)
     if ours != manifest.get("weights_sha256"):
@@ -174,11 +175,8 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
     except ValueError as err:
         problems.append(f"projection.modules: {err}")
     else:
-        dim = proj.get("projection_dim")
-        # "raw" (projection_dim null) is what Projector reports for any kind without a dim.
-        kind = "kronecker" if proj.get("kind") == "raw" else proj.get("kind")
         try:
-            projector = Projector(site_shapes(sites), kind, dim, proj.get("seed", 0))
+            projector = Projector.from_description(site_shapes(sites), proj)
         except ValueError as err:
             problems.append(f"projection: {err}")
         else:
@@ -222,8 +220,6 @@ def check_token_policy(manifest: dict[str, Any], append_eos: bool | None = None,
     `append_eos` None and `prepend_bos` "index" mean "as the index": the queries then follow the
     manifest's ``token_policy``. IndexMismatchError names both sides otherwise.
     """
-    from gradian.data import policy_of
-
     ours = policy_of(manifest)
     problems = []
     if append_eos is not None and append_eos != ours.append_eos:
@@ -242,7 +238,6 @@ def check_circuit(manifest: dict[str, Any], circuit: str | Path | None) -> None:
     unrestricted index); IndexMismatchError says which circuit each side has."""
     if circuit is None:
         return
-    from circuitkit.circuit import circuit_sha256
 
     if not Path(circuit).is_file():
         raise FileNotFoundError(f"circuit {str(circuit)!r} does not exist.")
@@ -268,11 +263,6 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     the manifest's max_seq_length / truncation settings and token policy: a query's tokens are
     made exactly as a training row's, EOS / BOS and chat supervision included).
     """
-    from circuitkit.models.loading import context_length
-    from gradian.capture import per_example_gradients
-    from gradian.data import collate, load_rows, plan_batches, policy_of
-    from gradian.indexer import check_input_file
-
     queries_path = Path(queries_path)
     check_input_file(queries_path, "--queries")
     rows, report = load_rows(queries_path, loaded.tokenizer, manifest.get("max_seq_length", 512),
@@ -299,8 +289,6 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
 
 def check_output_file(path: Path, what: str) -> None:
     """`path` can be written as a file (UserError, exit code 2, if not): checked before any work."""
-    from gradian.indexer import check_writable_dir
-
     if path.is_dir():
         raise UserError(f"{what} {str(path)!r} is a directory; give a file name (e.g. {path / 'ranked.jsonl'}).",
                         exit_code=2)
@@ -364,8 +352,6 @@ def training_source(manifest: dict[str, Any]) -> Source | None:
 def _read_previews(source: Source, positions: Iterable[int]) -> dict[int, str]:
     """Preview text of the records at the given positions; reads the source once, in order, up
     to the last position asked."""
-    from gradian.data import _preview
-
     wanted = set(positions)
     out: dict[int, str] = {}
     if not wanted:
@@ -434,9 +420,6 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     Query rows are tokenized with the index's token policy (manifest ``token_policy``);
     `append_eos`, when given, must be that policy's (IndexMismatchError otherwise).
     """
-    from circuitkit.models.loading import load_model
-    from gradian.indexer import check_input_file
-
     _check_choice("score", score, SCORES)
     _check_choice("aggregate", aggregate, AGGREGATES)
     if top_k < 1:

@@ -30,10 +30,12 @@ import torch
 from torch import nn
 
 from circuitkit.circuit import circuit_sha256, kept_components, load_circuit
+from circuitkit.config import GradsConfig, choices
+from circuitkit.models.linear_modules import is_linear, module_shape
 
 log = logging.getLogger(__name__)
 _HEAD_SUFFIX = re.compile(r"^(?P<module>.+):head(?P<head>\d+)$")
-CIRCUIT_MLPS = ("kept", "none")
+CIRCUIT_MLPS = choices(GradsConfig, "circuit_mlps")
 
 
 class Site(NamedTuple):
@@ -46,8 +48,6 @@ class Site(NamedTuple):
 
 def site_shape(site: Site) -> tuple[int, int]:
     """(d_out, d_in) of the block in nn.Linear orientation (d_in = d_head for a head)."""
-    from gradian.projection import module_shape
-
     d_out, d_in = module_shape(site.module)
     if site.columns is None:
         return d_out, d_in
@@ -65,8 +65,6 @@ def _module_names(model: nn.Module) -> dict[int, str]:
 
 def _mlp_out(adapter, layer: int) -> nn.Module:
     """The MLP's output projection: the last linear module registered in the MLP."""
-    from gradian.projection import is_linear
-
     linears = [m for m in adapter.mlp(layer).modules() if is_linear(m)]
     if not linears:
         raise ValueError(f"the MLP of layer {layer} has no linear module to index.")

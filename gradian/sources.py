@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from circuitkit.config import GradsConfig, choices
 from circuitkit.io import jsonl_objects, sha256_file
 
-FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf")
+FORMATS = choices(GradsConfig, "data_format")
 _TABLE_CHUNK_ROWS = 1024
 _HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 EXPECTED = ('an object {"prompt": str, "completion": str} or {"messages": [{"role": "system"|"user"|'

@@ -49,8 +49,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from bench_planted_facts import fine_tuned_model, make_corpus, metrics, write_jsonl  # noqa: E402
 
 from circuitkit.config import ModelConfig  # noqa: E402
+from circuitkit.models.linear_modules import select_modules  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
-from gradian.projection import select_modules  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "scripts" / "peers"
@@ -119,7 +119,7 @@ def prepare_throughput(work: Path, n_rows: int) -> dict[str, Any]:
     about 64 tokens of which the last 16 are the completion, the 12 MLP output projections."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from circuitkit.models.tiny import synthetic_corpus
+    from circuitkit.fixtures.models import synthetic_corpus
 
     tokenizer = load_model(ModelConfig(name="builtin:tiny-gpt2", precision="float32")).tokenizer
     tokenizer.chat_template = CONCAT_TEMPLATE

@@ -101,7 +101,7 @@ def make_corpus(n_entities: int = 40, n_generic: int | None = None, seed: int = 
     (drawn per fact; both are trained, on different entities), and a third query style,
     ``cross``, asks with the completion in the template that entity's fact was not written in.
     """
-    from circuitkit.models.tiny import synthetic_corpus
+    from circuitkit.fixtures.models import synthetic_corpus
 
     rng = random.Random(seed)
     names = [a + b for a in FIRST for b in SECOND]

@@ -21,9 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from circuitkit.config import ModelConfig
+from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.capture import per_example_gradients
-from gradian.projection import Projector, module_shapes, select_modules
+from gradian.projection import Projector
 
 DIMS = (64, 256, 1024, 4096)
 

@@ -7,7 +7,7 @@ process's peak resident memory (`os.wait4`'s ru_maxrss, the high-water mark of t
 process: Python, torch, the model, the tokenized corpus and the index writer). Memory that grows
 with the row count shows as a ratio above 1 against the smallest size.
 
-    python scripts/bench_streaming.py [--sizes 10000 100000 1000000] [--json out.json]
+    python scripts/bench_streaming.py [--sizes 10000 100000 1000000] [--rows-per-shard 4096] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ def write_corpus(path: Path, n_rows: int, seed: int = 0) -> Path:
     return path
 
 
-def run_index(data: Path, index_dir: Path) -> dict:
+def run_index(data: Path, index_dir: Path, rows_per_shard: int) -> dict:
     """`gradian index` in a child process; its wall time and peak RSS."""
     cmd = [sys.executable, "-m", "gradian.cli", "index", f"grads.data_path={data}", f"grads.index_dir={index_dir}",
            "grads.batch_size=512", "grads.projection_dim=16", "grads.module_filter=[mlp.c_proj]",
-           "grads.rows_per_shard=16384", "model.precision=float32"]
+           f"grads.rows_per_shard={rows_per_shard}", "model.precision=float32"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "120"})
     stderr = proc.stderr.read().decode(errors="replace")
@@ -58,6 +58,10 @@ def run_index(data: Path, index_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    p.add_argument("--rows-per-shard", type=int, default=4096,
+                   help="grads.rows_per_shard (the config default). A shard's rows and gradients are held "
+                        "until it is written, so the smallest size should fill at least one shard: otherwise "
+                        "the bounded per-shard working set shows as growth")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     console = Console()
@@ -66,7 +70,7 @@ def main() -> None:
         for n in args.sizes:
             data = write_corpus(Path(tmp) / f"corpus_{n}.jsonl", n)
             console.print(f"{n} rows: {data.stat().st_size / 2**20:.1f} MiB of JSONL, indexing ...")
-            res = {"rows": n, "file_mib": round(data.stat().st_size / 2**20, 1), **run_index(data, Path(tmp) / f"idx_{n}")}
+            res = {"rows": n, "file_mib": round(data.stat().st_size / 2**20, 1), **run_index(data, Path(tmp) / f"idx_{n}", args.rows_per_shard)}
             results.append(res)
             data.unlink()
     base = results[0]["peak_rss_mib"]

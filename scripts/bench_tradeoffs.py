@@ -65,7 +65,7 @@ class Bench:
 
 def _ioi(n: int, seed: int) -> TaskData:
     from circuitkit.config import DataParams
-    from circuitkit.models.tiny import build_tokenizer
+    from circuitkit.fixtures.models import build_tokenizer
     from circuitkit.tasks import build_task
 
     return build_task("ioi", build_tokenizer(), None, DataParams(), n, seed)

@@ -1,4 +1,5 @@
-"""Check circuitkit.memory.estimate_attribution and estimate_grads against measured peaks on the CPU.
+"""Check the attribution and gradient-indexing memory estimates (circuitkit.attribution.memory,
+gradian.memory) against measured peaks on the CPU.
 
 Builds random float32 models from transformers config classes (tiny fixture-like shapes and
 GPT-2-small shapes), runs `attribute` on one batch of random TaskData inside `measure_peak`
@@ -35,12 +36,15 @@ from rich.console import Console
 from rich.table import Table
 
 from circuitkit.attribution.eap import attribute
+from circuitkit.attribution.memory import estimate_attribution
 from circuitkit.device import measure_peak, module_bytes
-from circuitkit.memory import MiB, estimate_attribution, estimate_grads, shape_from_config
+from circuitkit.memory import MiB, shape_from_config
 from circuitkit.models.adapters import get_adapter
+from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.tasks.base import random_pairs
 from gradian.capture import per_example_gradients
-from gradian.projection import Projector, module_shapes, select_modules
+from gradian.memory import estimate_grads
+from gradian.projection import Projector
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.25
@@ -152,20 +156,22 @@ def build_real(name: str, dtype: torch.dtype, n_layers: int | None = None) -> to
     return model
 
 
-def real_points(models: Iterable[str], batches: Iterable[int], n_layers: int | None):
+def real_points(models: Iterable[str], batches: Iterable[int], n_layers: int | None,
+                dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat16)):
     """Rows of the real-shape sweep: (name, dtype, stage, batch); stage node / edge / grads."""
     for name in models:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             for stage in ("node", "edge", "grads"):
                 for batch in batches:
                     yield name, dtype, stage, batch
 
 
 def run_real_sweep(models: Iterable[str], batches: Iterable[int] = (1, 4), n_layers: int | None = None,
-                   seq_len: int = 32, ig_steps: int = 3) -> list[Row]:
+                   seq_len: int = 32, ig_steps: int = 3,
+                   dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat16)) -> list[Row]:
     """The real-shape sweep; the model is built once per (name, dtype)."""
     rows, cache = [], {}
-    for name, dtype, stage, batch in real_points(models, batches, n_layers):
+    for name, dtype, stage, batch in real_points(models, batches, n_layers, tuple(dtypes)):
         key = (name, dtype)
         if key not in cache:
             cache.clear()
@@ -241,8 +247,7 @@ def measure_grads_model(model: torch.nn.Module, name: str, projection_dim: int |
     with measure_peak(torch.device("cpu"), resident_bytes=lambda: module_bytes(model)) as peak:
         per_example_gradients(model, adapter, modules, projector, data)
     dtype_bytes = next(model.parameters()).element_size()
-    est = estimate_grads(shape, dtype_bytes, batch, prompt + supervised, supervised, shapes, "kronecker",
-                         projection_dim, 2, 0)
+    est = estimate_grads(shape, dtype_bytes, batch, prompt + supervised, supervised, projector, 2, 0)
     return GradsRow(name, projector.kind, batch, prompt, supervised, est.total_bytes / MiB, peak.peak_bytes / MiB,
                     est.total_bytes / peak.peak_bytes, est.phase)
 
@@ -294,10 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-models", nargs="+", default=["gpt2", "pythia70m", "llama1b"])
     parser.add_argument("--real-batches", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--layers", type=int, default=None, help="real width, this many layers")
+    parser.add_argument("--real-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                        help="e.g. bfloat16 alone for gemma4b (its float32 weights alone are 16 GB)")
     args = parser.parse_args(argv)
     console = Console()
     if args.real:
-        rows = run_real_sweep(args.real_models, args.real_batches, args.layers)
+        rows = run_real_sweep(args.real_models, args.real_batches, args.layers,
+                              dtypes=[getattr(torch, d) for d in args.real_dtypes])
         console.print(rows_table(rows, "real shapes, random weights, 32 tokens, ig_steps 3; grads: 24 + 8 tokens"))
         lo, hi = REAL_RANGE
         bad = [r for r in rows if not lo <= r.ratio <= hi]

@@ -15,7 +15,7 @@ from scipy.stats import spearmanr
 
 from circuitkit.attribution import load_scores
 from circuitkit.config import compose
-from circuitkit.pipeline import run_pipeline
+from circuitkit.stage_list import run_pipeline
 
 
 def main() -> None:

@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 
 from circuitkit.config import compose
-from circuitkit.pipeline import make_console, run_pipeline
+from circuitkit.pipeline import make_console
+from circuitkit.stage_list import run_pipeline
 
 
 def gpt2_small_shape(directory: Path) -> Path:
     """Save a random GPT-2-small-shaped model with the fixtures' tokenizer into `directory`."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from circuitkit.models.tiny import build_tokenizer
+    from circuitkit.fixtures.models import build_tokenizer
 
     if (directory / "config.json").is_file():
         return directory

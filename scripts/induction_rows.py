@@ -66,7 +66,7 @@ def induction_rows(tokenizer, n: int, seed: int, kinds: tuple[str, ...] = KINDS,
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from circuitkit.models.tiny import ensure_fixture
+    from circuitkit.fixtures.models import ensure_fixture
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)

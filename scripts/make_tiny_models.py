@@ -6,7 +6,7 @@ model) and print what was built.
     python scripts/make_tiny_models.py --out /tmp/fixtures --only tiny-llama tiny-gemma3
 
 Nothing is downloaded: every model and the tokenizer are built from code in
-`circuitkit.models.tiny` / `circuitkit.models.tiny_train`.
+`circuitkit.fixtures` (`models`, `induction`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.models.tiny import FIXTURE_NAMES, ensure_fixture, fixtures_dir
+from circuitkit.fixtures.cache import fixtures_dir
+from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

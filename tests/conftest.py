@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "scripts"))  # benchmark helpers shared with tests
 @pytest.fixture(scope="session")
 def tiny_model() -> Callable[[str], Path]:
     """Factory: fixture name (e.g. 'tiny-gpt2') -> its directory, built on first use."""
-    from circuitkit.models.tiny import ensure_fixture
+    from circuitkit.fixtures.models import ensure_fixture
 
     return ensure_fixture
 
@@ -36,6 +36,6 @@ def tiny_model_dir(request: pytest.FixtureRequest, tiny_model: Callable[[str], P
 @pytest.fixture(scope="session")
 def induction_model_dir() -> Path:
     """The trained induction model's directory (fixture_info.json names its known heads)."""
-    from circuitkit.models.tiny import ensure_fixture
+    from circuitkit.fixtures.models import ensure_fixture
 
     return ensure_fixture("induction")

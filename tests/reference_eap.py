@@ -7,15 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from circuitkit.attribution.eap import (
-    HookSet,
-    cached_run,
-    deltas,
-    graph_of,
-    interpolation_points,
-    replace_first,
-)
+from circuitkit.attribution.eap import cached_run, deltas, graph_of, interpolation_points
 from circuitkit.attribution.metrics import answer_logits, compute_metric
+from circuitkit.models.hooks import HookSet, replace_first
 
 
 def _layer_input_grads(adapter, batch, e_k, layer, metric, clean_answer):
@@ -90,11 +84,11 @@ def reference_edge_scores(adapter, data, algorithm="eap-ig", metric="logit_diff"
     dtype = adapter.embed.weight.dtype
     for batch in data.batches(len(data)):
         clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, True)
-        corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, True)
-        clean_answer = answer_logits(clean["logits"], batch)
-        up = deltas(adapter, clean, corrupt, True)["up"].flatten(1)
+        corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, True)
+        clean_answer = answer_logits(clean.logits, batch)
+        up = deltas(adapter, clean, corrupted, True).up.flatten(1)
         for alpha in alphas:
-            e_k = (corrupt["embed"].float() + alpha * (clean["embed"].float() - corrupt["embed"].float())).to(dtype)
+            e_k = (corrupted.embed.float() + alpha * (clean.embed.float() - corrupted.embed.float())).to(dtype)
             cols = []
             for layer in range(adapter.n_layers):
                 cols.append(_layer_input_grads(adapter, batch, e_k, layer, metric, clean_answer))

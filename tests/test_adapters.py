@@ -129,3 +129,11 @@ def test_precision_warning_and_bfloat16_default(caplog):
 def test_unknown_builtin_names_the_available_ones():
     with pytest.raises(ValueError, match="builtin:tiny-gpt2"):
         load_model(ModelConfig(name="builtin:nope"))
+
+
+def test_the_families_of_the_adapters_are_the_schemas():
+    # model.shape.family (the estimate's families) and the adapters name the same families.
+    from circuitkit.config import ModelShape, choices
+    from circuitkit.models.adapters import MODEL_TYPE_FAMILIES
+
+    assert set(MODEL_TYPE_FAMILIES.values()) == set(choices(ModelShape, "family"))

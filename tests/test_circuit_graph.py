@@ -102,7 +102,7 @@ def test_induction_circuit_picture_shows_the_known_circuit(tmp_path, induction_m
     top 3 edges here but the order shifts). And the stage writes the picture."""
     from circuitkit.circuit import load_circuit
     from circuitkit.config import compose
-    from circuitkit.pipeline import run_pipeline
+    from circuitkit.stage_list import run_pipeline
 
     info = __import__("json").loads((induction_model_dir / "fixture_info.json").read_text())
     prev, ind = info["prev_token_head"], info["induction_head"]

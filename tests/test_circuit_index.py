@@ -14,7 +14,7 @@ from circuitkit.circuit import circuit_sha256, kept_components, save_circuit
 from circuitkit.config import ModelConfig, compose
 from circuitkit.io import sha256_file
 from circuitkit.models.loading import load_model
-from circuitkit.pipeline import run_pipeline
+from circuitkit.stage_list import run_pipeline
 from gradian.capture import per_example_gradients
 from gradian.index import IndexMismatchError, IndexReader
 from gradian.projection import Projector
@@ -173,7 +173,7 @@ def test_gradian_rank_cli_refuses_in_one_line(restricted_index, capsys) -> None:
 
 
 def test_preflight_estimate_follows_the_restricted_set(restricted_index) -> None:
-    from circuitkit.preflight import grads_estimate
+    from gradian.memory import grads_estimate
 
     root = restricted_index
     base = ["model.precision=float32", "grads.projection_dim=16", "grads.batch_size=2", "grads.max_seq_length=32"]

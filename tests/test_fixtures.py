@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.models.tiny import FIXTURE_NAMES, build_fixture, ensure_fixture
-from circuitkit.models.tiny_train import (
+from circuitkit.fixtures.induction import (
     INDUCTION_THRESHOLD,
     PREV_TOKEN_THRESHOLD,
     evaluate_induction,
@@ -18,6 +17,7 @@ from circuitkit.models.tiny_train import (
     induction_batch,
     train_induction,
 )
+from circuitkit.fixtures.models import FIXTURE_NAMES, build_fixture, ensure_fixture
 
 RANDOM = [n for n in FIXTURE_NAMES if n != "induction"]
 
@@ -91,7 +91,7 @@ def test_concurrent_builders_build_once(tmp_path, monkeypatch):
     import threading
     import time
 
-    import circuitkit.models.tiny as tiny
+    import circuitkit.fixtures.models as tiny
 
     calls = []
     real_build = tiny.build_fixture

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from circuitkit.config import GradsConfig, ModelConfig
+from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.data import REPORT_LINES, collate, load_rows, plan_batches
 from gradian.index import IndexReader
 from gradian.indexer import build_index
-from gradian.projection import Projector, module_shapes, select_modules
+from gradian.projection import Projector
 from gradian.sources import DataError, Source, SourceSpec
 
 WORDS = "the cat sat on a mat while dogs ran past green hills under bright blue skies".split()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import time
 
 import pytest
 import torch
@@ -21,10 +20,8 @@ def report() -> dict:
     return doctor.collect()
 
 
-def test_json_main_has_all_sections_and_is_fast(capsys: pytest.CaptureFixture[str]) -> None:
-    start = time.perf_counter()
+def test_json_main_has_all_sections(capsys: pytest.CaptureFixture[str]) -> None:
     rc = doctor.main(["--json"])
-    elapsed = time.perf_counter() - start
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     assert SECTIONS <= set(data)
@@ -37,7 +34,6 @@ def test_json_main_has_all_sections_and_is_fast(capsys: pytest.CaptureFixture[st
     assert {"projection round trip", "dtype round trip", "batch invariance"} == set(data["self_tests"])
     assert all(t["passed"] for t in data["self_tests"].values()), data["self_tests"]
     assert data["determinism"]["seed"].startswith("seed: from config key `seed` (default 0)")
-    assert elapsed < 10, f"gradian doctor took {elapsed:.1f} s"
 
 
 def test_markdown_names_every_backend_with_reasons(report: dict) -> None:

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from circuitkit.config import ModelConfig
+from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.capture import per_example_gradients
-from gradian.projection import Projector, kronecker_factors, module_shapes, select_modules
+from gradian.projection import Projector, kronecker_factors
 
 
 @functools.cache

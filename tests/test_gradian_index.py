@@ -7,12 +7,12 @@ import filecmp
 import pytest
 import torch
 
+from circuitkit.io import file_lock
 from gradian.index import (
     IndexMismatchError,
     IndexReader,
     IndexWriter,
     StorageOverflowError,
-    _lock,
     shard_name,
 )
 
@@ -95,7 +95,7 @@ def test_float16_overflow_is_reported_not_stored(tmp_path):
 
 def test_two_writers_on_one_shard_are_refused(tmp_path):
     writer = IndexWriter(tmp_path, HEADER, N, PER_SHARD)
-    with _lock(tmp_path / f".{shard_name(0)}.lock"):
+    with file_lock(tmp_path / f".{shard_name(0)}.lock"):
         with pytest.raises(RuntimeError, match="another process is writing"):
             writer.write_shard(0, _grads()[:4], torch.arange(4))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from circuitkit.config import compose
-from circuitkit.pipeline import run_pipeline
+from circuitkit.stage_list import run_pipeline
 from gradian.index import IndexReader
 
 BASE = ["model.precision=float32", "grads.projection_dim=64", "grads.rows_per_shard=10", "grads.batch_size=4"]
@@ -69,3 +69,19 @@ def test_index_of_another_config_is_refused(tmp_path):
 
     with pytest.raises(PipelineError, match="made differently.*seed"):
         run_pipeline(other, tmp_path / "b")
+
+
+def test_a_shard_that_cannot_fit_in_host_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    import gradian.indexer as indexer
+    from circuitkit.config import GradsConfig, ModelConfig
+    from circuitkit.errors import UserError
+
+    # Raw gradients of the tiny GPT-2's two mlp.c_proj: 2 x 64 x 256 float32 values per row.
+    grads = GradsConfig(projection_dim=None, module_filter=["mlp.c_proj"], rows_per_shard=4096)
+    width = 2 * 64 * 256
+    monkeypatch.setattr(indexer, "free_memory_bytes", lambda device=None: 10 * width * 4)
+    assert indexer.check_shard_buffer(grads, n_rows=5, row_width=width) == 5 * width * 4  # 5 rows fit
+    with pytest.raises(UserError, match=r"grads.rows_per_shard=4096: a shard holds 24 rows .* Lower"
+                                        r" grads.rows_per_shard \(e.g. 5\)"):
+        indexer.build_index(ModelConfig(name="builtin:tiny-gpt2", precision="float32"), grads, tmp_path / "idx")
+    assert not (tmp_path / "idx").exists() or not any((tmp_path / "idx").glob("*.safetensors"))

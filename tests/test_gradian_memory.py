@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from circuitkit.config import ModelConfig
 from circuitkit.device import measure_peak
+from circuitkit.fixtures.models import FIXTURE_NAMES
+from circuitkit.memory import shape_for
 from circuitkit.models.adapters import get_adapter
+from circuitkit.models.linear_modules import (
+    circuit_module_shapes,
+    linear_module_shapes,
+    module_shapes,
+    select_modules,
+)
+from circuitkit.models.loading import load_model
 from gradian.capture import per_example_gradients
-from gradian.projection import Projector, module_shapes, select_modules
+from gradian.projection import Projector
+from gradian.restrict import circuit_sites, site_shapes
 
 SUPERVISED, VOCAB = 16, 50257
 
@@ -38,3 +50,24 @@ def test_prompt_tokens_do_not_grow_the_peak_with_a_large_vocabulary():
     assert short_peak > logits_fp32
     # 15x more tokens: a full-logits upcast would grow the peak ~15x; here only activations grow.
     assert long_peak < 1.5 * short_peak, (short_peak, long_peak)
+
+
+@pytest.mark.parametrize("fixture", FIXTURE_NAMES)
+def test_estimate_counts_the_modules_the_index_projects(fixture):
+    """The memory estimate names the modules from the shape alone; the index finds them in the
+    loaded model. Same names, same shapes, same order, for every filter and every family (a
+    Gemma 3 text model keeps its layers at model.layers, the multimodal one under
+    model.language_model)."""
+    cfg = ModelConfig(name=f"builtin:{fixture}", precision="float32")
+    loaded = load_model(cfg)
+    shape = shape_for(cfg)
+    everything = module_shapes(select_modules(loaded.model, loaded.adapter, None))
+    first_block = next(iter(everything)).rsplit(".", 2)[0]  # e.g. model.layers.0.self_attn
+    layer_glob = first_block.rsplit(".", 2)[0].replace(".0", ".1") + ".*"  # every module of layer 1
+    for patterns in (None, ["*.mlp.*"], [layer_glob], ["c_proj", "down_proj", "dense_4h_to_h"]):
+        indexed = module_shapes(select_modules(loaded.model, loaded.adapter, patterns))
+        assert list(linear_module_shapes(shape, patterns).items()) == list(indexed.items()), patterns
+    n_layers, n_heads = loaded.adapter.n_layers, loaded.adapter.n_heads
+    sites = circuit_sites(loaded.model, loaded.adapter, torch.ones(n_layers, n_heads, dtype=torch.bool),
+                          torch.ones(n_layers, dtype=torch.bool))
+    assert list(circuit_module_shapes(shape).items()) == list(site_shapes(sites).items())

@@ -9,9 +9,9 @@ import torch
 
 from circuitkit.attribution import attribute, load_scores, save_scores
 from circuitkit.attribution.eap import accumulate
+from circuitkit.attribution.memory import estimate_attribution
 from circuitkit.attribution.quadrature import EXACT_DEGREE, IG_RULES, integration_rule, quadrature
 from circuitkit.config import ConfigError, DataParams, ModelConfig, compose
-from circuitkit.memory import estimate_attribution
 from circuitkit.models.loading import load_model
 from circuitkit.tasks import build_task
 

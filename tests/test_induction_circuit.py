@@ -17,8 +17,8 @@ from scipy.stats import spearmanr
 from circuitkit.attribution import attribute, exact_patching
 from circuitkit.attribution.eap import graph_of
 from circuitkit.config import DataParams, ModelConfig
+from circuitkit.fixtures.induction import head_pattern_scores, induction_batch
 from circuitkit.models.loading import load_model
-from circuitkit.models.tiny_train import head_pattern_scores, induction_batch
 from circuitkit.pruning import Evaluator, faithfulness, mean_z, select_heads
 from circuitkit.tasks import build_task
 
@@ -114,10 +114,10 @@ def test_pruning_half_the_heads_keeps_the_circuit(ablation):
     evaluate = Evaluator(adapter, held_out, "logit_diff", ablation, means, 16)
     sel = select_heads(s.head, 0.5, "abs")
     assert sel.mask[prev] and sel.mask[ind]
-    full, empty = evaluate(None), evaluate(torch.ones_like(sel.mask))
-    f_top = faithfulness(evaluate(~sel.mask), full, empty)
+    full, empty = evaluate(None), evaluate(torch.zeros_like(sel.mask))
+    f_top = faithfulness(evaluate(sel.mask), full, empty)
     worst = select_heads(-s.head.abs(), 0.5, "signed").mask  # keep the lowest-ranked half instead
-    f_bottom = faithfulness(evaluate(~worst), full, empty)
+    f_bottom = faithfulness(evaluate(worst), full, empty)
     print(f"{ablation} ablation: faithfulness top half {f_top:.3f}, bottom half {f_bottom:.3f}")
     assert f_top >= 0.8
     assert f_bottom < 0.5 * f_top

@@ -10,15 +10,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from circuitkit.attribution.memory import estimate_attribution
 from circuitkit.config import ModelConfig, ModelShape
-from circuitkit.memory import (
-    count_params,
-    estimate_attribution,
-    estimate_grads,
-    grads_index_bytes,
-    shape_for,
-    shape_from_config,
-)
+from circuitkit.memory import count_params, shape_for, shape_from_config
+from gradian.memory import estimate_grads, grads_index_bytes
+from gradian.projection import Projector
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -112,8 +108,8 @@ def test_grads_peak_follows_supervised_tokens_not_prompt():
     script, model = _tiny50k("gpt2")
     shape = shape_from_config(model.config)
     mods = {"transformer.h.0.mlp.c_proj": (64, 256), "transformer.h.1.mlp.c_proj": (64, 256)}
-    short = estimate_grads(shape, 4, 4, 16 + 16, 16, mods, "kronecker", 64)
-    long = estimate_grads(shape, 4, 4, 240 + 16, 16, mods, "kronecker", 64)
+    short = estimate_grads(shape, 4, 4, 16 + 16, 16, Projector(mods, "kronecker", 64))
+    long = estimate_grads(shape, 4, 4, 240 + 16, 16, Projector(mods, "kronecker", 64))
     assert short.terms["fp32 logit upcast"] == long.terms["fp32 logit upcast"] == 4 * 16 * 50257 * 4
     assert long.total_bytes < 1.5 * short.total_bytes
     m_short = script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 16, 16)
@@ -122,8 +118,8 @@ def test_grads_peak_follows_supervised_tokens_not_prompt():
     for row in (m_short, m_long):
         assert abs(row.ratio - 1) <= script.TOLERANCE, row
     # linear in supervised tokens: the logit terms double with them, the total grows accordingly
-    s8 = estimate_grads(shape, 4, 4, 64 + 8, 8, mods, "kronecker", 64)
-    s32 = estimate_grads(shape, 4, 4, 64 + 32, 32, mods, "kronecker", 64)
+    s8 = estimate_grads(shape, 4, 4, 64 + 8, 8, Projector(mods, "kronecker", 64))
+    s32 = estimate_grads(shape, 4, 4, 64 + 32, 32, Projector(mods, "kronecker", 64))
     assert s32.terms["fp32 logit upcast"] == 4 * s8.terms["fp32 logit upcast"]
     m8 = script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 64, 8)
     m32 = script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 64, 32)
@@ -148,7 +144,7 @@ def test_grads_index_bytes_matches_disk(tmp_path):
     expected = grads_index_bytes(n_rows, width, 2)
     assert expected <= on_disk <= expected + 3 * 512  # one safetensors header per shard
     assert on_disk + manifest <= expected + 3 * 512 + 4096
-    est = estimate_grads(_tiny_shape(), 4, 2, 32, 16, {"h.0.mlp.c_proj": (64, 256)}, "kronecker", 48, 2, n_rows)
+    est = estimate_grads(_tiny_shape(), 4, 2, 32, 16, Projector({"h.0.mlp.c_proj": (64, 256)}, "kronecker", 48), 2, n_rows)
     assert est.index_bytes == expected and "index" not in " ".join(est.terms)
     assert est.total_bytes == sum(est.terms.values())
 

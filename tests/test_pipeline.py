@@ -6,15 +6,14 @@ import json
 
 import pytest
 
-from circuitkit import pipeline
 from circuitkit.config import compose
-from circuitkit.pipeline import PipelineError, Stage, StageNotBuiltError, StageResult, run_pipeline
+from circuitkit.pipeline import PipelineError, Stage, StageResult
+from circuitkit.stage_list import PIPELINE, run_pipeline
 
 
 @pytest.fixture
 def fake_stages(monkeypatch):
     """Replace data/attribution with cheap stages that count their calls."""
-    pipeline.stage_registry()  # make sure the real ones are registered first
     calls = {"data": 0, "attribution": 0}
 
     def make(name, fail=False):
@@ -27,8 +26,8 @@ def fake_stages(monkeypatch):
             return StageResult([path], {"value": 1.5})
         return run
 
-    monkeypatch.setitem(pipeline._REGISTRY, "data", Stage("data", ("discovery.task", "seed"), make("data")))
-    monkeypatch.setitem(pipeline._REGISTRY, "attribution",
+    monkeypatch.setitem(PIPELINE.stages, "data", Stage("data", ("discovery.task", "seed"), make("data")))
+    monkeypatch.setitem(PIPELINE.stages, "attribution",
                         Stage("attribution", ("discovery",), make("attribution")))
     return calls, make, monkeypatch
 
@@ -69,7 +68,7 @@ def test_rerun_skips_matching_stages_and_reruns_changed_ones(tmp_path, fake_stag
 
 def test_failed_stage_is_recorded_and_keeps_earlier_artifacts(tmp_path, fake_stages):
     calls, make, monkeypatch = fake_stages
-    monkeypatch.setitem(pipeline._REGISTRY, "attribution",
+    monkeypatch.setitem(PIPELINE.stages, "attribution",
                         Stage("attribution", ("discovery",), make("attribution", fail=True)))
     with pytest.raises(PipelineError, match="stage 'attribution' failed: RuntimeError: boom"):
         run_pipeline(_cfg(), tmp_path)
@@ -80,10 +79,10 @@ def test_failed_stage_is_recorded_and_keeps_earlier_artifacts(tmp_path, fake_sta
     assert (tmp_path / "data.txt").is_file()
 
 
-def test_unbuilt_stage_fails_before_any_work(tmp_path, fake_stages, monkeypatch):
+def test_stage_missing_from_the_pipeline_fails_before_any_work(tmp_path, fake_stages, monkeypatch):
     calls, _, _ = fake_stages
-    monkeypatch.setitem(pipeline._REGISTRY, "pruning", Stage("pruning", ("pruning",), None, "arrives later"))
-    with pytest.raises(StageNotBuiltError, match="'pruning': arrives later.*stages=\\[data,attribution\\]"):
+    monkeypatch.delitem(PIPELINE.stages, "pruning")
+    with pytest.raises(PipelineError, match="pruning are not part of this pipeline; it has: preflight, data,"):
         run_pipeline(_cfg("stages=[data,attribution,pruning]"), tmp_path)
     assert calls == {"data": 0, "attribution": 0}
     assert not (tmp_path / "manifest.json").exists()

@@ -57,7 +57,7 @@ def test_circuit_with_no_head_removed_is_bit_identical_and_all_removed_is_empty(
         with apply_circuit(a, circuit):
             same = lm.model(input_ids=data.clean_ids).logits
         evaluator = Evaluator(a, data, "logit_diff", "mean", means, 3)
-        empty = evaluator(torch.ones(a.n_layers, a.n_heads, dtype=torch.bool))
+        empty = evaluator(torch.zeros(a.n_layers, a.n_heads, dtype=torch.bool))  # nothing kept
         with apply_circuit(a, {**circuit, "head_mask": torch.zeros_like(circuit["head_mask"])}):
             logits = lm.model(input_ids=data.clean_ids).logits
     assert torch.equal(ref, same)
@@ -117,7 +117,8 @@ def test_circuit_pt_round_trips_with_weights_only(tmp_path):
 
 def test_pruning_without_scores_names_the_missing_stage(tmp_path):
     from circuitkit.config import compose
-    from circuitkit.pipeline import PipelineError, run_pipeline
+    from circuitkit.pipeline import PipelineError
+    from circuitkit.stage_list import run_pipeline
 
     _, cfg = compose(["stages=[data,pruning]", "model.precision=float32", "discovery.data_params.num_examples=4",
                       "discovery.data_params.eval_examples=2", "discovery.data_params.seq_len=16"])
@@ -128,7 +129,7 @@ def test_pruning_without_scores_names_the_missing_stage(tmp_path):
 
 def test_edge_scope_pipeline_on_the_induction_model(tmp_path):
     from circuitkit.config import compose
-    from circuitkit.pipeline import run_pipeline
+    from circuitkit.stage_list import run_pipeline
 
     _, cfg = compose(["model=induction", "stages=[data,attribution,pruning]", "discovery.level=edge",
                       "pruning.scope=edges", "pruning.target_sparsity=0.9", "pruning.ablation=corrupted",

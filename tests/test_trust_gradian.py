@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 
 from circuitkit.config import GradsConfig, ModelConfig
+from circuitkit.io import file_lock
 from gradian.cli import main
-from gradian.index import IndexReader, _lock, shard_name
+from gradian.index import IndexReader, shard_name
 
 SUBJECTS = ["cat", "dog", "bird", "fish", "horse", "mouse"]
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} in the garden {i}."}
@@ -168,7 +169,7 @@ def _lock_shard0(d: Path, idx: Path, train: Path) -> None:
     (resume / shard_name(0)).unlink()
     _edit(resume, lambda m: (m["shards"].pop(shard_name(0)), m.update(complete=False)))
     (resume / f".{shard_name(0)}.12345.tmp").write_bytes(b"the other worker's half-written shard")
-    held = _lock(resume / f".{shard_name(0)}.lock")
+    held = file_lock(resume / f".{shard_name(0)}.lock")
     held.__enter__()
     _HELD.append(held)
 

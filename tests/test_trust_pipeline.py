@@ -27,8 +27,8 @@ from circuitkit import pipeline
 from circuitkit.cli import main as cli_main
 from circuitkit.config import ConfigError, compose
 from circuitkit.errors import UserError
-from circuitkit.pipeline import run_pipeline
 from circuitkit.run import main as run_main
+from circuitkit.stage_list import PIPELINE, run_pipeline
 
 SMALL = ["discovery.data_params.num_examples=4", "discovery.data_params.eval_examples=2",
          "discovery.data_params.seq_len=16", "model.precision=float32", "discovery.ig_steps=2"]
@@ -72,8 +72,8 @@ def _saved_circuit(tmp: Path) -> Path:
 
 
 def _replace_stage(monkeypatch, name: str, run: Callable) -> None:
-    stage = pipeline.stage_registry()[name]
-    monkeypatch.setitem(pipeline._REGISTRY, name, dataclasses.replace(stage, run=run))
+    stage = PIPELINE.stages[name]
+    monkeypatch.setitem(PIPELINE.stages, name, dataclasses.replace(stage, run=run))
 
 
 def _raiser(exc: BaseException) -> Callable:
@@ -229,7 +229,7 @@ def _log_to_this_tests_stderr(capsys):
 
 
 def _tiny() -> Path:
-    from circuitkit.models.tiny import ensure_fixture
+    from circuitkit.fixtures.models import ensure_fixture
 
     return ensure_fixture("tiny-gpt2")
 
@@ -391,14 +391,14 @@ def test_retrained_model_in_the_same_directory_reruns(tmp_path):
 
 def test_upstream_artifact_changed_by_another_run_reruns_the_consumer(tmp_path, monkeypatch):
     calls = []
-    stage = pipeline.stage_registry()["attribution"]
+    stage = PIPELINE.stages["attribution"]
 
     def fake_attribution(ctx):
         calls.append(1)
         out = ctx.run_dir / "scores.txt"
         out.write_text((ctx.run_dir / "data.safetensors").read_bytes().hex()[:64])
         return pipeline.StageResult([out], {})
-    monkeypatch.setitem(pipeline._REGISTRY, "attribution", dataclasses.replace(stage, run=fake_attribution))
+    monkeypatch.setitem(PIPELINE.stages, "attribution", dataclasses.replace(stage, run=fake_attribution))
     base = ["discovery.data_params.num_examples=4", "discovery.data_params.eval_examples=2",
             "discovery.data_params.seq_len=16", "model.precision=float32"]
     run_pipeline(compose(["stages=[data]", *base])[1], tmp_path)

@@ -33,6 +33,7 @@ from circuitkit.attribution.quadrature import (  # noqa: F401  (re-exported: the
     interpolation_points,
 )
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
 from circuitkit.tasks.base import TaskData
 
 
@@ -55,36 +56,6 @@ def graph_of(adapter: ModelAdapter) -> Graph:
     return Graph(adapter.n_layers, adapter.n_heads, adapter.n_kv_heads, adapter.parallel_residual)
 
 
-class HookSet:
-    """Registers forward hooks and removes them all on exit."""
-
-    def __init__(self) -> None:
-        self.handles: list = []
-
-    def pre(self, module, fn, with_kwargs: bool = False) -> None:
-        self.handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
-
-    def post(self, module, fn) -> None:
-        self.handles.append(module.register_forward_hook(fn))
-
-    def __enter__(self) -> HookSet:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def first_input(args, kwargs):
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def replace_first(args, kwargs, value):
-    if args:
-        return (value, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": value}
-
-
 def head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total: torch.Tensor | None) -> torch.Tensor:
     """What each head writes to the residual: (B, T, H, dh) -> (H, B, T, d_model) float32.
 
@@ -101,50 +72,70 @@ def head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total: 
     return writes
 
 
+@dataclass
+class RecordedRun:
+    """What one no-grad forward recorded (cached_run), in the model's dtype."""
+
+    z: list  # per layer (B, T, H*dh): the input of the attention output projection
+    mlp: list  # per layer (B, T, d_model): what the MLP writes (after a post-norm)
+    attn_total: list  # per layer (B, T, d_model): attention output before its post-norm (Gemma 3, edge level)
+    embed: torch.Tensor | None = None  # (B, T, d_model): the residual entering block 0
+    logits: torch.Tensor | None = None  # (B, V) at the answer position
+
+
+@dataclass
+class Deltas:
+    """Δ = clean - corrupted, float32 (deltas)."""
+
+    embed: torch.Tensor  # (B, T, d_model)
+    z: list  # per layer (B, T, H, dh)
+    mlp: list  # per layer (B, T, d_model)
+    up: torch.Tensor | None = None  # edge level: (n_upstream, B, T, d_model), what each node writes
+
+
 @torch.no_grad()
 def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, answer_pos: torch.Tensor,
-               edges: bool) -> dict:
+               edges: bool) -> RecordedRun:
     """Forward pass recording what each node writes, and the answer logits (B, V)."""
     L = adapter.n_layers
-    rec: dict = {"z": [None] * L, "mlp": [None] * L, "attn_total": [None] * L}
+    rec = RecordedRun(z=[None] * L, mlp=[None] * L, attn_total=[None] * L)
     with HookSet() as hk:
         def embed_hook(module, args, kwargs):
-            rec["embed"] = first_input(args, kwargs).detach()
+            rec.embed = first_input(args, kwargs).detach()
         hk.pre(adapter.blocks[0], embed_hook, with_kwargs=True)
         for layer in range(L):
             def z_hook(module, args, layer=layer):
-                rec["z"][layer] = args[0].detach()
+                rec.z[layer] = args[0].detach()
             hk.pre(adapter.o_proj(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
-                rec["mlp"][layer] = (out[0] if isinstance(out, tuple) else out).detach()
+                rec.mlp[layer] = first_output(out).detach()
             hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
             if edges and adapter.post_attn_norm(layer) is not None:
                 def total_hook(module, args, layer=layer):
-                    rec["attn_total"][layer] = args[0].detach()
+                    rec.attn_total[layer] = args[0].detach()
                 hk.pre(adapter.post_attn_norm(layer), total_hook)
-        rec["logits"] = answer_forward(adapter.model, ids, mask, answer_pos)
+        rec.logits = answer_forward(adapter.model, ids, mask, answer_pos)
     return rec
 
 
-def deltas(adapter: ModelAdapter, clean: dict, corrupt: dict, edges: bool) -> dict:
+def deltas(adapter: ModelAdapter, clean: RecordedRun, corrupted: RecordedRun, edges: bool) -> Deltas:
     """Δ = clean - corrupted, float32: per node value (node level) and per write (edge level)."""
     L, H = adapter.n_layers, adapter.n_heads
-    d = {
-        "embed": clean["embed"].float() - corrupt["embed"].float(),
-        "z": [(clean["z"][i].float() - corrupt["z"][i].float()).unflatten(-1, (H, adapter.head_dim))
-              for i in range(L)],
-        "mlp": [clean["mlp"][i].float() - corrupt["mlp"][i].float() for i in range(L)],
-    }
+    d = Deltas(
+        embed=clean.embed.float() - corrupted.embed.float(),
+        z=[(clean.z[i].float() - corrupted.z[i].float()).unflatten(-1, (H, adapter.head_dim)) for i in range(L)],
+        mlp=[clean.mlp[i].float() - corrupted.mlp[i].float() for i in range(L)],
+    )
     if edges:
-        rows = [d["embed"].unsqueeze(0)]
+        rows = [d.embed.unsqueeze(0)]
         for layer in range(L):
-            zc = clean["z"][layer].unflatten(-1, (H, adapter.head_dim))
-            zx = corrupt["z"][layer].unflatten(-1, (H, adapter.head_dim))
-            rows.append(head_writes(adapter, layer, zc, clean["attn_total"][layer])
-                        - head_writes(adapter, layer, zx, corrupt["attn_total"][layer]))
-            rows.append(d["mlp"][layer].unsqueeze(0))
-        d["up"] = torch.cat(rows)  # (n_upstream, B, T, d_model)
+            zc = clean.z[layer].unflatten(-1, (H, adapter.head_dim))
+            zx = corrupted.z[layer].unflatten(-1, (H, adapter.head_dim))
+            rows.append(head_writes(adapter, layer, zc, clean.attn_total[layer])
+                        - head_writes(adapter, layer, zx, corrupted.attn_total[layer]))
+            rows.append(d.mlp[layer].unsqueeze(0))
+        d.up = torch.cat(rows)  # (n_upstream, B, T, d_model)
     return d
 
 
@@ -221,7 +212,7 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
             hk.pre(adapter.o_proj(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
-                t = out[0] if isinstance(out, tuple) else out
+                t = first_output(out)
                 t.register_hook(lambda g: sums.add("mlp", g, layer))
             hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
             if not edges:
@@ -259,11 +250,11 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _Gradi
     H = adapter.n_heads
     for layer in range(adapter.n_layers):
         gz = sums.z[layer].unflatten(-1, (H, adapter.head_dim))
-        out["head"][layer] += torch.einsum("bthe,bthe->h", delta["z"][layer], gz) / n_points
-        out["mlp"][layer] += (delta["mlp"][layer] * sums.mlp[layer]).sum() / n_points
-    out["embed"] += (delta["embed"] * sums.embed).sum() / n_points
+        out["head"][layer] += torch.einsum("bthe,bthe->h", delta.z[layer], gz) / n_points
+        out["mlp"][layer] += (delta.mlp[layer] * sums.mlp[layer]).sum() / n_points
+    out["embed"] += (delta.embed * sums.embed).sum() / n_points
     if sums.edges:
-        up = delta["up"].flatten(1)  # (n_upstream, B*T*d_model)
+        up = delta.up.flatten(1)  # (n_upstream, B*T*d_model)
         for layer in range(adapter.n_layers):
             cols = graph.layer_columns(layer)
             g = sums.inputs[layer].flatten(1)  # (per_layer_inputs, B*T*d_model)
@@ -296,7 +287,7 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
            "embed": torch.zeros((), device=device)}
     if edges:
         out["edges"] = torch.zeros(len(graph.upstream), len(graph.downstream), device=device)
-    metric_clean = metric_corrupt = 0.0
+    metric_clean = metric_corrupted = 0.0
     planned = data.length_batches(batch_size, group_by_length)
     with Progress(TextColumn(f"{algorithm} {level}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
                   TimeElapsedColumn(), TimeRemainingColumn(), disable=not progress, transient=True) as bar:
@@ -304,16 +295,16 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
         for batch in planned:
             batch = batch.to(device)
             clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges)
-            corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges)
-            clean_answer = clean["logits"].float()
-            metric_clean += compute_metric(metric, clean["logits"], batch, clean_answer).sum().item()
-            metric_corrupt += compute_metric(metric, corrupt["logits"], batch, clean_answer).sum().item()
-            delta = deltas(adapter, clean, corrupt, edges)
-            e_clean, e_corrupt = clean["embed"].float(), corrupt["embed"].float()
-            del clean, corrupt
+            corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges)
+            clean_answer = clean.logits.float()
+            metric_clean += compute_metric(metric, clean.logits, batch, clean_answer).sum().item()
+            metric_corrupted += compute_metric(metric, corrupted.logits, batch, clean_answer).sum().item()
+            delta = deltas(adapter, clean, corrupted, edges)
+            e_clean, e_corrupted = clean.embed.float(), corrupted.embed.float()
+            del clean, corrupted
             sums = _GradientSums(adapter, edges)
             for alpha, relative_weight in zip(rule.alphas, rule.relative_weights, strict=True):
-                e_k = (e_corrupt + alpha * (e_clean - e_corrupt)).to(dtype)
+                e_k = (e_corrupted + alpha * (e_clean - e_corrupted)).to(dtype)
                 sums.relative_weight = relative_weight
                 _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k, batch, metric, clean_answer, sums)
             _batch_scores(adapter, graph, delta, sums, rule.passes, out)
@@ -322,7 +313,7 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     return AttributionScores(
         head=(out["head"] / n).cpu(), mlp=(out["mlp"] / n).cpu(), embed=(out["embed"] / n).cpu(), graph=graph,
         edges=(out["edges"] / n).cpu() if edges else None, metric_clean=metric_clean / n,
-        metric_corrupted=metric_corrupt / n, n_examples=n,
+        metric_corrupted=metric_corrupted / n, n_examples=n,
         info={"algorithm": algorithm, "level": level, "metric": metric,
               "ig_steps": rule.passes if algorithm == "eap-ig" else None,
               "ig_rule": rule.rule if algorithm == "eap-ig" else None, "passes": rule.passes,

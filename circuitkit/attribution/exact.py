@@ -13,17 +13,10 @@ from __future__ import annotations
 import torch
 from rich.progress import Progress
 
-from circuitkit.attribution.eap import (
-    AttributionScores,
-    HookSet,
-    cached_run,
-    deltas,
-    first_input,
-    graph_of,
-    replace_first,
-)
+from circuitkit.attribution.eap import AttributionScores, cached_run, deltas, graph_of
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.hooks import HookSet, first_input, replace_first, replace_first_output
 from circuitkit.tasks.base import TaskData
 
 
@@ -35,24 +28,24 @@ def _metric(adapter, batch, metric, clean_answer, hooks_fn=None) -> torch.Tensor
     return compute_metric(metric, logits, batch, clean_answer)
 
 
-def _node_patches(adapter: ModelAdapter, corrupt: dict):
+def _node_patches(adapter: ModelAdapter, corrupted: dict):
     """(kind, index, install) for every node; install(hk) patches it to its corrupted value."""
     H, dh = adapter.n_heads, adapter.head_dim
-    yield "embed", None, lambda hk: hk.pre(adapter.blocks[0], lambda m, a, k: replace_first(a, k, corrupt["embed"]),
+    yield "embed", None, lambda hk: hk.pre(adapter.blocks[0], lambda m, a, k: replace_first(a, k, corrupted.embed),
                                            with_kwargs=True)
     for layer in range(adapter.n_layers):
         for h in range(H):
             def patch_z(hk, layer=layer, h=h):
                 def hook(module, args):
                     z = args[0].clone()
-                    z[..., h * dh:(h + 1) * dh] = corrupt["z"][layer][..., h * dh:(h + 1) * dh]
+                    z[..., h * dh:(h + 1) * dh] = corrupted.z[layer][..., h * dh:(h + 1) * dh]
                     return (z, *args[1:])
                 hk.pre(adapter.o_proj(layer), hook)
             yield "head", (layer, h), patch_z
 
         def patch_mlp(hk, layer=layer):
             def hook(module, args, out):
-                return (corrupt["mlp"][layer], *out[1:]) if isinstance(out, tuple) else corrupt["mlp"][layer]
+                return replace_first_output(out, corrupted.mlp[layer])
             hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), hook)
         yield "mlp", layer, patch_mlp
 
@@ -107,19 +100,19 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
     head, mlp, embed = torch.zeros(L, H), torch.zeros(L), torch.zeros(())
     edge_mask = graph.edge_mask()
     edges = torch.zeros(edge_mask.shape) if level == "edge" else None
-    m_clean_total = m_corrupt_total = 0.0
+    m_clean_total = m_corrupted_total = 0.0
     n_batches = (len(data) + batch_size - 1) // batch_size
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"exact {level}", total=n_batches)
         for batch in data.batches(batch_size):
             batch = batch.to(device)
             clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, level == "edge")
-            corrupt = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, level == "edge")
-            clean_answer = clean["logits"].float()
-            m_clean = compute_metric(metric, clean["logits"], batch, clean_answer)
+            corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, level == "edge")
+            clean_answer = clean.logits.float()
+            m_clean = compute_metric(metric, clean.logits, batch, clean_answer)
             m_clean_total += m_clean.sum().item()
-            m_corrupt_total += compute_metric(metric, corrupt["logits"], batch, clean_answer).sum().item()
-            for kind, idx, install in _node_patches(adapter, corrupt):
+            m_corrupted_total += compute_metric(metric, corrupted.logits, batch, clean_answer).sum().item()
+            for kind, idx, install in _node_patches(adapter, corrupted):
                 s = (m_clean - _metric(adapter, batch, metric, clean_answer, install)).sum().cpu()
                 if kind == "embed":
                     embed += s
@@ -128,12 +121,12 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
                 else:
                     mlp[idx] += s
             if edges is not None:
-                up = deltas(adapter, clean, corrupt, edges=True)["up"]
+                up = deltas(adapter, clean, corrupted, edges=True).up
                 for u, v in edge_mask.nonzero().tolist():
                     install = _edge_patch(adapter, graph, v, up[u])
                     edges[u, v] += (m_clean - _metric(adapter, batch, metric, clean_answer, install)).sum().cpu()
             bar.advance(task)
     n = len(data)
     return AttributionScores(head / n, mlp / n, embed / n, graph, None if edges is None else edges / n,
-                             m_clean_total / n, m_corrupt_total / n, n,
+                             m_clean_total / n, m_corrupted_total / n, n,
                              {"algorithm": "exact", "level": level, "metric": metric, "batch_size": batch_size})

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from circuitkit.config import DiscoveryConfig, choices
 from circuitkit.tasks.base import TaskData
 
-METRICS = ("logit_diff", "prob_diff", "logprob", "kl")
+METRICS = choices(DiscoveryConfig, "metric")
 
 
 def answer_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from circuitkit.config import DiscoveryConfig, choices
+
 DEFAULT_IG_STEPS = 30  # used when discovery.ig_steps is null
-IG_RULES = ("right", "midpoint", "trapezoid", "gauss_legendre")
+IG_RULES = choices(DiscoveryConfig, "ig_rule")
 DEFAULT_IG_RULE = "right"
 # Highest polynomial degree of the integrand each rule integrates exactly with m points.
 EXACT_DEGREE = {"right": lambda m: 0, "midpoint": lambda m: 1, "trapezoid": lambda m: 1,
@@ -78,6 +80,11 @@ def quadrature(rule: str, m: int) -> Quadrature:
     return Quadrature(tuple(float(a) for a in (x + 1) / 2), tuple(float(r) for r in w * m / 2), rule)
 
 
+def resolved_steps(ig_steps: int | None) -> int:
+    """discovery.ig_steps as run: null means DEFAULT_IG_STEPS (30)."""
+    return DEFAULT_IG_STEPS if ig_steps is None else ig_steps
+
+
 def integration_rule(algorithm: str, ig_steps: int | None, ig_rule: str = DEFAULT_IG_RULE) -> Quadrature:
     """Points and weights of `algorithm`: eap = gradient at the clean input; clean-corrupted =
     mean of the gradients at α = 0 and 1; eap-ig = `ig_rule` with ig_steps points (null = 30)."""
@@ -86,7 +93,7 @@ def integration_rule(algorithm: str, ig_steps: int | None, ig_rule: str = DEFAUL
     if algorithm == "clean-corrupted":
         return Quadrature((0.0, 1.0), (1.0, 1.0), "clean-corrupted")
     if algorithm == "eap-ig":
-        return quadrature(ig_rule, DEFAULT_IG_STEPS if ig_steps is None else ig_steps)
+        return quadrature(ig_rule, resolved_steps(ig_steps))
     raise ValueError(f"algorithm {algorithm!r} is not gradient-based; use circuitkit.attribution.exact")
 
 

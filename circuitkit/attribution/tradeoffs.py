@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from circuitkit.attribution.quadrature import DEFAULT_IG_STEPS, IG_RULES
+from circuitkit.attribution.quadrature import DEFAULT_IG_STEPS, IG_RULES, resolved_steps
 
 TABLE_PATH = Path(__file__).resolve().parent / "ig_tradeoffs.json"
 
@@ -106,7 +106,7 @@ def advice_line(algorithm: str, level: str, ig_steps: int | None, ig_rule: str, 
     `budget` (None for algorithms without an integral, or without a measured table)."""
     if algorithm != "eap-ig" or not load_table():
         return None
-    steps = DEFAULT_IG_STEPS if ig_steps is None else ig_steps
+    steps = resolved_steps(ig_steps)
     current = worst_error(ig_rule, steps, level)
     now = (f"ig_rule={ig_rule} ig_steps={steps}: est. {level}-score error <= {current:.1%}" if current is not None
            else f"ig_rule={ig_rule} ig_steps={steps}: error not measured")

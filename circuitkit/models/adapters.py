@@ -341,6 +341,9 @@ _ADAPTERS: dict[str, type[ModelAdapter]] = {
     "gemma3_text": Gemma3Adapter,
     "gemma3": Gemma3Adapter,
 }
+# Hugging Face model_type -> family (Qwen2 and Mistral are Llama-shaped): the one table, which
+# the memory estimate (circuitkit.memory) reads too.
+MODEL_TYPE_FAMILIES = {model_type: cls.family for model_type, cls in _ADAPTERS.items()}
 
 
 def get_adapter(model: nn.Module) -> ModelAdapter:

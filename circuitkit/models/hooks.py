@@ -15,6 +15,12 @@
 
 A hook function is `fn(value, name) -> new_value | None`; returning None leaves the model's
 own tensor in place, so read-only hooks leave the logits bit-identical.
+
+Below the named points, the plumbing every hook in the project uses (attribution, exact
+patching, pruning): `HookSet` registers PyTorch forward hooks and removes them all on exit;
+`first_input` / `replace_first` read and replace a module's residual input whether the
+model passes it positionally or as `hidden_states`; `first_output` / `replace_first_output`
+do the same for outputs that are a tensor or a tuple led by one.
 """
 
 from __future__ import annotations
@@ -31,6 +37,48 @@ from circuitkit.models.adapters import ModelAdapter
 HookFn = Callable[[torch.Tensor, str], "torch.Tensor | None"]
 _NAME = re.compile(r"^blocks\.(\d+)\.(hook_resid_pre|hook_attn_in|attn\.hook_[qkvz]|hook_attn_out|"
                    r"hook_mlp_in|hook_mlp_out|hook_resid_post)$")
+
+
+class HookSet:
+    """Registers forward hooks and removes them all on exit."""
+
+    def __init__(self) -> None:
+        self.handles: list = []
+
+    def pre(self, module, fn, with_kwargs: bool = False) -> None:
+        self.handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+
+    def post(self, module, fn) -> None:
+        self.handles.append(module.register_forward_hook(fn))
+
+    def __enter__(self) -> HookSet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def first_input(args, kwargs) -> torch.Tensor:
+    """A block's (or norm's) residual input: the first positional argument or `hidden_states`."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def replace_first(args, kwargs, value: torch.Tensor):
+    """(args, kwargs) with the residual input replaced by `value`, for a `with_kwargs` pre-hook."""
+    if args:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": value}
+
+
+def first_output(output) -> torch.Tensor:
+    """A module's main output: the tensor itself, or the first element of the tuple it returns."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def replace_first_output(output, value: torch.Tensor):
+    """The module's output with its main tensor replaced by `value` (tuple structure kept)."""
+    return (value, *output[1:]) if isinstance(output, tuple) else value
 
 
 def hook_names(adapter: ModelAdapter) -> list[str]:
@@ -55,22 +103,16 @@ def _apply(fns: Sequence[tuple[str, HookFn]], value: torch.Tensor) -> torch.Tens
 def _pre_hook(fns: Sequence[tuple[str, HookFn]]):
     """Forward pre-hook acting on the module's first input (positional or `hidden_states`)."""
     def hook(module, args, kwargs):
-        if args:
-            new = _apply(fns, args[0])
-            return None if new is None else ((new, *args[1:]), kwargs)
-        new = _apply(fns, kwargs["hidden_states"])
-        return None if new is None else (args, {**kwargs, "hidden_states": new})
+        new = _apply(fns, first_input(args, kwargs))
+        return None if new is None else replace_first(args, kwargs, new)
     return hook
 
 
 def _post_hook(fns: Sequence[tuple[str, HookFn]]):
     """Forward hook acting on the module's output (first element when it returns a tuple)."""
     def hook(module, args, output):
-        first = output[0] if isinstance(output, tuple) else output
-        new = _apply(fns, first)
-        if new is None:
-            return None
-        return (new, *output[1:]) if isinstance(output, tuple) else new
+        new = _apply(fns, first_output(output))
+        return None if new is None else replace_first_output(output, new)
     return hook
 
 
@@ -118,39 +160,35 @@ def hooks(adapter: ModelAdapter, fns: Mapping[str, HookFn | Sequence[HookFn]]) -
             key = (m.group(2), int(m.group(1)))
         groups[key] += [(name, fn) for fn in fn_list]
 
-    handles = []
     qkv: dict[int, dict[str, list[tuple[str, HookFn]]]] = defaultdict(dict)
-    try:
+    with HookSet() as hk:
         for (kind, layer), fl in groups.items():
             if kind == "blocks.0.hook_resid_pre" or kind == "hook_resid_pre":
                 block = adapter.blocks[0 if layer < 0 else layer]
-                handles.append(block.register_forward_pre_hook(_pre_hook(fl), with_kwargs=True))
+                hk.pre(block, _pre_hook(fl), with_kwargs=True)
             elif kind == "hook_resid_final":
-                handles.append(adapter.final_norm.register_forward_pre_hook(_pre_hook(fl), with_kwargs=True))
+                hk.pre(adapter.final_norm, _pre_hook(fl), with_kwargs=True)
             elif kind == "hook_attn_in":
-                handles.append(adapter.attn_norm(layer).register_forward_hook(_post_hook(fl)))
+                hk.post(adapter.attn_norm(layer), _post_hook(fl))
             elif kind.startswith("attn.hook_") and kind[-1] in "qkv":
                 qkv[layer][kind[-1]] = fl
             elif kind == "attn.hook_z":
                 hook = _z_hook(fl, adapter.n_heads, adapter.head_dim)
-                handles.append(adapter.o_proj(layer).register_forward_pre_hook(hook))
+                hk.pre(adapter.o_proj(layer), hook)
             elif kind == "hook_attn_out":
                 module = adapter.post_attn_norm(layer) or adapter.attn(layer)
-                handles.append(module.register_forward_hook(_post_hook(fl)))
+                hk.post(module, _post_hook(fl))
             elif kind == "hook_mlp_in":
-                handles.append(adapter.mlp(layer).register_forward_pre_hook(_pre_hook(fl), with_kwargs=True))
+                hk.pre(adapter.mlp(layer), _pre_hook(fl), with_kwargs=True)
             elif kind == "hook_mlp_out":
                 module = adapter.post_mlp_norm(layer) or adapter.mlp(layer)
-                handles.append(module.register_forward_hook(_post_hook(fl)))
+                hk.post(module, _post_hook(fl))
             elif kind == "hook_resid_post":
-                handles.append(adapter.blocks[layer].register_forward_hook(_post_hook(fl)))
+                hk.post(adapter.blocks[layer], _post_hook(fl))
         for layer, by_part in qkv.items():
             for site in adapter.qkv_sites(layer):
-                handles.append(site.module.register_forward_hook(_qkv_hook(site, by_part)))
+                hk.post(site.module, _qkv_hook(site, by_part))
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def run_with_cache(adapter: ModelAdapter, input_ids: torch.Tensor, names: Sequence[str],

@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from circuitkit.config import ModelConfig
-from circuitkit.device import get_device
+from circuitkit.device import DTYPES, get_device
 from circuitkit.errors import UserError
+from circuitkit.fingerprint import hub_revision
+from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
 from circuitkit.models.adapters import ModelAdapter, get_adapter
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -63,8 +64,6 @@ def resolve_model_path(name: str) -> str:
     """The argument for `from_pretrained`: builtin fixtures become their cached directory,
     local directories are checked (UserError naming what is missing), hub ids pass through."""
     if name.startswith(BUILTIN_PREFIX):
-        from circuitkit.models.tiny import FIXTURE_NAMES, ensure_fixture
-
         fixture = name[len(BUILTIN_PREFIX):]
         if fixture not in FIXTURE_NAMES:
             raise ModelReferenceError(f"model.name '{name}' names no built-in fixture; available:"
@@ -219,3 +218,23 @@ def weights_hash(model: nn.Module) -> str:
         h.update(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
+
+# ----------------------------------------------------------------------------- what stages ask
+
+def check_model(cfg: ModelConfig) -> None:
+    """The pre-run check every stage that loads the model shares: the reference resolves."""
+    resolve_model_path(cfg.name)
+
+
+def model_inputs(cfg: ModelConfig) -> dict[str, Path | str]:
+    """The model as a stage input: a local or builtin directory (every file: weights, config,
+    tokenizer), or a hub id at its resolved revision."""
+    if cfg.name.startswith(BUILTIN_PREFIX) or is_local_path(cfg.name):
+        return {"model": Path(resolve_model_path(cfg.name))}
+    return {"model": hub_revision(cfg.name, cfg.revision)}
+
+
+def model_context(cfg: ModelConfig) -> int | None:
+    """The model's context length from its config (no weights); None when not known offline."""
+    hf = load_hf_config(cfg)
+    return context_length(hf) if hf is not None else None

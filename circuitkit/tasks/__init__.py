@@ -17,14 +17,15 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.config import DataParams
+from circuitkit.config import DataParams, DiscoveryConfig, choices
+from circuitkit.tasks import greater_than, induction, ioi, jsonl, mmlu
 from circuitkit.tasks.base import TaskData, TaskError
 
 __all__ = ["TaskData", "TaskError", "apply_bos_policy", "build_task", "BUILT_TASKS", "SAMPLE_FILES"]
 
 log = logging.getLogger(__name__)
 
-BUILT_TASKS = ("induction", "ioi", "greater_than", "mmlu", "jsonl")
+BUILT_TASKS = choices(DiscoveryConfig, "task")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SAMPLE_FILES = {"mmlu": DATA_DIR / "mmlu_sample.csv", "jsonl": DATA_DIR / "jsonl_sample.jsonl"}
 
@@ -97,23 +98,13 @@ def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: 
         raise TaskError(f"discovery.data_params.seq_len={dp.seq_len} exceeds the model's context of {max_tokens}"
                         f" tokens; set it to at most {max_tokens}.")
     if task == "induction":
-        from circuitkit.tasks import induction
-
         return induction.build(tokenizer, model_dir, n, dp.seq_len, seed)
     if task == "ioi":
-        from circuitkit.tasks import ioi
-
         return ioi.build(tokenizer, n, seed)
     if task == "greater_than":
-        from circuitkit.tasks import greater_than
-
         return greater_than.build(tokenizer, n, seed)
     if task == "mmlu":
-        from circuitkit.tasks import mmlu
-
         return mmlu.build(tokenizer, data_path_for(task, dp.data_path), n, seed, max_tokens)
     if task == "jsonl":
-        from circuitkit.tasks import jsonl
-
         return jsonl.build(tokenizer, data_path_for(task, dp.data_path), n, seed, max_tokens)
     raise TaskError(f"discovery.task={task!r} is not available in this version; available: {', '.join(BUILT_TASKS)}.")

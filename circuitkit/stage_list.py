@@ -1,0 +1,38 @@
+"""The one list of the pipeline's stages, assembled where both domains are known (entry layer).
+
+    preflight -> data -> attribution -> pruning -> grads
+
+Each stage lives with its domain (`circuitkit.preflight`, `circuitkit.stages` for the circuit
+stages, `gradian.stage`); a new stage is one more entry here (and its name in
+`circuitkit.config.ALL_STAGES`, the schema's choices for `stages`). `run_pipeline` and
+`check_stages` are what run.py, api.py, smart.py, the scripts and the tests call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from circuitkit.config import AppConfig
+from circuitkit.models.loading import load_model
+from circuitkit.pipeline import Pipeline
+from circuitkit.preflight import PREFLIGHT_STAGE
+from circuitkit.stages import CIRCUIT_STAGES
+from gradian.stage import GRADS_STAGE
+
+PIPELINE = Pipeline({stage.name: stage for stage in (PREFLIGHT_STAGE, *CIRCUIT_STAGES, GRADS_STAGE)}, load_model)
+# What discover_circuit and `circuitkit discover-smart` run: every stage up to the circuit.
+CIRCUIT_STAGE_NAMES = (PREFLIGHT_STAGE.name, *(stage.name for stage in CIRCUIT_STAGES))
+
+
+def run_pipeline(cfg: AppConfig, run_dir: str | Path, console: Console | None = None,
+                 overrides: list[str] | None = None, checked: bool = False) -> dict[str, Any]:
+    """Run `cfg.stages` in `run_dir`; returns the manifest (see `circuitkit.pipeline.Pipeline.run`)."""
+    return PIPELINE.run(cfg, Path(run_dir), console, overrides, checked)
+
+
+def check_stages(cfg: AppConfig) -> None:
+    """Every selected stage's pre-run check (configs only, nothing written)."""
+    PIPELINE.check(cfg)

@@ -1,0 +1,201 @@
+"""Peak device memory of gradient indexing, from the model's shape alone (no weights).
+
+`estimate_grads` is the closed form (notation in `circuitkit.memory`); it reads the modules,
+the projection and its kronecker factors from a `Projector`, the same object that projects
+the gradients, so the factors are computed once. `grads_estimate(cfg)` applies it to a
+config before any weight is loaded (the modules named from the shape by
+`circuitkit.models.linear_modules`, the same names `select_modules` finds in the model) and
+`grads_advice` names the settings that bring it under a budget. `GRADS_MEMORY` hands both to
+the preflight through the grads stage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuitkit.circuit import kept_components, load_circuit
+from circuitkit.config import AppConfig
+from circuitkit.device import DTYPES
+from circuitkit.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
+from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
+from circuitkit.pipeline import StageMemory
+from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
+
+# Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
+# dispatch tracker of `measure_peak`, float32, sdpa, frozen parameters, on the tiny GPT-2 / Llama
+# shapes of scripts/check_memory_estimates.py (vocab 1024 and 50257) with mlp.c_proj / down_proj
+# and with every block linear selected, B = 4, prompt 16 / 64 / 240, supervised 8 / 16 / 32; the
+# live bytes were read at the start of `backward()` and the peaks before and after it:
+# * Saved activations are the attribution coefficients ACT_PER_LAYER, counted only from the first
+#   selected module on (autograd's graph starts there): measured 25.2·N·d (GPT-2, c_proj: one
+#   full layer + ACT_BASE = 25.4 predicted) and 12.4·N·d (Llama, down_proj: 12.3 predicted).
+# * The (N_s, V) tensors: the forward holds the (upcast) logits and the saved float32
+#   log-softmax; the peak is inside the log-softmax backward, with three float32 (N_s, V) tensors
+#   live (saved log-softmax, its gradient, the logits' gradient): measured 3.03-3.07·N_s·V·4 over
+#   the activations on the 50257-vocabulary tiny models. LOGIT_F32_COPIES = 3.
+# * Forward temporaries of one block (GELU / SiLU intermediates) above the saved activations:
+#   measured 15-17·N·d for GPT-2 (f = 4d) and 7.9-8.9·N·d for Llama (f = 2d): GRADS_FWD_TMP_F = 4
+#   (units N·f·p). Alive only while no (N_s, V) tensor is, so the peak takes the larger of the two.
+LOGIT_F32_COPIES = 3
+GRADS_FWD_TMP_F = 4.0
+# Index: per row float32 norm + int64 row id next to the stored gradient row.
+INDEX_ROW_EXTRA_BYTES = 4 + 8
+
+
+def _graph_layers(module_names: list[str], n_layers: int, c_d: float, c_f: float, d: int, f: int) -> float:
+    """Activations autograd saves per token (units of elements), from the first selected module on.
+
+    Layers after the first selected one count c_d·d + c_f·f; the first one its share by the
+    module's role (attention: all of it; MLP input: c_f·f; MLP output: none), because the graph
+    of the backward starts at the first module whose weight gradient is asked for.
+    """
+    if not module_names:
+        return n_layers * (c_d * d + c_f * f)
+    first_layer, first_role = min((block_role(name) for name in module_names), key=lambda lr: lr[0])
+    share = {"mlp_in": c_f * f, "mlp_out": 0.0}.get(first_role, c_d * d + c_f * f)
+    return max(0, n_layers - first_layer - 1) * (c_d * d + c_f * f) + share
+
+
+def grads_index_bytes(n_rows: int, width: int, storage_dtype_bytes: int) -> int:
+    """Bytes of a gradient index on disk (gradian.index), headers excluded:
+
+        n_rows · (width · s + 4 + 8)      s = bytes of grads.storage_dtype; float32 norm, int64 row id
+
+    Each shard adds a safetensors header (a few hundred bytes) and the index one manifest.json
+    (a few kB); both are independent of the row count.
+    """
+    return int(n_rows * (width * storage_dtype_bytes + INDEX_ROW_EXTRA_BYTES))
+
+
+def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
+                   supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
+                   n_rows: int = 0) -> MemoryEstimate:
+    """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
+
+    seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
+    N = B·seq_len tokens, N_s = B·supervised_per_row supervised targets; the projector holds the
+    selected modules (name -> (d_out, d_in)), the projection kind and dim, and each module's
+    kronecker factors (k_o, k_i), computed once when it was made; width is a module's row
+    width. Terms:
+
+        weights                         P·p
+        activations saved for backward  N·p·(ACT_BASE·d + A),  A = per-family ACT_PER_LAYER
+                                        from the first selected module on (`_graph_layers`)
+        capture buffers                 kronecker: Σ_i N·k_i·4; raw / dense: Σ_i N·d_in·4 (the
+                                        masked inputs); dense also B·d_out·d_in·4 (G of one
+                                        module). The (B, width) rows are made by the module
+                                        gradient hooks, after the peak, and are not counted
+        projection matrices             kronecker Σ (k_o·d_out + k_i·d_in)·4; dense Σ min(k·d_out·d_in,
+                                        cache) or one 4096-column chunk; raw 0
+        logits (model dtype)            N_s·V·p
+        fp32 logit upcast               N_s·V·4       (the allocation the OOM page is about)
+        cross-entropy buffers           N_s·V·(4·LOGIT_F32_COPIES − 4 − p): with the two above, the
+                                        three float32 (N_s, V) tensors of the log-softmax backward
+        forward temporaries             max(0, GRADS_FWD_TMP_F·N·f·p − LOGIT_F32_COPIES·N_s·V·4):
+                                        one block's transients, which peak when the vocabulary-
+                                        sized tensors are not alive, so only their excess counts
+
+    Only the supervised hidden states reach the unembedding, so no term but the activations grows
+    with prompt length; the logit terms are linear in N_s. `index_bytes` (attribute, not in the
+    total: it is disk) is `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)`.
+    """
+    s, (c_d, c_f) = calibrated(shape)
+    p = dtype_bytes
+    d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
+    B, N, Ns = batch_size, batch_size * seq_len, batch_size * supervised_per_row
+    kind, projection_dim, module_shapes = projector.kind, projector.projection_dim, projector.shapes
+    acts = N * p * (ACT_BASE * d + _graph_layers(list(module_shapes), s["n_layers"], c_d, c_f, d, f))
+    capture = matrices = width = 0
+    max_g = 0
+    for name, (d_out, d_in) in module_shapes.items():
+        width += projector.width(name)
+        if kind.startswith("kronecker"):  # kronecker, kronecker_orthogonal: same factors and buffers
+            k_o, k_i = projector.factors[name]
+            capture += N * k_i * FP32
+            matrices += (k_o * d_out + k_i * d_in) * FP32
+        else:
+            capture += N * d_in * FP32
+            if kind == "dense":
+                full = projection_dim * d_out * d_in * FP32
+                matrices += full if full <= _DENSE_CACHE_BYTES else projection_dim * _DENSE_CHUNK_COLS * FP32
+                max_g = max(max_g, B * d_out * d_in * FP32)
+    capture += max_g  # the (B, width) rows appear after the peak (module grad hooks run later)
+    logits_f32 = LOGIT_F32_COPIES * Ns * V * FP32
+    terms = {
+        "weights": s["n_params"] * p,
+        "activations saved for backward": int(acts),
+        "capture buffers": int(capture),
+        "projection matrices": int(matrices),
+        "logits (model dtype)": Ns * V * p,
+        "fp32 logit upcast": Ns * V * FP32,
+        "cross-entropy buffers": Ns * V * (FP32 * LOGIT_F32_COPIES - FP32 - p),
+        "forward temporaries": int(max(0.0, GRADS_FWD_TMP_F * N * f * p - logits_f32)),
+    }
+    est = MemoryEstimate(terms, phase="log-softmax backward" if terms["forward temporaries"] == 0
+                         else "forward of the last block")
+    est.index_bytes = grads_index_bytes(n_rows, width, storage_dtype_bytes)
+    return est
+
+
+def grads_projector(cfg: AppConfig, shape: dict[str, Any] | None = None) -> Projector:
+    """The Projector of the modules `cfg.grads` selects, named from the model's shape alone:
+    `grads.module_filter` over the blocks' linear modules, or the sites of `grads.circuit`."""
+    g = cfg.grads
+    shape = shape or shape_for(cfg.model)
+    modules = linear_module_shapes(shape, g.module_filter) if g.circuit is None else _circuit_shapes(cfg, shape)
+    return Projector(modules, g.projection, g.projection_dim, g.projection_seed)
+
+
+def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int | None = None,
+                   supervised: int | None = None, n_rows: int = 0, projector: Projector | None = None) -> MemoryEstimate:
+    """Estimated peak of gradient indexing. Before the data is read, rows are assumed as long
+    as `grads.max_seq_length` and fully supervised (the worst case the settings allow); a batch
+    holds at most `grads.batch_tokens` tokens, so at most batch_tokens // max_seq_length such rows.
+    `projector`: the one `grads_projector(cfg)` made, when the caller asks several times."""
+    g = cfg.grads
+    shape = shape_for(cfg.model)
+    seq = seq_len or g.max_seq_length
+    projector = projector or grads_projector(cfg, shape)
+    rows = batch_size or g.batch_size
+    if g.batch_tokens is not None:
+        rows = max(1, min(rows, g.batch_tokens // seq))
+    return estimate_grads(shape, torch.finfo(DTYPES[cfg.model.precision]).bits // 8, rows, seq,
+                          supervised or seq, projector, torch.finfo(DTYPES[g.storage_dtype]).bits // 8, n_rows)
+
+
+def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:
+    """Sites of a grads.circuit-restricted index: from the circuit file when it exists already,
+    else (grads.circuit=run before pruning has run) every head and MLP, an upper bound."""
+    path = cfg.grads.circuit if cfg.grads.circuit != "run" else cfg.output_path
+    heads = mlps = None
+    if path is not None and Path(path).is_file():
+        heads, mlps = kept_components(load_circuit(Path(path)))
+    if cfg.grads.circuit_mlps == "none":
+        mlps = [False] * int(shape["n_layers"])
+    return circuit_module_shapes(shape, heads, mlps)
+
+
+def grads_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
+    """grads.batch_size first, then grads.max_seq_length: the two settings that move the peak."""
+    g = cfg.grads
+    projector = grads_projector(cfg)  # once: its kronecker factors (and their warnings) do not change
+    best = largest_fitting(lambda b: grads_estimate(cfg, batch_size=b, projector=projector).total_bytes
+                           <= budget_bytes, g.batch_size)
+    if best:
+        return [f"grads.batch_size={best}"]
+    seq = largest_fitting(lambda n: grads_estimate(cfg, batch_size=1, seq_len=n, projector=projector).total_bytes
+                          <= budget_bytes, g.max_seq_length)
+    tips = [f"grads.batch_size=1 with grads.max_seq_length={seq}"] if seq >= 2 else []
+    return tips + ["a device with more memory, or a smaller model (storage_dtype only shrinks the index on"
+                   " disk; module_filter and projection_dim mostly do, and move only the peak's capture"
+                   " buffers and projection matrices)"]
+
+
+def _grads_stage_estimate(cfg: AppConfig) -> MemoryEstimate | None:
+    return grads_estimate(cfg) if cfg.grads.enabled else None
+
+
+GRADS_MEMORY = StageMemory(estimate=_grads_stage_estimate, advice=grads_advice)

@@ -1,0 +1,97 @@
+"""The pipeline's grads stage: index `grads.data_path` by per-example gradients (Gradian).
+
+`grads.circuit=run` reads the circuit.pt the pruning stage of the same run wrote (through the
+circuit.pt reader, the one piece of circuit discovery Gradian imports).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from circuitkit.circuit import run_circuit_path
+from circuitkit.config import AppConfig
+from circuitkit.io import check_writable
+from circuitkit.models.loading import check_model, model_inputs
+from circuitkit.pipeline import RunContext, Stage, StageResult
+from gradian.indexer import SAMPLE_DATA, build_index, check_grads_config
+from gradian.memory import GRADS_MEMORY
+
+
+def circuit_for_grads(ctx: RunContext) -> Path | None:
+    """The circuit.pt `grads.circuit` names: 'run' is the file this run's pruning stage writes
+    (read from disk, so a pruning stage skipped on rerun is not recomputed), else the path."""
+    circuit = ctx.cfg.grads.circuit
+    if circuit is None:
+        return None
+    if circuit != "run":
+        return Path(circuit)
+    path = run_circuit_path(ctx.cfg.output_path, ctx.run_dir)
+    if not path.is_file():
+        raise FileNotFoundError(f"grads.circuit=run reads the circuit.pt of this run ({path}), which does not exist:"
+                                " run the pruning stage first (stages=[...,pruning,grads]) or give grads.circuit"
+                                " the path of a circuit.pt.")
+    return path
+
+
+def _grads(ctx: RunContext) -> StageResult:
+    """Gradient index of grads.data_path (Gradian), or skipped when grads.enabled is false."""
+    g = ctx.cfg.grads
+    if not g.enabled:
+        ctx.console.print("grads.enabled=false: gradient indexing skipped")
+        return StageResult([], {"status": "skipped"})
+    index_dir = Path(g.index_dir) if g.index_dir else ctx.run_dir / "index"
+    if not g.index_dir and ctx.changed_inputs and index_dir.is_dir():
+        # The run's own index was made from inputs that changed since (data file, model, circuit):
+        # it is stale, not resumable. A user-chosen index_dir is never deleted (Gradian refuses it).
+        ctx.console.print(f"grads: {', '.join(ctx.changed_inputs[:3])} changed; rebuilding {index_dir}",
+                          markup=False)
+        shutil.rmtree(index_dir)
+    circuit_path = circuit_for_grads(ctx)
+    summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model(), circuit_path=circuit_path)
+    files = [index_dir / "manifest.json", *(index_dir / name for name in summary.get("shard_files", []))]
+    ctx.console.print(f"index {index_dir}: {summary['rows_stored']} of {summary['n_rows']} rows,"
+                      f" {summary['bytes'] / 2**20:.2f} MiB")
+    restricted = summary.get("circuit")
+    if restricted:
+        ctx.console.print(f"restricted to circuit {circuit_path} (sha256 {restricted['sha256'][:12]}…):"
+                          f" {len(restricted['heads'])} heads, {len(restricted['mlps'])} MLPs")
+    return StageResult(files, {"index_dir": str(index_dir), "rows_stored": summary["rows_stored"],
+                               "row_width": summary["row_width"], "index_bytes": summary["bytes"],
+                               "complete": summary["complete"], "padding_share": summary.get("padding_share"),
+                               "circuit_sha256": restricted["sha256"] if restricted else None},
+                       estimated_peak_bytes=summary["estimated_peak_bytes"])
+
+
+def grads_data_file(cfg: AppConfig) -> Path:
+    return Path(cfg.grads.data_path).expanduser() if cfg.grads.data_path else SAMPLE_DATA
+
+
+def _grads_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+    if not cfg.grads.enabled:
+        return {}
+    data = grads_data_file(cfg)
+    if not data.exists() and cfg.grads.data_format in ("hf", "auto"):
+        # A hub dataset name: no local file to hash; the name and split are what identify it here.
+        inputs: dict[str, Path | str] = {**model_inputs(cfg.model),
+                                         "grads.data_path": f"hf:{cfg.grads.data_path}:{cfg.grads.data_split}"}
+    else:
+        inputs = {**model_inputs(cfg.model), "grads.data_path": data}
+    if cfg.grads.circuit is not None:  # the circuit decides which parameters are indexed
+        inputs["grads.circuit"] = run_circuit_path(cfg.output_path, run_dir) if cfg.grads.circuit == "run" else Path(cfg.grads.circuit)
+    return inputs
+
+
+def _check_grads(cfg: AppConfig) -> None:
+    """The model reference, then Gradian's own pre-run checks from config files alone: the data
+    can be read, the index dir written, shard_index < num_shards, rows bounded by the context."""
+    if not cfg.grads.enabled:
+        return
+    check_model(cfg.model)
+    if cfg.grads.index_dir:  # a write probe: permission bits say nothing to root on a read-only mount
+        check_writable(Path(cfg.grads.index_dir), "grads.index_dir", directory=True)
+    check_grads_config(cfg.model, cfg.grads, cfg.grads.index_dir)
+
+
+GRADS_STAGE = Stage("grads", ("model", "grads"), _grads, inputs=_grads_inputs, check=_check_grads,
+                    memory=GRADS_MEMORY)

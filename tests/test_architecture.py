@@ -1,0 +1,201 @@
+"""The import graph of `circuitkit/` and `gradian/` forms the stack of docs/architecture.md.
+
+Parsed with `ast` (nothing is imported), every import counts, at module top or inside a
+function: a function-level import is still a dependency, only a later one. Layers, bottom up:
+
+    core     runner core: config, pipeline, manifest, fingerprints, device, io, errors
+    models   loading, adapters, hooks, fixtures, model shapes: the only code with HF module names
+    circuit  circuit discovery and pruning: tasks, attribution, pruning, circuit.pt, its stages
+    gradian  gradient indexing and ranking, its stage and memory estimate
+    entry    run.py, cli.py, api.py, smart.py, gradian/cli.py and the list of stages
+
+Rules: no cycles; imports point down only (the two domains are one level, and may not import
+each other, except that gradian may read circuit.pt through `circuitkit.circuit`).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("circuitkit", "gradian")
+
+CORE, MODELS, CIRCUIT, GRADIAN, ENTRY = "core", "models", "circuit", "gradian", "entry"
+RANK = {CORE: 0, MODELS: 1, CIRCUIT: 2, GRADIAN: 2, ENTRY: 3}
+
+# Every module, placed. A new module gets a line here (the test below fails until it does).
+LAYERS: dict[str, str] = {
+    # runner core
+    "circuitkit.config": CORE,
+    "circuitkit.errors": CORE,
+    "circuitkit.io": CORE,
+    "circuitkit.device": CORE,
+    "circuitkit.fingerprint": CORE,
+    "circuitkit.pipeline": CORE,
+    "circuitkit.sweep": CORE,
+    # models: loading, adapters, hooks, fixtures, the model's shape and memory terms
+    "circuitkit.models": MODELS,
+    "circuitkit.models.adapters": MODELS,
+    "circuitkit.models.hooks": MODELS,
+    "circuitkit.models.loading": MODELS,
+    "circuitkit.fixtures": MODELS,
+    "circuitkit.fixtures.cache": MODELS,
+    "circuitkit.fixtures.models": MODELS,
+    "circuitkit.fixtures.induction": MODELS,
+    "circuitkit.models.linear_modules": MODELS,
+    "circuitkit.memory": MODELS,  # reads model shapes (HF config.json); the generic memory terms
+    "circuitkit.preflight": MODELS,  # sums the estimates the stages declare; imports no domain
+    # circuit discovery and pruning
+    "circuitkit.tasks": CIRCUIT,
+    "circuitkit.tasks.base": CIRCUIT,
+    "circuitkit.tasks.greater_than": CIRCUIT,
+    "circuitkit.tasks.induction": CIRCUIT,
+    "circuitkit.tasks.ioi": CIRCUIT,
+    "circuitkit.tasks.jsonl": CIRCUIT,
+    "circuitkit.tasks.mmlu": CIRCUIT,
+    "circuitkit.tasks.text": CIRCUIT,
+    "circuitkit.attribution": CIRCUIT,
+    "circuitkit.attribution.eap": CIRCUIT,
+    "circuitkit.attribution.exact": CIRCUIT,
+    "circuitkit.attribution.graph": CIRCUIT,
+    "circuitkit.attribution.metrics": CIRCUIT,
+    "circuitkit.attribution.norms": CIRCUIT,
+    "circuitkit.attribution.quadrature": CIRCUIT,
+    "circuitkit.attribution.tradeoffs": CIRCUIT,
+    "circuitkit.attribution.memory": CIRCUIT,
+    "circuitkit.pruning": CIRCUIT,
+    "circuitkit.pruning_edges": CIRCUIT,
+    "circuitkit.circuit": CIRCUIT,
+    "circuitkit.circuit_graph": CIRCUIT,
+    "circuitkit.plots": CIRCUIT,
+    "circuitkit.interop": CIRCUIT,
+    "circuitkit.stages": CIRCUIT,
+    # gradian
+    "gradian": GRADIAN,
+    "gradian.capture": GRADIAN,
+    "gradian.corpus": GRADIAN,
+    "gradian.data": GRADIAN,
+    "gradian.doctor": GRADIAN,
+    "gradian.index": GRADIAN,
+    "gradian.indexer": GRADIAN,
+    "gradian.projection": GRADIAN,
+    "gradian.rank": GRADIAN,
+    "gradian.restrict": GRADIAN,
+    "gradian.sources": GRADIAN,
+    "gradian.memory": GRADIAN,
+    "gradian.stage": GRADIAN,
+    "gradian.precondition": GRADIAN,
+    "gradian.tokens": GRADIAN,
+    # entry points
+    "circuitkit": ENTRY,
+    "circuitkit.api": ENTRY,
+    "circuitkit.cli": ENTRY,
+    "circuitkit.run": ENTRY,
+    "circuitkit.smart": ENTRY,
+    "gradian.cli": ENTRY,
+    "circuitkit.stage_list": ENTRY,
+}
+
+# What gradian may import of circuit discovery: the reader of the circuit.pt format.
+GRADIAN_MAY_READ = {"circuitkit.circuit"}
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (`from a import b` counts a.b when b is a module)."""
+    mods = _modules()
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, path in mods.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            edges[name].update(t for t in targets if t in mods and t != name)
+    return {name: edges[name] for name in mods}
+
+
+def strongly_connected(edges: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's SCCs with more than one member (the import circles)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(component)
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def violations(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Imports that climb a layer, cross between the domains, or close a circle."""
+    bad = set()
+    for src, targets in edges.items():
+        for dst in targets:
+            s, d = LAYERS[src], LAYERS[dst]
+            if RANK[d] > RANK[s]:
+                bad.add((src, dst))
+            elif s == CIRCUIT and d == GRADIAN:
+                bad.add((src, dst))
+            elif s == GRADIAN and d == CIRCUIT and dst not in GRADIAN_MAY_READ:
+                bad.add((src, dst))
+    for circle in strongly_connected(edges):
+        bad.update((src, dst) for src in circle for dst in edges[src] if dst in circle)
+    return bad
+
+
+def test_every_module_is_placed_in_a_layer():
+    mods = set(_modules())
+    assert sorted(mods - set(LAYERS)) == [], "place the new module(s) in LAYERS"
+    assert sorted(set(LAYERS) - mods) == [], "LAYERS names module(s) that no longer exist"
+
+
+def test_imports_point_down_only_and_form_no_circle():
+    assert sorted(violations(import_graph())) == [], "import(s) against the layers"
+
+
+def test_the_checker_sees_a_circle_and_a_climb():
+    # The checker itself: a two-module circle and an import from core into a domain are caught.
+    edges = {"circuitkit.io": {"circuitkit.errors", "gradian.index"}, "circuitkit.errors": {"circuitkit.io"},
+             "gradian.index": set()}
+    assert strongly_connected(edges) == [{"circuitkit.io", "circuitkit.errors"}]
+    assert violations(edges) == {("circuitkit.io", "gradian.index"), ("circuitkit.io", "circuitkit.errors"),
+                                 ("circuitkit.errors", "circuitkit.io")}
