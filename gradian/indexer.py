@@ -107,12 +107,16 @@ def check_writable_dir(path: Path, what: str) -> None:
                         " choose a directory you can write to.", exit_code=2)
 
 
-def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int) -> int:
+def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks: int = 1) -> int:
     """A shard's float32 rows stay in host memory until the shard is written: refuse a shard that
     cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
-    Returns the buffer's bytes."""
+    With grads.preconditioner=module the shard's second moments (`n_blocks` of k x k float32) and
+    one block's float64 scratch (rows x k) come on top. Returns the buffer's bytes."""
     rows = min(grads.rows_per_shard, n_rows)
     need = rows * row_width * 4
+    if grads.preconditioner == "module":
+        k = row_width // n_blocks
+        need += n_blocks * k * k * 4 + rows * k * 8
     available = free_memory_bytes(torch.device("cpu"))
     if need > available:
         fits = max(1, available // (2 * row_width * 4))
@@ -260,7 +264,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     estimate = estimate_grads(
         adapter.shape(), next(model.parameters()).element_size(), worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows)
-    check_shard_buffer(grads, corpus.n_rows, projector.total_width)
+    check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

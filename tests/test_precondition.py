@@ -245,3 +245,14 @@ def test_orthogonal_index_passes_verify_and_ranks(root: Path, tmp_path: Path) ->
     queries = tmp_path / "q.jsonl"
     queries.write_text(json.dumps(ROWS[4]) + "\n")
     assert rank(orth, queries, top_k=1)[0]["row_id"] == 4
+
+
+def test_shard_buffer_counts_the_second_moments() -> None:
+    from circuitkit.config import GradsConfig
+    from gradian.indexer import check_shard_buffer
+
+    plain = GradsConfig(rows_per_shard=100, projection_dim=16)
+    module = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="module")
+    assert check_shard_buffer(plain, 50, 8 * 16, 8) == 50 * 128 * 4
+    # + 8 blocks of 16 x 16 float32, + one block's float64 scratch of 50 x 16.
+    assert check_shard_buffer(module, 50, 8 * 16, 8) == 50 * 128 * 4 + 8 * 16 * 16 * 4 + 50 * 16 * 8
