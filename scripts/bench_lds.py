@@ -16,7 +16,7 @@ cosine ceilings), and bergson, TRAK (traker) and dattri with their own score fun
 width, each in its own virtual environment (scripts/peers/, `make peers`), as bench_peers.py.
 
     python scripts/bench_lds.py [--entities 12] [--subsets 48] [--epochs 10] [--dim 64]
-                                [--tools bergson,traker,dattri] [--work DIR] [--json out.json]
+                                [--tools bergson,traker,dattri] [--projection-seed S] [--work DIR] [--json out.json]
 
 Positive τ means "training on i lowers q's loss" for every tool here (gradient inner products of
 the loss; TRAK's and dattri's scores of their output function), so a useful method has LDS > 0.
@@ -149,7 +149,7 @@ def gradian_scores(data: dict[str, Any], work: Path, dim: int, seed: int) -> lis
         grads = GradsConfig(data_path=data["docs"], batch_size=16, max_seq_length=256, module_filter=data["modules"],
                             projection="kronecker" if raw else projection, projection_dim=None if raw else dim,
                             projection_seed=seed, storage_dtype="float32", loss=loss, preconditioner=preconditioner)
-        index_dir = work / f"gradian_{projection}_{loss}_{preconditioner}"
+        index_dir = work / f"gradian_{projection}_{loss}_{preconditioner}_{seed}"
         start = time.perf_counter()
         build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)
         index_s = time.perf_counter() - start
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--dim", type=int, default=64, help="projection width per module (a square for kronecker)")
     p.add_argument("--tools", default=",".join(PEERS), help=f"peers, a subset of {','.join(PEERS)}; '' for none")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the subsets and the fine-tuning")
+    p.add_argument("--projection-seed", type=int, default=None, help="projection seed of every tool (default --seed)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--work", type=Path, default=None,
@@ -228,14 +229,15 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         data = prepare(work, "tiny", args.entities, args.epochs)
         subsets, losses = subset_losses(data, work, args.subsets, args.epochs, args.seed, console)
-        rows = gradian_scores(data, work, args.dim, args.seed) + peer_scores(data, work, tools, args.dim, args.seed,
-                                                                            args.timeout)
+        seed = args.seed if args.projection_seed is None else args.projection_seed
+        rows = gradian_scores(data, work, args.dim, seed) + peer_scores(data, work, tools, args.dim, seed, args.timeout)
     styles = list(data["queries"])
     for r in rows:
         if not r.get("error"):
             r["lds"] = {s: lds(r["scores"][s], subsets, losses[s]) for s in styles}
             del r["scores"]
     report = {"n_docs": data["n_docs"], "n_queries": data["n_queries"], "n_subsets": args.subsets,
+              "projection_seed": seed,
               "epochs": args.epochs, "dim": args.dim, "styles": styles, "fine_tune": data["fine_tune"], "rows": rows,
               "wall_s": time.perf_counter() - start,
               "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"}
