@@ -31,7 +31,12 @@ demo-gpt2: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# The slow suite includes a real local Ray cluster (tests/test_ray.py): Ray and the Hydra Ray
+# launcher are installed here, then cloudpickle is put back to >= 3 (the launcher pins < 3 but
+# never imports it locally; joblib needs >= 3). About 100 MB.
 test-slow: setup
+	$(BIN)/python -m pip install --quiet -e '.[ray]'
+	$(BIN)/python -m pip install --quiet 'cloudpickle>=3'
 	$(BIN)/python -m pytest -q -m slow
 
 lint: setup

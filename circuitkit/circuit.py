@@ -31,6 +31,7 @@ from rich.table import Table
 from circuitkit.errors import EXIT_USAGE, UserError
 from circuitkit.io import atomic_torch_save, sha256_file
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.placement import input_device
 from circuitkit.pruning import ablate_heads
 
 FORMAT_VERSION = 1
@@ -147,7 +148,7 @@ def apply_circuit(adapter: ModelAdapter, circuit: dict[str, Any], ablation: str 
                          " apply it to arbitrary prompts.")
     if ablation == "mean" and circuit.get("mean_z") is None:
         raise ValueError("the circuit stores no mean activations; pass ablation='zero'.")
-    device = next(adapter.model.parameters()).device
+    device = input_device(adapter.model)
     values = [None] * adapter.n_layers if ablation == "zero" else [v.to(device)[None] for v in circuit["mean_z"]]
     with ablate_heads(adapter, ~mask.bool(), values):
         yield

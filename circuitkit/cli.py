@@ -5,6 +5,7 @@
     circuitkit show CIRCUIT.pt [--graph FILE.png]   summary table and kept heads of a saved circuit
     circuitkit export SRC OUT.json [--format eap-ig-json]     circuit.pt / scores.safetensors -> EAP-IG JSON
     circuitkit import GRAPH.json OUT.pt|OUT.safetensors       EAP-IG JSON -> circuit.pt or scores
+    circuitkit merge RUN_DIRS... [--out DIR] [--no-prune]   merge attribution shards, prune on the merged scores
     circuitkit discover-smart --model M --algorithm A --task T [--check-memory] [overrides...]
                                         size the batch to the device (or only print the estimate)
 
@@ -47,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("path", help="circuit.pt written by the pruning stage")
     show.add_argument("--graph", default=None, help="also draw the circuit as a layered graph to this .png/.svg")
     show.add_argument("--top-edges", type=int, default=40, help="at most this many edges in --graph")
+    sub.add_parser("merge", help="merge attribution shards (discovery.num_shards > 1) and prune", add_help=False)
     sub.add_parser("export", help="circuit.pt / scores.safetensors -> EAP-IG JSON graph", add_help=False)
     sub.add_parser("import", help="EAP-IG JSON graph -> circuit.pt or scores.safetensors", add_help=False)
     return parser
@@ -81,6 +83,10 @@ def _main(argv: list[str]) -> int:
         from circuitkit.smart import main as smart_main
 
         return smart_main(rest)
+    if command == "merge":
+        from circuitkit.merge import main as merge_main
+
+        return merge_main(rest)
     if command in ("export", "import"):
         from circuitkit import interop
 

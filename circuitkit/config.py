@@ -80,6 +80,11 @@ class ModelConfig:
     precision: str = _f("bfloat16", "weight dtype", choices=("bfloat16", "float16", "float32"))
     trust_remote_code: bool = _f(False, "allow model code from the hub; off unless you set it")
     attn_implementation: str = _f("sdpa", "attention kernel", choices=("sdpa", "eager"))
+    device_map: Any = _f(None, "split the model over devices with accelerate: null = whole model on one device;"
+                         " auto, balanced, balanced_low_0, sequential; or {module name: GPU number, cpu or disk}")
+    max_memory: Any = _f(None, "with device_map: the most each device may hold, e.g. {0: 20GiB, 1: 20GiB, cpu: 64GiB};"
+                         " null = what accelerate finds free")
+    offload_folder: Optional[str] = _f(None, "with device_map: where layers mapped to 'disk' are stored")
     shape: ModelShape = field(default_factory=ModelShape, metadata={"doc": "shape known without loading"})
 
 
@@ -104,6 +109,10 @@ class DiscoveryConfig:
     ig_rule: str = _f("right", "EAP-IG quadrature rule; ig_steps is its number of passes (right = reference EAP-IG)",
                       choices=("right", "midpoint", "trapezoid", "gauss_legendre"))
     batch_size: int = _f(4, "examples per forward/backward pass", ge=1)
+    num_shards: int = _f(1, "jobs splitting the attribution examples (contiguous ranges; merged by the last to finish)", ge=1)
+    shard_index: int = _f(0, "this job's share of the attribution examples, 0 <= shard_index < num_shards", ge=0)
+    shard_dir: Optional[str] = _f(None, "where attribution shards meet and are merged; null = <run dir>/../attribution_shards"
+                                  " (the sweep dir in a multirun)")
     data_params: DataParams = field(default_factory=DataParams, metadata={"doc": "task data"})
 
 
@@ -218,6 +227,8 @@ def _type_hints(cls: type) -> dict[str, Any]:
 
 
 def _describe_allowed(tp: Any, optional: bool, meta: Mapping[str, Any]) -> str:
+    if tp is Any:  # the free-form placement keys
+        return "null, a name or a mapping (see below)"
     parts = []
     if meta.get("choices"):
         parts.append("one of " + ", ".join(repr(c) for c in meta["choices"]))
@@ -279,6 +290,8 @@ def unknown_key_error(path: str, cls: type) -> ConfigError:
 
 def _check_value(path: str, value: Any, tp: Any, meta: Mapping[str, Any]) -> Any:
     """Validate one leaf value; returns it (ints accepted for floats)."""
+    if tp is Any:  # free-form keys (model.device_map, model.max_memory): checked in _check_placement
+        return value
     base, optional = _unwrap_optional(tp)
     allowed = _describe_allowed(base, optional, meta)
     if value is None:
@@ -346,7 +359,39 @@ def _validate_block(data: Mapping[str, Any], cls: type, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _check_placement(m: ModelConfig) -> None:
+    dm = m.device_map
+    if dm is None:
+        if m.max_memory is not None or m.offload_folder is not None:
+            raise ConfigError("Config keys 'model.max_memory' / 'model.offload_folder' only apply with"
+                              " model.device_map set (e.g. model.device_map=auto).")
+        return
+    if isinstance(dm, str):
+        if dm not in DEVICE_MAP_STRATEGIES:
+            raise ConfigError(f"Config key 'model.device_map' = {dm!r} is not allowed; it must be null, one of"
+                              f" {', '.join(DEVICE_MAP_STRATEGIES)}, or a mapping {{module name: device}}.")
+    elif isinstance(dm, Mapping):
+        bad = [f"{k}: {v!r}" for k, v in dm.items()
+               if not (isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str))]
+        if not dm or bad:
+            raise ConfigError(f"Config key 'model.device_map' has {', '.join(bad) or 'no entries'}; each module"
+                              " must map to a GPU number, a device name (cuda:1, cpu) or 'disk'.")
+        if "disk" in dm.values() and m.offload_folder is None:
+            raise ConfigError("Config key 'model.device_map' maps modules to 'disk', so model.offload_folder must"
+                              " name a directory for them.")
+    else:
+        raise ConfigError(f"Config key 'model.device_map' = {dm!r} must be null, a strategy name"
+                          f" ({', '.join(DEVICE_MAP_STRATEGIES)}) or a mapping {{module name: device}}.")
+    if m.max_memory is not None and not isinstance(m.max_memory, Mapping):
+        raise ConfigError(f"Config key 'model.max_memory' = {m.max_memory!r} must be a mapping {{device: size}},"
+                          " e.g. {0: 20GiB, cpu: 64GiB}.")
+
+
 def _check_cross_fields(cfg: AppConfig) -> None:
+    _check_placement(cfg.model)
     g = cfg.grads
     if g.shard_index >= g.num_shards:
         raise ConfigError(f"Config key 'grads.shard_index' = {g.shard_index} must be < grads.num_shards"
@@ -361,6 +406,13 @@ def _check_cross_fields(cfg: AppConfig) -> None:
     if len(set(cfg.stages)) != len(cfg.stages):
         raise ConfigError(f"Config key 'stages' = {list(cfg.stages)} names a stage twice.")
     d = cfg.discovery
+    if d.shard_index >= d.num_shards:
+        raise ConfigError(f"Config key 'discovery.shard_index' = {d.shard_index} must be < discovery.num_shards"
+                          f" = {d.num_shards} (jobs are numbered 0..num_shards-1).")
+    if d.num_shards > d.data_params.num_examples:
+        raise ConfigError(f"Config key 'discovery.num_shards' = {d.num_shards} exceeds"
+                          f" discovery.data_params.num_examples = {d.data_params.num_examples}: every shard needs"
+                          " at least one example; use fewer shards.")
     if d.algorithm == "eap-ig" and d.ig_rule == "trapezoid" and d.ig_steps == 1:
         raise ConfigError("Config key 'discovery.ig_steps' = 1 is too few for discovery.ig_rule=trapezoid (its"
                           " points include both ends, α = 0 and α = 1): set ig_steps >= 2, or ig_rule=right for EAP.")

@@ -75,11 +75,12 @@ def check(cfg: AppConfig, stages: Sequence[Stage], console: Console | None = Non
     budget = int(cfg.preflight.headroom * free)
     estimates: dict[str, MemoryEstimate] = {}
     problems = []
+    split = cfg.model.device_map is not None  # each device against its own free memory (_check_split)
     for stage in stages:
         if stage.memory is None or (estimate := stage.memory.estimate(cfg)) is None:
             continue
         estimates[stage.name] = estimate
-        if estimate.total_bytes <= budget:
+        if split or estimate.total_bytes <= budget:
             continue
         tips = stage.memory.advice(cfg, budget)
         console.print(table(estimate, free, cfg.preflight.headroom, f"{stage.name} does not fit"))
@@ -89,11 +90,40 @@ def check(cfg: AppConfig, stages: Sequence[Stage], console: Console | None = Non
     for stage in stages:
         if stage.memory is not None and stage.memory.note is not None and (line := stage.memory.note(cfg)):
             console.print(f"time/accuracy: {line}", markup=False, highlight=False)
+    if split:
+        problems += _check_split(cfg, estimates, console)
     if problems and cfg.preflight.on_exceed == "error":
         raise PreflightError(" ".join(problems) + " (preflight.on_exceed=warn runs anyway.)")
     for message in problems:
         log.warning(message)
     return estimates
+
+
+def _check_split(cfg: AppConfig, estimates: dict[str, MemoryEstimate], console: Console) -> list[str]:
+    """model.device_map: a table per stage of each device's share (weights it holds, the other
+    terms in proportion to the layers it runs), each against that device's free memory."""
+    from circuitkit.models.device_shares import per_device_estimates
+    from circuitkit.models.placement import device_of
+
+    problems = []
+    for stage, estimate in estimates.items():
+        per_device = per_device_estimates(cfg.model, estimate)
+        out = Table(title=f"estimated {stage} peak per device (model.device_map)")
+        for col in ("device", "weights MiB", "other MiB", "total MiB", "free MiB", "fits"):
+            out.add_column(col, justify="right")
+        for device, est in per_device.items():
+            free = None if device == "disk" else free_memory_bytes(device_of(device))
+            fits = free is None or est.total_bytes <= cfg.preflight.headroom * free
+            weights = est.terms["weights"]
+            out.add_row(device, f"{weights / 2**20:.1f}", f"{(est.total_bytes - weights) / 2**20:.1f}",
+                        f"{est.total_bytes / 2**20:.1f}", "-" if free is None else f"{free / 2**20:.1f}",
+                        "yes" if fits else "NO")
+            if not fits:
+                problems.append(f"estimated {stage} share of {device} {est.total_bytes / 2**30:.2f} GiB exceeds"
+                                f" {cfg.preflight.headroom:.0%} of its {free / 2**30:.2f} GiB free: give it less"
+                                " with model.max_memory, or lower discovery.batch_size / grads.batch_size.")
+        console.print(out)
+    return problems
 
 
 def summary(estimates: dict[str, MemoryEstimate], free: int, budget: int) -> dict:
@@ -116,7 +146,13 @@ def _preflight(ctx: RunContext) -> StageResult:
         plots.append(memory_plot(estimate, ctx.run_dir / f"memory_estimate_{stage}.png", budget))
     if not estimates:
         ctx.console.print("no stage with a memory estimate selected (attribution, grads)")
-    return StageResult(plots, summary(estimates, free, budget))
+    out = summary(estimates, free, budget)
+    if ctx.cfg.model.device_map is not None:
+        from circuitkit.models.device_shares import per_device_estimates
+
+        out["per_device_bytes"] = {stage: {dev: e.total_bytes for dev, e in per_device_estimates(ctx.cfg.model, est).items()}
+                                   for stage, est in estimates.items()}
+    return StageResult(plots, out)
 
 
 PREFLIGHT_STAGE = Stage("preflight", ("model", "discovery", "grads", "preflight"), _preflight, cached=False,

@@ -29,6 +29,7 @@ from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.config import PruningConfig
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet
+from circuitkit.models.placement import input_device
 from circuitkit.pruning_edges import EdgeEvaluator, fit_positions, mean_writes
 from circuitkit.tasks.base import TaskData
 
@@ -89,7 +90,7 @@ def mean_z(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tens
 
     Positions past an example's end are left out of that position's mean.
     """
-    device = next(adapter.model.parameters()).device
+    device = input_device(adapter.model)
     total, count = None, None
     for batch in data.batches(batch_size):
         batch = batch.to(device)
@@ -132,7 +133,7 @@ class Evaluator:
     def __init__(self, adapter: ModelAdapter, data: TaskData, metric: str, ablation: str,
                  mean_values: torch.Tensor | None, batch_size: int) -> None:
         self.adapter, self.metric, self.ablation, self.batch_size = adapter, metric, ablation, batch_size
-        device = next(adapter.model.parameters()).device
+        device = input_device(adapter.model)
         self.batches = []
         for batch in data.batches(batch_size):
             batch = batch.to(device)

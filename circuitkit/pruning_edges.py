@@ -18,6 +18,7 @@ from circuitkit.attribution.eap import cached_run, deltas, graph_of, head_writes
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
+from circuitkit.models.placement import input_device, resident
 from circuitkit.tasks.base import TaskData
 
 
@@ -44,7 +45,7 @@ def upstream_writes(adapter: ModelAdapter, rec: dict) -> torch.Tensor:
 @torch.no_grad()
 def mean_writes(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tensor:
     """Mean write of every upstream node over the clean examples per position: (n_up, T, d)."""
-    device = next(adapter.model.parameters()).device
+    device = input_device(adapter.model)
     total = count = None
     for batch in data.batches(batch_size):
         batch = batch.to(device)
@@ -72,9 +73,10 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
     hk.pre(adapter.blocks[0], lambda m, a, k: live.append(first_input(a, k).float().unsqueeze(0)), with_kwargs=True)
     for layer in range(L):
         cols = graph.layer_columns(layer)
-        w = adapter.qkv_weights(layer)
-        attn_spec = adapter.norm_spec(adapter.attn_norm(layer))
-        mlp_spec = adapter.norm_spec(adapter.mlp_norm(layer))
+        with resident(adapter.blocks[layer]):  # offloaded layers (model.device_map): real weights
+            w = adapter.qkv_weights(layer)
+            attn_spec = adapter.norm_spec(adapter.attn_norm(layer))
+            mlp_spec = adapter.norm_spec(adapter.mlp_norm(layer))
 
         def attn_in(module, args, out, layer=layer, cols=cols, attn_spec=attn_spec, w=w):
             s = shift(graph.upstream_before_attn(layer), slice(cols.start, cols.stop - 1))  # (H+2KV, B, T, d)
@@ -122,7 +124,7 @@ class EdgeEvaluator:
     def __init__(self, adapter: ModelAdapter, data: TaskData, metric: str, ablation: str,
                  mean_values: torch.Tensor | None, batch_size: int) -> None:
         self.adapter, self.metric = adapter, metric
-        device = next(adapter.model.parameters()).device
+        device = input_device(adapter.model)
         self.batches = []
         for batch in data.batches(batch_size):
             batch = batch.to(device)

@@ -84,10 +84,29 @@ def _attribution(ctx: RunContext) -> StageResult:
     loaded = ctx.model()
     pairs, n_attr = task_data(ctx)
     data = pairs[:n_attr]
-    scores = run_attribution(loaded.adapter, data, d)
+    meta = {"model": ctx.cfg.model.name, "task": d.task, "prepend_bos": str(d.data_params.prepend_bos).lower()}
+    estimate = attribution_estimate(ctx.cfg, batch_size=min(d.batch_size, len(data)),
+                                    seq_len=int(data.clean_ids.shape[1])).total_bytes
+    shard_files, shard_summary = [], {}
+    if d.num_shards > 1:  # this job's sums; the last shard to finish merges (circuitkit.attribution.shards)
+        from circuitkit.attribution.shards import run_attribution_shard
+
+        outcome = run_attribution_shard(ctx, data, ctx.run_dir / DATA_FILE)
+        shard_files = [outcome.partial_path]
+        shard_summary = {"shard_index": d.shard_index, "num_shards": d.num_shards,
+                         "example_range": list(outcome.example_range), "shard_dir": str(outcome.shard_dir),
+                         "merged": outcome.merged is not None, "shards": outcome.shards}
+        if outcome.merged is None:
+            (ctx.run_dir / SCORES_FILE).unlink(missing_ok=True)  # an earlier merge's scores are stale now
+            return StageResult(shard_files, {**shard_summary, "n_examples": outcome.example_range[1]
+                                             - outcome.example_range[0], "waiting_for": outcome.missing},
+                               estimated_peak_bytes=estimate)
+        scores = outcome.merged
+        save_scores(outcome.shard_dir / SCORES_FILE, scores, meta)
+    else:
+        scores = run_attribution(loaded.adapter, data, d)
     ctx.state["scores"] = scores
-    path = save_scores(ctx.run_dir / SCORES_FILE, scores, {"model": ctx.cfg.model.name, "task": d.task,
-                                                            "prepend_bos": str(d.data_params.prepend_bos).lower()})
+    path = save_scores(ctx.run_dir / SCORES_FILE, scores, meta)
     steps = "" if d.algorithm != "eap-ig" else f", ig_steps={scores.info['ig_steps']}, ig_rule={scores.info['ig_rule']}"
     plot = head_heatmap(scores.head, ctx.run_dir / HEATMAP_FILE,
                         f"{d.algorithm} head scores ({d.task}, {d.metric}{steps})")
@@ -102,14 +121,12 @@ def _attribution(ctx: RunContext) -> StageResult:
     summary = {"algorithm": d.algorithm, "level": d.level, "metric": d.metric, "n_examples": len(data),
                "metric_clean": scores.metric_clean, "metric_corrupted": scores.metric_corrupted,
                "embed_score": float(scores.embed), "top_head": f"L{best[0][0]}H{best[0][1]}",
-               "top_head_score": best[0][2]}
+               "top_head_score": best[0][2], **shard_summary}
     if d.algorithm == "eap-ig":
         summary.update(ig_steps=scores.info["ig_steps"], ig_rule=scores.info["ig_rule"])
     if scores.edges is not None:
         summary["n_edges"] = scores.graph.n_edges
-    estimate = attribution_estimate(ctx.cfg, batch_size=min(d.batch_size, len(data)),
-                                    seq_len=int(data.clean_ids.shape[1])).total_bytes
-    return StageResult([path, plot], summary, estimated_peak_bytes=estimate)
+    return StageResult([*shard_files, path, plot], summary, estimated_peak_bytes=estimate)
 
 
 def attribution_scores(ctx: RunContext):
@@ -135,6 +152,10 @@ def _write_curve(ctx: RunContext, curve: list[dict], title: str) -> list[Path]:
 def _pruning(ctx: RunContext) -> StageResult:
     """Remove the lowest-ranked heads (or edges), measure faithfulness on held-out pairs, write circuit.pt."""
     p, d = ctx.cfg.pruning, ctx.cfg.discovery
+    if d.num_shards > 1 and "scores" not in ctx.state and not (ctx.run_dir / SCORES_FILE).is_file():
+        ctx.console.print("pruning: this attribution shard did not merge (other shards still running);"
+                          " the last shard to finish prunes the merged scores.")
+        return StageResult([], {"status": "skipped", "reason": "waiting for the other attribution shards"})
     scores = attribution_scores(ctx)
     if p.scope == "edges" and scores.edges is None:
         raise ValueError("pruning.scope=edges needs edge scores, but attribution ran at node level:"

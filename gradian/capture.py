@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from circuitkit.config import GradsConfig, choices
+from circuitkit.models.placement import input_device
 from gradian.projection import Projector
 
 
@@ -131,7 +132,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     if missing:
         raise ValueError(f"the projector has no shape for modules {missing[:3]}.")
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch.get("attention_mask")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)

@@ -40,6 +40,8 @@ LAYERS: dict[str, str] = {
     "circuitkit.models.adapters": MODELS,
     "circuitkit.models.hooks": MODELS,
     "circuitkit.models.loading": MODELS,
+    "circuitkit.models.placement": MODELS,  # model.device_map: input device, offloaded weights made resident
+    "circuitkit.models.device_shares": MODELS,  # model.device_map: each device's share of an estimate
     "circuitkit.fixtures": MODELS,
     "circuitkit.fixtures.cache": MODELS,
     "circuitkit.fixtures.models": MODELS,
@@ -65,6 +67,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.attribution.quadrature": CIRCUIT,
     "circuitkit.attribution.tradeoffs": CIRCUIT,
     "circuitkit.attribution.memory": CIRCUIT,
+    "circuitkit.attribution.shards": CIRCUIT,  # sharded attribution: partial sums, the merge
     "circuitkit.pruning": CIRCUIT,
     "circuitkit.pruning_edges": CIRCUIT,
     "circuitkit.circuit": CIRCUIT,
@@ -94,6 +97,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.cli": ENTRY,
     "circuitkit.run": ENTRY,
     "circuitkit.smart": ENTRY,
+    "circuitkit.merge": ENTRY,  # `circuitkit merge RUN_DIRS`: merge attribution shards, then prune
     "gradian.cli": ENTRY,
     "circuitkit.stage_list": ENTRY,
 }

@@ -20,12 +20,13 @@ __all__ = ["AttributionScores", "Graph", "attribute", "exact_patching", "run_att
 
 
 def run_attribution(adapter: ModelAdapter, data: TaskData, cfg: DiscoveryConfig,
-                    progress: bool = True) -> AttributionScores:
-    """Scores for `cfg.algorithm` at `cfg.level` over `data` in batches of `cfg.batch_size`."""
+                    progress: bool = True, sums: bool = False) -> AttributionScores:
+    """Scores for `cfg.algorithm` at `cfg.level` over `data` in batches of `cfg.batch_size`
+    (means over the examples; sums with `sums=True`, what a shard writes)."""
     if cfg.algorithm == "exact":
-        return exact_patching(adapter, data, cfg.level, cfg.metric, cfg.batch_size, progress)
+        return exact_patching(adapter, data, cfg.level, cfg.metric, cfg.batch_size, progress, sums=sums)
     return attribute(adapter, data, cfg.algorithm, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
-                     ig_rule=cfg.ig_rule)
+                     ig_rule=cfg.ig_rule, sums=sums)
 
 
 def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str, str] | None = None) -> Path:

@@ -34,6 +34,7 @@ from circuitkit.attribution.quadrature import (  # noqa: F401  (re-exported: the
 )
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
+from circuitkit.models.placement import input_device, resident
 from circuitkit.tasks.base import TaskData
 
 
@@ -62,11 +63,12 @@ def head_writes(adapter: ModelAdapter, layer: int, z: torch.Tensor, attn_total: 
     Post-norm models (Gemma 3): γ ⊙ (W_O[h] z_h) / rms(total attention output), which sums
     exactly to the layer's write.
     """
-    w_o, _ = adapter.o_weights(layer)
+    with resident(adapter.blocks[layer]):  # offloaded layers (model.device_map): real weights for a moment
+        w_o, _ = adapter.o_weights(layer)
+        norm = adapter.post_attn_norm(layer)
+        spec = adapter.norm_spec(norm) if norm is not None else None
     writes = torch.einsum("bthe,hde->hbtd", z.float(), w_o.float())
-    norm = adapter.post_attn_norm(layer)
-    if norm is not None:
-        spec = adapter.norm_spec(norm)
+    if spec is not None:
         total = attn_total.float()
         writes = writes * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + spec.eps) * spec.weight.float()
     return writes
@@ -129,12 +131,13 @@ def deltas(adapter: ModelAdapter, clean: RecordedRun, corrupted: RecordedRun, ed
     )
     if edges:
         rows = [d.embed.unsqueeze(0)]
+        dev = d.embed.device  # every write's Δ on one device for the edge contraction (model.device_map)
         for layer in range(L):
             zc = clean.z[layer].unflatten(-1, (H, adapter.head_dim))
             zx = corrupted.z[layer].unflatten(-1, (H, adapter.head_dim))
-            rows.append(head_writes(adapter, layer, zc, clean.attn_total[layer])
-                        - head_writes(adapter, layer, zx, corrupted.attn_total[layer]))
-            rows.append(d.mlp[layer].unsqueeze(0))
+            rows.append((head_writes(adapter, layer, zc, clean.attn_total[layer])
+                         - head_writes(adapter, layer, zx, corrupted.attn_total[layer])).to(dev))
+            rows.append(d.mlp[layer].unsqueeze(0).to(dev))
         d.up = torch.cat(rows)  # (n_upstream, B, T, d_model)
     return d
 
@@ -184,14 +187,14 @@ class _GradientSums:
     def add_layer_inputs(self, layer: int, x_attn, grads_qkv: dict, x_mlp, g_mlp_in) -> None:
         """Residual-space gradients of every input of `layer`, through its own path only."""
         a = self.adapter
-        w = a.qkv_weights(layer)
-        attn_spec = a.norm_spec(a.attn_norm(layer))
+        with resident(a.blocks[layer]):  # offloaded layers (model.device_map): real weights for a moment
+            w = a.qkv_weights(layer)
+            attn_spec, mlp_spec = a.norm_spec(a.attn_norm(layer)), a.norm_spec(a.mlp_norm(layer))
         parts = []
         for key, weight in (("q", w.w_q), ("k", w.w_k), ("v", w.w_v)):
             # (B, T, n, dh) x (n, dh, d_model) -> (n, B, T, d_model): the norm output's gradient
             g_norm_out = torch.einsum("btne,ned->nbtd", grads_qkv[key].float(), weight.float())
             parts.append(norm_backward(attn_spec, x_attn, g_norm_out))
-        mlp_spec = a.norm_spec(a.mlp_norm(layer))
         parts.append(norm_backward(mlp_spec, x_mlp, g_mlp_in.float().unsqueeze(0)))
         self.inputs[layer] = self._add(self.inputs[layer], torch.cat(parts))
 
@@ -248,26 +251,29 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _Gradi
                   out: dict) -> None:
     """Contract Δ with the weighted gradient sums / n_points and add this batch's per-example sums to `out`."""
     H = adapter.n_heads
+    # Under model.device_map each layer's Δ and gradient sums live on that layer's device; the
+    # contraction happens there and only the small results move (no-ops on one device).
+    dev = out["head"].device
     for layer in range(adapter.n_layers):
         gz = sums.z[layer].unflatten(-1, (H, adapter.head_dim))
-        out["head"][layer] += torch.einsum("bthe,bthe->h", delta.z[layer], gz) / n_points
-        out["mlp"][layer] += (delta.mlp[layer] * sums.mlp[layer]).sum() / n_points
-    out["embed"] += (delta.embed * sums.embed).sum() / n_points
+        out["head"][layer] += (torch.einsum("bthe,bthe->h", delta.z[layer], gz) / n_points).to(dev)
+        out["mlp"][layer] += ((delta.mlp[layer] * sums.mlp[layer]).sum() / n_points).to(dev)
+    out["embed"] += ((delta.embed * sums.embed).sum() / n_points).to(dev)
     if sums.edges:
-        up = delta.up.flatten(1)  # (n_upstream, B*T*d_model)
+        up = delta.up.flatten(1)  # (n_upstream, B*T*d_model), on the first layer's device
         for layer in range(adapter.n_layers):
             cols = graph.layer_columns(layer)
-            g = sums.inputs[layer].flatten(1)  # (per_layer_inputs, B*T*d_model)
+            g = sums.inputs[layer].flatten(1).to(up.device)  # (per_layer_inputs, B*T*d_model)
             n_attn, n_mlp = graph.upstream_before_attn(layer), graph.upstream_before_mlp(layer)
             out["edges"][:n_attn, cols.start:cols.stop - 1] += up[:n_attn] @ g[:-1].T / n_points
             out["edges"][:n_mlp, cols.stop - 1] += up[:n_mlp] @ g[-1] / n_points
-        out["edges"][:, graph.logits_column] += up @ sums.logits.flatten() / n_points
+        out["edges"][:, graph.logits_column] += up @ sums.logits.flatten().to(up.device) / n_points
 
 
 def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", level: str = "node",
               metric: str = "logit_diff", ig_steps: int | None = 5, batch_size: int = 4,
               progress: bool = True, ig_rule: str = DEFAULT_IG_RULE,
-              group_by_length: bool = True) -> AttributionScores:
+              group_by_length: bool = True, sums: bool = False) -> AttributionScores:
     """EAP / EAP-IG / clean-corrupted scores of every node (and edge, if level='edge').
 
     data: TaskData with N pairs; scores are means over the N examples, independent of
@@ -276,11 +282,14 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     Returns AttributionScores with head (L, H), mlp (L,), embed () and, at edge level, edges
     (n_upstream, n_downstream). `ig_rule` chooses the eap-ig quadrature (right, midpoint,
     trapezoid, gauss_legendre); ig_steps is its number of points = passes.
+    `sums=True` returns sums over the examples instead of means (scores and metrics), which
+    shards of the examples add exactly (`circuitkit.attribution.shards`).
     """
     rule = integration_rule(algorithm, ig_steps, ig_rule)
+    divisor = 1 if sums else len(data)  # `sums` is reused below for the gradient sums
     edges = level == "edge"
     graph = graph_of(adapter)
-    device = next(adapter.model.parameters()).device
+    device = input_device(adapter.model)
     dtype = adapter.embed.weight.dtype
     L, H = adapter.n_layers, adapter.n_heads
     out = {"head": torch.zeros(L, H, device=device), "mlp": torch.zeros(L, device=device),
@@ -309,11 +318,11 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
                 _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k, batch, metric, clean_answer, sums)
             _batch_scores(adapter, graph, delta, sums, rule.passes, out)
             bar.advance(task)
-    n = len(data)
+    n = divisor
     return AttributionScores(
         head=(out["head"] / n).cpu(), mlp=(out["mlp"] / n).cpu(), embed=(out["embed"] / n).cpu(), graph=graph,
         edges=(out["edges"] / n).cpu() if edges else None, metric_clean=metric_clean / n,
-        metric_corrupted=metric_corrupted / n, n_examples=n,
+        metric_corrupted=metric_corrupted / n, n_examples=len(data),
         info={"algorithm": algorithm, "level": level, "metric": metric,
               "ig_steps": rule.passes if algorithm == "eap-ig" else None,
               "ig_rule": rule.rule if algorithm == "eap-ig" else None, "passes": rule.passes,

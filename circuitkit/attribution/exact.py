@@ -17,6 +17,7 @@ from circuitkit.attribution.eap import AttributionScores, cached_run, deltas, gr
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet, first_input, replace_first, replace_first_output
+from circuitkit.models.placement import input_device
 from circuitkit.tasks.base import TaskData
 
 
@@ -92,10 +93,11 @@ def _edge_patch(adapter: ModelAdapter, graph, column: int, delta_u: torch.Tensor
 
 
 def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", metric: str = "logit_diff",
-                   batch_size: int = 4, progress: bool = True) -> AttributionScores:
-    """Exact patching scores, in the same layout as `attribute` (means over examples)."""
+                   batch_size: int = 4, progress: bool = True, sums: bool = False) -> AttributionScores:
+    """Exact patching scores, in the same layout as `attribute` (means over examples; sums
+    over them with `sums=True`)."""
     graph = graph_of(adapter)
-    device = next(adapter.model.parameters()).device
+    device = input_device(adapter.model)
     L, H = adapter.n_layers, adapter.n_heads
     head, mlp, embed = torch.zeros(L, H), torch.zeros(L), torch.zeros(())
     edge_mask = graph.edge_mask()
@@ -126,7 +128,7 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
                     install = _edge_patch(adapter, graph, v, up[u])
                     edges[u, v] += (m_clean - _metric(adapter, batch, metric, clean_answer, install)).sum().cpu()
             bar.advance(task)
-    n = len(data)
+    n = 1 if sums else len(data)
     return AttributionScores(head / n, mlp / n, embed / n, graph, None if edges is None else edges / n,
-                             m_clean_total / n, m_corrupted_total / n, n,
+                             m_clean_total / n, m_corrupted_total / n, len(data),
                              {"algorithm": "exact", "level": level, "metric": metric, "batch_size": batch_size})

@@ -41,7 +41,10 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go (the first layer's device when `model.device_map` splits the model)."""
+        from circuitkit.models.placement import input_device
+
+        return input_device(self.model)
 
 
 class ModelReferenceError(UserError, ValueError):
@@ -151,6 +154,28 @@ def _quiet_transformers() -> None:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
+def placement_kwargs(cfg: ModelConfig) -> dict:
+    """`device_map`, `max_memory` and `offload_folder` for from_pretrained, when a device map is
+    set (accelerate places the layers); UserError if accelerate is missing."""
+    if cfg.device_map is None:
+        return {}
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise UserError("model.device_map needs Hugging Face accelerate: pip install 'circuitkit[accelerate]'"
+                        " (or set model.device_map=null).", 2) from None
+    from omegaconf import OmegaConf
+
+    def plain(value):
+        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    out = {"device_map": plain(cfg.device_map)}
+    if cfg.max_memory is not None:
+        out["max_memory"] = {(int(k) if str(k).isdigit() else k): v for k, v in plain(cfg.max_memory).items()}
+    if cfg.offload_folder is not None:
+        out["offload_folder"] = str(Path(cfg.offload_folder).expanduser())
+    return out
+
+
 def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedModel:
     """Load `cfg.name` at `cfg.revision` in `cfg.precision`, frozen, in eval mode, on `device`.
 
@@ -170,7 +195,7 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
         auto = _auto_class(path, cfg.revision, cfg.trust_remote_code)
         model = auto.from_pretrained(path, revision=cfg.revision, dtype=DTYPES[cfg.precision],
                                      trust_remote_code=cfg.trust_remote_code,
-                                     attn_implementation=cfg.attn_implementation)
+                                     attn_implementation=cfg.attn_implementation, **placement_kwargs(cfg))
     except Exception as err:
         if isinstance(err, UserError):
             raise
@@ -188,7 +213,8 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
         raise
     model.requires_grad_(False)
     model.eval()
-    model.to(device)
+    if cfg.device_map is None:  # with a device map, accelerate has placed every layer already
+        model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     return LoadedModel(model, tokenizer, get_adapter(model), cfg.name, cfg.revision, path)
 
@@ -212,10 +238,15 @@ def context_length(hf_config) -> int | None:
 
 def weights_hash(model: nn.Module) -> str:
     """sha256 over parameter names, shapes, dtypes and bytes: identifies the exact weights."""
+    from circuitkit.models.placement import resident, state_entries
+
     h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-        h.update(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    # = sorted(model.state_dict().items()), with offloaded weights read one module at a time
+    for name, (module, attr) in sorted(state_entries(model).items()):
+        with resident(module):
+            p = getattr(module, attr)
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            h.update(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -1,0 +1,263 @@
+"""Sharded attribution: jobs split the examples, write float32 sums, and one merge divides.
+
+With `discovery.num_shards = N`, job `shard_index = i` scores the contiguous range of the
+attribution examples [⌊n·i/N⌋, ⌊n·(i+1)/N⌋) and writes the float32 *sums* over its range
+(scores and metrics) and its example count, never a mean. The merge adds the N sums in shard
+order and divides by the total count, so it equals one job over all examples up to the order
+of float32 additions.
+
+Shards meet in a shared directory (`discovery.shard_dir`, default `<run dir>/../attribution_shards`,
+the sweep dir of a Hydra multirun): `shard-IIIII-of-NNNNN.safetensors` per job; the job that
+finds every shard present (under a file lock) writes the merged `scores.safetensors` and
+`merge.json` there. Shards merge only when they were made with the same config (every key but
+the shard keys and where the model is placed), the same model files and the same task data;
+otherwise the merge is refused naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuitkit.attribution.eap import AttributionScores
+from circuitkit.attribution.graph import Graph
+from circuitkit.errors import UserError
+from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
+
+PARTIAL_FILE = "attribution_shard.safetensors"  # a shard's sums, in its own run dir
+MERGE_RECORD = "merge.json"
+LOCK_FILE = ".merge.lock"
+# Keys that may differ between shards of one merge: which shard, where they meet, where the
+# model sits (placement changes float round-off, not the maths).
+_SHARD_KEYS = {"discovery.num_shards", "discovery.shard_index", "discovery.shard_dir"}
+_PLACEMENT_KEYS = {"model.device_map", "model.max_memory", "model.offload_folder"}
+
+
+class ShardMergeError(UserError):
+    """Shards that cannot be merged: different configs, models or data, or some missing."""
+
+
+def shard_range(n_examples: int, num_shards: int, shard_index: int) -> tuple[int, int]:
+    """[start, stop) of shard `shard_index`: contiguous, sizes differ by at most one."""
+    return n_examples * shard_index // num_shards, n_examples * (shard_index + 1) // num_shards
+
+
+def shard_file_name(shard_index: int, num_shards: int) -> str:
+    return f"shard-{shard_index:05d}-of-{num_shards:05d}.safetensors"
+
+
+def default_shard_dir(run_dir: Path) -> Path:
+    """Next to the run dir: a multirun's jobs are `<sweep dir>/<job number>`, so they share it."""
+    return Path(run_dir).resolve().parent / "attribution_shards"
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for key, value in obj.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: obj}
+
+
+def shard_identity(config: dict[str, Any]) -> dict[str, Any]:
+    """The flattened config keys that decide a shard's sums (what must agree to merge)."""
+    keep = {k: config[k] for k in ("model", "discovery", "seed") if k in config}
+    return {k: v for k, v in _flatten(keep).items() if k not in _SHARD_KEYS | _PLACEMENT_KEYS}
+
+
+@dataclass
+class Partial:
+    """One shard's sums as read back from its file."""
+
+    path: Path
+    sums: AttributionScores  # sums over the shard's examples; n_examples = its count
+    shard_index: int
+    num_shards: int
+    example_range: tuple[int, int]
+    identity: dict[str, Any]
+    model_sha256: str
+    data_sha256: str
+
+
+def save_partial(path: Path, sums: AttributionScores, shard_index: int, num_shards: int,
+                 example_range: tuple[int, int], identity: dict[str, Any], model_sha256: str,
+                 data_sha256: str) -> Path:
+    """A shard file: float32 sums `head_sums` (L, H), `mlp_sums` (L,), `embed_sum` (1,),
+    `edge_sums` (n_up, n_down) when computed, `metric_sums` (2,) clean/corrupted; the count
+    and what it was made from in the metadata."""
+    g = sums.graph
+    tensors = {"head_sums": sums.head.float(), "mlp_sums": sums.mlp.float(),
+               "embed_sum": sums.embed.float().reshape(1),
+               "metric_sums": torch.tensor([sums.metric_clean, sums.metric_corrupted], dtype=torch.float64)}
+    if sums.edges is not None:
+        tensors["edge_sums"] = sums.edges.float()
+    meta = {"format": "circuitkit-attribution-shard-1", "n_examples": str(sums.n_examples),
+            "shard_index": str(shard_index), "num_shards": str(num_shards),
+            "example_range": json.dumps(list(example_range)), "identity": json.dumps(identity, sort_keys=True),
+            "model_sha256": model_sha256, "data_sha256": data_sha256, "info": json.dumps(sums.info),
+            "graph": json.dumps({"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
+                                 "parallel_residual": g.parallel_residual})}
+    return atomic_save_safetensors(path, tensors, meta)
+
+
+def load_partial(path: Path) -> Partial:
+    """Read a shard file; ShardMergeError naming the file if it is not one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            t = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise ShardMergeError(f"{path} cannot be read as an attribution shard ({err}); rerun that shard.") from None
+    if meta.get("format") != "circuitkit-attribution-shard-1":
+        raise ShardMergeError(f"{path} is not an attribution shard (no circuitkit shard metadata).")
+    sums = AttributionScores(t["head_sums"], t["mlp_sums"], t["embed_sum"][0], Graph(**json.loads(meta["graph"])),
+                             t.get("edge_sums"), float(t["metric_sums"][0]), float(t["metric_sums"][1]),
+                             int(meta["n_examples"]), json.loads(meta["info"]))
+    start, stop = json.loads(meta["example_range"])
+    return Partial(Path(path), sums, int(meta["shard_index"]), int(meta["num_shards"]), (start, stop),
+                   json.loads(meta["identity"]), meta["model_sha256"], meta["data_sha256"])
+
+
+def check_compatible(partials: list[Partial]) -> None:
+    """Refuse shards that do not belong to one job: the first differing key is named."""
+    first = partials[0]
+    for other in partials[1:]:
+        a, b = first.identity, other.identity
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                raise ShardMergeError(
+                    f"cannot merge {first.path} and {other.path}: config key '{key}' differs"
+                    f" ({a.get(key)!r} vs {b.get(key)!r}); rerun the shards with one config.")
+        if other.model_sha256 != first.model_sha256:
+            raise ShardMergeError(f"cannot merge {first.path} and {other.path}: they were computed with different"
+                                  " model files (model.name points to changed weights); rerun the shards.")
+        if other.data_sha256 != first.data_sha256:
+            raise ShardMergeError(f"cannot merge {first.path} and {other.path}: their task data (data.safetensors)"
+                                  " differ; rerun the shards with the same data.")
+        if other.num_shards != first.num_shards:
+            raise ShardMergeError(f"cannot merge {first.path} and {other.path}: config key 'discovery.num_shards'"
+                                  f" differs ({first.num_shards} vs {other.num_shards}).")
+    indices = sorted(p.shard_index for p in partials)
+    expected = list(range(first.num_shards))
+    if indices != expected:
+        missing = sorted(set(expected) - set(indices))
+        twice = sorted({i for i in indices if indices.count(i) > 1})
+        what = f"shard(s) {missing} missing" if missing else f"shard(s) {twice} given twice"
+        raise ShardMergeError(f"cannot merge: {what} of discovery.num_shards={first.num_shards}; give every shard once.")
+
+
+def merge_partials(partials: list[Partial]) -> AttributionScores:
+    """Means over all examples: Σ_shards sums / Σ_shards counts, added in shard order (float32)."""
+    check_compatible(partials)
+    ordered = sorted(partials, key=lambda p: p.shard_index)
+    n = sum(p.sums.n_examples for p in ordered)
+    total = ordered[0].sums
+    head, mlp, embed = total.head.clone(), total.mlp.clone(), total.embed.clone()
+    edges = None if total.edges is None else total.edges.clone()
+    metric_clean, metric_corrupted = total.metric_clean, total.metric_corrupted
+    for p in ordered[1:]:
+        head += p.sums.head
+        mlp += p.sums.mlp
+        embed += p.sums.embed
+        if edges is not None:
+            edges += p.sums.edges
+        metric_clean += p.sums.metric_clean
+        metric_corrupted += p.sums.metric_corrupted
+    return AttributionScores(head / n, mlp / n, embed / n, total.graph, None if edges is None else edges / n,
+                             metric_clean / n, metric_corrupted / n, n, dict(total.info))
+
+
+def shard_records(partials: list[Partial]) -> list[dict[str, Any]]:
+    """What went into a merge, for merge.json and the manifest: one row per shard."""
+    return [{"shard_index": p.shard_index, "example_range": list(p.example_range), "n_examples": p.sums.n_examples,
+             "path": str(p.path), "sha256": sha256_file(p.path)} for p in sorted(partials, key=lambda p: p.shard_index)]
+
+
+def shard_lock(shard_dir: Path):
+    """An exclusive lock on the shard dir, so that two shards finishing together merge once."""
+    return file_lock(shard_dir / LOCK_FILE)
+
+
+def publish_and_try_merge(partial_path: Path, shard_dir: Path, shard_index: int, num_shards: int,
+                          run_dir: Path) -> tuple[AttributionScores | None, list[dict[str, Any]], list[int]]:
+    """Copy this shard's file into `shard_dir`; merge when every shard is there.
+
+    Returns (merged scores or None, the merged shards' records, the shard indices still
+    missing). The merge is refused (ShardMergeError naming the key) when a present shard was
+    made differently. `merge.json` records the shards and the run dir that merged them.
+    """
+    import shutil
+
+    with shard_lock(shard_dir):
+        target = shard_dir / shard_file_name(shard_index, num_shards)
+        tmp = target.with_name(f".{target.name}.tmp")
+        shutil.copyfile(partial_path, tmp)
+        tmp.replace(target)
+        present = {i: shard_dir / shard_file_name(i, num_shards) for i in range(num_shards)}
+        missing = [i for i, path in present.items() if not path.is_file()]
+        if missing:
+            return None, [], missing
+        partials = [load_partial(path) for path in present.values()]
+        merged = merge_partials(partials)
+        records = shard_records(partials)
+        atomic_write_json(shard_dir / MERGE_RECORD, {"merged_by": str(Path(run_dir).resolve()),
+                                                     "n_examples": merged.n_examples, "shards": records})
+        return merged, records, []
+
+
+def _model_and_data_sha256(run_dir: Path, data_file: Path) -> tuple[str, str]:
+    """The model's fingerprint as the pipeline recorded it for this stage (no second hash of
+    the weights), and the task data's sha256."""
+    from circuitkit.io import sha256_json
+    from circuitkit.pipeline import load_manifest
+
+    inputs = load_manifest(run_dir).get("stages", {}).get("attribution", {}).get("inputs") or {}
+    model = {k: v.get("sha256", v.get("fingerprint", v.get("files"))) for k, v in inputs.items()
+             if k == "model" or k.startswith("model/")}
+    return sha256_json(model), sha256_file(data_file)
+
+
+@dataclass
+class ShardOutcome:
+    """What a shard's attribution stage did: always its sums, the merge when it was last."""
+
+    partial_path: Path
+    example_range: tuple[int, int]
+    shard_dir: Path
+    merged: AttributionScores | None
+    shards: list[dict[str, Any]]  # the merged shards' records (empty until merged)
+    missing: list[int]
+
+
+def run_attribution_shard(ctx, data, data_file: Path) -> ShardOutcome:
+    """This job's share of `data` (TaskData of all attribution examples): sums written to
+    `<run dir>/attribution_shard.safetensors`, published to the shard dir, merged if last."""
+    from circuitkit.attribution import run_attribution
+    from circuitkit.config import to_dict
+
+    d = ctx.cfg.discovery
+    start, stop = shard_range(len(data), d.num_shards, d.shard_index)
+    if stop <= start:
+        raise ShardMergeError(f"discovery.num_shards={d.num_shards} leaves shard {d.shard_index} no example of"
+                              f" {len(data)}: use at most {len(data)} shards.")
+    sums = run_attribution(ctx.model().adapter, data[start:stop], d, sums=True)
+    model_sha, data_sha = _model_and_data_sha256(ctx.run_dir, data_file)
+    path = save_partial(ctx.run_dir / PARTIAL_FILE, sums, d.shard_index, d.num_shards, (start, stop),
+                        shard_identity(to_dict(ctx.cfg)), model_sha, data_sha)
+    shard_dir = Path(d.shard_dir).expanduser() if d.shard_dir else default_shard_dir(ctx.run_dir)
+    merged, records, missing = publish_and_try_merge(path, shard_dir, d.shard_index, d.num_shards, ctx.run_dir)
+    if merged is None:
+        ctx.console.print(f"attribution shard {d.shard_index} of {d.num_shards} (examples {start}..{stop - 1})"
+                          f" written to {shard_dir}; waiting for shard(s) {missing}: the last to finish merges"
+                          " and prunes.", markup=False)
+    else:
+        ctx.console.print(f"attribution shard {d.shard_index} of {d.num_shards} was the last: merged"
+                          f" {d.num_shards} shards ({merged.n_examples} examples) in {shard_dir}", markup=False)
+    return ShardOutcome(path, (start, stop), shard_dir, merged, records, missing)

@@ -1,0 +1,161 @@
+"""Sharded attribution: N shards merged equal one job over all examples; refusals; resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from circuitkit.attribution import load_scores
+from circuitkit.attribution.shards import shard_range
+from circuitkit.circuit import load_circuit
+from circuitkit.cli import main as cli_main
+from circuitkit.config import ConfigError, compose
+from circuitkit.pipeline import PipelineError, load_manifest
+from circuitkit.stage_list import run_pipeline
+
+# 11 attribution examples over 4 shards: ranges of 2, 3, 3, 3 examples, batches of 2 (so the
+# shards' batches differ from the single job's and the float sums are added in another order).
+COMMON = ["stages=[data,attribution,pruning]", "model.precision=float32", "discovery.data_params.num_examples=11",
+          "discovery.data_params.eval_examples=4", "discovery.data_params.seq_len=32", "discovery.level=edge",
+          "discovery.ig_steps=2", "discovery.batch_size=2", "pruning.graph=false"]
+
+
+def _cfg(*overrides):
+    return compose([*COMMON, *overrides])[1]
+
+
+def _shard(tmp_path, i, n=4, *extra):
+    return run_pipeline(_cfg(f"discovery.num_shards={n}", f"discovery.shard_index={i}", *extra),
+                        tmp_path / "sweep" / str(i))
+
+
+def _assert_close(single, merged):
+    """Equal up to float32 addition order. Measured (4 shards, edge level): largest difference
+    2e-6 of the largest score (the embedding node's score, a sum with cancellation), 0 for most."""
+    for name in ("head", "mlp", "embed", "edges"):
+        a, b = getattr(single, name), getattr(merged, name)
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+        scale = a.abs().max()
+        print(f"{name}: max abs diff {(a - b).abs().max().item():.3g}, relative {((a - b).abs().max() / scale).item():.3g}")
+        assert (a - b).abs().max() <= 2e-5 * scale, (name, (a - b).abs().max().item(), scale.item())
+    assert merged.n_examples == single.n_examples == 11
+    assert merged.metric_clean == pytest.approx(single.metric_clean, rel=1e-6)
+
+
+def test_shard_ranges_are_contiguous_and_cover_the_examples():
+    assert [shard_range(11, 4, i) for i in range(4)] == [(0, 2), (2, 5), (5, 8), (8, 11)]
+    for n, k in [(1, 1), (7, 7), (100, 3), (10_000, 16)]:
+        ranges = [shard_range(n, k, i) for i in range(k)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+        assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1
+
+
+def test_shard_keys_are_checked():
+    with pytest.raises(ConfigError, match="discovery.shard_index' = 4 must be < discovery.num_shards = 4"):
+        _cfg("discovery.num_shards=4", "discovery.shard_index=4")
+    with pytest.raises(ConfigError, match="discovery.num_shards' = 12 exceeds"):
+        _cfg("discovery.num_shards=12")
+
+
+def test_four_shards_merge_to_the_single_job_and_the_last_prunes(tmp_path):
+    run_pipeline(_cfg(), tmp_path / "single")
+    single = load_scores(tmp_path / "single" / "scores.safetensors")
+    for i in (3, 0, 2):  # any order; the last to finish merges
+        manifest = _shard(tmp_path, i)
+        assert manifest["stages"]["attribution"]["summary"]["merged"] is False
+        assert manifest["stages"]["pruning"]["status"] == "skipped"
+        assert not (tmp_path / "sweep" / str(i) / "scores.safetensors").exists()
+    manifest = _shard(tmp_path, 1)
+    summary = manifest["stages"]["attribution"]["summary"]
+    assert summary["merged"] is True and summary["example_range"] == [2, 5]
+    assert [s["shard_index"] for s in summary["shards"]] == [0, 1, 2, 3]
+    assert [s["example_range"] for s in summary["shards"]] == [[0, 2], [2, 5], [5, 8], [8, 11]]
+    assert manifest["stages"]["pruning"]["status"] == "ok"
+    merged = load_scores(tmp_path / "sweep" / "1" / "scores.safetensors")
+    _assert_close(single, merged)
+    shared = load_scores(tmp_path / "sweep" / "attribution_shards" / "scores.safetensors")
+    assert torch.equal(shared.edges, merged.edges)
+    record = json.loads((tmp_path / "sweep" / "attribution_shards" / "merge.json").read_text())
+    assert record["n_examples"] == 11 and record["merged_by"] == str((tmp_path / "sweep" / "1").resolve())
+    # pruning ran on the merged scores: the same heads as the single job
+    a, b = load_circuit(tmp_path / "single" / "circuit.pt"), load_circuit(tmp_path / "sweep" / "1" / "circuit.pt")
+    assert torch.equal(a["head_mask"], b["head_mask"])
+
+
+def test_merge_command_refuses_shards_of_another_config(tmp_path, capsys):
+    for i in (0, 1):
+        _shard(tmp_path, i, 3)
+    with pytest.raises(PipelineError, match="config key 'discovery.ig_steps' differs"):
+        _shard(tmp_path, 2, 3, "discovery.ig_steps=3")  # the last one: the automatic merge is refused
+    manifest = load_manifest(tmp_path / "sweep" / "2")
+    assert manifest["stages"]["attribution"]["status"] == "failed"
+    assert "config key 'discovery.ig_steps' differs (2 vs 3)" in manifest["stages"]["attribution"]["error"]
+    code = cli_main(["merge", *(str(tmp_path / "sweep" / str(i)) for i in range(3)), "--out", str(tmp_path / "m")])
+    assert code == 1
+    assert "discovery.ig_steps' differs" in capsys.readouterr().err
+    code = cli_main(["merge", str(tmp_path / "sweep" / "0"), "--out", str(tmp_path / "m")])
+    assert code != 0 and "shard(s) [1, 2] missing" in capsys.readouterr().err
+
+
+def test_merge_command_merges_and_prunes(tmp_path):
+    run_pipeline(_cfg(), tmp_path / "single")
+    for i in range(2):
+        _shard(tmp_path, i, 2, f"discovery.shard_dir={tmp_path / f'apart{i}'}")  # never meet: no automatic merge
+    assert not (tmp_path / "sweep" / "1" / "scores.safetensors").exists()
+    assert cli_main(["merge", str(tmp_path / "sweep" / "1"), str(tmp_path / "sweep" / "0"),
+                     "--out", str(tmp_path / "merged")]) == 0
+    _assert_close(load_scores(tmp_path / "single" / "scores.safetensors"),
+                  load_scores(tmp_path / "merged" / "scores.safetensors"))
+    manifest = load_manifest(tmp_path / "merged")
+    assert [s["shard_index"] for s in manifest["attribution_shards"]] == [0, 1]
+    assert manifest["stages"]["pruning"]["status"] == "ok" and (tmp_path / "merged" / "circuit.pt").is_file()
+
+
+def test_a_killed_shard_reruns_alone(tmp_path, monkeypatch):
+    import circuitkit.attribution as attribution
+
+    for i in (0, 2):
+        _shard(tmp_path, i, 3)
+    real = attribution.run_attribution
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed")
+    monkeypatch.setattr(attribution, "run_attribution", killed)
+    with pytest.raises(PipelineError, match="killed"):
+        _shard(tmp_path, 1, 3)
+    monkeypatch.setattr(attribution, "run_attribution", real)
+    before = {i: load_manifest(tmp_path / "sweep" / str(i)) for i in (0, 2)}
+    manifest = _shard(tmp_path, 1, 3)
+    assert manifest["stages"]["data"].get("skipped_on_rerun") is True  # only the attribution reran
+    assert manifest["stages"]["attribution"]["summary"]["merged"] is True
+    assert {i: load_manifest(tmp_path / "sweep" / str(i)) for i in (0, 2)} == before  # the others untouched
+    # a rerun of a finished shard does nothing
+    again = _shard(tmp_path, 0, 3)
+    assert again["stages"]["attribution"].get("skipped_on_rerun") is True
+
+
+def test_three_joblib_workers_merge_to_one_job(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    env = {**os.environ, "COLUMNS": "160", "OMP_NUM_THREADS": "1"}
+
+    def run(*args):
+        flags = [a for a in args if a == "-m"]  # Hydra's flags come before the overrides
+        overrides = [a for a in args if a != "-m"]
+        proc = subprocess.run([sys.executable, "-m", "circuitkit.run", *flags, *COMMON, *overrides], capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    run_pipeline(_cfg(), tmp_path / "single")
+    run("-m", "hydra/launcher=local", "hydra.launcher.n_jobs=3", "discovery.num_shards=3",
+        "discovery.shard_index=range(3)", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    record = json.loads((tmp_path / "sweep" / "attribution_shards" / "merge.json").read_text())
+    assert [s["shard_index"] for s in record["shards"]] == [0, 1, 2]
+    merged = load_scores(tmp_path / "sweep" / "attribution_shards" / "scores.safetensors")
+    _assert_close(load_scores(tmp_path / "single" / "scores.safetensors"), merged)
+    pruned = [d for d in (tmp_path / "sweep").iterdir() if (d / "circuit.pt").is_file()]
+    assert len(pruned) == 1  # exactly one job merged and pruned
