@@ -6,8 +6,14 @@ logits at t - 1) the loss is
     L_b = Σ_{t supervised} CE(softcap(U h_{b,t-1}), input_ids[b, t])     ("sum"; "mean" divides by
                                                                            the number of targets)
 
-with h the base model's last hidden state (after the final norm) and U the unembedding. The
-total loss Σ_b L_b is backpropagated once. Examples do not interact in a forward pass (causal
+with h the base model's last hidden state (after the final norm) and U the unembedding
+(``loss="ce"``), or, with ``loss="margin"``, TRAK's model output function turned into a loss:
+
+    L_b = -Σ_t log(p_t / (1 - p_t)) = Σ_t (logsumexp_{j ≠ y_t} z_{t,j} - z_{t,y_t})
+
+(z the logits, y_t the target; the negated log-odds of the correct token, so that its gradient
+points the way cross-entropy's does where p_t is small). The margin keeps growing as a token
+is learnt, where cross-entropy's gradient fades as p_t -> 1. The total loss Σ_b L_b is backpropagated once. Examples do not interact in a forward pass (causal
 attention within a row, no batch statistics), so the gradient that reaches module output
 y_{b,t} is exactly δ_{b,t} = dL_b/dy_{b,t}, and each example's weight gradient is
 
@@ -75,6 +81,24 @@ def _softcap(logits: torch.Tensor, config) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+LOSSES = ("ce", "margin")
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor, loss: str = "ce") -> torch.Tensor:
+    """Per-target loss, (N,) float32, from logits (N, V) float32 and targets (N,) long.
+
+    "ce": -log p_y. "margin": -log(p_y / (1 - p_y)) = logsumexp_{j != y} z_j - z_y, computed
+    without forming 1 - p_y (which rounds to 0 for a confident token).
+    """
+    if loss == "ce":
+        return F.cross_entropy(logits, targets, reduction="none")
+    if loss == "margin":
+        correct = logits.gather(1, targets[:, None])[:, 0]
+        others = logits.scatter(1, targets[:, None], float("-inf"))
+        return torch.logsumexp(others, dim=1) - correct
+    raise ValueError(f"grads.loss={loss!r}; valid: {', '.join(LOSSES)}.")
+
+
 def _output_tensor(output):
     if isinstance(output, torch.Tensor):
         return output
@@ -83,7 +107,7 @@ def _output_tensor(output):
 
 def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
                           projector: Projector, batch: Mapping[str, torch.Tensor],
-                          loss_reduction: str = "sum") -> PerExampleGradients:
+                          loss_reduction: str = "sum", loss: str = "ce") -> PerExampleGradients:
     """Projected per-example gradients of `modules` for one batch, from one forward+backward.
 
     batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
@@ -91,7 +115,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     modules: (name, module) pairs, or (name, module, input columns) sites (`gradian.restrict`:
     a head's d_head columns of the attention output projection), in row order.
     Returns name -> (B, projector.width(name)) float32 (a `PerExampleGradients`, with
-    ``.losses`` (B,) and ``.n_supervised`` (B,)).
+    ``.losses`` (B,) and ``.n_supervised`` (B,)). `loss`: "ce" or "margin" (module docstring).
 
     Parameters must be frozen (requires_grad False): the backward computes activation
     gradients only. An example's row does not depend on the rest of its batch: padding
@@ -99,6 +123,8 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     """
     if loss_reduction not in choices(GradsConfig, "loss_reduction"):
         raise ValueError(f"grads.loss_reduction={loss_reduction!r}; valid: sum, mean.")
+    if loss not in LOSSES:
+        raise ValueError(f"grads.loss={loss!r}; valid: {', '.join(LOSSES)}.")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if trainable:
         raise ValueError(f"parameters must be frozen (requires_grad_(False)); trainable: {trainable[:3]}.")
@@ -172,7 +198,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             # Gather before the unembedding: the (N, V) logits are the only vocabulary-sized tensor.
             logits = adapter.unembed(hidden[ex, pos]).float()  # (N, V)
             logits = _softcap(logits, adapter.config)
-            token_loss = F.cross_entropy(logits, targets, reduction="none")  # (N,)
+            token_loss = token_losses(logits, targets, loss)  # (N,)
             losses = torch.zeros(n_examples, dtype=torch.float32, device=device).index_add(0, ex, token_loss)
             if loss_reduction == "mean":
                 losses = losses / n_sup.float()

@@ -2,11 +2,12 @@
 
     gradian index [overrides]  build a gradient index with the pipeline's config keys, e.g.
                                gradian index model=gpt2 grads.data_path=train.jsonl grads.index_dir=idx
-    gradian inspect INDEX [--verify]
+    gradian inspect INDEX [--verify] [--row N]
                                manifest summary and sizes of a gradient index; --verify checks
-                               every shard and lists what is wrong (exit 1 if anything is)
-    gradian rank --index DIR --queries FILE [--top-k K] [--score cosine|dot] [--aggregate mean|max]
-                 [--out FILE] [--no-verify]
+                               every shard and lists what is wrong (exit 1 if anything is);
+                               --row N shows training row N's tokens and which are supervised
+    gradian rank --index DIR --queries FILE [--top-k K] [--score cosine|dot|influence|whitened]
+                 [--damping D] [--aggregate mean|max] [--out FILE] [--no-verify] [--append-eos true|false]
                                training rows most similar (by gradient) to each query row and overall
     gradian doctor [--json]    versions, devices, determinism, backends and self-tests (Markdown)
 
@@ -38,11 +39,13 @@ def _t(value: object) -> Text:
     return Text(str(value))
 
 
-def inspect_index(index_dir: str, verify: bool = False) -> int:
-    """Print how an index was made, its shards and its size on disk; with `verify`, check it all.
+def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) -> int:
+    """Print how an index was made, its shards and its size on disk; with `verify`, check it all;
+    with `row`, that training row's tokens and supervised mask as indexed.
 
     Returns 0, or 1 when `verify` finds a problem (each printed on its own line).
     """
+    from gradian.data import policy_line
     from gradian.index import IndexReader
 
     reader = IndexReader(index_dir)
@@ -73,10 +76,12 @@ def inspect_index(index_dir: str, verify: bool = False) -> int:
         ("circuit", "none (unrestricted)" if not summary.get("circuit") else
          f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
          f" MLPs {summary['circuit']['mlps']}"),
-        ("loss", f"{summary.get('loss_reduction')} over supervised tokens"),
+        ("loss", f"{summary.get('loss', 'ce')}, {summary.get('loss_reduction')} over supervised tokens;"
+                 f" preconditioner {summary.get('preconditioner', 'none')}"),
         ("data", f"{summary.get('data_file')} (sha256 {str(summary.get('data_sha256'))[:12]}…)"),
         ("rows", f"{report.get('rows_read')} read, {report.get('kept')} kept, {report.get('truncated')} truncated,"
                  f" {dropped} dropped"),
+        ("tokens", policy_line(report)),
         ("stored", f"{summary['rows_stored']} of {summary.get('n_rows')} rows in {summary['n_shard_files']} shards"
                    f" ({state})"),
         ("size on disk", f"{summary['bytes'] / 2**20:.2f} MiB ({summary['bytes']} bytes)"),
@@ -84,6 +89,13 @@ def inspect_index(index_dir: str, verify: bool = False) -> int:
     for key, value in rows:
         table.add_row(_t(key), _t(value))
     Console().print(table)
+    if row is not None:
+        from gradian.tokens import indexed_row, load_index_tokenizer, row_table
+
+        tokenizer = load_index_tokenizer(reader.manifest)
+        indexed = indexed_row(index_dir, row, tokenizer)
+        Console().print(row_table(indexed, tokenizer, f"row {row} (source position {indexed.line}):"
+                                  f" {sum(indexed.supervised)} of {len(indexed.input_ids)} tokens supervised"))
     if not verify:
         return 0
     problems = reader.verify()
@@ -172,7 +184,8 @@ def rank_command(args: argparse.Namespace) -> int:
 
     try:
         results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
-                       out_path=args.out, verify=not args.no_verify, circuit=args.circuit)
+                       out_path=args.out, verify=not args.no_verify, circuit=args.circuit,
+                       append_eos=args.append_eos, damping=args.damping)
     except UserError:
         raise
     except (ValueError, FileNotFoundError) as err:  # IndexMismatchError, DataError: the input is wrong
@@ -202,11 +215,18 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--verify", action="store_true",
                          help="check every shard (presence, size, sha256, tensors, row ranges), unlisted files,"
                               " the complete flag and the projection fingerprint; exit 1 on any problem")
+    inspect.add_argument("--row", type=int, default=None,
+                         help="show this training row's tokens (re-read from the indexed data) and which of them"
+                              " the loss supervised")
     rank = sub.add_parser("rank", help="rank training rows of an index against query rows")
     rank.add_argument("--index", required=True, help="index directory (holds manifest.json)")
     rank.add_argument("--queries", required=True, help="JSONL of query rows (same format as training rows)")
     rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
-    rank.add_argument("--score", choices=("cosine", "dot"), default="cosine")
+    rank.add_argument("--score", choices=("cosine", "dot", "influence", "whitened"), default="cosine",
+                      help="influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
+                           " the cosine after whitening with each module's damped second moment A")
+    rank.add_argument("--damping", type=float, default=None,
+                      help="for influence / whitened: λ as a share of each module's mean eigenvalue (default 0.1)")
     rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
                       help="how the per-query scores of a row combine into one ranking")
     rank.add_argument("--out", default=None,
@@ -215,6 +235,9 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--no-verify", action="store_true",
                       help="skip checking each shard's sha256 against the manifest while streaming (faster on"
                            " a slow disk; see docs/benchmarks.md for the cost)")
+    rank.add_argument("--append-eos", choices=("true", "false"), default=None,
+                      help="the token policy the queries are meant for; refused unless it is the index's"
+                           " (grads.append_eos); by default queries follow the index")
     rank.add_argument("--circuit", default=None,
                       help="circuit.pt the queries are for; refused unless the index was built with it")
     sub.add_parser("doctor", help="versions, devices, backends and self-tests as Markdown ([--json])",
@@ -231,9 +254,11 @@ def _main(argv: list[str]) -> int:
         return index_command(argv[1:])
     if argv[0] == "inspect":
         args = parser.parse_args(argv)
-        return inspect_index(args.index, verify=args.verify)
+        return inspect_index(args.index, verify=args.verify, row=args.row)
     if argv[0] == "rank":
-        return rank_command(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        args.append_eos = None if args.append_eos is None else args.append_eos == "true"
+        return rank_command(args)
     if argv[0] == "doctor":
         from gradian.doctor import main as doctor_main
 

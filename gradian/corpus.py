@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from gradian.data import DataReport, Row, finish_report, iter_rows, new_report
+from gradian.data import DataReport, Row, TokenPolicy, finish_report, iter_rows, new_report
 from gradian.sources import Source
 
 
@@ -40,13 +40,15 @@ class TokenizedCorpus:
     @classmethod
     def scan(cls, source: Source, tokenizer: Any, max_seq_length: int, on_truncation: str = "warn",
              truncation_side: str = "right", context_length: int | None = None,
-             progress: Callable[[int], None] | None = None, tmp_root: str | Path | None = None) -> TokenizedCorpus:
+             progress: Callable[[int], None] | None = None, tmp_root: str | Path | None = None,
+             policy: TokenPolicy | None = None) -> TokenizedCorpus:
         """Encode every record of `source`; raises DataError as `gradian.data.load_rows` does
         (rows are cut at the smaller of max_seq_length and the model's `context_length`).
 
+        `policy`: BOS / EOS and chat supervision (`gradian.data.TokenPolicy`).
         `progress(n)` is called with the number of records read so far, every 1024 records.
         """
-        report = new_report(source, max_seq_length, on_truncation, truncation_side, context_length)
+        report = new_report(source, max_seq_length, on_truncation, truncation_side, context_length, policy)
         workdir = Path(tempfile.mkdtemp(prefix="gradian-corpus-", dir=tmp_root))
         offsets, positions = array("q", [0]), array("q")
         try:

@@ -2,13 +2,18 @@
 
 Two row formats, one per line (blank lines are skipped):
 
-* ``{"prompt": str, "completion": str}``: tokens are ``[BOS] + prompt + completion + [EOS]``.
+* ``{"prompt": str, "completion": str}``: tokens are ``[BOS] + prompt + completion [+ EOS]``.
   Prompt and completion are tokenized separately and concatenated, so the boundary between them is
-  exact (no BPE merge across it). BOS is added only if the tokenizer adds one by itself; EOS is
-  added whenever the tokenizer has one and is supervised, because predicting it ends the completion.
+  exact (no BPE merge across it). The completion's tokens are supervised. BOS follows
+  ``prepend_bos`` (None: only if the tokenizer adds one by itself, as Llama's does and GPT-2's
+  does not; True / False: always / never). The tokenizer's EOS is appended and supervised only
+  with ``append_eos=True`` (the default is False: see `TokenPolicy`).
 * ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``: rendered with the
-  tokenizer's chat template; the assistant turns (whatever the template wraps in
-  ``{% generation %}``, usually the content plus the end-of-turn marker) are supervised.
+  tokenizer's chat template, which writes its own special tokens (BOS included: ``prepend_bos``
+  does not apply). With ``append_eos=False`` only each assistant message's content is supervised;
+  with ``append_eos=True`` also what the template adds to the turn after it: whatever it wraps in
+  ``{% generation %}`` (usually the content plus the end-of-turn marker), or, for a template
+  without those markers, everything up to the next turn (end marker and newline).
 
 Truncation to ``max_seq_length``:
 
@@ -63,6 +68,47 @@ REPORT_LINES = 100
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
+@dataclass(frozen=True)
+class TokenPolicy:
+    """Which tokens a row has and which of them the loss supervises, beyond what the user wrote.
+
+    append_eos (``grads.append_eos``): prompt/completion rows get the tokenizer's EOS after the
+        completion, supervised; chat rows also supervise the tokens the template adds to an
+        assistant turn after its content (the end-of-turn marker). False (default): only the
+        completion's / the assistant contents' own tokens. On a model whose training rows did
+        not end in EOS, that one token can carry almost all of a row's gradient (docs/
+        configuration.md, "Token policy").
+    prepend_bos (``grads.prepend_bos``): prompt/completion rows start with the tokenizer's BOS
+        (True), never (False), or as the tokenizer does by itself (None). Never supervised.
+    """
+
+    append_eos: bool = False
+    prepend_bos: bool | None = None
+
+    def resolve(self, tokenizer: Any) -> dict[str, Any]:
+        """The policy as applied with `tokenizer` (JSON-ready, for the manifest): the keys, whether
+        BOS / EOS are really added (a tokenizer may have none), and the tokens themselves."""
+        bos = _bos_for_prompt_rows(tokenizer, self.prepend_bos)
+        return {"append_eos": self.append_eos, "prepend_bos": self.prepend_bos,
+                "bos_added": bos, "bos_token": tokenizer.bos_token if bos else None,
+                "eos_added": self.append_eos and tokenizer.eos_token_id is not None,
+                "eos_token": tokenizer.eos_token if self.append_eos else None,
+                "chat_supervised": "assistant content and the template's end of turn" if self.append_eos
+                else "assistant content only"}
+
+
+# Indexes written before the policy was a key appended EOS and took BOS from the tokenizer.
+LEGACY_POLICY = TokenPolicy(append_eos=True, prepend_bos=None)
+
+
+def policy_of(manifest: dict[str, Any]) -> TokenPolicy:
+    """The token policy an index's rows were made with (its manifest's ``token_policy``)."""
+    recorded = manifest.get("token_policy")
+    if not isinstance(recorded, dict):
+        return LEGACY_POLICY
+    return TokenPolicy(append_eos=bool(recorded.get("append_eos")), prepend_bos=recorded.get("prepend_bos"))
+
+
 @dataclass
 class Row:
     """One usable training row.
@@ -106,6 +152,9 @@ class DataReport:
     dropped_unsupervised_lines: list[int] = field(default_factory=list)
     first_token_lines: list[int] = field(default_factory=list)  # rows whose token 0 was a target
     limit: str = ""  # how messages name the length bound ("max_seq_length=512", or the model's context)
+    policy: TokenPolicy = field(default_factory=TokenPolicy)
+    eos_appended: int = 0  # kept rows that end with the appended, supervised EOS
+    bos_first: int = 0  # kept rows whose token 0 is BOS (prepended, or written by a chat template)
 
     def note(self, kind: str, position: int) -> None:
         """Count one row of `kind` (truncated, dropped_truncated, dropped_unsupervised)."""
@@ -127,6 +176,10 @@ class DataReport:
             "dropped_truncated": self.dropped_truncated,
             "dropped_unsupervised": self.dropped_unsupervised,
             "real_tokens": self.real_tokens,
+            "append_eos": self.policy.append_eos,
+            "prepend_bos": self.policy.prepend_bos,
+            "eos_appended": self.eos_appended,
+            "bos_first": self.bos_first,
             "lines_listed_at_most": REPORT_LINES,
             "truncated_lines": list(self.truncated_lines),
             "dropped_truncated_lines": list(self.dropped_truncated_lines),
@@ -194,7 +247,19 @@ def _adds_bos(tokenizer: Any) -> bool:
     return bool(with_special) and with_special[0] == bos and (not without or without[0] != bos)
 
 
-def _encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, bos: bool) -> tuple[list[int], list[bool]]:
+def _bos_for_prompt_rows(tokenizer: Any, prepend_bos: bool | None) -> bool:
+    """Whether prompt/completion rows start with BOS under ``grads.prepend_bos``."""
+    if prepend_bos is None:
+        return _adds_bos(tokenizer)
+    if prepend_bos and tokenizer.bos_token_id is None:
+        raise DataError("grads.prepend_bos=true, but the tokenizer has no BOS token; set grads.prepend_bos=null"
+                        " (as the tokenizer does) or false.")
+    return bool(prepend_bos)
+
+
+def _encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, bos: bool,
+                              append_eos: bool) -> tuple[list[int], list[bool], bool]:
+    """(ids, supervised, whether EOS was appended)."""
     # Separate calls so no BPE merge spans the boundary and the mask is exact; special tokens are
     # placed by hand so they are neither doubled nor missing.
     p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
@@ -203,10 +268,10 @@ def _encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, bos:
     eos = tokenizer.eos_token_id
     # An empty completion gets no EOS: predicting only "end" right after the prompt is not a
     # training signal for that row, so the row ends up unsupervised and is dropped and reported.
-    tail = [eos] if (eos is not None and c_ids) else []
+    tail = [eos] if (append_eos and eos is not None and c_ids) else []
     ids = head + p_ids + c_ids + tail
     sup = [False] * (len(head) + len(p_ids)) + [True] * (len(c_ids) + len(tail))
-    return ids, sup
+    return ids, sup, bool(tail)
 
 
 def _has_generation_tags(tokenizer: Any) -> bool:
@@ -216,7 +281,10 @@ def _has_generation_tags(tokenizer: Any) -> bool:
     return bool(template) and bool(_GENERATION_TAG.search(template))
 
 
-def _encode_messages(tokenizer: Any, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+def _encode_messages(tokenizer: Any, messages: list[dict], where: str,
+                     end_of_turn: bool = True) -> tuple[list[int], list[bool]]:
+    """(ids, supervised) of a conversation: the assistant turns as the template marks them, or,
+    with ``end_of_turn=False``, only the tokens of the assistant contents (`_content_only`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{where}: 'messages' rows need a tokenizer with a chat template, and this one has"
                         " none; convert the data to {\"prompt\", \"completion\"} rows or use a chat model's"
@@ -227,8 +295,55 @@ def _encode_messages(tokenizer: Any, messages: list[dict], where: str) -> tuple[
                                             return_assistant_tokens_mask=True)
         ids = list(enc["input_ids"])
         sup = [bool(m) for m in enc["assistant_masks"]]
-        return ids, sup
-    return _encode_messages_by_prefix(tokenizer, msgs, where)
+    else:
+        ids, sup = _encode_messages_by_prefix(tokenizer, msgs, where)
+    if not end_of_turn:
+        sup = _content_only(tokenizer, msgs, ids, sup, where)
+    return ids, sup
+
+
+def _content_only(tokenizer: Any, msgs: list[dict], ids: list[int], sup: list[bool], where: str) -> list[bool]:
+    """Narrow an assistant mask to the tokens that overlap an assistant message's content.
+
+    Each content is searched, in message order, in the rendered text with every character outside
+    the template's assistant mask blanked (so a content repeated in a user turn is never taken for
+    it), then mapped to tokens through the offsets of a fast tokenizer. Tokens the template adds
+    around the content (end-of-turn marker, newline) drop out; a token that straddles the
+    content's edge stays (it carries content characters).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(f"{where}: grads.append_eos=false supervises only the assistant contents, which needs a"
+                        " fast tokenizer to map them to tokens; set grads.append_eos=true (the template's whole"
+                        " assistant turns) or use prompt/completion rows.")
+    full = tokenizer.apply_chat_template(msgs, tokenize=False)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    if list(enc["input_ids"]) != list(ids):
+        raise DataError(f"{where}: tokenizing the rendered conversation does not give the template's tokens, so"
+                        " the assistant contents cannot be located; set grads.append_eos=true.")
+    visible = ["\0"] * len(full)
+    for s, (a, b) in zip(sup, offsets, strict=True):
+        if s:
+            visible[a:b] = full[a:b]
+    masked = "".join(visible)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for msg in msgs:
+        if msg["role"] != "assistant" or not msg["content"].strip():
+            continue
+        text = msg["content"]
+        start = masked.find(text, cursor)
+        if start < 0:  # templates often trim the content
+            text = text.strip()
+            start = masked.find(text, cursor)
+        if start < 0:
+            raise DataError(f"{where}: the chat template changes an assistant message's text (content"
+                            f" {msg['content'][:40]!r} is not in its assistant turn), so its tokens cannot be"
+                            " located; set grads.append_eos=true to supervise the template's assistant turns.")
+        spans.append((start, start + len(text)))
+        cursor = start + len(text)
+    return [bool(s) and any(a < end and b > begin for begin, end in spans)
+            for s, (a, b) in zip(sup, offsets, strict=True)]
 
 
 def _encode_messages_by_prefix(tokenizer: Any, msgs: list[dict], where: str) -> tuple[list[int], list[bool]]:
@@ -324,16 +439,22 @@ def iter_rows(source: Source, tokenizer: Any, report: DataReport) -> Iterator[Ro
     the warnings. Raises DataError naming the record for a malformed one.
     """
     _check_settings(report.max_seq_length, report.on_truncation, report.truncation_side)
-    bos = _adds_bos(tokenizer)
+    policy = report.policy
+    bos = _bos_for_prompt_rows(tokenizer, policy.prepend_bos)
     bos_id = tokenizer.bos_token_id
+    if policy.append_eos and tokenizer.eos_token_id is None:
+        logger.warning("grads.append_eos=true, but the tokenizer has no EOS token: prompt/completion rows end"
+                       " with their completion.")
     for position, where, obj in source.records():
         kind = _check_row(obj, where)
         report.rows_read += 1
+        eos_added = False
         if kind == "prompt":
-            ids, sup = _encode_prompt_completion(tokenizer, obj["prompt"], obj["completion"], bos)
+            ids, sup, eos_added = _encode_prompt_completion(tokenizer, obj["prompt"], obj["completion"], bos,
+                                                            policy.append_eos)
             preview = _preview(obj["prompt"] + obj["completion"])
         else:
-            ids, sup = _encode_messages(tokenizer, obj["messages"], where)
+            ids, sup = _encode_messages(tokenizer, obj["messages"], where, end_of_turn=policy.append_eos)
             preview = _preview(" / ".join(f"{m['role']}: {m['content']}" for m in obj["messages"]))
         head = 1 if (ids and bos_id is not None and ids[0] == bos_id and not sup[0]) else 0
         ids, sup, truncated = _truncate(ids, sup, report.max_seq_length, report.truncation_side, head)
@@ -355,6 +476,10 @@ def iter_rows(source: Source, tokenizer: Any, report: DataReport) -> Iterator[Ro
                   truncated=truncated)
         report.kept += 1
         report.real_tokens += len(ids)
+        # Truncation only ever cuts the end, and EOS is the last (supervised) token: an untruncated
+        # row still ends with it.
+        report.eos_appended += int(eos_added and not truncated)
+        report.bos_first += int(bos_id is not None and ids[0] == bos_id)
         yield row
 
 
@@ -384,25 +509,43 @@ def finish_report(report: DataReport) -> None:
         logger.warning("%s: dropped %d row(s) with no supervised token (empty completion, no assistant turn,"
                        " or truncated to nothing): %s.", path, report.dropped_unsupervised,
                        _lines_text(report.dropped_unsupervised_lines, report.dropped_unsupervised))
+    logger.info("%s: %s", path, policy_line(report))
     first = report.first_token_lines
     if first:
         logger.warning("%s: %d row(s) start with a completion token, which nothing predicts, so it is left out"
                        " of the loss: %s. Give these rows a prompt.", path, len(first), _lines_text(first))
 
 
+def policy_line(report: DataReport | dict[str, Any]) -> str:
+    """One line on the token policy as applied: "EOS appended to N rows, BOS first in M rows; ..."
+    (from a report, or its `summary()` as stored in a manifest; older manifests lack the counts)."""
+    info = report.summary() if isinstance(report, DataReport) else report
+    if "eos_appended" not in info:
+        return "token policy not recorded (an index from before grads.append_eos: EOS appended to every row)"
+    chat = ("chat rows: assistant content and the template's end of turn supervised" if info.get("append_eos")
+            else "chat rows: assistant content only supervised")
+    return (f"EOS appended to {info['eos_appended']} of {info.get('kept')} rows (grads.append_eos="
+            f"{str(bool(info.get('append_eos'))).lower()}), BOS first in {info['bos_first']} rows"
+            f" (grads.prepend_bos={_yaml(info.get('prepend_bos'))}); {chat}")
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value).lower()
+
+
 def new_report(source: Source, max_seq_length: int, on_truncation: str, truncation_side: str,
-               context_length: int | None = None) -> DataReport:
+               context_length: int | None = None, policy: TokenPolicy | None = None) -> DataReport:
     """An empty report for reading `source`, its length bound the smaller of max_seq_length and
-    the model's context (`length_limit`)."""
+    the model's context (`length_limit`), its rows made under `policy` (default `TokenPolicy()`)."""
     _check_settings(max_seq_length, on_truncation, truncation_side)
     tokens, limit = length_limit(max_seq_length, context_length)
     return DataReport(path=source.name, max_seq_length=tokens, on_truncation=on_truncation,
-                      truncation_side=truncation_side, limit=limit)
+                      truncation_side=truncation_side, limit=limit, policy=policy or TokenPolicy())
 
 
 def load_rows(data: str | Path | SourceSpec | Source, tokenizer: Any, max_seq_length: int,
               on_truncation: str = "warn", truncation_side: str = "right",
-              context_length: int | None = None) -> tuple[list[Row], DataReport]:
+              context_length: int | None = None, policy: TokenPolicy | None = None) -> tuple[list[Row], DataReport]:
     """Read every row of a source (a JSONL path, or any `gradian.sources` source) into memory.
 
     Returns the kept rows (``row_id`` 0..n-1 in source order) and a report of what was truncated
@@ -410,12 +553,13 @@ def load_rows(data: str | Path | SourceSpec | Source, tokenizer: Any, max_seq_le
     one that is not UTF-8), and, with ``on_truncation="error"``, naming the lines whose
     completions do not fit. ``context_length`` (the model's, if known) bounds
     ``max_seq_length``: rows are cut at the smaller of the two, and the messages name which
-    limit it was. For large data, index through `gradian.corpus.TokenizedCorpus`, which keeps
+    limit it was. `policy`: BOS / EOS and chat supervision (`TokenPolicy`; default: no EOS, BOS as
+    the tokenizer adds it). For large data, index through `gradian.corpus.TokenizedCorpus`, which keeps
     the tokens on disk.
     """
     _check_settings(max_seq_length, on_truncation, truncation_side)
     source = as_source(data)
-    report = new_report(source, max_seq_length, on_truncation, truncation_side, context_length)
+    report = new_report(source, max_seq_length, on_truncation, truncation_side, context_length, policy)
     rows = list(iter_rows(source, tokenizer, report))
     finish_report(report)
     return rows, report

@@ -39,7 +39,11 @@ from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock,
 from gradian.projection import Projector, projection_fingerprint
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
-FORMAT_VERSION = 2
+# 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
+#    `second_moment` (gradian.precondition).
+FORMAT_VERSION = 3
+# Optional shard tensors besides grads, norms and rows.
+OPTIONAL_TENSORS = ("sources", "second_moment")
 MANIFEST = "manifest.json"
 
 
@@ -239,9 +243,12 @@ class IndexWriter:
             " it to finish, or give each worker its own shard_index.")
 
     # -- writing ----------------------------------------------------------------------------
-    def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor | None = None) -> Path:
+    def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor | None = None,
+                    second_moment_blocks: int | None = None) -> Path:
         """Store shard k: grads (n, width) float32 in the storage dtype, with float32 norms, and
         `sources` (n,) int64, where each row is in the data (JSONL line or table row index).
+        `second_moment_blocks` M: also store the stored rows' per-block Σ g gᵀ, (M, k, k) float32
+        (`gradian.precondition.shard_second_moment`).
 
         Norms are of the stored values, so cosine scores read back exactly what was stored.
         Raises StorageOverflowError naming the rows if float16 would turn values into inf.
@@ -267,6 +274,10 @@ class IndexWriter:
             tensors = {"grads": stored, "norms": norms, "rows": rows.long()}
             if sources is not None:
                 tensors["sources"] = sources.long()
+            if second_moment_blocks is not None:
+                from gradian.precondition import shard_second_moment
+
+                tensors["second_moment"] = shard_second_moment(stored.float(), second_moment_blocks)
             path = atomic_save_safetensors(self.index_dir / shard_name(k), tensors)
             digest = sha256_file(path)
         with self._manifest_lock():
@@ -403,8 +414,13 @@ class IndexReader:
     def _check_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> list[str]:
         """What in a loaded shard disagrees with its manifest entry."""
         entry, problems = self.manifest["shards"][name], []
-        if set(tensors) - {"sources"} != {"grads", "norms", "rows"}:
-            return [f"{name} holds tensors {sorted(tensors)}, expected grads, norms, rows (and sources)"]
+        if set(tensors) - set(OPTIONAL_TENSORS) != {"grads", "norms", "rows"}:
+            return [f"{name} holds tensors {sorted(tensors)}, expected grads, norms, rows (and sources,"
+                    " second_moment)"]
+        moment, blocks = tensors.get("second_moment"), self.second_moment_blocks
+        if (moment is None) != (blocks is None):
+            return [f"{name} {'lacks' if moment is None else 'holds'} second_moment, but the manifest's"
+                    f" preconditioner is {self.manifest.get('preconditioner', 'none')!r}"]
         start, end = entry["rows"]
         rows, grads, norms = tensors["rows"], tensors["grads"], tensors["norms"]
         if rows.dtype != torch.int64 or rows.shape != (end - start,) or not torch.equal(rows, torch.arange(start, end)):
@@ -421,10 +437,41 @@ class IndexReader:
         if sources is not None and (sources.dtype != torch.int64 or sources.shape != (end - start,)):
             problems.append(f"{name} sources are {sources.dtype} {tuple(sources.shape)}, expected int64"
                             f" ({end - start},)")
+        if moment is not None:
+            k = grads.shape[1] // blocks if grads.ndim == 2 else 0
+            if moment.dtype != torch.float32 or tuple(moment.shape) != (blocks, k, k):
+                problems.append(f"{name} second_moment is {moment.dtype} {tuple(moment.shape)}, expected float32"
+                                f" ({blocks}, {k}, {k})")
         if norms.dtype != torch.float32 or norms.shape != (end - start,):
             problems.append(f"{name} norms are {norms.dtype} {tuple(norms.shape)}, expected float32"
                             f" ({end - start},)")
         return problems
+
+    @property
+    def second_moment_blocks(self) -> int | None:
+        """M, the number of per-module blocks whose second moments the shards hold (None: none)."""
+        if self.manifest.get("preconditioner", "none") == "none":
+            return None
+        modules = (self.manifest.get("projection") or {}).get("modules") or {}
+        return len(modules) or None
+
+    def second_moment_sums(self) -> list[torch.Tensor]:
+        """Every listed shard's ``second_moment`` (M, k, k) float32, read without the rows (the
+        sha256 of the same files is checked when `shards()` streams them)."""
+        from safetensors import SafetensorError, safe_open
+
+        out = []
+        for name in sorted(self.manifest["shards"]):
+            path = confined_path(self.index_dir, name)
+            try:
+                with safe_open(str(path), framework="pt") as fh:
+                    if "second_moment" not in fh.keys():  # noqa: SIM118 - safe_open has no iter
+                        raise IndexIntegrityError(f"{path} holds no second_moment; {_REBUILD}"
+                                                  " with grads.preconditioner=module.")
+                    out.append(fh.get_tensor("second_moment"))
+            except (SafetensorError, OSError) as err:
+                raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {_REBUILD}.") from None
+        return out
 
     def shards(self, verify: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(rows (n,), grads (n, width) float32, norms (n,)) per shard, in row order.
@@ -465,6 +512,12 @@ class IndexReader:
                 recomputed = tensors["grads"].float().norm(dim=1)
                 if not torch.allclose(recomputed, tensors["norms"], rtol=1e-5, atol=1e-6):
                     found.append(f"{name} norms are not the norms of its stored grads")
+                if "second_moment" in tensors:
+                    from gradian.precondition import shard_second_moment
+
+                    again = shard_second_moment(tensors["grads"].float(), self.second_moment_blocks)
+                    if not torch.allclose(again, tensors["second_moment"], rtol=1e-5, atol=1e-6):
+                        found.append(f"{name} second_moment is not the sum of its stored rows' outer products")
             problems += found
         listed = set(self.manifest["shards"]) | {MANIFEST}
         unlisted = sorted(p.name for p in self.index_dir.iterdir() if not p.name.startswith(".") and p.name not in listed)

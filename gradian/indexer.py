@@ -34,9 +34,10 @@ from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
-from gradian.data import collate, length_limit, plan_batches
+from gradian.data import TokenPolicy, collate, length_limit, plan_batches
 from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
 from gradian.memory import estimate_grads
+from gradian.precondition import check_block_width
 from gradian.projection import Projector, projection_fingerprint
 from gradian.restrict import restricted_sites, site_shapes
 from gradian.sources import DataError, Source, SourceSpec, resolve_format
@@ -106,12 +107,16 @@ def check_writable_dir(path: Path, what: str) -> None:
                         " choose a directory you can write to.", exit_code=2)
 
 
-def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int) -> int:
+def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks: int = 1) -> int:
     """A shard's float32 rows stay in host memory until the shard is written: refuse a shard that
     cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
-    Returns the buffer's bytes."""
+    With grads.preconditioner=module the shard's second moments (`n_blocks` of k x k float32) and
+    one block's float64 scratch (rows x k) come on top. Returns the buffer's bytes."""
     rows = min(grads.rows_per_shard, n_rows)
     need = rows * row_width * 4
+    if grads.preconditioner == "module":
+        k = row_width // n_blocks
+        need += n_blocks * k * k * 4 + rows * k * 8
     available = free_memory_bytes(torch.device("cpu"))
     if need > available:
         fits = max(1, available // (2 * row_width * 4))
@@ -135,6 +140,10 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     if grads.shard_index >= grads.num_shards:
         raise UserError(f"grads.shard_index={grads.shard_index} must be < grads.num_shards={grads.num_shards}"
                         f" (workers are numbered 0..{grads.num_shards - 1}).", exit_code=2)
+    try:
+        check_block_width(grads.projection_dim, grads.preconditioner)
+    except ValueError as err:
+        raise UserError(str(err), exit_code=2) from None
     if grads.data_path is not None:
         check_data_source(grads, grads.data_path)
     target = index_dir if index_dir is not None else grads.index_dir
@@ -145,6 +154,11 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     if tokens < grads.max_seq_length:
         log.info("rows are cut at %s", limit)
     return tokens
+
+
+def token_policy(grads: GradsConfig) -> TokenPolicy:
+    """The BOS / EOS policy the grads keys ask for (`gradian.data.TokenPolicy`)."""
+    return TokenPolicy(append_eos=grads.append_eos, prepend_bos=grads.prepend_bos)
 
 
 class _Throughput:
@@ -200,6 +214,7 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
         # The loaded model's own config decides the bound (check_grads_config may not have seen one offline).
         corpus = TokenizedCorpus.scan(source, tokenizer, grads.max_seq_length, grads.on_truncation,
                                       grads.truncation_side, context_length=context_length(loaded.model.config),
+                                      policy=token_policy(grads),
                                       progress=lambda n: status.update(f"tokenizing {source.name}: {n} rows read"))
     with corpus:
         return _index_corpus(model_cfg, grads, Path(index_dir), console, loaded, source, corpus, circuit_path)
@@ -232,11 +247,12 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         "model": model_cfg.name, "revision": model_cfg.revision, "precision": model_cfg.precision,
         "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
         "projection": projector.describe(), "storage_dtype": grads.storage_dtype,
-        "loss_reduction": grads.loss_reduction,
+        "loss_reduction": grads.loss_reduction, "loss": grads.loss, "preconditioner": grads.preconditioner,
         "data_file": data_file, "data_source": {**source.spec.describe(), "path": data_file},
         "data_sha256": source.fingerprint(),
         "max_seq_length": report.max_seq_length, "truncation_side": grads.truncation_side,
-        "on_truncation": grads.on_truncation, "data_report": report.summary(), "row_width": projector.total_width,
+        "on_truncation": grads.on_truncation, "data_report": report.summary(),
+        "token_policy": report.policy.resolve(tokenizer), "row_width": projector.total_width,
         "circuit": circuit,
         "projection_sha256": projection_fingerprint(projector),
     }
@@ -248,7 +264,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     estimate = estimate_grads(
         adapter.shape(), next(model.parameters()).element_size(), worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows)
-    check_shard_buffer(grads, corpus.n_rows, projector.total_width)
+    check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -267,11 +283,12 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                 chunk = [rows[i] for i in plan]
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
                 grads_out[plan] = per_example_gradients(model, adapter, modules, projector, batch,
-                                                        grads.loss_reduction).row().cpu()
+                                                        grads.loss_reduction, grads.loss).row().cpu()
                 stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())
                 bar.update(task, advance=len(chunk), rates=stats.text())
             writer.write_shard(k, grads_out, torch.arange(start, end),
-                               sources=torch.from_numpy(corpus.positions[start:end].copy()))
+                               sources=torch.from_numpy(corpus.positions[start:end].copy()),
+                               second_moment_blocks=len(shapes) if grads.preconditioner == "module" else None)
     if stats.rows:
         console.print(f"indexed {stats.rows} rows: {stats.text()} ({stats.real_tokens} tokens,"
                       f" {stats.computed_tokens} computed)")

@@ -112,7 +112,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     max_g = 0
     for name, (d_out, d_in) in module_shapes.items():
         width += projector.width(name)
-        if kind == "kronecker":
+        if kind.startswith("kronecker"):  # kronecker, kronecker_orthogonal: same factors and buffers
             k_o, k_i = projector.factors[name]
             capture += N * k_i * FP32
             matrices += (k_o * d_out + k_i * d_in) * FP32

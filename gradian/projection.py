@@ -11,6 +11,10 @@ Stored rows are a random projection of G, computed without ever forming G:
   P_out G P_inᵀ = Σ_t (P_out δ_t)(P_in x_t)ᵀ  (k_o, k_i), flattened to k_o * k_i = projection_dim.
   E[P_outᵀ P_out] = I and E[P_inᵀ P_in] = I, so inner products between rows estimate inner
   products between the gradients (Johnson-Lindenstrauss in Kronecker form).
+* ``kronecker_orthogonal``: the same contraction, but each factor has orthonormal rows: the Q of
+  a seeded Gaussian's QR (signs fixed by R's diagonal, so it is unique), scaled by sqrt(d / k)
+  so that E[Pᵀ P] = I still holds. Orthogonal rows never project two directions onto one, which
+  lowers the variance of the inner-product estimate at the same width (docs/benchmarks.md).
 * ``dense``: one Gaussian matrix P (projection_dim, d_out * d_in) / sqrt(projection_dim) applied
   to vec(G); the fidelity reference (it needs G and a projection_dim × d_out·d_in matrix).
 * ``projection_dim=None``: vec(G) itself, row-major in nn.Linear orientation (d_out, d_in).
@@ -40,6 +44,7 @@ from circuitkit.config import GradsConfig, choices
 log = logging.getLogger(__name__)
 
 PROJECTION_KINDS = choices(GradsConfig, "projection")
+KRONECKER_KINDS = ("kronecker", "kronecker_orthogonal")
 # Columns of the dense matrix generated per seeded chunk. A constant, so the matrix does not
 # depend on how much memory a run has (chunks are regenerated when the matrix is not cached).
 _DENSE_CHUNK_COLS = 4096
@@ -135,7 +140,7 @@ class Projector:
     ----------
     shapes: name -> (d_out, d_in), in row order (the stored row is the modules' projections
         concatenated in this order).
-    kind: "kronecker" or "dense" (ignored when projection_dim is None).
+    kind: "kronecker", "kronecker_orthogonal" or "dense" (ignored when projection_dim is None).
     projection_dim: width per module; None stores raw gradients (width d_out * d_in).
     seed: projection seed (grads.projection_seed).
 
@@ -154,7 +159,7 @@ class Projector:
         self.projection_dim = projection_dim
         self.seed = seed
         self.factors: dict[str, tuple[int, int]] = {}
-        if self.kind == "kronecker":
+        if self.kind in KRONECKER_KINDS:
             for name, (d_out, d_in) in self.shapes.items():
                 self.factors[name] = kronecker_factors(projection_dim, d_out, d_in, name)
         elif self.kind == "dense":
@@ -204,16 +209,29 @@ class Projector:
         signs = torch.randint(0, 2, (rows, cols), generator=g, dtype=torch.int8)
         return (signs.float() * 2 - 1) / math.sqrt(rows)
 
+    def _orthogonal(self, name: str, side: str, rows: int, cols: int) -> torch.Tensor:
+        """(rows, cols), rows <= cols, orthonormal rows scaled by sqrt(cols / rows), float32 on the CPU.
+
+        Q of the QR of a seeded (cols, rows) Gaussian, in float64, with Q's columns multiplied by
+        the signs of R's diagonal: the QR is then unique, so every process gets the same matrix.
+        """
+        g = _generator("gradian-kronecker-orthogonal", self.seed, name, self.shapes[name], self.projection_dim, side)
+        gauss = torch.randn((cols, rows), generator=g, dtype=torch.float64)
+        q, r = torch.linalg.qr(gauss)  # q (cols, rows), orthonormal columns
+        q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))
+        return (q.T * math.sqrt(cols / rows)).float()
+
     def kronecker_matrices(self, name: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """P_out (k_o, d_out) and P_in (k_i, d_in), float32 on `device` (cached per device)."""
-        if self.kind != "kronecker":
+        if self.kind not in KRONECKER_KINDS:
             raise ValueError(f"kronecker_matrices on a {self.kind} projector.")
         dev = str(torch.device(device))
         key_out, key_in = (name, "out", dev), (name, "in", dev)
         if key_out not in self._cache:
             (d_out, d_in), (k_o, k_i) = self.shapes[name], self.factors[name]
-            self._cache[key_out] = self._rademacher(name, "out", k_o, d_out).to(dev)
-            self._cache[key_in] = self._rademacher(name, "in", k_i, d_in).to(dev)
+            draw = self._rademacher if self.kind == "kronecker" else self._orthogonal
+            self._cache[key_out] = draw(name, "out", k_o, d_out).to(dev)
+            self._cache[key_in] = draw(name, "in", k_i, d_in).to(dev)
         return self._cache[key_out], self._cache[key_in]
 
     def _dense_chunk(self, name: str, chunk: int) -> torch.Tensor:
@@ -249,16 +267,16 @@ class Projector:
 
     # -- application ------------------------------------------------------------------------
     def project_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, d_in) -> (B, T, k_i) = x P_inᵀ for kronecker, else x itself; float32."""
+        """x (B, T, d_in) -> (B, T, k_i) = x P_inᵀ for kronecker kinds, else x itself; float32."""
         x = x.float()
-        if self.kind == "kronecker":
+        if self.kind in KRONECKER_KINDS:
             return x @ self.kronecker_matrices(name, x.device)[1].T
         return x
 
     def project_output(self, name: str, delta: torch.Tensor) -> torch.Tensor:
-        """δ (B, T, d_out) -> (B, T, k_o) = δ P_outᵀ for kronecker, else δ itself; float32."""
+        """δ (B, T, d_out) -> (B, T, k_o) = δ P_outᵀ for kronecker kinds, else δ itself; float32."""
         delta = delta.float()
-        if self.kind == "kronecker":
+        if self.kind in KRONECKER_KINDS:
             return delta @ self.kronecker_matrices(name, delta.device)[0].T
         return delta
 
@@ -281,7 +299,7 @@ class Projector:
     def project_gradient(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """Project already-formed gradients G (B, d_out, d_in) -> (B, width(name)) (tests, references)."""
         grad = grad.float()
-        if self.kind == "kronecker":
+        if self.kind in KRONECKER_KINDS:
             p_out, p_in = self.kronecker_matrices(name, grad.device)
             return (p_out @ grad @ p_in.T).flatten(1)
         if self.kind == "dense":
@@ -302,7 +320,7 @@ def projection_fingerprint(projector: Projector) -> str:
     h = hashlib.sha256(f"{projector.kind}:{projector.projection_dim}".encode())
     for name, shape in projector.shapes.items():
         h.update(f"|{name}:{shape}".encode())
-        if projector.kind == "kronecker":
+        if projector.kind in KRONECKER_KINDS:
             mats = projector.kronecker_matrices(name)
         elif projector.kind == "dense":
             mats = (projector._dense_chunk(name, 0),)

@@ -8,7 +8,9 @@ memory is bounded by one shard plus Q x k, never by the index size.
 
 Scores: ``dot`` = <g_query, g_row>; ``cosine`` = dot / (|g_query| |g_row|), using the norms
 stored in the index (norms of the stored values, so the cosine is exactly that of what is on
-disk). ``aggregate`` turns the Q per-query scores of a row into one (``mean`` or ``max``) and
+disk). ``influence`` and ``whitened`` use the per-module second moments an index built with
+``grads.preconditioner: module`` holds (`gradian.precondition`): qᵀ A g, and that divided by
+‖q‖_A ‖g‖_A. ``aggregate`` turns the Q per-query scores of a row into one (``mean`` or ``max``) and
 ranks the rows by it as well.
 """
 
@@ -29,16 +31,18 @@ from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes
 from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
-from gradian.data import _preview, collate, load_rows, plan_batches
+from gradian.data import _preview, collate, load_rows, plan_batches, policy_of
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.indexer import check_input_file, check_writable_dir, tokenizer_hash
+from gradian.precondition import DAMPING, Preconditioner
 from gradian.projection import Projector, projection_fingerprint
 from gradian.restrict import site_shapes, sites_from_names
 from gradian.sources import DataError, Source, SourceSpec
 
 log = logging.getLogger(__name__)
 
-SCORES = ("cosine", "dot")
+SCORES = ("cosine", "dot", "influence", "whitened")
+PRECONDITIONED_SCORES = ("influence", "whitened")
 AGGREGATES = ("mean", "max")
 QUERY_BATCH_SIZE = 8
 # Norms below this count as zero: a zero gradient has no direction, its cosine is defined as 0.
@@ -74,7 +78,7 @@ def _check_choice(name: str, value: str, valid: Sequence[str]) -> None:
 
 
 def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 10, score: str = "cosine",
-                aggregate: str = "mean", verify: bool = True) -> dict[str, torch.Tensor]:
+                aggregate: str = "mean", verify: bool = True, damping: float | None = None) -> dict[str, torch.Tensor]:
     """Top-k training rows per query and for the aggregate, streaming the index's shards.
 
     query_grads: (Q, width) float32, projected query gradients (width = the index's row width).
@@ -83,7 +87,8 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     ``aggregate_rows`` (k',): rows ranked by the mean or max over queries of their scores;
     k' = min(top_k, rows in the index). Peak memory is about one shard in float32 plus Q x
     shard rows of scores, whatever the number of rows. `verify`: check each shard's sha256
-    against the manifest as it is read (IndexIntegrityError on a mismatch).
+    against the manifest as it is read (IndexIntegrityError on a mismatch). `damping`: λ_m as a
+    share of module m's mean eigenvalue for the preconditioned scores (None: 0.1).
     """
     _check_choice("score", score, SCORES)
     _check_choice("aggregate", aggregate, AGGREGATES)
@@ -100,13 +105,21 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     if not reader.complete:
         log.warning("%s is incomplete (%s): ranking only the rows stored so far.", reader.index_dir,
                     "; ".join(reader.missing()) or "the manifest says so")
-    if score == "cosine":
+    precond = _preconditioner(reader, damping) if score in PRECONDITIONED_SCORES else None
+    if score == "influence":
+        q = precond.precondition(q)  # (A q)ᵀ g = qᵀ A g: the rows need nothing more
+    elif score == "whitened":
+        q = precond.whiten(q)
+    if score in ("cosine", "whitened"):
         # Unit query vectors: then cosine = (q̂ · g) / |g| per row, one matmul per shard.
         q = q / q.norm(dim=1, keepdim=True).clamp_min(_EPS)
     per_query, combined = _TopK(q.shape[0], top_k), _TopK(1, top_k)
     for rows, grads, norms in reader.shards(verify=verify):
+        if score == "whitened":
+            grads = precond.whiten(grads)
+            norms = grads.norm(dim=1)
         scores = q @ grads.T  # (Q, n)
-        if score == "cosine":
+        if score in ("cosine", "whitened"):
             scores /= norms.float().clamp_min(_EPS)
         per_query.push(scores, rows)
         agg = scores.mean(dim=0) if aggregate == "mean" else scores.amax(dim=0)
@@ -114,6 +127,16 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
         del scores, grads  # release the shard before the next one is read
     return {"query_scores": per_query.values, "query_rows": per_query.rows,
             "aggregate_scores": combined.values[0], "aggregate_rows": combined.rows[0]}
+
+
+def _preconditioner(reader: IndexReader, damping: float | None):
+    if reader.second_moment_blocks is None:
+        raise IndexMismatchError(f"{reader.index_dir} was built with grads.preconditioner="
+                                 f"{reader.manifest.get('preconditioner', 'none')}: it holds no second moments for"
+                                 " --score influence or whitened. Rank with cosine or dot, or rebuild the index with"
+                                 " grads.preconditioner=module.")
+    n_rows = sum(e["rows"][1] - e["rows"][0] for e in reader.manifest["shards"].values())
+    return Preconditioner.from_sums(reader.second_moment_sums(), n_rows, DAMPING if damping is None else damping)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -190,6 +213,26 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
     return projector
 
 
+def check_token_policy(manifest: dict[str, Any], append_eos: bool | None = None,
+                       prepend_bos: bool | None | str = "index") -> None:
+    """Refuse queries asked to be tokenized under another policy than the index's rows.
+
+    `append_eos` None and `prepend_bos` "index" mean "as the index": the queries then follow the
+    manifest's ``token_policy``. IndexMismatchError names both sides otherwise.
+    """
+    ours = policy_of(manifest)
+    problems = []
+    if append_eos is not None and append_eos != ours.append_eos:
+        problems.append(f"append_eos: index has {str(ours.append_eos).lower()}, asked {str(append_eos).lower()}")
+    if prepend_bos != "index" and prepend_bos != ours.prepend_bos:
+        problems.append(f"prepend_bos: index has {ours.prepend_bos}, asked {prepend_bos}")
+    if problems:
+        raise IndexMismatchError("the queries would be tokenized under another token policy than the index's rows ("
+                                 + "; ".join(problems) + "): their gradients would not be comparable. Leave the"
+                                 " option out (queries follow the index's policy), or rebuild the index with"
+                                 " grads.append_eos / grads.prepend_bos set as asked.")
+
+
 def check_circuit(manifest: dict[str, Any], circuit: str | Path | None) -> None:
     """Refuse queries restricted to another circuit than the index's (or to one, against an
     unrestricted index); IndexMismatchError says which circuit each side has."""
@@ -217,13 +260,14 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     """Projected gradients of the query rows, as the index's rows were made.
 
     Returns (grads (Q, width) float32 on the CPU, the query Rows from gradian.data.load_rows with
-    the manifest's max_seq_length / truncation settings).
+    the manifest's max_seq_length / truncation settings and token policy: a query's tokens are
+    made exactly as a training row's, EOS / BOS and chat supervision included).
     """
     queries_path = Path(queries_path)
     check_input_file(queries_path, "--queries")
     rows, report = load_rows(queries_path, loaded.tokenizer, manifest.get("max_seq_length", 512),
                              manifest.get("on_truncation", "warn"), manifest.get("truncation_side", "right"),
-                             context_length=context_length(loaded.model.config))
+                             context_length=context_length(loaded.model.config), policy=policy_of(manifest))
     if not rows:
         raise ValueError(f"{queries_path}: no query row has a supervised token ({report.summary()}).")
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -235,7 +279,8 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     for plan in plan_batches(lengths, batch_size, budget):
         batch = {key: t.to(loaded.device) for key, t in collate([rows[i] for i in plan], pad_id).items()}
         out[plan] = per_example_gradients(model, loaded.adapter, modules, projector, batch,
-                                          manifest.get("loss_reduction", "sum")).row().float().cpu()
+                                          manifest.get("loss_reduction", "sum"),
+                                          manifest.get("loss", "ce")).row().float().cpu()
     return out, rows
 
 
@@ -266,7 +311,7 @@ def _positions(index_dir: Path, manifest: dict[str, Any], row_ids: set[int]) -> 
     report = manifest.get("data_report") or {}
     kept = report.get("kept_lines")
     if kept is None:
-        source = _usable_source(manifest)
+        source = training_source(manifest)
         if source is None or source.format != "jsonl":
             return found
         dropped = set(report.get("dropped_truncated_lines", [])) | set(report.get("dropped_unsupervised_lines", []))
@@ -276,7 +321,7 @@ def _positions(index_dir: Path, manifest: dict[str, Any], row_ids: set[int]) -> 
     return found
 
 
-def _usable_source(manifest: dict[str, Any]) -> Source | None:
+def training_source(manifest: dict[str, Any]) -> Source | None:
     """The training data if it is still where the index says and unchanged (else no previews)."""
     described = manifest.get("data_source")
     try:
@@ -339,7 +384,7 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
     def line_of(row: int) -> int | None:
         return positions.get(row)
 
-    source = _usable_source(manifest)
+    source = training_source(manifest)
     previews = _read_previews(source, set(positions.values())) if source is not None else {}
     out = []
     for qid, rows, scores in lists:
@@ -353,7 +398,8 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
 def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "cosine",
          aggregate: str = "mean", out_path: str | Path | None = None,
          model_cfg: ModelConfig | None = None, loaded=None, verify: bool = True,
-         circuit: str | Path | None = None) -> list[dict[str, Any]]:
+         circuit: str | Path | None = None, append_eos: bool | None = None,
+         damping: float | None = None) -> list[dict[str, Any]]:
     """Rank the index's training rows against the rows of `queries_path` (JSONL).
 
     Loads the model the manifest names (or `model_cfg`; or an already loaded `loaded`), refuses
@@ -368,6 +414,11 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     `circuit`: the circuit.pt the queries are meant for. It must be the one a restricted index
     was built with (same sha256); against an unrestricted index it is refused. Without it,
     a restricted index's queries use the heads and MLPs its manifest records.
+
+    `score`: cosine, dot, or (an index built with grads.preconditioner=module) influence or
+    whitened, with `damping` (share of the mean eigenvalue, default 0.1; `gradian.precondition`).
+    Query rows are tokenized with the index's token policy (manifest ``token_policy``);
+    `append_eos`, when given, must be that policy's (IndexMismatchError otherwise).
     """
     _check_choice("score", score, SCORES)
     _check_choice("aggregate", aggregate, AGGREGATES)
@@ -381,13 +432,19 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
         raise IndexIntegrityError(f"{Path(index_dir) / 'manifest.json'} names no model (model:"
                                   f" {manifest.get('model')!r}); rebuild the index with `gradian index`.")
     check_circuit(manifest, circuit)
+    check_token_policy(manifest, append_eos)
+    if damping is not None and damping <= 0:
+        raise UserError(f"--damping {damping}: it must be > 0 (a share of each module's mean eigenvalue).",
+                        exit_code=2)
+    if score in PRECONDITIONED_SCORES and IndexReader(index_dir).second_moment_blocks is None:
+        _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads
     if loaded is None:
         model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
                                              precision=manifest.get("precision", "bfloat16"))
         loaded = load_model(model_cfg)
     projector = check_compatible(manifest, loaded)
     q_grads, q_rows = query_gradients(manifest, loaded, projector, queries_path)
-    top = stream_topk(index_dir, q_grads, top_k, score, aggregate, verify=verify)
+    top = stream_topk(index_dir, q_grads, top_k, score, aggregate, verify=verify, damping=damping)
     results = format_results(manifest, top, [r.row_id for r in q_rows], index_dir)
     if out_path is not None:
         payload = "".join(json.dumps(r) + "\n" for r in results).encode()

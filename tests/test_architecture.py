@@ -89,6 +89,8 @@ LAYERS: dict[str, str] = {
     "gradian.sources": GRADIAN,
     "gradian.memory": GRADIAN,
     "gradian.stage": GRADIAN,
+    "gradian.precondition": GRADIAN,
+    "gradian.tokens": GRADIAN,
     # entry points
     "circuitkit": ENTRY,
     "circuitkit.api": ENTRY,

@@ -11,7 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from gradian.data import DataError, Row, collate, load_rows, plan_batches
+from gradian.data import DataError, Row, TokenPolicy, collate, load_rows, plan_batches
+
+# The tests below that spell out EOS / end-of-turn tokens run under grads.append_eos=true;
+# tests/test_token_policy.py covers both policies.
+EOS = TokenPolicy(append_eos=True)
 
 CHAT = [
     {"role": "system", "content": "Be nice"},
@@ -54,7 +58,7 @@ def test_prompt_completion_mask_is_exactly_the_completion(tok: Any, tmp_path: Pa
         "",
         {"prompt": "When did Alice", "completion": " go home?"},
     ])
-    rows, report = load_rows(data, tok, max_seq_length=64)
+    rows, report = load_rows(data, tok, max_seq_length=64, policy=EOS)
     assert [r.row_id for r in rows] == [0, 1] and [r.line for r in rows] == [1, 3]
     eos = tok.eos_token
     for row, (prompt, completion) in zip(rows, [("Mary went to the store.", " Then John gave her a book"),
@@ -72,7 +76,7 @@ def test_prompt_completion_mask_is_exactly_the_completion(tok: Any, tmp_path: Pa
 
 def test_chat_rows_supervise_assistant_turns(tok: Any, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
-    rows, _ = load_rows(data, tok, max_seq_length=128)
+    rows, _ = load_rows(data, tok, max_seq_length=128, policy=EOS)
     unsup, sup = parts(tok, rows[0])
     assert sup == "Hello John<|end|>See you<|end|>"
     assert "Hi Mary" in unsup and "Hello" not in unsup
@@ -82,7 +86,7 @@ def test_chat_rows_supervise_assistant_turns(tok: Any, tmp_path: Path) -> None:
 def test_chat_template_without_generation_markers_falls_back_to_prefixes(tok: Any, tmp_path: Path) -> None:
     tok.chat_template = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
-    rows, _ = load_rows(data, tok, max_seq_length=128)
+    rows, _ = load_rows(data, tok, max_seq_length=128, policy=EOS)
     # Prefix rendering also claims what the template writes after the turn (the newline).
     assert parts(tok, rows[0])[1] == "Hello John<|end|>\nSee you<|end|>\n"
 
@@ -109,25 +113,25 @@ def test_truncation_right_cuts_completion_prompt_left_keeps_it(tok: Any, tmp_pat
     data = write_jsonl(tmp_path / "d.jsonl", [row])
     max_len = n_c + 3
 
-    right, rep_r = load_rows(data, tok, max_len, on_truncation="warn", truncation_side="right")
+    right, rep_r = load_rows(data, tok, max_len, on_truncation="warn", truncation_side="right", policy=EOS)
     assert rep_r.truncated_lines == [1]
     # max_len < prompt length: the right cut removes the whole completion -> nothing left to learn.
     assert right == [] and rep_r.dropped_unsupervised_lines == [1]
 
-    left, rep_l = load_rows(data, tok, max_len, truncation_side="prompt_left")
+    left, rep_l = load_rows(data, tok, max_len, truncation_side="prompt_left", policy=EOS)
     assert rep_l.truncated == 0 and len(left) == 1 and not left[0].truncated
     unsup, sup = parts(tok, left[0])
     assert sup == row["completion"] + tok.eos_token
     assert len(left[0].input_ids) == max_len and row["prompt"].endswith(unsup)  # left end of the prompt dropped
 
     # A cut that keeps part of the completion is kept (warn) and marked truncated.
-    part, rep_p = load_rows(data, tok, n_p + 2, truncation_side="right")
+    part, rep_p = load_rows(data, tok, n_p + 2, truncation_side="right", policy=EOS)
     assert part[0].truncated and rep_p.truncated_lines == [1] and rep_p.kept == 1
     assert (row["completion"] + tok.eos_token).startswith(parts(tok, part[0])[1])
     assert sum(part[0].supervised) == 2
 
     # Completion longer than the budget: prompt_left keeps one prompt token, then cuts the end.
-    short, rep_s = load_rows(data, tok, 3, truncation_side="prompt_left")
+    short, rep_s = load_rows(data, tok, 3, truncation_side="prompt_left", policy=EOS)
     assert short[0].supervised == [False, True, True] and short[0].truncated and rep_s.truncated == 1
 
 

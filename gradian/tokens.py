@@ -1,0 +1,74 @@
+"""One indexed row's tokens and its supervised mask, rebuilt from the data the index names.
+
+`gradian inspect INDEX --row N` shows exactly which tokens of training row N the index's loss
+predicted: the row is re-read from the index's data source and tokenized with the manifest's
+settings (max_seq_length, truncation, token policy), the same code path as indexing, so what is
+shown is what was indexed. The tokenizer is the model's (checked against the manifest's
+tokenizer hash) and the data must be unchanged (its sha256).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from circuitkit.errors import UserError
+from gradian.data import Row, iter_rows, new_report, policy_of
+from gradian.index import IndexReader
+
+
+def load_index_tokenizer(manifest: dict[str, Any]) -> Any:
+    """The tokenizer of the model an index names, refused (UserError) if its hash differs."""
+    from transformers import AutoTokenizer
+
+    from circuitkit.models.loading import resolve_model_path
+    from gradian.indexer import tokenizer_hash
+
+    name = manifest.get("model")
+    if not isinstance(name, str):
+        raise UserError(f"the index manifest names no model (model: {name!r}); its rows cannot be re-tokenized.",
+                        exit_code=2)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name), revision=manifest.get("revision"))
+    if tokenizer_hash(tokenizer) != manifest.get("tokenizer_sha256"):
+        raise UserError(f"the tokenizer of {name} is not the one the index was built with (tokenizer_sha256"
+                        " differs); the indexed tokens cannot be shown.", exit_code=2)
+    return tokenizer
+
+
+def indexed_row(index_dir: str | Path, row_id: int, tokenizer: Any | None = None) -> Row:
+    """Training row `row_id` of the index, tokenized as it was indexed.
+
+    Returns a `gradian.data.Row` (``input_ids`` and ``supervised``, both length T). Raises
+    UserError (exit code 2) for a row id out of range or data that is gone or changed.
+    """
+    from gradian.rank import training_source
+
+    manifest = IndexReader(index_dir).manifest
+    n_rows = manifest["n_rows"]
+    if not 0 <= row_id < n_rows:
+        raise UserError(f"--row {row_id}: the index has rows 0..{n_rows - 1}.", exit_code=2)
+    source = training_source(manifest)
+    if source is None:
+        raise UserError(f"the training data {manifest.get('data_file')} is missing or changed since indexing"
+                        " (see the warning above), so row tokens cannot be rebuilt.", exit_code=2)
+    tokenizer = tokenizer if tokenizer is not None else load_index_tokenizer(manifest)
+    report = new_report(source, manifest.get("max_seq_length", 512), manifest.get("on_truncation", "warn"),
+                        manifest.get("truncation_side", "right"), policy=policy_of(manifest))
+    for row in iter_rows(source, tokenizer, report):
+        if row.row_id == row_id:
+            return row
+    raise UserError(f"the data now yields {report.kept} rows, fewer than row {row_id}; rebuild the index.",
+                    exit_code=2)
+
+
+def row_table(row: Row, tokenizer: Any, title: str) -> Table:
+    """A rich table of a row: position, token id, token text (repr), supervised or not."""
+    table = Table(title=Text(title))
+    for column, justify in (("pos", "right"), ("id", "right"), ("token", "left"), ("supervised", "center")):
+        table.add_column(column, justify=justify)
+    for t, (token_id, sup) in enumerate(zip(row.input_ids, row.supervised, strict=True)):
+        table.add_row(str(t), str(token_id), Text(repr(tokenizer.decode([token_id]))), "yes" if sup else "")
+    return table
