@@ -81,7 +81,7 @@ def _softcap(logits: torch.Tensor, config) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-LOSSES = ("ce", "margin")
+LOSSES = choices(GradsConfig, "loss")
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor, loss: str = "ce") -> torch.Tensor:

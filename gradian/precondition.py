@@ -36,7 +36,9 @@ from collections.abc import Iterable
 
 import torch
 
-PRECONDITIONERS = ("none", "module")
+from circuitkit.config import GradsConfig, choices
+
+PRECONDITIONERS = choices(GradsConfig, "preconditioner")
 DAMPING = 0.1
 # Above this width per module the (k, k) sums cost more disk than they are worth (k² floats per
 # shard and module) and the rank-time whitening k² per row: refuse instead of surprising.
