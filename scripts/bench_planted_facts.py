@@ -424,16 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice, x3
     start = time.perf_counter()
-    if args.scores_study:
-        report = scores_study(args.entities, args.epochs, args.seeds)
-        print_scores_study(report, Console(width=180))
-        print(f"wall time {time.perf_counter() - start:.1f} s")
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=2))
-        return 0
-    if args.eos_study:
-        report = eos_study(args.entities, args.epochs)
-        print_eos_study(report, Console(width=140))
+    study = ((lambda: scores_study(args.entities, args.epochs, args.seeds), print_scores_study, 180)
+             if args.scores_study else
+             (lambda: eos_study(args.entities, args.epochs), print_eos_study, 140) if args.eos_study else None)
+    if study is not None:  # the two studies print and save the same way
+        measure, show, width = study
+        report = measure()
+        show(report, Console(width=width))
         print(f"wall time {time.perf_counter() - start:.1f} s")
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
