@@ -19,10 +19,17 @@ GPT-2-small-shaped model with random weights; gradients of the 12 `mlp.c_proj`, 
   this is slower than the bucketed floor on two cores, and shows what padding costs against
   batch size.
 
+**Rounds.** This machine's speed drifts by ±30% from minute to minute (other tenants), more
+than the effects measured. So each tool's process runs `--rounds` times per dtype, the tools
+interleaved, and the speed-ups are medians of per-round ratios (with their range); inside each
+Gradian process its index (model loaded before the clock) and the floor of the same buckets
+are timed alternately `--floor-rounds` times, and the floor ratio is the median of those
+paired ratios.
+
 Attribution over a JSONL task whose pairs vary in length (6 to 120 tokens) is timed too: EAP-IG
 at node level on the same model with pairs grouped by length vs in file order.
 
-    python scripts/bench_lengths.py [--rows 96] [--batch-size 16] [--batch-tokens 1024]
+    python scripts/bench_lengths.py [--rows 96] [--batch-size 16] [--batch-tokens 1024] [--rounds 3]
                                     [--tools gradian,gradian-file-order,bergson] [--json out.json]
 """
 
@@ -35,6 +42,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import tempfile
 import time
 from datetime import date
@@ -106,42 +114,82 @@ TOOL_SPECS = {  # tool -> (worker in bench_peers.TOOLS, spec entries)
 
 
 def run_indexing(work: Path, data: dict[str, Any], tools: list[str], batch_size: int, batch_tokens: int,
-                 timeout: float, console: Console, dtypes: tuple[str, ...] = ("float32", "bfloat16")
-                 ) -> list[dict[str, Any]]:
-    rows = []
+                 timeout: float, console: Console, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+                 rounds: int = 3, floor_rounds: int = 3) -> list[dict[str, Any]]:
+    """Every tool's process `rounds` times per dtype, the tools interleaved (round r starts with
+    tool r mod len(tools)), so that a machine whose speed drifts over minutes slows every tool
+    alike; one dict per process run, with its round."""
+    runs = []
     for precision in dtypes:
-        for tool in tools:
-            worker, own = TOOL_SPECS[tool]
-            tool_work = work / f"{tool}_{precision}"
-            tool_work.mkdir(parents=True, exist_ok=True)
-            spec = {k: data[k] for k in ("model_dir", "docs", "queries", "modules")}
-            spec.update(per_module_dim=THROUGHPUT_DIM, total_dim=THROUGHPUT_DIM * len(data["modules"]),
-                        batch_size=batch_size, batch_tokens=batch_tokens, max_length=512, seed=0,
-                        work_dir=str(tool_work), precision=precision, storage_dtype="float16",
-                        floor=tool == "gradian", padding_free_floor=tool == "gradian")
-            spec.update(own)
-            console.print(f"[dim]{tool}, {precision}...[/dim]")
-            result = run_worker(worker, spec, tool_work, timeout)
-            if result.get("error"):
-                rows.append({"tool": tool, "precision": precision, "error": result["error"]})
-                continue
-            rows.append({"tool": tool, "precision": precision, "n_rows": result["n_rows"],
-                         "seconds": result["index_seconds"], "examples_per_s": result["n_rows"] / result["index_seconds"],
-                         "peak_mib": result["index_peak_bytes"] / 2**20, "padding_share": result.get("padding_share")})
-            if "index_seconds_preloaded" in result:
-                rows.append({"tool": f"{tool}, model loaded before the clock (as the floors)", "precision": precision,
-                             "n_rows": result["n_rows"], "seconds": result["index_seconds_preloaded"],
-                             "examples_per_s": result["n_rows"] / result["index_seconds_preloaded"],
-                             "padding_share": result.get("padding_share")})
-            floors = (("floor_supervised_seconds", "floor: fwd+bwd of the same length buckets",
-                       result.get("padding_share")),
-                      ("floor_padding_free_seconds", "floor: exact-length batches, no padding at all", 0.0))
-            for key, name, padding in floors:
-                if key in result:
-                    rows.append({"tool": name, "precision": precision, "n_rows": result["n_rows"],
-                                 "seconds": result[key], "examples_per_s": result["n_rows"] / result[key],
-                                 "padding_share": padding})
-    return rows
+        for r in range(rounds):
+            for tool in tools[r % len(tools):] + tools[:r % len(tools)]:
+                worker, own = TOOL_SPECS[tool]
+                tool_work = work / f"{tool}_{precision}_{r}"
+                tool_work.mkdir(parents=True, exist_ok=True)
+                spec = {k: data[k] for k in ("model_dir", "docs", "queries", "modules")}
+                spec.update(per_module_dim=THROUGHPUT_DIM, total_dim=THROUGHPUT_DIM * len(data["modules"]),
+                            batch_size=batch_size, batch_tokens=batch_tokens, max_length=512, seed=0,
+                            work_dir=str(tool_work), precision=precision, storage_dtype="float16",
+                            floor=tool == "gradian", floor_rounds=floor_rounds, full_logits_floor=False,
+                            padding_free_floor=tool == "gradian" and r == 0)
+                spec.update(own)
+                console.print(f"[dim]round {r + 1}/{rounds}: {tool}, {precision}...[/dim]")
+                result = run_worker(worker, spec, tool_work, timeout)
+                run = {"tool": tool, "precision": precision, "round": r}
+                if result.get("error"):
+                    runs.append({**run, "error": result["error"]})
+                    continue
+                run.update({k: result[k] for k in FLOOR_KEYS + ("padding_share",) if k in result})
+                runs.append({**run, "n_rows": result["n_rows"], "seconds": result["index_seconds"],
+                             "peak_mib": result["index_peak_bytes"] / 2**20})
+    return runs
+
+
+# What a Gradian worker reports besides its own index time (`worker_gradian.floor_seconds`).
+FLOOR_KEYS = ("index_seconds_preloaded", "index_preloaded_runs", "floor_supervised_seconds", "floor_supervised_runs",
+              "floor_ratio", "floor_padding_free_seconds")
+
+
+def summarize_indexing(runs: list[dict[str, Any]], precision: str) -> list[dict[str, Any]]:
+    """One line per tool at `precision`, plus the floors: median seconds and peak over the rounds,
+    and Gradian's speed-up as the median (and range) of the per-round ratios tool / Gradian."""
+    ok = [r for r in runs if r["precision"] == precision and not r.get("error")]
+    ours = {r["round"]: r for r in ok if r["tool"] == "gradian"}
+    lines = []
+    for tool in dict.fromkeys(r["tool"] for r in runs if r["precision"] == precision):
+        mine = [r for r in ok if r["tool"] == tool]
+        if not mine:
+            err = next(r["error"] for r in runs if r["precision"] == precision and r["tool"] == tool)
+            lines.append({"tool": tool, "error": err})
+            continue
+        ratios = [r["seconds"] / ours[r["round"]]["seconds"] for r in mine if r["round"] in ours]
+        lines.append({"tool": tool, "n_rows": mine[0]["n_rows"], "rounds": len(mine),
+                      "seconds": statistics.median(r["seconds"] for r in mine),
+                      "seconds_each": [round(r["seconds"], 1) for r in mine],
+                      "peak_mib": statistics.median(r["peak_mib"] for r in mine),
+                      "padding_share": mine[0].get("padding_share"),
+                      "speedup": statistics.median(ratios) if ratios else None,
+                      "speedup_range": (min(ratios), max(ratios)) if ratios else None})
+    gradian = [r for r in ok if r["tool"] == "gradian" and "floor_ratio" in r]
+    if gradian:
+        n_rows, padding = gradian[0]["n_rows"], gradian[0].get("padding_share")
+        pre = [s for r in gradian for s in r["index_preloaded_runs"]]
+        floor = [s for r in gradian for s in r["floor_supervised_runs"]]
+        ratios = [a / b for r in gradian for a, b in zip(r["index_preloaded_runs"], r["floor_supervised_runs"],
+                                                         strict=True)]
+        lines.append({"tool": "gradian, model loaded before the clock (as the floors)", "n_rows": n_rows,
+                      "rounds": len(pre), "seconds": statistics.median(pre), "padding_share": padding})
+        lines.append({"tool": "floor: fwd+bwd of the same length buckets", "n_rows": n_rows, "rounds": len(floor),
+                      "seconds": statistics.median(floor), "padding_share": padding,
+                      "floor_ratio": statistics.median(ratios), "floor_ratio_range": (min(ratios), max(ratios))})
+    free = [r["floor_padding_free_seconds"] for r in ok if "floor_padding_free_seconds" in r]
+    if free:
+        lines.append({"tool": "floor: exact-length batches, no padding at all", "n_rows": ok[0]["n_rows"],
+                      "rounds": len(free), "seconds": statistics.median(free), "padding_share": 0.0})
+    for line in lines:
+        if "seconds" in line:
+            line["examples_per_s"] = line["n_rows"] / line["seconds"]
+    return lines
 
 
 def attribution_pairs(n: int, seed: int = 0) -> list[tuple[list[int], list[int], int, int]]:
@@ -184,31 +232,30 @@ def run_attribution(data: dict[str, Any], n_pairs: int, batch_size: int, console
 
 
 def print_tables(report: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"gradient indexing, {report['n_rows']} rows of {report['lengths']['min']}.."
-                        f"{report['lengths']['max']} tokens (mean {report['lengths']['mean']:.0f}), GPT-2-small shape,"
-                        f" 12 x mlp.c_proj, 18 x 18; batch <= {report['batch_size']} rows, <= {report['batch_tokens']} tokens")
-    for col in ("tool", "dtype", "examples/s", "length-aware speed-up", "peak MiB", "padding share", "s"):
-        table.add_column(col, justify="left" if col in ("tool", "dtype") else "right")
-    for r in report["indexing"]:
-        if r.get("error"):
-            table.add_row(r["tool"], r["precision"], "-", "-", "-", "-", f"[red]{r['error']}[/red]")
-            continue
-        ours = next((o for o in report["indexing"] if o["tool"] == "gradian" and o["precision"] == r["precision"]
-                     and not o.get("error")), None)
-        ratio = f"{ours['examples_per_s'] / r['examples_per_s']:.2f}x" if ours else "-"
-        peak = "-" if "peak_mib" not in r else f"{r['peak_mib']:.0f}"
-        pad = "-" if r.get("padding_share") is None else f"{100 * r['padding_share']:.1f}%"
-        table.add_row(r["tool"], r["precision"], f"{r['examples_per_s']:.2f}", ratio, peak, pad, f"{r['seconds']:.1f}")
-    console.print(table)
-    def seconds(precision: str, prefix: str) -> float | None:
-        hit = [r for r in report["indexing"] if r["precision"] == precision and r["tool"].startswith(prefix)]
-        return hit[0]["seconds"] if hit and not hit[0].get("error") else None
-
-    for precision in sorted({r["precision"] for r in report["indexing"]}):
-        pre, floor = seconds(precision, "gradian, model loaded"), seconds(precision, "floor: fwd+bwd of the same")
-        if pre and floor:
-            console.print(f"{precision}: Gradian with the model loaded before the clock takes {pre / floor:.2f}x the"
-                          " time of the floor over the same length buckets (target <= 1.15x)")
+    for precision, lines in report["summary"].items():
+        table = Table(title=f"gradient indexing, {precision}, {report['n_rows']} rows of {report['lengths']['min']}.."
+                            f"{report['lengths']['max']} tokens (mean {report['lengths']['mean']:.0f}), GPT-2-small"
+                            f" shape, 12 x mlp.c_proj, 18 x 18; batch <= {report['batch_size']} rows,"
+                            f" <= {report['batch_tokens']} tokens; medians of {report['rounds']} interleaved rounds")
+        for col in ("tool", "examples/s", "Gradian's speed-up (range)", "peak MiB", "padding share", "s (each round)"):
+            table.add_column(col, justify="left" if col == "tool" else "right")
+        for r in lines:
+            if r.get("error"):
+                table.add_row(r["tool"], "-", "-", "-", "-", f"[red]{r['error']}[/red]")
+                continue
+            if r.get("speedup_range"):
+                lo, hi = r["speedup_range"]
+                ratio = f"{r['speedup']:.2f}x ({lo:.2f}-{hi:.2f})"
+            elif "floor_ratio" in r:
+                lo, hi = r["floor_ratio_range"]
+                ratio = f"preloaded Gradian takes {r['floor_ratio']:.2f}x ({lo:.2f}-{hi:.2f})"
+            else:
+                ratio = "-"
+            peak = "-" if "peak_mib" not in r else f"{r['peak_mib']:.0f}"
+            pad = "-" if r.get("padding_share") is None else f"{100 * r['padding_share']:.1f}%"
+            each = f" ({', '.join(map(str, r['seconds_each']))})" if r.get("seconds_each") else ""
+            table.add_row(r["tool"], f"{r['examples_per_s']:.2f}", ratio, peak, pad, f"{r['seconds']:.1f}{each}")
+        console.print(table)
     if report.get("attribution"):
         table = Table(title=f"attribution, EAP-IG node level (m=3), {report['n_pairs']} pairs of 6..120 tokens")
         for col in ("batching", "seconds", "padding share", "speed-up"):
@@ -229,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tools", default="gradian,gradian-file-order,bergson")
     p.add_argument("--pairs", type=int, default=48, help="attribution pairs (0 skips attribution)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes, comma-separated")
+    p.add_argument("--rounds", type=int, default=3, help="processes per tool and dtype, interleaved")
+    p.add_argument("--floor-rounds", type=int, default=3,
+                   help="in each Gradian process, its index and the floor timed alternately this many times")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -243,9 +293,11 @@ def main(argv: list[str] | None = None) -> int:
             "date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch"
             f" {torch.__version__}, {torch.get_num_threads()} threads", "n_rows": args.rows,
             "batch_size": args.batch_size, "batch_tokens": args.batch_tokens, "lengths": data["lengths"],
-            "n_pairs": args.pairs}
+            "n_pairs": args.pairs, "rounds": args.rounds}
+        dtypes = tuple(d.strip() for d in args.dtypes.split(","))
         report["indexing"] = run_indexing(work, data, tools, args.batch_size, args.batch_tokens, args.timeout, console,
-                                          tuple(d.strip() for d in args.dtypes.split(",")))
+                                          dtypes, args.rounds, args.floor_rounds)
+        report["summary"] = {d: summarize_indexing(report["indexing"], d) for d in dtypes}
         if args.pairs:
             report["attribution"] = run_attribution(data, args.pairs, args.batch_size, console)
     report["wall_s"] = time.perf_counter() - start

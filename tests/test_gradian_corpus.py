@@ -79,6 +79,37 @@ def test_plan_covers_every_row_once_within_both_limits():
     assert in_order == [list(range(i, min(i + 4, 300))) for i in range(0, 300, 4)]
 
 
+def _greedy(lengths: list[int], size: int, budget: int | None) -> list[list[int]]:
+    """Length-sorted rows, each batch filled as far as both limits allow (version 0.2's plan)."""
+    plan: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if plan and len(plan[-1]) < size and (budget is None or (len(plan[-1]) + 1) * lengths[plan[-1][0]] <= budget):
+            plan[-1].append(i)
+        else:
+            plan.append([i])
+    return plan
+
+
+def test_plan_splits_where_padding_costs_more_than_a_batch():
+    from gradian.data import BATCH_OVERHEAD_TOKENS, padded_tokens
+
+    # One long row and three short ones: one batch pads the short rows to 100 tokens each.
+    lengths = [10, 100, 10, 10]
+    assert 3 * (100 - 10) > BATCH_OVERHEAD_TOKENS
+    assert plan_batches(lengths, 4) == [[1], [0, 2, 3]]
+    # Rows close in length stay together: padding is cheaper than another batch.
+    assert plan_batches([50, 52, 51, 49], 4) == [[1, 2, 0, 3]]
+    rng = random.Random(3)
+    for _ in range(50):
+        lengths = [int(rng.lognormvariate(4.6, 0.8)) + 1 for _ in range(rng.randint(1, 200))]
+        size, budget = rng.choice([4, 16, 64]), rng.choice([None, 512, 2048])
+        plan, greedy = plan_batches(lengths, size, budget), _greedy(lengths, size, budget)
+        assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
+        assert padded_tokens(lengths, plan) <= padded_tokens(lengths, greedy)
+        cost = padded_tokens(lengths, plan) + BATCH_OVERHEAD_TOKENS * len(plan)
+        assert cost <= padded_tokens(lengths, greedy) + BATCH_OVERHEAD_TOKENS * len(greedy)
+
+
 def test_grouping_cuts_padding():
     from gradian.data import padded_tokens
 

@@ -35,13 +35,14 @@ def score_matrix(results: list[dict], n_queries: int, n_docs: int) -> list[list[
     return matrix
 
 
-def floor_seconds(spec: dict) -> dict[str, float]:
-    """The floor of any per-example method, timed like the index (second pass in the process): one
-    batched forward+backward of the same batches with frozen parameters, activation gradients only,
-    loss over the completion tokens; with logits everywhere (a plain model call, `floor_seconds`)
-    and only where supervised (`floor_supervised_seconds`). With `padding_free_floor` in the spec,
-    also `floor_padding_free_seconds`: the rows bucketed by exact length (batches of at most
-    batch_size rows of one length, so no token is padding), supervised logits only."""
+def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
+    """The floor of any per-example method: one batched forward+backward of the same batches with
+    frozen parameters, activation gradients only, loss over the completion tokens. Returns
+    (name -> a callable doing one pass, token counts). Passes: with logits everywhere (a plain
+    model call, `floor_seconds`) and only where supervised (`floor_supervised_seconds`); with
+    `padding_free_floor` in the spec also `floor_padding_free_seconds`: the rows bucketed by exact
+    length (batches of at most batch_size rows of one length, so no token is padding).
+    `full_logits_floor: false` in the spec leaves out the full-logits pass."""
     import torch
     import torch.nn.functional as F
 
@@ -64,7 +65,7 @@ def floor_seconds(spec: dict) -> dict[str, float]:
     padding_free = [ids[k:k + spec["batch_size"]] for ids in by_length.values()
                     for k in range(0, len(ids), spec["batch_size"])]
 
-    def one_pass(supervised_logits_only: bool, batches_of: list[list[int]] = plan) -> None:
+    def one_pass(supervised_logits_only: bool, batches_of: list[list[int]]) -> None:
         for idx in batches_of:
             batch = collate([rows[i] for i in idx], pad)
             ex, pos, target = supervised_positions(batch)
@@ -77,17 +78,47 @@ def floor_seconds(spec: dict) -> dict[str, float]:
             loss = F.cross_entropy(logits.float(), target, reduction="sum")
             torch.autograd.grad(loss, embeds)
 
-    out = {}
-    passes = [("floor_seconds", False, plan), ("floor_supervised_seconds", True, plan)]
+    passes = {"floor_supervised_seconds": lambda: one_pass(True, plan)}
+    if spec.get("full_logits_floor", True):
+        passes["floor_seconds"] = lambda: one_pass(False, plan)
     if spec.get("padding_free_floor"):
-        passes.append(("floor_padding_free_seconds", True, padding_free))
-    for key, supervised_only, batches_of in passes:
-        one_pass(supervised_only, batches_of)
-        with measured() as m:
-            one_pass(supervised_only, batches_of)
-        out[key] = m.seconds
-    out["computed_tokens"] = sum(len(b) * max(lengths[i] for i in b) for b in plan)
-    out["real_tokens"] = sum(lengths)
+        passes["floor_padding_free_seconds"] = lambda: one_pass(True, padding_free)
+    tokens = {"computed_tokens": sum(len(b) * max(lengths[i] for i in b) for b in plan), "real_tokens": sum(lengths)}
+    return passes, tokens
+
+
+def timed(fn) -> float:
+    with measured() as m:
+        fn()
+    return m.seconds
+
+
+def floor_seconds(spec: dict, paired: object = None) -> dict[str, object]:
+    """Each floor pass timed like the index (a warm-up pass first, then the timed one).
+
+    `paired`: a callable doing Gradian's own work on the same batches (the index built with the
+    model loaded before the clock). With `floor_rounds` in the spec it is then timed alternately with the supervised-logits floor,
+    `floor_rounds` times, so that both see the same machine; the result gets
+    both lists of seconds, their medians, and `floor_ratio`, the median of the per-round ratios
+    (Gradian / floor). On a machine whose speed drifts from minute to minute, the ratio of two
+    runs taken next to each other is what holds; two medians taken minutes apart are not."""
+    import statistics
+
+    passes, out = floor_passes(spec)
+    for key, one_pass in passes.items():
+        one_pass()
+        if key == "floor_supervised_seconds" and paired is not None and spec.get("floor_rounds"):
+            paired()
+            ours, floor = [], []
+            for _ in range(spec["floor_rounds"]):
+                ours.append(timed(paired))
+                floor.append(timed(one_pass))
+            out.update(index_preloaded_runs=ours, floor_supervised_runs=floor,
+                       index_seconds_preloaded=statistics.median(ours),
+                       floor_ratio=statistics.median(a / b for a, b in zip(ours, floor, strict=True)))
+            out[key] = statistics.median(floor)
+        else:
+            out[key] = timed(one_pass)
     return out
 
 
@@ -112,16 +143,6 @@ def run(spec: dict, result: dict) -> None:
         build_index(model_cfg, grads, work / f"gradian_{storage}_warmup", quiet)
     with measured() as m:
         summary = build_index(model_cfg, grads, index_dir, quiet)
-    if spec.get("floor"):
-        # The floor below is compute only (its model is loaded before the clock starts); time the
-        # index the same way, so that the ratio to the floor is not the model load.
-        from circuitkit.models.loading import load_model
-
-        loaded = load_model(model_cfg)
-        with measured() as pre:
-            build_index(model_cfg, grads, work / f"gradian_{storage}_preloaded", quiet, loaded=loaded)
-        result["index_seconds_preloaded"] = pre.seconds
-        del loaded
     n_docs = summary["n_rows"]
     shard_bytes = sum(p.stat().st_size for p in index_dir.glob("*.safetensors"))
     scores, query_s = {}, 0.0
@@ -139,7 +160,19 @@ def run(spec: dict, result: dict) -> None:
         "scores": scores, "scoring": "gradian rank, cosine",
         "padding_share": summary.get("padding_share"), "real_tokens": summary.get("real_tokens"),
         "computed_tokens": summary.get("computed_tokens")})
-    if spec.get("floor"):
+    if spec.get("floor") and spec.get("floor_rounds"):
+        # The floors are compute only (their model is loaded before the clock starts): the index
+        # they are compared with is built with its model loaded before the clock too.
+        from circuitkit.models.loading import load_model
+
+        loaded = load_model(model_cfg)
+        builds = iter(range(10**6))
+
+        def preloaded() -> None:
+            build_index(model_cfg, grads, work / f"gradian_{storage}_preloaded{next(builds)}", quiet, loaded=loaded)
+
+        result.update(floor_seconds(spec, preloaded))
+    elif spec.get("floor"):
         result.update(floor_seconds(spec))
 
 
