@@ -27,6 +27,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from circuitkit.batching import plan_batches
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
@@ -34,7 +35,7 @@ from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
-from gradian.data import TokenPolicy, collate, length_limit, plan_batches
+from gradian.data import TokenPolicy, collate, length_limit
 from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
 from gradian.memory import estimate_grads
 from gradian.precondition import check_block_width

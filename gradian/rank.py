@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
+from circuitkit.batching import plan_batches
 from circuitkit.circuit import circuit_sha256
 from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes
 from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
-from gradian.data import _preview, collate, load_rows, plan_batches, policy_of
+from gradian.data import _preview, collate, load_rows, policy_of
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.indexer import check_input_file, check_writable_dir, tokenizer_hash
 from gradian.precondition import DAMPING, Preconditioner

@@ -33,6 +33,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.io": CORE,
     "circuitkit.device": CORE,
     "circuitkit.fingerprint": CORE,
+    "circuitkit.batching": CORE,  # length-aware batch plans, for the index and for attribution
     "circuitkit.pipeline": CORE,
     "circuitkit.sweep": CORE,
     # models: loading, adapters, hooks, fixtures, the model's shape and memory terms

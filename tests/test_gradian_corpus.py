@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from circuitkit.batching import plan_batches
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.capture import per_example_gradients
 from gradian.corpus import TokenizedCorpus
-from gradian.data import REPORT_LINES, collate, load_rows, plan_batches
+from gradian.data import REPORT_LINES, collate, load_rows
 from gradian.index import IndexReader
 from gradian.indexer import build_index
 from gradian.projection import Projector
@@ -91,7 +92,7 @@ def _greedy(lengths: list[int], size: int, budget: int | None) -> list[list[int]
 
 
 def test_plan_splits_where_padding_costs_more_than_a_batch():
-    from gradian.data import BATCH_OVERHEAD_TOKENS, padded_tokens
+    from circuitkit.batching import BATCH_OVERHEAD_TOKENS, padded_tokens
 
     # One long row and three short ones: one batch pads the short rows to 100 tokens each.
     lengths = [10, 100, 10, 10]
@@ -111,7 +112,7 @@ def test_plan_splits_where_padding_costs_more_than_a_batch():
 
 
 def test_grouping_cuts_padding():
-    from gradian.data import padded_tokens
+    from circuitkit.batching import padded_tokens
 
     rng = random.Random(2)
     lengths = [int(rng.lognormvariate(4.6, 0.6)) + 2 for _ in range(512)]

@@ -37,8 +37,14 @@ def test_length_batches_cover_every_pair_and_trim_padding():
     data = _pairs(23)
     batches = data.length_batches(5)
     assert sum(len(b) for b in batches) == 23
+    assert all(len(b) <= 5 for b in batches)
+    # Each batch is trimmed to its longest pair, and the batches follow the length order.
+    assert [b.clean_ids.shape[1] for b in batches] == [max(b.lengths()) for b in batches]
+    widths = [b.clean_ids.shape[1] for b in batches]
+    assert widths == sorted(widths, reverse=True)
     lengths = sorted(data.lengths(), reverse=True)
-    assert [b.clean_ids.shape[1] for b in batches] == [lengths[i] for i in range(0, 23, 5)]
+    chunks = sum(min(5, 23 - i) * lengths[i] for i in range(0, 23, 5))  # fixed chunks of 5
+    assert sum(b.clean_ids.numel() for b in batches) <= chunks
     in_order = data.length_batches(5, group_by_length=False)
     assert torch.equal(torch.cat([b.answer_pos for b in in_order]), data.answer_pos)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from circuitkit.batching import plan_batches
 from circuitkit.io import atomic_save_safetensors
 
 _POSITIONAL = ("clean_ids", "corrupted_ids", "attention_mask")  # the fields with a position axis
@@ -51,17 +52,16 @@ class TaskData:
     def length_batches(self, batch_size: int, group_by_length: bool = True) -> list[TaskData]:
         """Batches of at most `batch_size` pairs, each trimmed to its own longest pair.
 
-        With `group_by_length`, pairs of similar length share a batch (longest first, ties by
-        index), so few positions are padding; without it, consecutive slices in data order. The
-        positions trimmed are padding after every pair's last token: no metric reads them (the
-        answer position comes before them and attention is causal), so per-example scores are
-        unchanged up to float round-off, and sums over examples do not depend on the batching.
+        With `group_by_length`, pairs of similar length share a batch (`circuitkit.batching`:
+        sorted longest first, cut where padding would cost more than another batch); without it,
+        consecutive slices in data order. The positions trimmed are padding after every pair's
+        last token: no metric reads them (the answer position comes before them and attention is
+        causal), so per-example scores are unchanged up to float round-off, and sums over examples
+        do not depend on the batching.
         """
         lengths = self.lengths()
-        order = sorted(range(len(self)), key=lambda i: (-lengths[i], i)) if group_by_length else list(range(len(self)))
         out = []
-        for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
+        for idx in plan_batches(lengths, batch_size, None, group_by_length):
             width = max(lengths[i] for i in idx)
             batch = self[torch.tensor(idx)]
             out.append(TaskData(**{f.name: (getattr(batch, f.name)[:, :width] if f.name in _POSITIONAL

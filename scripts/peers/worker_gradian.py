@@ -46,10 +46,11 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
     import torch
     import torch.nn.functional as F
 
+    from circuitkit.batching import plan_batches
     from circuitkit.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.capture import supervised_positions
-    from gradian.data import collate, load_rows, plan_batches
+    from gradian.data import collate, load_rows
 
     loaded = load_model(ModelConfig(name=spec["model_dir"], precision=spec.get("precision", "float32")))
     rows, _ = load_rows(spec["docs"], loaded.tokenizer, spec["max_length"])
