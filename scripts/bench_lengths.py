@@ -10,7 +10,9 @@ GPT-2-small-shaped model with random weights; gradients of the 12 `mlp.c_proj`, 
 * **gradian, length-aware**: the default batching (rows grouped by length, at most
   `--batch-size` rows and `--batch-tokens` padded tokens per batch);
 * **gradian, file order**: batches of `--batch-size` consecutive rows (version 0.1's batching);
-* **bergson** (if `make peers` built it): its own token batching with the same token budget;
+* **bergson** (if `make peers` built it): its own token batching with the same token budget
+  (`--batch-tokens`, 2048 by default: of 1024, 2048 and 4096, the budget under which the
+  length-aware plan ran fastest over both dtypes in an in-process sweep, docs/benchmarks.md);
 * **floor, same length buckets**: forward+backward (frozen weights, activation gradients only,
   supervised logits) of exactly the batches Gradian's plan forms, with no per-example work:
   what any method batching by length must compute;
@@ -29,7 +31,7 @@ paired ratios.
 Attribution over a JSONL task whose pairs vary in length (6 to 120 tokens) is timed too: EAP-IG
 at node level on the same model with pairs grouped by length vs in file order.
 
-    python scripts/bench_lengths.py [--rows 96] [--batch-size 16] [--batch-tokens 1024] [--rounds 3]
+    python scripts/bench_lengths.py [--rows 96] [--batch-size 16] [--batch-tokens 2048] [--rounds 3]
                                     [--tools gradian,gradian-file-order,bergson] [--json out.json]
 """
 
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--batch-tokens", type=int, default=1024,
+    p.add_argument("--batch-tokens", type=int, default=2048,
                    help="token budget of a batch, for gradian and bergson alike")
     p.add_argument("--tools", default="gradian,gradian-file-order,bergson")
     p.add_argument("--pairs", type=int, default=48, help="attribution pairs (0 skips attribution)")
