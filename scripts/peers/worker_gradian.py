@@ -13,6 +13,7 @@ orchestrator can compute recall and MRR from the full score matrix).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -46,7 +47,7 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
     import torch
     import torch.nn.functional as F
 
-    from circuitkit.batching import plan_batches
+    from circuitkit.batching import padded_tokens, plan_batches
     from circuitkit.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.capture import supervised_positions
@@ -84,7 +85,7 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
         passes["floor_seconds"] = lambda: one_pass(False, plan)
     if spec.get("padding_free_floor"):
         passes["floor_padding_free_seconds"] = lambda: one_pass(True, padding_free)
-    tokens = {"computed_tokens": sum(len(b) * max(lengths[i] for i in b) for b in plan), "real_tokens": sum(lengths)}
+    tokens = {"computed_tokens": padded_tokens(lengths, plan), "real_tokens": sum(lengths)}
     return passes, tokens
 
 
@@ -167,7 +168,7 @@ def run(spec: dict, result: dict) -> None:
         from circuitkit.models.loading import load_model
 
         loaded = load_model(model_cfg)
-        builds = iter(range(10**6))
+        builds = itertools.count()
 
         def preloaded() -> None:
             build_index(model_cfg, grads, work / f"gradian_{storage}_preloaded{next(builds)}", quiet, loaded=loaded)
