@@ -147,9 +147,9 @@ def run_indexing(work: Path, data: dict[str, Any], tools: list[str], batch_size:
     return runs
 
 
-# What a Gradian worker reports besides its own index time (`worker_gradian.floor_seconds`).
-FLOOR_KEYS = ("index_seconds_preloaded", "index_preloaded_runs", "floor_supervised_seconds", "floor_supervised_runs",
-              "floor_ratio", "floor_padding_free_seconds")
+# What a Gradian worker reports besides its own index time (`worker_gradian.floor_seconds`) that
+# the summary reads: the paired timings (the ratios are taken from them) and the exact-length floor.
+FLOOR_KEYS = ("index_preloaded_runs", "floor_supervised_runs", "floor_padding_free_seconds")
 
 
 def summarize_indexing(runs: list[dict[str, Any]], precision: str) -> list[dict[str, Any]]:
@@ -172,7 +172,7 @@ def summarize_indexing(runs: list[dict[str, Any]], precision: str) -> list[dict[
                       "padding_share": mine[0].get("padding_share"),
                       "speedup": statistics.median(ratios) if ratios else None,
                       "speedup_range": (min(ratios), max(ratios)) if ratios else None})
-    gradian = [r for r in ok if r["tool"] == "gradian" and "floor_ratio" in r]
+    gradian = [r for r in ok if r["tool"] == "gradian" and "index_preloaded_runs" in r]
     if gradian:
         n_rows, padding = gradian[0]["n_rows"], gradian[0].get("padding_share")
         pre = [s for r in gradian for s in r["index_preloaded_runs"]]
