@@ -23,9 +23,12 @@ which the projector reduces to a row without forming G_b for the kronecker kind 
 `gradian.projection`).
 
 Memory: parameters stay frozen (no parameter gradient is ever allocated); only the hidden
-states at supervised positions go through the unembedding, so the float32 logits are
-(n_supervised_total, V) instead of (B, T, V): prompt tokens and padding cost nothing there.
-For the kronecker kind each module keeps only P_in x (B, T, k_i) between forward and backward.
+states at supervised positions go through the unembedding, `logit_chunk_rows(V)` of them at a
+time (`supervised_loss_grad`), so the float32 logits are (chunk, V) instead of (B, T, V): prompt
+tokens and padding cost nothing there, and neither does a batch's count of supervised tokens.
+Multi-op activations (GPT-2's tanh GELU) are recomputed in the backward
+(`circuitkit.models.recompute`: the same ops on the same input, so the same bits). For the
+kronecker kind each module keeps only P_in x (B, T, k_i) between forward and backward.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import nn
 
 from circuitkit.config import GradsConfig, choices
 from circuitkit.models.placement import input_device
+from circuitkit.models.recompute import recomputed_activations
 from gradian.projection import Projector
 
 
@@ -97,6 +101,39 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor, loss: str = "ce") 
         others = logits.scatter(1, targets[:, None], float("-inf"))
         return torch.logsumexp(others, dim=1) - correct
     raise ValueError(f"grads.loss={loss!r}; valid: {', '.join(LOSSES)}.")
+
+
+# Rows of supervised positions unembedded at once: their float32 (rows, V) logits and the two
+# (rows, V) buffers of the cross-entropy backward stay near 16 MiB each (GPT-2: 83 rows; Gemma 3's
+# 262k vocabulary: 16), instead of three (N_s, V) tensors that grow with the batch.
+LOGIT_CHUNK_ELEMENTS = 2**22
+
+
+def logit_chunk_rows(vocab_size: int) -> int:
+    """How many supervised positions go through the unembedding together (>= 1)."""
+    return max(1, LOGIT_CHUNK_ELEMENTS // vocab_size)
+
+
+def supervised_loss_grad(adapter, h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                         loss: str = "ce") -> tuple[torch.Tensor, torch.Tensor]:
+    """Token losses (N,) float32 and d(Σ_t weights_t · loss_t)/dh (N, d) in h's dtype.
+
+    h (N, d): final hidden states of the supervised positions (a leaf, no graph); targets (N,).
+    The unembedding, softcap and loss run `logit_chunk_rows(V)` rows at a time, each row's
+    gradient from its own logits only, so the result is the one-pass gradient, without ever
+    holding more than one chunk's logits.
+    """
+    rows = logit_chunk_rows(int(adapter.config.vocab_size))
+    token_loss = torch.empty(len(h), dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h)
+    for start in range(0, len(h), rows):
+        chunk = slice(start, start + rows)
+        h_chunk = h[chunk].detach().requires_grad_(True)
+        # (rows, V) logits, unnamed: autograd keeps what the loss's backward needs, nothing more
+        chunk_loss = token_losses(_softcap(adapter.unembed(h_chunk).float(), adapter.config), targets[chunk], loss)
+        (grad_h[chunk],) = torch.autograd.grad((chunk_loss * weights[chunk]).sum(), h_chunk)
+        token_loss[chunk] = chunk_loss.detach()
+    return token_loss, grad_h
 
 
 def _output_tensor(output):
@@ -192,26 +229,27 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
 
     for module, group in by_module.values():
         handles.append(module.register_forward_hook(make_hooks(group)))
+    # Mean reduction: d L_b / d loss_t = 1 / n_b for each target t of example b.
+    weights = torch.ones_like(targets, dtype=torch.float32) if loss_reduction == "sum" else 1.0 / n_sup[ex].float()
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), recomputed_activations(model, next(model.parameters()).dtype):
             hidden = adapter._base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            # Gather before the unembedding: the (N, V) logits are the only vocabulary-sized tensor.
-            logits = adapter.unembed(hidden[ex, pos]).float()  # (N, V)
-            logits = _softcap(logits, adapter.config)
-            token_loss = token_losses(logits, targets, loss)  # (N,)
-            losses = torch.zeros(n_examples, dtype=torch.float32, device=device).index_add(0, ex, token_loss)
-            if loss_reduction == "mean":
-                losses = losses / n_sup.float()
-            del logits, hidden
-            losses.sum().backward()
+            # Gather before the unembedding: only supervised positions reach the vocabulary.
+            h_sup = hidden[ex, pos]  # (N, d)
+            del hidden
+            token_loss, grad_h = supervised_loss_grad(adapter, h_sup.detach(), targets, weights, loss)
+            h_sup.backward(grad_h)
     finally:
         for h in handles:
             h.remove()
         x_proj.clear()
+    losses = torch.zeros(n_examples, dtype=torch.float32, device=device).index_add(0, ex, token_loss)
+    if loss_reduction == "mean":
+        losses = losses / n_sup.float()
     absent = [n for n, _, _ in sites if n not in rows]
     if absent:
         raise RuntimeError(f"no gradient reached modules {absent[:3]}: they do not feed the supervised logits.")
     out = PerExampleGradients((n, rows[n]) for n, _, _ in sites)
-    out.losses = losses.detach()
+    out.losses = losses
     out.n_supervised = n_sup
     return out

@@ -22,6 +22,7 @@ from circuitkit.device import DTYPES
 from circuitkit.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
 from circuitkit.pipeline import StageMemory
+from gradian.capture import logit_chunk_rows
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 
 # Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
@@ -39,7 +40,16 @@ from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 # * Forward temporaries of one block (GELU / SiLU intermediates) above the saved activations:
 #   measured 15-17·N·d for GPT-2 (f = 4d) and 7.9-8.9·N·d for Llama (f = 2d): GRADS_FWD_TMP_F = 4
 #   (units N·f·p). Alive only while no (N_s, V) tensor is, so the peak takes the larger of the two.
+# * Activations recomputed in the backward (`circuitkit.models.recompute`): GPT-2's tanh GELU keeps
+#   its input only, so its c_f is 1 here (4 in attribution, which does not recompute).
+# * Supervised positions reach the unembedding `logit_chunk_rows(V)` at a time, so the (N_s, V)
+#   terms are (min(N_s, chunk rows), V).
+#   The backward of a recomputed activation holds its recomputed intermediates and their
+#   gradients: measured 5.2-5.6·N·f·p above the saved activations on the tiny and small GPT-2
+#   shapes (B 1-8, 32-256 tokens), RECOMPUTE_TMP_F = 5.5, in place of GRADS_FWD_TMP_F.
 LOGIT_F32_COPIES = 3
+RECOMPUTED_C_F = {"gpt2": 1.0}
+RECOMPUTE_TMP_F = 5.5
 GRADS_FWD_TMP_F = 4.0
 # Index: per row float32 norm + int64 row id next to the stored gradient row.
 INDEX_ROW_EXTRA_BYTES = 4 + 8
@@ -83,7 +93,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
 
         weights                         P·p
         activations saved for backward  N·p·(ACT_BASE·d + A),  A = per-family ACT_PER_LAYER
-                                        from the first selected module on (`_graph_layers`)
+                                        from the first selected module on (`_graph_layers`),
+                                        with RECOMPUTED_C_F for recomputed activations
         capture buffers                 kronecker: Σ_i N·k_i·4; raw / dense: Σ_i N·d_in·4 (the
                                         masked inputs); dense also B·d_out·d_in·4 (G of one
                                         module). The (B, width) rows are made by the module
@@ -94,18 +105,25 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         fp32 logit upcast               N_s·V·4       (the allocation the OOM page is about)
         cross-entropy buffers           N_s·V·(4·LOGIT_F32_COPIES − 4 − p): with the two above, the
                                         three float32 (N_s, V) tensors of the log-softmax backward
-        forward temporaries             max(0, GRADS_FWD_TMP_F·N·f·p − LOGIT_F32_COPIES·N_s·V·4):
-                                        one block's transients, which peak when the vocabulary-
-                                        sized tensors are not alive, so only their excess counts
+        block temporaries               max(0, F·N·f·p − LOGIT_F32_COPIES·N_s·V·4): one block's
+                                        transients (F = GRADS_FWD_TMP_F in the forward, or
+                                        RECOMPUTE_TMP_F in the backward of a recomputed
+                                        activation), which peak when the vocabulary-sized
+                                        tensors are not alive, so only their excess counts
 
-    Only the supervised hidden states reach the unembedding, so no term but the activations grows
-    with prompt length; the logit terms are linear in N_s. `index_bytes` (attribute, not in the
+    Here N_s is one unembedding chunk: min(B·supervised_per_row, `logit_chunk_rows(V)`). Only
+    the supervised hidden states reach the unembedding, a chunk at a time, so no term but the
+    activations grows with prompt length, and the logit terms stop growing at one chunk. `index_bytes` (attribute, not in the
     total: it is disk) is `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)`.
     """
     s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
     d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
-    B, N, Ns = batch_size, batch_size * seq_len, batch_size * supervised_per_row
+    B, N = batch_size, batch_size * seq_len
+    Ns = min(batch_size * supervised_per_row, logit_chunk_rows(V))  # rows of one unembedding chunk
+    recomputed = s["family"] in RECOMPUTED_C_F
+    c_f = RECOMPUTED_C_F.get(s["family"], c_f)
+    tmp_f = RECOMPUTE_TMP_F if recomputed else GRADS_FWD_TMP_F
     kind, projection_dim, module_shapes = projector.kind, projector.projection_dim, projector.shapes
     acts = N * p * (ACT_BASE * d + _graph_layers(list(module_shapes), s["n_layers"], c_d, c_f, d, f))
     capture = matrices = width = 0
@@ -132,10 +150,10 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         "logits (model dtype)": Ns * V * p,
         "fp32 logit upcast": Ns * V * FP32,
         "cross-entropy buffers": Ns * V * (FP32 * LOGIT_F32_COPIES - FP32 - p),
-        "forward temporaries": int(max(0.0, GRADS_FWD_TMP_F * N * f * p - logits_f32)),
+        "block temporaries": int(max(0.0, tmp_f * N * f * p - logits_f32)),
     }
-    est = MemoryEstimate(terms, phase="log-softmax backward" if terms["forward temporaries"] == 0
-                         else "forward of the last block")
+    est = MemoryEstimate(terms, phase="log-softmax backward" if terms["block temporaries"] == 0
+                         else "backward of a recomputed activation" if recomputed else "forward of the last block")
     est.index_bytes = grads_index_bytes(n_rows, width, storage_dtype_bytes)
     return est
 

@@ -48,6 +48,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.fixtures.models": MODELS,
     "circuitkit.fixtures.induction": MODELS,
     "circuitkit.models.linear_modules": MODELS,
+    "circuitkit.models.recompute": MODELS,  # activations recomputed in the backward (exact)
     "circuitkit.memory": MODELS,  # reads model shapes (HF config.json); the generic memory terms
     "circuitkit.preflight": MODELS,  # sums the estimates the stages declare; imports no domain
     # circuit discovery and pruning

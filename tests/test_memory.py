@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from circuitkit.attribution.memory import estimate_attribution
 from circuitkit.config import ModelConfig, ModelShape
 from circuitkit.memory import count_params, shape_for, shape_from_config
+from gradian.capture import logit_chunk_rows
 from gradian.memory import estimate_grads, grads_index_bytes
 from gradian.projection import Projector
 
@@ -117,17 +118,20 @@ def test_grads_peak_follows_supervised_tokens_not_prompt():
     assert m_long.measured_mib < 1.5 * m_short.measured_mib
     for row in (m_short, m_long):
         assert abs(row.ratio - 1) <= script.TOLERANCE, row
-    # linear in supervised tokens: the logit terms double with them, the total grows accordingly
-    s8 = estimate_grads(shape, 4, 4, 64 + 8, 8, Projector(mods, "kronecker", 64))
-    s32 = estimate_grads(shape, 4, 4, 64 + 32, 32, Projector(mods, "kronecker", 64))
-    assert s32.terms["fp32 logit upcast"] == 4 * s8.terms["fp32 logit upcast"]
-    m8 = script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 64, 8)
-    m32 = script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 64, 32)
-    fp32_mib = (s32.terms["fp32 logit upcast"] - s8.terms["fp32 logit upcast"]) / 2**20
-    # measured growth: about three float32 (N_s, V) copies per extra supervised token
-    assert 2.5 * fp32_mib < m32.measured_mib - m8.measured_mib < 3.5 * fp32_mib
-    assert 2.5 * fp32_mib < (s32.total_bytes - s8.total_bytes) / 2**20 < 3.5 * fp32_mib
-    assert abs(m8.ratio - 1) <= 0.25 and abs(m32.ratio - 1) <= 0.25
+    # linear in supervised tokens up to one unembedding chunk (83 rows at V = 50257), flat after it
+    chunk = logit_chunk_rows(50257)
+    est = {n: estimate_grads(shape, 4, 4, 64 + n, n, Projector(mods, "kronecker", 64)) for n in (4, 16, 32, 64)}
+    assert est[16].terms["fp32 logit upcast"] == 4 * est[4].terms["fp32 logit upcast"] == 4 * 16 * 50257 * 4
+    assert est[32].terms["fp32 logit upcast"] == est[64].terms["fp32 logit upcast"] == chunk * 50257 * 4
+    meas = {n: script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 64, n) for n in (4, 16, 32, 64)}
+    fp32_mib = (est[16].terms["fp32 logit upcast"] - est[4].terms["fp32 logit upcast"]) / 2**20
+    # measured growth below a chunk: about three float32 (N_s, V) copies per extra supervised token
+    assert 2.5 * fp32_mib < meas[16].measured_mib - meas[4].measured_mib < 3.5 * fp32_mib
+    assert 2.5 * fp32_mib < (est[16].total_bytes - est[4].total_bytes) / 2**20 < 3.5 * fp32_mib
+    # past a chunk (128 -> 256 supervised positions) only the activations of the longer rows grow
+    assert meas[64].measured_mib - meas[32].measured_mib < 0.1 * fp32_mib
+    for row in meas.values():
+        assert abs(row.ratio - 1) <= 0.25, row
 
 
 def test_grads_index_bytes_matches_disk(tmp_path):

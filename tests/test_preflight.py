@@ -63,7 +63,10 @@ def test_grads_preflight_advises_grads_batch_size_then_length(tmp_path):
     _, cfg = compose(["model=llama1b", "grads.batch_size=64", "grads.max_seq_length=2048"])
     est = grads_estimate(cfg)
     upcast = est.terms["fp32 logit upcast"]
-    assert upcast == 64 * 2048 * 128256 * 4  # batch x supervised tokens (worst case: all) x vocab x 4
+    from gradian.capture import logit_chunk_rows
+
+    # one unembedding chunk (32 rows at this vocabulary), not batch x supervised tokens x vocab
+    assert upcast == logit_chunk_rows(128256) * 128256 * 4 == 32 * 128256 * 4
     budget = grads_estimate(cfg, batch_size=3).total_bytes
     assert grads_advice(cfg, budget) == ["grads.batch_size=3"]
     tips = grads_advice(cfg, grads_estimate(cfg, batch_size=1, seq_len=300).total_bytes)
