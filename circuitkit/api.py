@@ -42,7 +42,13 @@ def discover_circuit(cfg: dict[str, Any], run_dir: str | Path | None = None) -> 
         else:
             run_dir = Path("outputs") / "discover" / time.strftime("%Y-%m-%d_%H-%M-%S")
     manifest = run_pipeline(typed, Path(run_dir))
-    path = manifest["stages"]["pruning"]["summary"]["circuit_path"] if "pruning" in typed.stages else None
-    if path is None:
+    if "pruning" not in typed.stages:
         raise ValueError("discover_circuit needs the pruning stage to produce a circuit; include 'pruning' in stages.")
+    path = manifest["stages"]["pruning"]["summary"].get("circuit_path")
+    if path is None:  # a shard of a sharded attribution that was not the last to finish
+        d = typed.discovery
+        raise ValueError(f"attribution shard {d.shard_index} of {d.num_shards} finished, but other shards were still"
+                         " running, so this job pruned nothing. The last shard to finish prunes the merged scores"
+                         " and returns the circuit (or run `circuitkit merge` once all are done); read"
+                         f" {typed.output_path or 'circuit.pt in that run directory'} after it.")
     return load_circuit(Path(path))

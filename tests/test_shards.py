@@ -159,3 +159,18 @@ def test_three_joblib_workers_merge_to_one_job(tmp_path):
     _assert_close(load_scores(tmp_path / "single" / "scores.safetensors"), merged)
     pruned = [d for d in (tmp_path / "sweep").iterdir() if (d / "circuit.pt").is_file()]
     assert len(pruned) == 1  # exactly one job merged and pruned
+
+
+def test_discover_circuit_on_shards_names_the_pending_ones_then_returns_the_circuit(tmp_path):
+    from circuitkit import discover_circuit
+
+    base = {"stages": ["data", "attribution", "pruning"], "model": {"precision": "float32"},
+            "discovery": {"level": "node", "ig_steps": 2, "batch_size": 2, "num_shards": 2,
+                          "data_params": {"num_examples": 6, "eval_examples": 2, "seq_len": 16}},
+            "pruning": {"graph": False}, "output_path": str(tmp_path / "circuit.pt")}
+    first = {**base, "discovery": {**base["discovery"], "shard_index": 0}}
+    with pytest.raises(ValueError, match="attribution shard 0 of 2 finished, but other shards were still running"):
+        discover_circuit(first, run_dir=tmp_path / "sweep" / "0")
+    last = {**base, "discovery": {**base["discovery"], "shard_index": 1}}
+    circuit = discover_circuit(last, run_dir=tmp_path / "sweep" / "1")
+    assert (tmp_path / "circuit.pt").is_file() and circuit["metrics"]["faithfulness"] is not None
