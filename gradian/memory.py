@@ -42,11 +42,11 @@ from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 #   (units N·f·p). Alive only while no (N_s, V) tensor is, so the peak takes the larger of the two.
 # * Activations recomputed in the backward (`circuitkit.models.recompute`): GPT-2's tanh GELU keeps
 #   its input only, so its c_f is 1 here (4 in attribution, which does not recompute).
-# * Supervised positions reach the unembedding `logit_chunk_rows(V)` at a time, so the (N_s, V)
-#   terms are (min(N_s, chunk rows), V).
 #   The backward of a recomputed activation holds its recomputed intermediates and their
 #   gradients: measured 5.2-5.6·N·f·p above the saved activations on the tiny and small GPT-2
 #   shapes (B 1-8, 32-256 tokens), RECOMPUTE_TMP_F = 5.5, in place of GRADS_FWD_TMP_F.
+# * Supervised positions reach the unembedding `logit_chunk_rows(V)` at a time, so the (N_s, V)
+#   terms are (min(N_s, chunk rows), V).
 LOGIT_F32_COPIES = 3
 RECOMPUTED_C_F = {"gpt2": 1.0}
 RECOMPUTE_TMP_F = 5.5
@@ -113,8 +113,9 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
 
     Here N_s is one unembedding chunk: min(B·supervised_per_row, `logit_chunk_rows(V)`). Only
     the supervised hidden states reach the unembedding, a chunk at a time, so no term but the
-    activations grows with prompt length, and the logit terms stop growing at one chunk. `index_bytes` (attribute, not in the
-    total: it is disk) is `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)`.
+    activations grows with prompt length, and the logit terms stop growing at one chunk.
+    `index_bytes` (attribute, not in the total: it is disk) is
+    `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)`.
     """
     s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
