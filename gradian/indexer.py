@@ -33,7 +33,7 @@ from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
-from gradian.capture import per_example_gradients
+from gradian.capture import per_example_gradients, recomputes
 from gradian.corpus import TokenizedCorpus
 from gradian.data import TokenPolicy, collate, length_limit
 from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
@@ -262,9 +262,11 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     budget = grads.batch_tokens or grads.batch_size * report.max_seq_length
     # The largest batch the plan can form: the token budget bounds rows x longest row.
     worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
+    model_dtype = next(model.parameters()).dtype
     estimate = estimate_grads(
-        adapter.shape(), next(model.parameters()).element_size(), worst_rows, longest, longest,
-        projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows)
+        adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
+        projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,
+        recompute=recomputes(grads.recompute_activations, model_dtype))
     check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
@@ -284,7 +286,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                 chunk = [rows[i] for i in plan]
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
                 grads_out[plan] = per_example_gradients(model, adapter, modules, projector, batch,
-                                                        grads.loss_reduction, grads.loss).row().cpu()
+                                                        grads.loss_reduction, grads.loss,
+                                                        grads.recompute_activations).row().cpu()
                 stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())
                 bar.update(task, advance=len(chunk), rates=stats.text())
             writer.write_shard(k, grads_out, torch.arange(start, end),

@@ -14,15 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from circuitkit.circuit import kept_components, load_circuit
 from circuitkit.config import AppConfig
 from circuitkit.device import DTYPES
 from circuitkit.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
 from circuitkit.pipeline import StageMemory
-from gradian.capture import logit_chunk_rows
+from gradian.capture import logit_chunk_rows, recomputes
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 
 # Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
@@ -41,7 +39,8 @@ from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 #   measured 15-17·N·d for GPT-2 (f = 4d) and 7.9-8.9·N·d for Llama (f = 2d): GRADS_FWD_TMP_F = 4
 #   (units N·f·p). Alive only while no (N_s, V) tensor is, so the peak takes the larger of the two.
 # * Activations recomputed in the backward (`circuitkit.models.recompute`): GPT-2's tanh GELU keeps
-#   its input only, so its c_f is 1 here (4 in attribution, which does not recompute).
+#   its input only, so its c_f is 1 here when the run recomputes (`grads.recompute_activations`;
+#   4 otherwise, and in attribution, which does not recompute).
 #   The backward of a recomputed activation holds its recomputed intermediates and their
 #   gradients: measured 5.2-5.6·N·f·p above the saved activations on the tiny and small GPT-2
 #   shapes (B 1-8, 32-256 tokens), RECOMPUTE_TMP_F = 5.5, in place of GRADS_FWD_TMP_F.
@@ -82,7 +81,7 @@ def grads_index_bytes(n_rows: int, width: int, storage_dtype_bytes: int) -> int:
 
 def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
                    supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
-                   n_rows: int = 0) -> MemoryEstimate:
+                   n_rows: int = 0, recompute: bool = True) -> MemoryEstimate:
     """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
@@ -95,6 +94,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         activations saved for backward  N·p·(ACT_BASE·d + A),  A = per-family ACT_PER_LAYER
                                         from the first selected module on (`_graph_layers`),
                                         with RECOMPUTED_C_F for recomputed activations
+                                        (`recompute`: whether the run recomputes them,
+                                        `gradian.capture.recomputes`)
         capture buffers                 kronecker: Σ_i N·k_i·4; raw / dense: Σ_i N·d_in·4 (the
                                         masked inputs); dense also B·d_out·d_in·4 (G of one
                                         module). The (B, width) rows are made by the module
@@ -122,8 +123,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
     B, N = batch_size, batch_size * seq_len
     Ns = min(batch_size * supervised_per_row, logit_chunk_rows(V))  # rows of one unembedding chunk
-    recomputed = s["family"] in RECOMPUTED_C_F
-    c_f = RECOMPUTED_C_F.get(s["family"], c_f)
+    recomputed = recompute and s["family"] in RECOMPUTED_C_F
+    c_f = RECOMPUTED_C_F[s["family"]] if recomputed else c_f
     tmp_f = RECOMPUTE_TMP_F if recomputed else GRADS_FWD_TMP_F
     kind, projection_dim, module_shapes = projector.kind, projector.projection_dim, projector.shapes
     acts = N * p * (ACT_BASE * d + _graph_layers(list(module_shapes), s["n_layers"], c_d, c_f, d, f))
@@ -181,8 +182,9 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     rows = batch_size or g.batch_size
     if g.batch_tokens is not None:
         rows = max(1, min(rows, g.batch_tokens // seq))
-    return estimate_grads(shape, torch.finfo(DTYPES[cfg.model.precision]).bits // 8, rows, seq,
-                          supervised or seq, projector, torch.finfo(DTYPES[g.storage_dtype]).bits // 8, n_rows)
+    dtype = DTYPES[cfg.model.precision]
+    return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
+                          DTYPES[g.storage_dtype].itemsize, n_rows, recomputes(g.recompute_activations, dtype))
 
 
 def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:
