@@ -156,9 +156,11 @@ class GradsConfig:
     batch_tokens: Optional[int] = _f(None, "token budget of one batch: rows x longest row (padding included);"
                                      " null = batch_size x max_seq_length", ge=1)
     group_by_length: bool = _f(True, "batch rows of similar length together (false: batches in source order)")
-    recompute_activations: str = _f("auto", "re-run multi-op activations (GPT-2's tanh GELU) in the backward instead"
-                                    " of keeping their intermediates: same bits, a lower peak, ~5-8% more time;"
-                                    " auto = only for 16-bit model precision", choices=("auto", "always", "never"))
+    activations: str = _f("auto", "how multi-op activations (GPT-2's tanh GELU) run in the gradient pass: model"
+                          " (the model's own ops, intermediates kept), recompute (the same ops re-run in the"
+                          " backward: same bits, lower peak, ~6% slower), fused (one torch kernel for the same"
+                          " function: lower peak, faster, other rounding); auto = fused for 16-bit model"
+                          " precision, model for float32", choices=("auto", "model", "recompute", "fused"))
     data_format: str = _f("auto", "format of data_path", choices=("auto", "jsonl", "parquet", "arrow", "hf"))
     data_split: Optional[str] = _f("train", "split of a DatasetDict directory or a hub dataset")
     data_row_range: Optional[list[int]] = _f(None, "[start, end): read only these records of the source"

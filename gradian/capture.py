@@ -26,10 +26,11 @@ Memory: parameters stay frozen (no parameter gradient is ever allocated); only t
 states at supervised positions go through the unembedding, `logit_chunk_rows(V)` of them at a
 time (`supervised_loss_grad`), so the float32 logits are (chunk, V) instead of (B, T, V): prompt
 tokens and padding cost nothing there, and neither does a batch's count of supervised tokens.
-Multi-op activations (GPT-2's tanh GELU) are recomputed in the backward when
-`grads.recompute_activations` says so (`recomputes`; `circuitkit.models.recompute`: the same
-ops on the same input, so the same bits, for a lower peak and ~5-8% more time). For the
-kronecker kind each module keeps only P_in x (B, T, k_i) between forward and backward.
+Multi-op activations (GPT-2's tanh GELU) run as `grads.activations` says (`activation_mode`;
+`circuitkit.models.recompute`): as the model writes them, recomputed in the backward (the same
+bits, a lower peak, ~6% more time) or as one fused kernel of the same function (a lower peak,
+less time, other rounding). For the kronecker kind each module keeps only P_in x (B, T, k_i)
+between forward and backward.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch import nn
 
 from circuitkit.config import GradsConfig, choices
 from circuitkit.models.placement import input_device
-from circuitkit.models.recompute import recomputed_activations
+from circuitkit.models.recompute import fused_activations, recomputed_activations
 from gradian.projection import Projector
 
 
@@ -144,21 +145,36 @@ def _output_tensor(output):
     raise TypeError(f"a selected linear module returned {type(output).__name__}, expected a tensor.")
 
 
-def recomputes(setting: str, dtype: torch.dtype) -> bool:
-    """Whether `grads.recompute_activations` = `setting` recomputes activations for a model of
-    `dtype`: always, never, or (auto) for 16-bit precision only. Measured on GPT-2-small shape
-    rows of 29-497 tokens (docs/benchmarks.md): in bfloat16 the recompute keeps the peak below
-    bergson's; in float32 the peak barely moves (the float32 loss tensors dominate it) and the
-    passes take 5-8% longer."""
-    if setting not in choices(GradsConfig, "recompute_activations"):
-        raise ValueError(f"grads.recompute_activations={setting!r}; valid: auto, always, never.")
-    return setting == "always" or (setting == "auto" and torch.finfo(dtype).bits == 16)
+# grads.activations mode -> a context manager (model, dtype) under which the gradient pass runs.
+ACTIVATION_CONTEXTS = {"model": lambda model, dtype: contextlib.nullcontext(0),
+                       "recompute": recomputed_activations, "fused": fused_activations}
+
+
+def activation_mode(setting: str, dtype: torch.dtype) -> str:
+    """What `grads.activations` = `setting` does for a model of `dtype`: "model", "recompute" or
+    "fused"; auto is fused for 16-bit precision and the model's own ops for float32, the
+    reference precision, where rows stay the bits of the model as written. Measured on GPT-2-small
+    shape rows of 29-497 tokens (docs/benchmarks.md): in bfloat16 fused takes 0.72x the time of
+    the model's ops at the recompute's peak, and its rows are as close to float32 rows as the
+    model's ops' (median 0.996% against 0.992%); in float32 fused rows differ from the model's by
+    1.2e-6 relative."""
+    if setting not in choices(GradsConfig, "activations"):
+        raise ValueError(f"grads.activations={setting!r}; valid: {', '.join(choices(GradsConfig, 'activations'))}.")
+    if setting != "auto":
+        return setting
+    return "fused" if torch.finfo(dtype).bits == 16 else "model"
+
+
+def activation_numerics(mode: str) -> str:
+    """What the index header records of an `activation_mode`: "fused", or "model" for the model's
+    own ops (recomputed or not: the same bits). A resume or a query must use the same numerics."""
+    return "fused" if mode == "fused" else "model"
 
 
 def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
                           projector: Projector, batch: Mapping[str, torch.Tensor],
                           loss_reduction: str = "sum", loss: str = "ce",
-                          recompute: str = "auto") -> PerExampleGradients:
+                          activations: str = "auto") -> PerExampleGradients:
     """Projected per-example gradients of `modules` for one batch, from one forward+backward.
 
     batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
@@ -167,7 +183,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     a head's d_head columns of the attention output projection), in row order.
     Returns name -> (B, projector.width(name)) float32 (a `PerExampleGradients`, with
     ``.losses`` (B,) and ``.n_supervised`` (B,)). `loss`: "ce" or "margin" (module docstring).
-    `recompute`: `grads.recompute_activations` (`recomputes`); the rows are the same bits either way.
+    `activations`: `grads.activations` (`activation_mode`): model and recompute give the same bits.
 
     Parameters must be frozen (requires_grad False): the backward computes activation
     gradients only. An example's row does not depend on the rest of its batch: padding
@@ -178,7 +194,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     if loss not in LOSSES:
         raise ValueError(f"grads.loss={loss!r}; valid: {', '.join(LOSSES)}.")
     dtype = next(model.parameters()).dtype
-    recompute_now = recomputes(recompute, dtype)
+    mode = activation_mode(activations, dtype)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if trainable:
         raise ValueError(f"parameters must be frozen (requires_grad_(False)); trainable: {trainable[:3]}.")
@@ -249,8 +265,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     # Mean reduction: d L_b / d loss_t = 1 / n_b for each target t of example b.
     weights = torch.ones_like(targets, dtype=torch.float32) if loss_reduction == "sum" else 1.0 / n_sup[ex].float()
     try:
-        with torch.enable_grad(), (recomputed_activations(model, dtype) if recompute_now
-                                   else contextlib.nullcontext(0)):
+        with torch.enable_grad(), ACTIVATION_CONTEXTS[mode](model, dtype):
             hidden = adapter._base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             # Gather before the unembedding: only supervised positions reach the vocabulary.
             h_sup = hidden[ex, pos]  # (N, d)

@@ -41,7 +41,8 @@ from gradian.projection import Projector, projection_fingerprint
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 # 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
 #    `second_moment` (gradian.precondition).
-FORMAT_VERSION = 3
+# 4: the header records `activations` ("model" or "fused", gradian.capture.activation_numerics).
+FORMAT_VERSION = 4
 # Optional shard tensors besides grads, norms and rows.
 OPTIONAL_TENSORS = ("sources", "second_moment")
 MANIFEST = "manifest.json"

@@ -33,7 +33,7 @@ from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
-from gradian.capture import per_example_gradients, recomputes
+from gradian.capture import activation_mode, activation_numerics, per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.data import TokenPolicy, collate, length_limit
 from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
@@ -242,6 +242,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         modules = select_modules(model, adapter, grads.module_filter)
         shapes = module_shapes(modules)
     projector = Projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed)
+    model_dtype = next(model.parameters()).dtype
+    activations = activation_mode(grads.activations, model_dtype)  # "model", "recompute" or "fused"
     local = Path(source.name)
     data_file = str(local.resolve()) if local.exists() else source.name
     header = {
@@ -256,17 +258,17 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         "token_policy": report.policy.resolve(tokenizer), "row_width": projector.total_width,
         "circuit": circuit,
         "projection_sha256": projection_fingerprint(projector),
+        "activations": activation_numerics(activations),
     }
     lengths = corpus.lengths
     longest = int(lengths.max())
     budget = grads.batch_tokens or grads.batch_size * report.max_seq_length
     # The largest batch the plan can form: the token budget bounds rows x longest row.
     worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
-    model_dtype = next(model.parameters()).dtype
     estimate = estimate_grads(
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,
-        recompute=recomputes(grads.recompute_activations, model_dtype))
+        activations=activations)
     check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
@@ -287,7 +289,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
                 grads_out[plan] = per_example_gradients(model, adapter, modules, projector, batch,
                                                         grads.loss_reduction, grads.loss,
-                                                        grads.recompute_activations).row().cpu()
+                                                        activations).row().cpu()
                 stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())
                 bar.update(task, advance=len(chunk), rates=stats.text())
             writer.write_shard(k, grads_out, torch.arange(start, end),

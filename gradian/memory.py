@@ -20,7 +20,7 @@ from circuitkit.device import DTYPES
 from circuitkit.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
 from circuitkit.pipeline import StageMemory
-from gradian.capture import logit_chunk_rows, recomputes
+from gradian.capture import activation_mode, logit_chunk_rows
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 
 # Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
@@ -38,12 +38,13 @@ from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 # * Forward temporaries of one block (GELU / SiLU intermediates) above the saved activations:
 #   measured 15-17·N·d for GPT-2 (f = 4d) and 7.9-8.9·N·d for Llama (f = 2d): GRADS_FWD_TMP_F = 4
 #   (units N·f·p). Alive only while no (N_s, V) tensor is, so the peak takes the larger of the two.
-# * Activations recomputed in the backward (`circuitkit.models.recompute`): GPT-2's tanh GELU keeps
-#   its input only, so its c_f is 1 here when the run recomputes (`grads.recompute_activations`;
-#   4 otherwise, and in attribution, which does not recompute).
+# * Activations recomputed in the backward or fused (`circuitkit.models.recompute`,
+#   `grads.activations`): GPT-2's tanh GELU then keeps its input only, so its c_f is 1 here (4
+#   with the model's own ops, and in attribution, which changes nothing).
 #   The backward of a recomputed activation holds its recomputed intermediates and their
 #   gradients: measured 5.2-5.6·N·f·p above the saved activations on the tiny and small GPT-2
-#   shapes (B 1-8, 32-256 tokens), RECOMPUTE_TMP_F = 5.5, in place of GRADS_FWD_TMP_F.
+#   shapes (B 1-8, 32-256 tokens), RECOMPUTE_TMP_F = 5.5, in place of GRADS_FWD_TMP_F. A fused
+#   activation has no intermediates; GRADS_FWD_TMP_F is kept for it (an upper bound).
 # * Supervised positions reach the unembedding `logit_chunk_rows(V)` at a time, so the (N_s, V)
 #   terms are (min(N_s, chunk rows), V).
 LOGIT_F32_COPIES = 3
@@ -81,7 +82,7 @@ def grads_index_bytes(n_rows: int, width: int, storage_dtype_bytes: int) -> int:
 
 def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
                    supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
-                   n_rows: int = 0, recompute: bool = True) -> MemoryEstimate:
+                   n_rows: int = 0, activations: str = "recompute") -> MemoryEstimate:
     """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
@@ -93,9 +94,9 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         weights                         P·p
         activations saved for backward  N·p·(ACT_BASE·d + A),  A = per-family ACT_PER_LAYER
                                         from the first selected module on (`_graph_layers`),
-                                        with RECOMPUTED_C_F for recomputed activations
-                                        (`recompute`: whether the run recomputes them,
-                                        `gradian.capture.recomputes`)
+                                        with RECOMPUTED_C_F for recomputed or fused
+                                        activations (`activations`: the run's
+                                        `gradian.capture.activation_mode`)
         capture buffers                 kronecker: Σ_i N·k_i·4; raw / dense: Σ_i N·d_in·4 (the
                                         masked inputs); dense also B·d_out·d_in·4 (G of one
                                         module). The (B, width) rows are made by the module
@@ -123,8 +124,9 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
     B, N = batch_size, batch_size * seq_len
     Ns = min(batch_size * supervised_per_row, logit_chunk_rows(V))  # rows of one unembedding chunk
-    recomputed = recompute and s["family"] in RECOMPUTED_C_F
-    c_f = RECOMPUTED_C_F[s["family"]] if recomputed else c_f
+    lean = activations in ("recompute", "fused") and s["family"] in RECOMPUTED_C_F
+    recomputed = lean and activations == "recompute"
+    c_f = RECOMPUTED_C_F[s["family"]] if lean else c_f
     tmp_f = RECOMPUTE_TMP_F if recomputed else GRADS_FWD_TMP_F
     kind, projection_dim, module_shapes = projector.kind, projector.projection_dim, projector.shapes
     acts = N * p * (ACT_BASE * d + _graph_layers(list(module_shapes), s["n_layers"], c_d, c_f, d, f))
@@ -184,7 +186,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
         rows = max(1, min(rows, g.batch_tokens // seq))
     dtype = DTYPES[cfg.model.precision]
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
-                          DTYPES[g.storage_dtype].itemsize, n_rows, recomputes(g.recompute_activations, dtype))
+                          DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype))
 
 
 def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:

@@ -262,7 +262,8 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
 
     Returns (grads (Q, width) float32 on the CPU, the query Rows from gradian.data.load_rows with
     the manifest's max_seq_length / truncation settings and token policy: a query's tokens are
-    made exactly as a training row's, EOS / BOS and chat supervision included).
+    made exactly as a training row's, EOS / BOS and chat supervision included). Its activations
+    run as the index's did (the manifest's `activations`; "model" for indexes made before 4).
     """
     queries_path = Path(queries_path)
     check_input_file(queries_path, "--queries")
@@ -281,7 +282,8 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
         batch = {key: t.to(loaded.device) for key, t in collate([rows[i] for i in plan], pad_id).items()}
         out[plan] = per_example_gradients(model, loaded.adapter, modules, projector, batch,
                                           manifest.get("loss_reduction", "sum"),
-                                          manifest.get("loss", "ce")).row().float().cpu()
+                                          manifest.get("loss", "ce"),
+                                          manifest.get("activations", "model")).row().float().cpu()
     return out, rows
 
 

@@ -15,7 +15,8 @@ GPT-2-small-shaped model with random weights; gradients of the 12 `mlp.c_proj`, 
   length-aware plan ran fastest over both dtypes in an in-process sweep, docs/benchmarks.md);
 * **floor, same length buckets**: forward+backward (frozen weights, activation gradients only,
   supervised logits) of exactly the batches Gradian's plan forms, with no per-example work:
-  what any method batching by length must compute;
+  what any method batching by length must compute (its activations run as Gradian's,
+  `--activations`: in 16-bit GPT-2's GELU as one fused kernel by default);
 * **floor, exact-length batches**: the same with rows batched only with rows of identical
   length (no padding at all); with lengths this spread most batches hold one or two rows, so
   this is slower than the bucketed floor on two cores, and shows what padding costs against
@@ -32,6 +33,7 @@ Attribution over a JSONL task whose pairs vary in length (6 to 120 tokens) is ti
 at node level on the same model with pairs grouped by length vs in file order.
 
     python scripts/bench_lengths.py [--rows 96] [--batch-size 16] [--batch-tokens 2048] [--rounds 3]
+                                    [--activations auto|model|recompute|fused]
                                     [--tools gradian,gradian-file-order,bergson] [--json out.json]
 """
 
@@ -117,10 +119,11 @@ TOOL_SPECS = {  # tool -> (worker in bench_peers.TOOLS, spec entries)
 
 def run_indexing(work: Path, data: dict[str, Any], tools: list[str], batch_size: int, batch_tokens: int,
                  timeout: float, console: Console, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-                 rounds: int = 3, floor_rounds: int = 3) -> list[dict[str, Any]]:
+                 rounds: int = 3, floor_rounds: int = 3, activations: str = "auto") -> list[dict[str, Any]]:
     """Every tool's process `rounds` times per dtype, the tools interleaved (round r starts with
     tool r mod len(tools)), so that a machine whose speed drifts over minutes slows every tool
-    alike; one dict per process run, with its round."""
+    alike; one dict per process run, with its round. `activations`: Gradian's `grads.activations`
+    (its floors run the same activations)."""
     runs = []
     for precision in dtypes:
         for r in range(rounds):
@@ -133,7 +136,7 @@ def run_indexing(work: Path, data: dict[str, Any], tools: list[str], batch_size:
                             batch_size=batch_size, batch_tokens=batch_tokens, max_length=512, seed=0,
                             work_dir=str(tool_work), precision=precision, storage_dtype="float16",
                             floor=tool == "gradian", floor_rounds=floor_rounds, full_logits_floor=False,
-                            padding_free_floor=tool == "gradian" and r == 0)
+                            padding_free_floor=tool == "gradian" and r == 0, activations=activations)
                 spec.update(own)
                 console.print(f"[dim]round {r + 1}/{rounds}: {tool}, {precision}...[/dim]")
                 result = run_worker(worker, spec, tool_work, timeout)
@@ -238,7 +241,8 @@ def print_tables(report: dict[str, Any], console: Console) -> None:
         table = Table(title=f"gradient indexing, {precision}, {report['n_rows']} rows of {report['lengths']['min']}.."
                             f"{report['lengths']['max']} tokens (mean {report['lengths']['mean']:.0f}), GPT-2-small"
                             f" shape, 12 x mlp.c_proj, 18 x 18; batch <= {report['batch_size']} rows,"
-                            f" <= {report['batch_tokens']} tokens; medians of {report['rounds']} interleaved rounds")
+                            f" <= {report['batch_tokens']} tokens; grads.activations={report.get('activations', 'auto')};"
+                            f" medians of {report['rounds']} interleaved rounds")
         for col in ("tool", "examples/s", "Gradian's speed-up (range)", "peak MiB", "padding share", "s (each round)"):
             table.add_column(col, justify="left" if col == "tool" else "right")
         for r in lines:
@@ -281,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="processes per tool and dtype, interleaved")
     p.add_argument("--floor-rounds", type=int, default=3,
                    help="in each Gradian process, its index and the floor timed alternately this many times")
+    p.add_argument("--activations", default="auto", choices=("auto", "model", "recompute", "fused"),
+                   help="Gradian's grads.activations (auto: fused in 16-bit, the model's ops in float32)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -295,10 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             "date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch"
             f" {torch.__version__}, {torch.get_num_threads()} threads", "n_rows": args.rows,
             "batch_size": args.batch_size, "batch_tokens": args.batch_tokens, "lengths": data["lengths"],
-            "n_pairs": args.pairs, "rounds": args.rounds}
+            "n_pairs": args.pairs, "rounds": args.rounds, "activations": args.activations}
         dtypes = tuple(d.strip() for d in args.dtypes.split(","))
         report["indexing"] = run_indexing(work, data, tools, args.batch_size, args.batch_tokens, args.timeout, console,
-                                          dtypes, args.rounds, args.floor_rounds)
+                                          dtypes, args.rounds, args.floor_rounds, args.activations)
         report["summary"] = {d: summarize_indexing(report["indexing"], d) for d in dtypes}
         if args.pairs:
             report["attribution"] = run_attribution(data, args.pairs, args.batch_size, console)

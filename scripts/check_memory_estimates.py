@@ -42,7 +42,7 @@ from circuitkit.memory import MiB, shape_from_config
 from circuitkit.models.adapters import get_adapter
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.tasks.base import random_pairs
-from gradian.capture import per_example_gradients, recomputes
+from gradian.capture import activation_mode, per_example_gradients
 from gradian.memory import estimate_grads
 from gradian.projection import Projector
 
@@ -248,7 +248,7 @@ def measure_grads_model(model: torch.nn.Module, name: str, projection_dim: int |
         per_example_gradients(model, adapter, modules, projector, data)
     dtype = next(model.parameters()).dtype
     est = estimate_grads(shape, dtype.itemsize, batch, prompt + supervised, supervised, projector, 2, 0,
-                         recompute=recomputes("auto", dtype))
+                         activations=activation_mode("auto", dtype))
     return GradsRow(name, projector.kind, batch, prompt, supervised, est.total_bytes / MiB, peak.peak_bytes / MiB,
                     est.total_bytes / peak.peak_bytes, est.phase)
 

@@ -50,7 +50,7 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
     from circuitkit.batching import padded_tokens, plan_batches
     from circuitkit.config import ModelConfig
     from circuitkit.models.loading import load_model
-    from gradian.capture import supervised_positions
+    from gradian.capture import ACTIVATION_CONTEXTS, activation_mode, supervised_positions
     from gradian.data import collate, load_rows
 
     loaded = load_model(ModelConfig(name=spec["model_dir"], precision=spec.get("precision", "float32")))
@@ -67,18 +67,24 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
     padding_free = [ids[k:k + spec["batch_size"]] for ids in by_length.values()
                     for k in range(0, len(ids), spec["batch_size"])]
 
+    # The activations run as in Gradian's own pass (`grads.activations`), so that the floor is the
+    # least work of the same computation.
+    dtype = next(loaded.model.parameters()).dtype
+    activations = ACTIVATION_CONTEXTS[activation_mode(spec.get("activations", "auto"), dtype)]
+
     def one_pass(supervised_logits_only: bool, batches_of: list[list[int]]) -> None:
-        for idx in batches_of:
-            batch = collate([rows[i] for i in idx], pad)
-            ex, pos, target = supervised_positions(batch)
-            embeds = embed(batch["input_ids"]).detach().requires_grad_(True)
-            if supervised_logits_only:
-                hidden = loaded.adapter._base(inputs_embeds=embeds, attention_mask=batch["attention_mask"])
-                logits = loaded.adapter.unembed(hidden.last_hidden_state[ex, pos])
-            else:
-                logits = loaded.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits[ex, pos]
-            loss = F.cross_entropy(logits.float(), target, reduction="sum")
-            torch.autograd.grad(loss, embeds)
+        with activations(loaded.model, dtype):
+            for idx in batches_of:
+                batch = collate([rows[i] for i in idx], pad)
+                ex, pos, target = supervised_positions(batch)
+                embeds = embed(batch["input_ids"]).detach().requires_grad_(True)
+                if supervised_logits_only:
+                    hidden = loaded.adapter._base(inputs_embeds=embeds, attention_mask=batch["attention_mask"])
+                    logits = loaded.adapter.unembed(hidden.last_hidden_state[ex, pos])
+                else:
+                    logits = loaded.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits[ex, pos]
+                loss = F.cross_entropy(logits.float(), target, reduction="sum")
+                torch.autograd.grad(loss, embeds)
 
     passes = {"floor_supervised_seconds": lambda: one_pass(True, plan)}
     if spec.get("full_logits_floor", True):
@@ -138,7 +144,8 @@ def run(spec: dict, result: dict) -> None:
     grads = GradsConfig(data_path=spec["docs"], batch_size=spec["batch_size"], max_seq_length=spec["max_length"],
                         module_filter=spec["modules"], projection="kronecker", projection_dim=spec["per_module_dim"],
                         projection_seed=spec["seed"], storage_dtype=storage,
-                        group_by_length=spec.get("group_by_length", True), batch_tokens=spec.get("batch_tokens"))
+                        group_by_length=spec.get("group_by_length", True), batch_tokens=spec.get("batch_tokens"),
+                        activations=spec.get("activations", "auto"))
     index_dir = work / f"gradian_{storage}"
     quiet = Console(stderr=True, quiet=True)
     with measured() as cold:  # first build in this process: lazy imports
