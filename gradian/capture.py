@@ -154,8 +154,8 @@ def activation_mode(setting: str, dtype: torch.dtype) -> str:
     """What `grads.activations` = `setting` does for a model of `dtype`: "model", "recompute" or
     "fused"; auto is fused for 16-bit precision and the model's own ops for float32, the
     reference precision, where rows stay the bits of the model as written. Measured on GPT-2-small
-    shape rows of 29-497 tokens (docs/benchmarks.md): in bfloat16 fused takes 0.72x the time of
-    the model's ops at the recompute's peak, and its rows are as close to float32 rows as the
+    shape rows of 29-497 tokens (docs/benchmarks.md): in bfloat16 a fused pass takes 0.72x the
+    time of a recomputed one at the same peak, and its rows are as close to float32 rows as the
     model's ops' (median 0.996% against 0.992%); in float32 fused rows differ from the model's by
     1.2e-6 relative."""
     if setting not in choices(GradsConfig, "activations"):
