@@ -82,7 +82,7 @@ def grads_index_bytes(n_rows: int, width: int, storage_dtype_bytes: int) -> int:
 
 def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
                    supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
-                   n_rows: int = 0, activations: str = "recompute") -> MemoryEstimate:
+                   n_rows: int = 0, activations: str = "model") -> MemoryEstimate:
     """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
@@ -96,7 +96,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                         from the first selected module on (`_graph_layers`),
                                         with RECOMPUTED_C_F for recomputed or fused
                                         activations (`activations`: the run's
-                                        `gradian.capture.activation_mode`)
+                                        `gradian.capture.activation_mode`; the default,
+                                        "model", keeps the most)
         capture buffers                 kronecker: Σ_i N·k_i·4; raw / dense: Σ_i N·d_in·4 (the
                                         masked inputs); dense also B·d_out·d_in·4 (G of one
                                         module). The (B, width) rows are made by the module
