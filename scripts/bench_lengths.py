@@ -62,7 +62,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from bench_peers import CONCAT_TEMPLATE, THROUGHPUT, THROUGHPUT_DIM, run_worker, write_jsonl  # noqa: E402
 
-from circuitkit.config import ModelConfig  # noqa: E402
+from circuitkit.config import GradsConfig, ModelConfig, choices  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 
 PROMPT_MEDIAN, COMPLETION_MEDIAN, SIGMA = 74, 20, 0.7
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="processes per tool and dtype, interleaved")
     p.add_argument("--floor-rounds", type=int, default=3,
                    help="in each Gradian process, its index and the floor timed alternately this many times")
-    p.add_argument("--activations", default="auto", choices=("auto", "model", "recompute", "fused"),
+    p.add_argument("--activations", default="auto", choices=choices(GradsConfig, "activations"),
                    help="Gradian's grads.activations (auto: fused in 16-bit, the model's ops in float32)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=None)
