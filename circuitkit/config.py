@@ -75,7 +75,10 @@ class ModelShape:
 
 @dataclass
 class ModelConfig:
-    name: str = _f("builtin:tiny-gpt2", "hub name, local directory, or builtin:NAME (a local fixture)")
+    name: str = _f("builtin:tiny-gpt2", "hub name, local directory, a .gguf file, builtin:NAME (a local fixture) or"
+                   " fetched:NAME (a model `circuitkit fetch NAME` installed, e.g. fetched:smollm2)")
+    gguf_file: Optional[str] = _f(None, "a GGUF file inside model.name (a directory or hub id), loaded through"
+                                  " transformers and dequantized to float32; null = model.name is not a GGUF")
     revision: Optional[str] = _f(None, "hub revision (branch, tag or commit); null = default branch")
     precision: str = _f("bfloat16", "weight dtype", choices=("bfloat16", "float16", "float32"))
     trust_remote_code: bool = _f(False, "allow model code from the hub; off unless you set it")

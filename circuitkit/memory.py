@@ -25,7 +25,7 @@ from rich.table import Table
 
 from circuitkit.config import ModelConfig, ModelShape, choices
 from circuitkit.models.adapters import MODEL_TYPE_FAMILIES
-from circuitkit.models.loading import resolve_model_path
+from circuitkit.models.loading import auto_config, pretrained_args
 
 MiB = 2**20
 FP32 = 4
@@ -163,10 +163,8 @@ def shape_for(model_cfg: ModelConfig) -> dict[str, Any]:
     values = {k: getattr(given, k, None) if not isinstance(given, dict) else given.get(k) for k in SHAPE_KEYS}
     if all(v is not None for v in values.values()):
         return values
-    from transformers import AutoConfig
-
-    path = resolve_model_path(model_cfg.name)
-    hf = AutoConfig.from_pretrained(path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
+    path, kwargs = pretrained_args(model_cfg)
+    hf = auto_config(path, kwargs, model_cfg.revision, model_cfg.trust_remote_code)
     shape = shape_from_config(hf)
     shape.update({k: v for k, v in values.items() if v is not None})  # explicit yaml values win
     return shape

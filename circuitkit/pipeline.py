@@ -208,10 +208,14 @@ class Pipeline:
 
     stages: name -> Stage (a run executes those `cfg.stages` names, in this order).
     load_model(model_cfg): the LoadedModel a stage gets from `ctx.model()`.
+    describe_model(model_cfg, sha256_of): where the model comes from (the manifest's `model_source`:
+    a hub id, a directory, a GGUF file and its quantization, a converted download); `sha256_of(path)`
+    hashes a file through the run's fingerprint cache.
     """
 
     stages: dict[str, Stage]
     load_model: Callable[[Any], Any]
+    describe_model: Callable[[Any, Callable[[Path], str]], dict[str, Any]] | None = None
 
     def selected(self, cfg: AppConfig) -> list[Stage]:
         """The stages `cfg.stages` names, in order; PipelineError naming any this pipeline lacks."""
@@ -264,6 +268,8 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
         "device": str(get_device()),
         "command": " ".join(sys.argv),
     })
+    if pipeline.describe_model is not None:
+        manifest["model_source"] = pipeline.describe_model(cfg.model, lambda p: fingerprints.file(p)["sha256"])
     manifest.setdefault("stages", {})
     manifest_path = run_dir / MANIFEST
     atomic_write_json(manifest_path, manifest)

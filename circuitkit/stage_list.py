@@ -16,13 +16,14 @@ from typing import Any
 from rich.console import Console
 
 from circuitkit.config import AppConfig
-from circuitkit.models.loading import load_model
+from circuitkit.models.loading import load_model, model_source
 from circuitkit.pipeline import Pipeline
 from circuitkit.preflight import PREFLIGHT_STAGE
 from circuitkit.stages import CIRCUIT_STAGES
 from gradian.stage import GRADS_STAGE
 
-PIPELINE = Pipeline({stage.name: stage for stage in (PREFLIGHT_STAGE, *CIRCUIT_STAGES, GRADS_STAGE)}, load_model)
+PIPELINE = Pipeline({stage.name: stage for stage in (PREFLIGHT_STAGE, *CIRCUIT_STAGES, GRADS_STAGE)}, load_model,
+                    model_source)
 # What discover_circuit and `circuitkit discover-smart` run: every stage up to the circuit.
 CIRCUIT_STAGE_NAMES = (PREFLIGHT_STAGE.name, *(stage.name for stage in CIRCUIT_STAGES))
 

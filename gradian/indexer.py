@@ -260,6 +260,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         "projection_sha256": projection_fingerprint(projector),
         "activations": activation_numerics(activations),
     }
+    if model_cfg.gguf_file:  # only when set: indexes of other models keep their bytes
+        header["gguf_file"] = model_cfg.gguf_file
     lengths = corpus.lengths
     longest = int(lengths.max())
     budget = grads.batch_tokens or grads.batch_size * report.max_seq_length

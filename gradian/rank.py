@@ -443,6 +443,7 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
         _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads
     if loaded is None:
         model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
+                                             gguf_file=manifest.get("gguf_file"),
                                              precision=manifest.get("precision", "bfloat16"))
         loaded = load_model(model_cfg)
     projector = check_compatible(manifest, loaded)

@@ -22,16 +22,16 @@ from gradian.index import IndexReader
 
 def load_index_tokenizer(manifest: dict[str, Any]) -> Any:
     """The tokenizer of the model an index names, refused (UserError) if its hash differs."""
-    from transformers import AutoTokenizer
-
-    from circuitkit.models.loading import resolve_model_path
+    from circuitkit.config import ModelConfig
+    from circuitkit.models.loading import load_tokenizer
     from gradian.indexer import tokenizer_hash
 
     name = manifest.get("model")
     if not isinstance(name, str):
         raise UserError(f"the index manifest names no model (model: {name!r}); its rows cannot be re-tokenized.",
                         exit_code=2)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name), revision=manifest.get("revision"))
+    tokenizer = load_tokenizer(ModelConfig(name=name, revision=manifest.get("revision"),
+                                           gguf_file=manifest.get("gguf_file")))
     if tokenizer_hash(tokenizer) != manifest.get("tokenizer_sha256"):
         raise UserError(f"the tokenizer of {name} is not the one the index was built with (tokenizer_sha256"
                         " differs); the indexed tokens cannot be shown.", exit_code=2)

@@ -23,13 +23,13 @@ def planned_weight_bytes(cfg: ModelConfig) -> dict[str, int] | None:
     from accelerate import init_empty_weights
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
     from omegaconf import OmegaConf
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from circuitkit.models.loading import DTYPES, resolve_model_path
+    from circuitkit.models.loading import DTYPES, auto_config, pretrained_args
 
     dtype = DTYPES[cfg.precision]
-    hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.name), revision=cfg.revision,
-                                           trust_remote_code=cfg.trust_remote_code)
+    path, kwargs = pretrained_args(cfg)
+    hf_config = auto_config(path, kwargs, cfg.revision, cfg.trust_remote_code)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     model.tie_weights()  # a tied unembedding is one tensor, counted once (as from_pretrained loads it)

@@ -1,8 +1,11 @@
-"""Loading a causal LM and its tokenizer by hub name, local directory, or built-in fixture.
+"""Loading a causal LM and its tokenizer by hub name, local directory, GGUF file, or built-in fixture.
 
 `model.name` is passed to `from_pretrained` exactly as users run it (a hub name such as
 `google/gemma-3-4b-it`, or a local directory). `builtin:NAME` names a tiny fixture that is
-built locally (seconds, cached) and then loaded from its directory the same way.
+built locally (seconds, cached) and then loaded from its directory the same way;
+`fetched:NAME` a real model installed by `circuitkit fetch NAME` (`circuitkit.models.fetch`).
+A GGUF file (`model.name=FILE.gguf`, or `model.gguf_file` inside `model.name`) goes to
+`from_pretrained(directory, gguf_file=FILE)`, which dequantizes it (`circuitkit.models.gguf`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from circuitkit.errors import UserError
 from circuitkit.fingerprint import hub_revision
 from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
 from circuitkit.models.adapters import ModelAdapter, get_adapter
+from circuitkit.models.fetch import FETCHED_PREFIX, resolve_fetched
+from circuitkit.models.gguf import GGUFError, check_gguf, gguf_reference, provenance, read_source
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,8 @@ def resolve_model_path(name: str) -> str:
             raise ModelReferenceError(f"model.name '{name}' names no built-in fixture; available:"
                             f" {', '.join(BUILTIN_PREFIX + n for n in FIXTURE_NAMES)}.")
         return str(ensure_fixture(fixture))
+    if name.startswith(FETCHED_PREFIX):
+        return str(resolve_fetched(name))
     if is_local_path(name):
         path = Path(name).expanduser()
         if not path.exists():
@@ -88,6 +95,47 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def pretrained_args(cfg: ModelConfig) -> tuple[str, dict]:
+    """(what `from_pretrained` is given, extra keyword arguments): `gguf_file=` for a GGUF source,
+    whose header is checked first (a missing file, not GGUF, an unsupported architecture: one line)."""
+    ref = gguf_reference(cfg.name, cfg.gguf_file)
+    if ref is None:
+        return resolve_model_path(cfg.name), {}
+    directory = ref.directory
+    if directory.startswith((BUILTIN_PREFIX, FETCHED_PREFIX)):
+        directory = resolve_model_path(directory)
+    if is_local_path(directory):
+        path = Path(directory).expanduser() / ref.file
+        if not path.is_file():
+            raise ModelReferenceError(f"model.name={cfg.name!r}: the GGUF file {path} does not exist; give an existing"
+                                      " .gguf file (model.name=FILE.gguf, or model.gguf_file inside model.name).")
+        check_gguf(path)
+        directory = str(path.parent)
+    return directory, {"gguf_file": ref.file}
+
+
+def model_source(cfg: ModelConfig, sha256_of=None) -> dict:
+    """Where the analysed model comes from, for the run's manifest: its kind (builtin, fetched, local,
+    hub, gguf) and, for a GGUF or a converted directory, the file, quantization, sha256 and that the
+    analysed weights are its float32 dequantization. `sha256_of(path)` hashes a file (cached)."""
+    name = cfg.name
+    if gguf_reference(name, cfg.gguf_file) is not None:
+        directory, kwargs = pretrained_args(cfg)
+        path = Path(directory) / kwargs["gguf_file"]
+        if not path.is_file():
+            return {"kind": "gguf", "name": name, "gguf_file": kwargs["gguf_file"]}
+        return {"kind": "gguf", "name": name,
+                **provenance(check_gguf(path), sha256_of(path) if sha256_of else None)}
+    kind = ("builtin" if name.startswith(BUILTIN_PREFIX) else "fetched" if name.startswith(FETCHED_PREFIX)
+            else "local" if is_local_path(name) else "hub")
+    out = {"kind": kind, "name": name, "revision": cfg.revision}
+    if kind in ("fetched", "local"):
+        source = read_source(resolve_model_path(name))
+        if source:
+            out["converted_from"] = source
+    return out
+
+
 def load_hf_config(cfg: ModelConfig):
     """The model's config.json as attributes (no weights, no transformers import); None for a
     hub id that is not in the local Hugging Face cache. A local one that cannot be read raises
@@ -95,7 +143,9 @@ def load_hf_config(cfg: ModelConfig):
     import json
     from types import SimpleNamespace
 
-    path = resolve_model_path(cfg.name)
+    path, kwargs = pretrained_args(cfg)
+    if kwargs.get("gguf_file"):
+        return _gguf_config(path, kwargs["gguf_file"], cfg.revision)
     if Path(path).is_dir():
         config_file: str | Path | None = Path(path) / "config.json"
     else:
@@ -113,6 +163,32 @@ def load_hf_config(cfg: ModelConfig):
         raise UserError(f"model.name={cfg.name!r}: {config_file} is not a JSON object.")
     text = data.get("text_config")
     return SimpleNamespace(**{**data, "text_config": SimpleNamespace(**text) if isinstance(text, dict) else None})
+
+
+def _gguf_config(directory: str, gguf_file: str, revision: str | None):
+    """A GGUF's config as transformers reads it (metadata only, no tensors); None if not local."""
+    from types import SimpleNamespace
+
+    if not (Path(directory) / gguf_file).is_file():
+        return None
+    return SimpleNamespace(**auto_config(directory, {"gguf_file": gguf_file}, revision, False).to_dict(),
+                           text_config=None)
+
+
+def auto_config(path: str, kwargs: dict, revision: str | None, trust_remote_code: bool):
+    """transformers' AutoConfig for a from_pretrained source (`pretrained_args`)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The model's tokenizer, from the same source as its weights (a GGUF carries its own)."""
+    from transformers import AutoTokenizer
+
+    path, kwargs = pretrained_args(cfg)
+    return AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                                         **kwargs)
 
 
 def _first_line(err: BaseException) -> str:
@@ -134,11 +210,11 @@ def _broken_weight_file(path: str) -> str | None:
     return None
 
 
-def _auto_class(path: str, revision: str | None, trust_remote_code: bool):
+def _auto_class(path: str, kwargs: dict, revision: str | None, trust_remote_code: bool):
     """AutoModelForCausalLM, or AutoModelForImageTextToText for Gemma 3's multimodal checkpoints."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    config = auto_config(path, kwargs, revision, trust_remote_code)
     if getattr(config, "model_type", None) == "gemma3":
         from transformers import AutoModelForImageTextToText
 
@@ -181,24 +257,26 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
 
     Parameters never require grad: CircuitKit only takes activation gradients.
     """
-    from transformers import AutoTokenizer
-
     if cfg.precision != "bfloat16":
         log.warning("model.precision=%s: bfloat16 is the default; %s uses more memory per weight"
                     " and is meant for reference/accuracy checks.", cfg.precision, cfg.precision)
     if cfg.trust_remote_code:
         log.warning("model.trust_remote_code=true: code from '%s' will run on this machine.", cfg.name)
     _quiet_transformers()
-    path = resolve_model_path(cfg.name)
+    path, source_kwargs = pretrained_args(cfg)
     device = device or get_device()
     try:
-        auto = _auto_class(path, cfg.revision, cfg.trust_remote_code)
+        auto = _auto_class(path, source_kwargs, cfg.revision, cfg.trust_remote_code)
         model = auto.from_pretrained(path, revision=cfg.revision, dtype=DTYPES[cfg.precision],
                                      trust_remote_code=cfg.trust_remote_code,
-                                     attn_implementation=cfg.attn_implementation, **placement_kwargs(cfg))
+                                     attn_implementation=cfg.attn_implementation, **source_kwargs,
+                                     **placement_kwargs(cfg))
     except Exception as err:
         if isinstance(err, UserError):
             raise
+        if source_kwargs:
+            raise GGUFError(f"model.name={cfg.name!r}: transformers could not load the GGUF file"
+                            f" {source_kwargs['gguf_file']} ({_first_line(err)}).") from None
         if Path(path).is_dir():
             broken = _broken_weight_file(path)
             if broken:
@@ -215,7 +293,7 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     model.eval()
     if cfg.device_map is None:  # with a device map, accelerate has placed every layer already
         model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg)
     return LoadedModel(model, tokenizer, get_adapter(model), cfg.name, cfg.revision, path)
 
 
@@ -253,14 +331,19 @@ def weights_hash(model: nn.Module) -> str:
 # ----------------------------------------------------------------------------- what stages ask
 
 def check_model(cfg: ModelConfig) -> None:
-    """The pre-run check every stage that loads the model shares: the reference resolves."""
-    resolve_model_path(cfg.name)
+    """The pre-run check every stage that loads the model shares: the reference resolves (and a
+    GGUF file exists and has a supported architecture)."""
+    pretrained_args(cfg)
 
 
 def model_inputs(cfg: ModelConfig) -> dict[str, Path | str]:
     """The model as a stage input: a local or builtin directory (every file: weights, config,
-    tokenizer), or a hub id at its resolved revision."""
-    if cfg.name.startswith(BUILTIN_PREFIX) or is_local_path(cfg.name):
+    tokenizer), a local GGUF file, or a hub id at its resolved revision."""
+    path, kwargs = pretrained_args(cfg)
+    if kwargs.get("gguf_file"):
+        local = Path(path) / kwargs["gguf_file"]
+        return {"model": local} if local.is_file() else {"model": f"{hub_revision(path, cfg.revision)}/{local.name}"}
+    if cfg.name.startswith((BUILTIN_PREFIX, FETCHED_PREFIX)) or is_local_path(cfg.name):
         return {"model": Path(resolve_model_path(cfg.name))}
     return {"model": hub_revision(cfg.name, cfg.revision)}
 
