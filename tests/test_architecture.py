@@ -47,6 +47,9 @@ LAYERS: dict[str, str] = {
     "circuitkit.fixtures.cache": MODELS,
     "circuitkit.fixtures.models": MODELS,
     "circuitkit.fixtures.induction": MODELS,
+    "circuitkit.fixtures.gguf": MODELS,  # tiny GGUF files written from a fixture
+    "circuitkit.models.gguf": MODELS,  # GGUF files as a model source (header, provenance, conversion)
+    "circuitkit.models.fetch": MODELS,  # `circuitkit fetch`: real models shipped in PyPI wheels
     "circuitkit.models.linear_modules": MODELS,
     "circuitkit.models.recompute": MODELS,  # activations recomputed in the backward (exact)
     "circuitkit.memory": MODELS,  # reads model shapes (HF config.json); the generic memory terms
