@@ -1,10 +1,11 @@
-"""Benchmark: EAP-IG at node and edge level against the floor, on a GPT-2-small-shaped model.
+"""Benchmark: EAP-IG at node and edge level against the floor, on a GPT-2-small-shaped model or a real one.
 
 The floor for one batch is what any EAP-IG implementation must do: 2 no-grad forwards (clean,
 corrupted) plus m forward+backward passes with frozen parameters (activation gradients only).
 Everything is measured in this one run, same model, batch, dtype and thread count.
 
     python scripts/bench_attribution.py [--batch 4] [--seq 32] [--steps 5] [--repeats 3] [--json out.json]
+    python scripts/bench_attribution.py --model fetched:smollm2 --task ioi   # the real model, IOI pairs
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def floor_pass(model: torch.nn.Module, data: TaskData, steps: int, answer_only: 
     """
     keep = {"logits_to_keep": data.answer_pos[:1]} if answer_only else {}
     with torch.no_grad():
-        clean_embeds = model.transformer.wte(data.clean_ids)
+        clean_embeds = model.get_input_embeddings()(data.clean_ids)
         model(inputs_embeds=clean_embeds, **keep)
         model(input_ids=data.corrupted_ids, **keep)
     for _ in range(steps):
@@ -74,11 +75,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--json", default=None, help="write the results here too")
+    parser.add_argument("--model", default=None, help="a model.name (e.g. fetched:smollm2); default: random GPT-2 small")
+    parser.add_argument("--task", default=None, choices=("ioi", "induction"), help="with --model: real task pairs")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    model = make_model(dtype)
+    if args.model is None:
+        model = make_model(dtype)
+        label = "GPT-2-small shape"
+        data = random_pairs(args.batch, args.seq, model.config.vocab_size)
+    else:
+        from circuitkit.config import DataParams, ModelConfig
+        from circuitkit.models.loading import load_model
+        from circuitkit.tasks import build_task
+
+        loaded = load_model(ModelConfig(name=args.model, precision=args.dtype), torch.device("cpu"))
+        model, label = loaded.model, args.model
+        if args.task:
+            data = build_task(args.task, loaded.tokenizer, None, DataParams(seq_len=args.seq), args.batch, seed=0)
+        else:
+            data = random_pairs(args.batch, args.seq, model.config.vocab_size)
     adapter = get_adapter(model)
-    data = random_pairs(args.batch, args.seq, model.config.vocab_size)
     weights = module_bytes(model)
 
     rows = {}
@@ -89,7 +105,7 @@ def main() -> None:
             lambda level=level: attribute(adapter, data, "eap-ig", level, ig_steps=args.steps,
                                           batch_size=args.batch, progress=False), args.repeats)
     floor_s = rows["floor"][0]
-    table = Table(title=f"EAP-IG on GPT-2-small shape, batch {args.batch} x {args.seq} tokens, m={args.steps},"
+    table = Table(title=f"EAP-IG on {label}, batch {args.batch} x {data.clean_ids.shape[1]} tokens, m={args.steps},"
                         f" {args.dtype}, {torch.get_num_threads()} threads")
     for col in ("run", "seconds / batch", "x floor", "peak MiB (activations, excl. weights)"):
         table.add_column(col, justify="right")

@@ -89,23 +89,37 @@ def lengths_corpus(n_rows: int, tokenizer: Any, seed: int = 0) -> list[dict[str,
     return rows
 
 
-def prepare(work: Path, n_rows: int) -> dict[str, Any]:
-    """The GPT-2-small-shaped model dir and the JSONL rows."""
+def prepare(work: Path, n_rows: int, model: str | None = None) -> dict[str, Any]:
+    """The model dir (a GPT-2-small-shaped random model, or `model`'s weights beside a tokenizer
+    that renders rows by concatenation) and the JSONL rows."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tokenizer = load_model(ModelConfig(name="builtin:tiny-gpt2", precision="float32")).tokenizer
+    model_dir = work / "model"
+    if model is None:
+        tokenizer = load_model(ModelConfig(name="builtin:tiny-gpt2", precision="float32")).tokenizer
+        tokenizer.model_max_length = THROUGHPUT["n_positions"]
+        torch.manual_seed(0)
+        GPT2LMHeadModel(GPT2Config(**THROUGHPUT)).save_pretrained(model_dir)
+        modules = [f"transformer.h.{layer}.mlp.c_proj" for layer in range(THROUGHPUT["n_layer"])]
+    else:  # the real weights, linked; its own tokenizer, saved with the concatenating template
+        from circuitkit.models.loading import pretrained_args
+
+        source = Path(pretrained_args(ModelConfig(name=model))[0])
+        loaded = load_model(ModelConfig(name=model, precision="float32"))
+        tokenizer = loaded.tokenizer
+        model_dir.mkdir()
+        for f in source.iterdir():
+            if not f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+                (model_dir / f.name).symlink_to(f)
+        modules = [name for name, _ in loaded.model.named_modules() if name.endswith("mlp.down_proj")]
     tokenizer.chat_template = CONCAT_TEMPLATE  # bergson renders rows with it: the same tokens for all
-    tokenizer.model_max_length = THROUGHPUT["n_positions"]
-    torch.manual_seed(0)
-    model_dir = work / "gpt2_small_shape"
-    GPT2LMHeadModel(GPT2Config(**THROUGHPUT)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     rows = lengths_corpus(n_rows, tokenizer)
     docs = write_jsonl(work / "rows.jsonl", rows)
     queries = {"full": str(write_jsonl(work / "queries.jsonl", rows[:4]))}
-    modules = [f"transformer.h.{layer}.mlp.c_proj" for layer in range(THROUGHPUT["n_layer"])]
     token_counts = [len(tokenizer(r["prompt"] + r["completion"])["input_ids"]) for r in rows]
     return {"model_dir": str(model_dir), "docs": str(docs), "queries": queries, "modules": modules,
+            "model_label": model or "GPT-2-small shape",
             "lengths": {"min": min(token_counts), "max": max(token_counts),
                         "mean": sum(token_counts) / len(token_counts)}}
 
@@ -239,8 +253,9 @@ def run_attribution(data: dict[str, Any], n_pairs: int, batch_size: int, console
 def print_tables(report: dict[str, Any], console: Console) -> None:
     for precision, lines in report["summary"].items():
         table = Table(title=f"gradient indexing, {precision}, {report['n_rows']} rows of {report['lengths']['min']}.."
-                            f"{report['lengths']['max']} tokens (mean {report['lengths']['mean']:.0f}), GPT-2-small"
-                            f" shape, 12 x mlp.c_proj, 18 x 18; batch <= {report['batch_size']} rows,"
+                            f"{report['lengths']['max']} tokens (mean {report['lengths']['mean']:.0f}),"
+                            f" {report.get('model', 'GPT-2-small shape')}, {report.get('n_modules', 12)} MLP output"
+                            " projections, 18 x 18; batch <= {report['batch_size']} rows,"
                             f" <= {report['batch_tokens']} tokens; grads.activations={report.get('activations', 'auto')};"
                             f" medians of {report['rounds']} interleaved rounds")
         for col in ("tool", "examples/s", "Gradian's speed-up (range)", "peak MiB", "padding share", "s (each round)"):
@@ -289,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Gradian's grads.activations (auto: fused in 16-bit, the model's ops in float32)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--model", default=None,
+                   help="a model.name with real weights (e.g. fetched:smollm2); default: random GPT-2-small shape")
     args = p.parse_args(argv)
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)
     console = Console(width=160)
@@ -296,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_lengths_") as tmp:
         work = Path(tmp)
-        data = prepare(work, args.rows)
+        data = prepare(work, args.rows, args.model)
         report: dict[str, Any] = {
             "date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch"
             f" {torch.__version__}, {torch.get_num_threads()} threads", "n_rows": args.rows,
             "batch_size": args.batch_size, "batch_tokens": args.batch_tokens, "lengths": data["lengths"],
-            "n_pairs": args.pairs, "rounds": args.rounds, "activations": args.activations}
+            "n_pairs": args.pairs, "rounds": args.rounds, "activations": args.activations,
+            "model": data["model_label"], "n_modules": len(data["modules"])}
         dtypes = tuple(d.strip() for d in args.dtypes.split(","))
         report["indexing"] = run_indexing(work, data, tools, args.batch_size, args.batch_tokens, args.timeout, console,
                                           dtypes, args.rounds, args.floor_rounds, args.activations)
