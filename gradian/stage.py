@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from circuitkit.circuit import run_circuit_path
+from circuitkit.circuit_file import run_circuit_path
 from circuitkit.config import AppConfig
 from circuitkit.io import check_writable
 from circuitkit.models.loading import check_model, model_inputs

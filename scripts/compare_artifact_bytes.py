@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 FIXTURES = ("tiny-gpt2", "tiny-neox", "tiny-llama", "tiny-qwen2", "tiny-gemma3")
 ROWS = [{"prompt": f"When Mary and John went to the store {i},", "completion": " John gave a drink to Mary."}
         for i in range(6)]
-# Not results: where and when the run happened, and with which library versions.
-VOLATILE = ("format_version",)
+# Format versions, and the hash of a whole circuit.pt file (which holds its format version).
+VOLATILE = ("format_version", "circuit.sha256")
 
 
 def _sha(data: bytes) -> str:
@@ -66,6 +66,11 @@ def _index_hashes(index_dir: Path) -> dict[str, str]:
             manifest = json.loads(path.read_text())
             out["manifest.json"] = _sha(json.dumps(manifest, sort_keys=True).encode())
             for key, value in sorted(manifest.items()):
+                if key == "circuit" and isinstance(value, dict):
+                    # Its sha256 is circuit.pt's file hash, which holds circuit.pt's format version
+                    # (compared field by field above); the rest of the record is compared here.
+                    out["manifest:circuit.sha256"] = value.get("sha256", "")
+                    value = {k: v for k, v in value.items() if k != "sha256"}
                 out[f"manifest:{key}"] = _sha(json.dumps(value, sort_keys=True).encode())
         elif path.suffix == ".safetensors":
             out[path.name] = _sha(path.read_bytes())

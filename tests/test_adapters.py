@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,9 +132,16 @@ def test_unknown_builtin_names_the_available_ones():
         load_model(ModelConfig(name="builtin:nope"))
 
 
-def test_the_families_of_the_adapters_are_the_schemas():
-    # model.shape.family (the estimate's families) and the adapters name the same families.
-    from circuitkit.config import ModelShape, choices
-    from circuitkit.models.adapters import MODEL_TYPE_FAMILIES
+def test_every_model_yaml_names_a_known_family_and_an_unknown_one_is_refused():
+    # model.shape.family is the name of a family module (circuitkit/models/families/).
+    from omegaconf import OmegaConf
 
-    assert set(MODEL_TYPE_FAMILIES.values()) == set(choices(ModelShape, "family"))
+    from circuitkit.models.adapters import FAMILIES, MODEL_TYPE_FAMILIES, family
+
+    assert set(MODEL_TYPE_FAMILIES.values()) == set(FAMILIES)
+    conf = Path(__file__).resolve().parent.parent / "conf" / "model"
+    for path in conf.glob("*.yaml"):
+        fam = OmegaConf.load(path).get("shape", {}).get("family")
+        assert fam is None or fam in FAMILIES, path
+    with pytest.raises(ValueError, match="unknown; known: gpt2, gpt_neox, llama, gemma3"):
+        family("bert")

@@ -108,11 +108,11 @@ def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, ans
         for layer in range(L):
             def z_hook(module, args, layer=layer):
                 rec.z[layer] = args[0].detach()
-            hk.pre(adapter.o_proj(layer), z_hook)
+            hk.pre(adapter.z_input(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
                 rec.mlp[layer] = first_output(out).detach()
-            hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
+            hk.post(adapter.mlp_write(layer), mlp_hook)
             if edges and adapter.post_attn_norm(layer) is not None:
                 def total_hook(module, args, layer=layer):
                     rec.attn_total[layer] = args[0].detach()
@@ -212,12 +212,12 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
         for layer in range(L):
             def z_hook(module, args, layer=layer):
                 args[0].register_hook(lambda g: sums.add("z", g, layer))
-            hk.pre(adapter.o_proj(layer), z_hook)
+            hk.pre(adapter.z_input(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
                 t = first_output(out)
                 t.register_hook(lambda g: sums.add("mlp", g, layer))
-            hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
+            hk.post(adapter.mlp_write(layer), mlp_hook)
             if not edges:
                 continue
 
