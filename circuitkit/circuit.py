@@ -37,25 +37,26 @@ __all__ = ["FORMAT_VERSION", "Circuit", "CircuitFileError", "apply_circuit", "ci
 
 
 @contextmanager
-def apply_circuit(adapter: ModelAdapter, circuit: Circuit, ablation: str | None = None) -> Iterator[None]:
+def apply_circuit(adapter: ModelAdapter, circuit: Circuit | dict, ablation: str | None = None) -> Iterator[None]:
     """Run the model as the circuit: removed heads ablated ('mean' or 'zero').
 
     The circuit's own ablation is used unless `ablation` is given; a circuit pruned with
     'corrupted' ablation needs an explicit 'mean' or 'zero' here, since an arbitrary prompt
     has no corrupted counterpart.
     """
-    ablation = ablation or circuit.ablation
-    mask = circuit.head_mask
+    # Read by field name: a Circuit and a dict of its fields read alike.
+    ablation = ablation or circuit["ablation"]
+    mask = circuit["head_mask"]
     if tuple(mask.shape) != (adapter.n_layers, adapter.n_heads):
         raise ValueError(f"circuit head_mask is {tuple(mask.shape)} but the model has"
-                         f" {adapter.n_layers} layers x {adapter.n_heads} heads; was it made for {circuit.model_name}?")
+                         f" {adapter.n_layers} layers x {adapter.n_heads} heads; was it made for {circuit.get('model_name')}?")
     if ablation == "corrupted":
         raise ValueError("this circuit was pruned with corrupted ablation; pass ablation='mean' or 'zero' to"
                          " apply it to arbitrary prompts.")
-    if ablation == "mean" and circuit.mean_z is None:
+    if ablation == "mean" and circuit.get("mean_z") is None:
         raise ValueError("the circuit stores no mean activations; pass ablation='zero'.")
     device = input_device(adapter.model)
-    values = [None] * adapter.n_layers if ablation == "zero" else [v.to(device)[None] for v in circuit.mean_z]
+    values = [None] * adapter.n_layers if ablation == "zero" else [v.to(device)[None] for v in circuit["mean_z"]]
     with ablate_heads(adapter, ~mask.bool(), values):
         yield
 

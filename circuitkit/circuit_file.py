@@ -165,11 +165,7 @@ def run_circuit_path(output_path: str | None, run_dir: Path) -> Path:
 def save_circuit(path: Path, circuit: Circuit | dict[str, Any]) -> Path:
     """Write circuit.pt atomically: format_version, then the fields in their stored order. A dict
     is taken as a Circuit's fields (TypeError naming a field the format does not have)."""
-    if isinstance(circuit, dict):
-        unknown = sorted(set(circuit) - set(_FIELD_TYPES) - {"format_version"})
-        if unknown:
-            raise TypeError(f"circuit.pt has no field(s) {', '.join(unknown)}; fields: {', '.join(_ORDER)}.")
-        circuit = Circuit(**{k: v for k, v in circuit.items() if k != "format_version"})
+    circuit = as_circuit(circuit)
     payload: dict[str, Any] = {"format_version": FORMAT_VERSION}
     for name in _ORDER:
         value = getattr(circuit, name)
@@ -243,7 +239,17 @@ def circuit_sha256(path: Path) -> str:
     return sha256_file(Path(path))
 
 
-def kept_components(circuit: Circuit) -> tuple[torch.Tensor, torch.Tensor]:
+def as_circuit(circuit: Circuit | dict[str, Any]) -> Circuit:
+    """A Circuit from a Circuit or a dict of its fields (TypeError naming a field it does not have)."""
+    if isinstance(circuit, Circuit):
+        return circuit
+    unknown = sorted(set(circuit) - set(_FIELD_TYPES) - {"format_version"})
+    if unknown:
+        raise TypeError(f"circuit.pt has no field(s) {', '.join(unknown)}; fields: {', '.join(_ORDER)}.")
+    return Circuit(**{k: v for k, v in circuit.items() if k != "format_version"})
+
+
+def kept_components(circuit: Circuit | dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(head_mask (L, H) bool, mlp_mask (L,) bool): the heads and MLPs the circuit keeps.
 
     A head is kept when the pruning kept it (head scope) or when at least one of its outgoing
@@ -252,12 +258,14 @@ def kept_components(circuit: Circuit) -> tuple[torch.Tensor, torch.Tensor]:
     was measured ran with every MLP live); an edge-scope circuit keeps the MLPs with at least
     one kept outgoing edge. Files written before mlp_mask existed are read the same way.
     """
-    heads = circuit.head_mask.bool()
-    if circuit.mlp_mask is not None:
-        return heads, circuit.mlp_mask.bool()
+    # Read by field name, so that a Circuit and a dict of some of its fields read alike.
+    heads = circuit["head_mask"].bool()
+    if circuit.get("mlp_mask") is not None:
+        return heads, circuit["mlp_mask"].bool()
     n_layers, n_heads = heads.shape
-    if circuit.scope == "edges" and circuit.edge_mask is not None:
+    edge_mask = circuit.get("edge_mask")
+    if circuit.get("scope", "heads") == "edges" and edge_mask is not None:
         # Upstream rows: input, then per layer n_heads heads and the MLP (circuitkit.attribution.graph).
         rows = [1 + layer * (n_heads + 1) + n_heads for layer in range(n_layers)]
-        return heads, circuit.edge_mask.bool()[rows].any(dim=1)
+        return heads, edge_mask.bool()[rows].any(dim=1)
     return heads, torch.ones(n_layers, dtype=torch.bool)

@@ -36,6 +36,7 @@ from circuitkit.models.loading import context_length, load_model, model_context,
 from gradian.capture import activation_mode, activation_numerics, per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.data import TokenPolicy, collate, length_limit
+from gradian.header import IndexHeader, header_json
 from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
 from gradian.memory import estimate_grads
 from gradian.precondition import check_block_width
@@ -246,20 +247,25 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     activations = activation_mode(grads.activations, model_dtype)  # "model", "recompute" or "fused"
     local = Path(source.name)
     data_file = str(local.resolve()) if local.exists() else source.name
-    header = {
-        "model": model_cfg.name, "revision": model_cfg.revision, "precision": model_cfg.precision,
-        "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
-        "projection": projector.describe(), "storage_dtype": grads.storage_dtype,
-        "loss_reduction": grads.loss_reduction, "loss": grads.loss, "preconditioner": grads.preconditioner,
-        "data_file": data_file, "data_source": {**source.spec.describe(), "path": data_file},
-        "data_sha256": source.fingerprint(),
-        "max_seq_length": report.max_seq_length, "truncation_side": grads.truncation_side,
-        "on_truncation": grads.on_truncation, "data_report": report.summary(),
-        "token_policy": report.policy.resolve(tokenizer), "row_width": projector.total_width,
-        "circuit": circuit,
-        "projection_sha256": projection_fingerprint(projector),
-        "activations": activation_numerics(activations),
-    }
+    n_params = sum(p.numel() for p in model.parameters())
+    covered = sum(d_out * d_in for d_out, d_in in shapes.values())  # weight elements whose gradient is projected
+    header = header_json(IndexHeader(
+        model=model_cfg.name, revision=model_cfg.revision, precision=model_cfg.precision,
+        weights_sha256=weights_hash(model), tokenizer_sha256=tokenizer_hash(tokenizer),
+        projection=projector.describe(), storage_dtype=grads.storage_dtype,
+        loss_reduction=grads.loss_reduction, loss=grads.loss, preconditioner=grads.preconditioner,
+        data_file=data_file, data_source={**source.spec.describe(), "path": data_file},
+        data_sha256=source.fingerprint(),
+        max_seq_length=report.max_seq_length, truncation_side=grads.truncation_side,
+        on_truncation=grads.on_truncation, data_report=report.summary(),
+        token_policy=report.policy.resolve(tokenizer), row_width=projector.total_width,
+        circuit=circuit,
+        projection_sha256=projection_fingerprint(projector),
+        activations=activation_numerics(activations),
+        parameter_share=covered / n_params,
+    ))
+    console.print(f"the index covers {covered / n_params:.1%} of the model's parameters ({covered:,} of"
+                  f" {n_params:,} weight elements)")
     lengths = corpus.lengths
     longest = int(lengths.max())
     budget = grads.batch_tokens or grads.batch_size * report.max_seq_length

@@ -14,7 +14,8 @@ from circuitkit.models.hooks import hook_names, hooks, run_with_cache
 from circuitkit.models.loading import load_model
 
 FAMILIES = {"tiny-gpt2": "gpt2", "tiny-neox": "gpt_neox", "tiny-neox-seq": "gpt_neox", "tiny-llama": "llama",
-            "tiny-qwen2": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-cg": "gemma3"}
+            "tiny-qwen2": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-cg": "gemma3", "tiny-qwen3": "qwen3",
+            "tiny-qwen3-moe": "qwen3_moe"}
 
 
 @functools.cache
@@ -34,7 +35,7 @@ def test_adapter_shape_and_frozen_parameters(name):
     assert a.family == FAMILIES[name]
     assert a.n_layers == len(a.blocks) >= 2
     assert a.n_heads % a.n_kv_heads == 0
-    if name in ("tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gemma3-cg"):
+    if name in ("tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gemma3-cg", "tiny-qwen3", "tiny-qwen3-moe"):
         assert a.n_kv_heads < a.n_heads  # the fixtures use GQA
     assert a.parallel_residual == (name == "tiny-neox")
     assert a.has_post_norms == name.startswith("tiny-gemma3")

@@ -25,10 +25,11 @@ class Qwen3MoE(Qwen3):
     model_types = {"qwen3_moe": "Qwen3-MoE"}
     paths = {**Qwen3.paths, "mlp_out": None}
     fused_experts = True
-    # Measured with scripts/measure_act_coefficients.py on tiny-qwen3-moe's shape (top_k 2 of 4
-    # experts): c_d holds the routed copies of the MLP input (top_k·d) and the router's float32
-    # probabilities, so it is exact for top_k = 2 only; see docs/memory.md.
-    act_per_layer = (9.09, 4.0)
+    # Measured with scripts/measure_act_coefficients.py on tiny-qwen3-moe's shape (d 64, top_k 2
+    # of 4 experts, f = top_k·f_e): c_d holds the routed copies of the MLP input (top_k·d) and
+    # the router's float32 probabilities (E per token), so it holds for that routing only; see
+    # docs/memory.md.
+    act_per_layer = (8.95, 3.0)
 
     @classmethod
     def read_dims(cls, cfg: Any) -> dict[str, int]:
