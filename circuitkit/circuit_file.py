@@ -162,6 +162,19 @@ def run_circuit_path(output_path: str | None, run_dir: Path) -> Path:
     return Path(output_path) if output_path else Path(run_dir) / "circuit.pt"
 
 
+def grads_circuit_path(circuit: str | None, output_path: str | None, run_dir: Path | None) -> Path | None:
+    """The circuit.pt that `grads.circuit` names, resolved in one place: None = no circuit; "run" =
+    the file this run's pruning stage writes (`run_circuit_path`; without a run directory, as for
+    an estimate made before the run, `output_path` or None); else the path given."""
+    if circuit is None:
+        return None
+    if circuit != "run":
+        return Path(circuit)
+    if run_dir is None:
+        return Path(output_path) if output_path else None
+    return run_circuit_path(output_path, run_dir)
+
+
 def save_circuit(path: Path, circuit: Circuit | dict[str, Any]) -> Path:
     """Write circuit.pt atomically: format_version, then the fields in their stored order. A dict
     is taken as a Circuit's fields (TypeError naming a field the format does not have)."""

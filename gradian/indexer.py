@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -104,9 +105,12 @@ def check_writable_dir(path: Path, what: str) -> None:
     if probe.exists() and not probe.is_dir():
         raise UserError(f"{what}={str(path)!r}: {probe} is a file, not a directory; choose another place.",
                         exit_code=2)
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"{what}={str(path)!r}: cannot write into {probe} (permission denied or read-only);"
-                        " choose a directory you can write to.", exit_code=2)
+    try:  # a file created there, not os.access: permission bits say nothing for root or on read-only mounts
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise UserError(f"{what}={str(path)!r}: cannot write into {probe} ({err.strerror}; permission denied or"
+                        " read-only); choose a directory you can write to.", exit_code=2) from None
 
 
 def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks: int = 1) -> int:

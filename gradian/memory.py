@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from circuitkit.circuit_file import kept_components, load_circuit
+from circuitkit.circuit_file import grads_circuit_path, kept_components, load_circuit
 from circuitkit.config import AppConfig
 from circuitkit.device import DTYPES
 from circuitkit.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
@@ -195,7 +195,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
 def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:
     """Sites of a grads.circuit-restricted index: from the circuit file when it exists already,
     else (grads.circuit=run before pruning has run) every head and MLP, an upper bound."""
-    path = cfg.grads.circuit if cfg.grads.circuit != "run" else cfg.output_path
+    path = grads_circuit_path(cfg.grads.circuit, cfg.output_path, None)  # no run dir before the run
     heads = mlps = None
     if path is not None and Path(path).is_file():
         heads, mlps = kept_components(load_circuit(Path(path)))
