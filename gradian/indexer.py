@@ -28,7 +28,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from circuitkit.batching import plan_batches
+from circuitkit.batching import plan_batches, rows_within_budget
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
@@ -272,9 +272,9 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                   f" {n_params:,} weight elements)")
     lengths = corpus.lengths
     longest = int(lengths.max())
-    budget = grads.batch_tokens or grads.batch_size * report.max_seq_length
+    budget = grads.batch_tokens
     # The largest batch the plan can form: the token budget bounds rows x longest row.
-    worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
+    worst_rows = min(rows_within_budget(grads.batch_size, budget, longest), corpus.n_rows)
     estimate = estimate_grads(
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from circuitkit.batching import rows_within_budget
 from circuitkit.circuit_file import grads_circuit_path, kept_components, load_circuit
 from circuitkit.config import AppConfig
 from circuitkit.device import DTYPES
@@ -184,9 +185,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     shape = shape_for(cfg.model)
     seq = seq_len or g.max_seq_length
     projector = projector or grads_projector(cfg, shape)
-    rows = batch_size or g.batch_size
-    if g.batch_tokens is not None:
-        rows = max(1, min(rows, g.batch_tokens // seq))
+    rows = rows_within_budget(batch_size or g.batch_size, g.batch_tokens, seq)
     dtype = DTYPES[cfg.model.precision]
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
                           DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype))
