@@ -94,6 +94,7 @@ LAYERS: dict[str, str] = {
     "gradian.corpus": GRADIAN,
     "gradian.data": GRADIAN,
     "gradian.doctor": GRADIAN,
+    "gradian.header": GRADIAN,  # the typed index header (IndexHeader), its writer and reader
     "gradian.index": GRADIAN,
     "gradian.indexer": GRADIAN,
     "gradian.projection": GRADIAN,
