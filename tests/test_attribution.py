@@ -69,7 +69,10 @@ def test_node_score_is_sum_of_outgoing_edges(name):
     assert abs(out[0] - s.embed) <= 1e-5 * scale
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-qwen3-moe"])
+# Not tiny-qwen3-moe: its top-k routing switches experts along the interpolation path (19 of
+# 200 steps on these pairs), and the metric jumps there (one jump ~40% of the gap), so the
+# integral of the gradients misses the jumps: completeness does not hold for a routed MoE.
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-gemma3", "tiny-qwen3"])
 def test_ig_completeness_on_the_embedding(name):
     lm, data = loaded(name), pairs(name, n=4)
     s = attribute(lm.adapter, data, "eap-ig", "node", ig_steps=100, batch_size=4, progress=False)
