@@ -29,12 +29,14 @@ def discover_circuit(cfg: dict[str, Any], run_dir: str | Path | None = None) -> 
     """Validate `cfg`, run preflight/data/attribution/pruning, write `output_path`, return the circuit.
 
     run_dir: where the stages write their artifacts and manifest.json (default: beside
-    output_path as `<stem>_run/`, else `outputs/discover/<timestamp>`). Returns the dict
-    stored in circuit.pt (see circuitkit.circuit).
+    output_path as `<stem>_run/`, else `outputs/discover/<timestamp>`). Returns the `Circuit`
+    stored in circuit.pt (see circuitkit.circuit_file).
     """
     cfg = copy.deepcopy(dict(cfg))
     cfg.setdefault("stages", list(CIRCUIT_STAGE_NAMES))
     typed = validate(cfg)
+    if "pruning" not in typed.stages:  # before any stage runs: nothing would come of it
+        raise ValueError("discover_circuit needs the pruning stage to produce a circuit; include 'pruning' in stages.")
     if run_dir is None:
         if typed.output_path:
             out = Path(typed.output_path)
@@ -42,8 +44,6 @@ def discover_circuit(cfg: dict[str, Any], run_dir: str | Path | None = None) -> 
         else:
             run_dir = Path("outputs") / "discover" / time.strftime("%Y-%m-%d_%H-%M-%S")
     manifest = run_pipeline(typed, Path(run_dir))
-    if "pruning" not in typed.stages:
-        raise ValueError("discover_circuit needs the pruning stage to produce a circuit; include 'pruning' in stages.")
     path = manifest["stages"]["pruning"]["summary"].get("circuit_path")
     if path is None:  # a shard of a sharded attribution that was not the last to finish
         d = typed.discovery

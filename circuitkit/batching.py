@@ -56,6 +56,14 @@ def plan_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int | No
     return plan
 
 
+def rows_within_budget(batch_size: int, batch_tokens: int | None, row_length: int) -> int:
+    """The token budget rule, in one place: at most `batch_size` rows of `row_length` tokens,
+    and at most `batch_tokens` tokens in all (but at least one row)."""
+    if batch_tokens is None:
+        return batch_size
+    return max(1, min(batch_size, batch_tokens // row_length))
+
+
 def _plan_by_length(lengths: Sequence[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
     """The length-sorted rows cut at the least padded tokens + BATCH_OVERHEAD_TOKENS per batch.
 
@@ -73,9 +81,7 @@ def _plan_by_length(lengths: Sequence[int], batch_size: int, batch_tokens: int |
     best = np.zeros(n + 1, dtype=np.int64)
     cut = np.zeros(n, dtype=np.int64)
     for i in range(n - 1, -1, -1):
-        rows = min(batch_size, n - i)
-        if batch_tokens is not None:
-            rows = max(1, min(rows, batch_tokens // int(s[i])))
+        rows = rows_within_budget(min(batch_size, n - i), batch_tokens, int(s[i]))
         sizes = np.arange(1, rows + 1)
         costs = sizes * s[i] + BATCH_OVERHEAD_TOKENS + best[i + 1:i + rows + 1]
         k = rows - int(np.argmin(costs[::-1]))  # the largest size among the cheapest

@@ -62,7 +62,10 @@ def choices(schema: type, key: str) -> tuple[Any, ...]:
 class ModelShape:
     """Shape of a model, known without loading weights (used by the memory estimate)."""
 
-    family: Optional[str] = _f(None, "architecture family", choices=("gpt2", "gpt_neox", "llama", "gemma3"))
+    # Not a closed list here: a family is a module of circuitkit/models/families/, which names it
+    # (an unknown name is refused where the shape is used, listing the known ones).
+    family: Optional[str] = _f(None, "architecture family: the name of a module of circuitkit/models/families/"
+                               " (gpt2, gpt_neox, llama, gemma3, qwen3, qwen3_moe, ...)")
     n_layers: Optional[int] = _f(None, "transformer blocks", ge=1)
     n_heads: Optional[int] = _f(None, "attention (query) heads per layer", ge=1)
     n_kv_heads: Optional[int] = _f(None, "key/value heads per layer (GQA when < n_heads)", ge=1)

@@ -47,7 +47,7 @@ import torch
 
 from circuitkit.attribution import AttributionScores, load_scores, save_scores
 from circuitkit.attribution.graph import Graph
-from circuitkit.circuit import kept_components, load_circuit, save_circuit
+from circuitkit.circuit import Circuit, kept_components, load_circuit, save_circuit
 from circuitkit.circuit_graph import graph_shape
 from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
@@ -251,7 +251,7 @@ def import_eap_ig(json_path: Path, out_path: Path, model_name: str | None = None
     n_kept = int(parsed["edge_mask"].sum())
     removed = (n_total - n_kept) / n_total
     nan = float("nan")
-    save_circuit(out_path, {
+    save_circuit(out_path, Circuit(**{
         "model_name": model_name, "model_revision": None, "scope": "edges",
         "head_mask": parsed["head_mask"], "mlp_mask": parsed["mlp_mask"], "head_scores": parsed["head_scores"],
         "mlp_scores": parsed["mlp_scores"], "embed_score": parsed["embed_score"],
@@ -265,7 +265,7 @@ def import_eap_ig(json_path: Path, out_path: Path, model_name: str | None = None
         "metrics": {"full": nan, "empty": nan, "circuit": nan, "faithfulness": nan}, "cpr": nan, "cmd": nan,
         "imported_from": {"format": "eap-ig-json", "path": str(json_path.resolve()),
                           "sha256": sha256_file(json_path)},
-    })
+    }))
     return out_path
 
 

@@ -23,31 +23,24 @@ from typing import Any
 
 from rich.table import Table
 
-from circuitkit.config import ModelConfig, ModelShape, choices
-from circuitkit.models.adapters import MODEL_TYPE_FAMILIES
+from circuitkit.config import ModelConfig, ModelShape
+from circuitkit.models.families import FAMILIES, family, family_of_config
 from circuitkit.models.loading import auto_config, pretrained_args
 
 MiB = 2**20
 FP32 = 4
 SHAPE_KEYS = ("family", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_model", "d_mlp", "vocab_size",
               "n_params")
-FAMILIES = choices(ModelShape, "family")
 
 # Activations autograd saves for the backward of one forward pass, per layer, in units of N·d and
-# N·f elements of the model dtype, plus ACT_BASE·N·d outside the blocks (embedding output, final
-# norm). Measured with torch.autograd.graph.saved_tensors_hooks counting the unique storages saved
-# during one forward with frozen parameters (parameters excluded), float32, sdpa attention, on
-# random models with d = 64, 4 heads (2 KV heads for llama / gemma3), L ∈ {1, 2}, f ∈ {256, 512},
+# N·f elements of the model dtype (each family's `act_per_layer`, circuitkit/models/families/),
+# plus ACT_BASE·N·d outside the blocks (embedding output, final norm). Measured with
+# torch.autograd.graph.saved_tensors_hooks counting the unique storages saved during one forward
+# with frozen parameters (parameters excluded), float32, sdpa attention, on random models with
+# d = 64, 4 heads (2 KV heads for the Llama-named families), L ∈ {1, 2}, f ∈ {256, 512},
 # N ∈ {64, 128, 256}: exactly linear in N, L and f, no T² term (sdpa keeps only q, k, v, the
-# output and a logsumexp per head and token). Frozen linears save nothing for their weights, so
-# e.g. GPT-NeoX's MLP saves only the GELU input (1·f); GPT-2's tanh-GELU saves 4·f; the gated
-# MLPs (llama, gemma3) save gate, up and act(gate) (3·f).
-ACT_PER_LAYER: dict[str, tuple[float, float]] = {  # family: (c_d, c_f)
-    "gpt2": (8.125, 4.0),
-    "gpt_neox": (5.125, 1.0),
-    "llama": (5.09, 3.0),
-    "gemma3": (8.79, 3.0),
-}
+# output and a logsumexp per head and token); scripts/measure_act_coefficients.py measures them.
+ACT_PER_LAYER: dict[str, tuple[float, float]] = {name: cls.act_per_layer for name, cls in FAMILIES.items()}
 ACT_BASE = 1.25
 @dataclass
 class MemoryEstimate:
@@ -77,79 +70,31 @@ class MemoryEstimate:
 
 # --------------------------------------------------------------------------- shapes
 
-def count_params(shape: dict[str, Any], *, tied: bool | None = None, n_positions: int = 1024,
-                 qkv_bias: bool | None = None, o_bias: bool | None = None, mlp_bias: bool | None = None) -> int:
-    """Parameter count in closed form from the shape (P in the module docstring).
-
-    With d_q = H·dh and d_kv = KV·dh:
-
-        gpt2:     V·d + n_pos·d + L·[2·2d + (d·3d + 3d) + (d·d + d) + (d·f + f) + (f·d + d)] + 2d
-        gpt_neox: 2·V·d (untied unembedding) + L·[2·2d + (d·3d + 3d) + (d·d + d) + (d·f + f) + (f·d + d)] + 2d
-        llama:    V·d (+ V·d untied) + L·[2d + d·(d_q + 2·d_kv) + d_q·d + 3·d·f] + d  (+ biases)
-        gemma3:   llama with 4 norms per layer and q/k norms of width dh: + L·(2d + 2dh)
-
-    Defaults when not given: tied embeddings except GPT-NeoX; biases as in the family's
-    reference models (none for llama / gemma3).
-    """
-    fam = shape["family"]
-    L, H, KV, dh = shape["n_layers"], shape["n_heads"], shape["n_kv_heads"], shape["head_dim"]
-    d, f, V = shape["d_model"], shape["d_mlp"], shape["vocab_size"]
-    if fam in ("gpt2", "gpt_neox"):
-        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-        if tied is None:
-            tied = fam == "gpt2"
-        embed = V * d * (1 if tied else 2) + (n_positions * d if fam == "gpt2" else 0)
-        return embed + L * block + 2 * d
-    if fam in ("llama", "gemma3"):
-        dq, dkv = H * dh, KV * dh
-        qkv_bias = bool(qkv_bias)
-        o_bias = bool(o_bias)
-        mlp_bias = bool(mlp_bias)
-        attn = d * (dq + 2 * dkv) + dq * d + (dq + 2 * dkv if qkv_bias else 0) + (d if o_bias else 0)
-        mlp = 3 * d * f + (2 * f + d if mlp_bias else 0)
-        norms = 2 * d if fam == "llama" else 4 * d + 2 * dh
-        if tied is None:
-            tied = True
-        return V * d * (1 if tied else 2) + L * (attn + mlp + norms) + d
-    raise ValueError(f"family {fam!r} has no closed-form parameter count; known: {', '.join(FAMILIES)}")
+def count_params(shape: dict[str, Any], **extra: Any) -> int:
+    """Parameter count in closed form from the shape (P in the module docstring): the family's
+    `count_params` (circuitkit/models/families/), with `extra` what the shape lacks (tied
+    embeddings, biases, ...); defaults as in the family's reference models."""
+    return family(shape["family"]).count_params(shape, **extra)
 
 
 def shape_from_config(hf_config: Any) -> dict[str, Any]:
     """The shape dict (keys SHAPE_KEYS, plus the config's `model_type`) of a Hugging Face config;
-    Gemma 3's `text_config` is used.
+    Gemma 3's `text_config` is used. The family reads its own config fields (`read_dims`,
+    `count_extras`).
 
     n_params counts the text model (for a multimodal Gemma 3 checkpoint the vision tower is not
     included; `conf/model/gemma4b.yaml` carries the whole checkpoint's count).
     """
+    try:
+        fam = family_of_config(hf_config)
+    except ValueError as err:
+        raise ValueError(f"{err} (no memory estimate)") from None
     cfg = getattr(hf_config, "text_config", None) or hf_config
-    model_type = getattr(cfg, "model_type", None)
-    fam = MODEL_TYPE_FAMILIES.get(model_type)
-    if fam is None:
-        raise ValueError(f"model_type {model_type!r} has no memory estimate; known: {', '.join(sorted(MODEL_TYPE_FAMILIES))}")
-    extra: dict[str, Any] = {"tied": getattr(hf_config, "tie_word_embeddings", None)}
+    shape = {"family": fam.family, **fam.read_dims(cfg)}
+    shape["n_params"] = fam.count_params(shape, **fam.count_extras(cfg, hf_config))
     # The outer model_type says which class holds the blocks (Gemma 3: text-only or multimodal),
     # which decides their module names (circuitkit.models.linear_modules).
-    if fam == "gpt2":
-        d, H = cfg.n_embd, cfg.n_head
-        shape = {"n_layers": cfg.n_layer, "n_heads": H, "n_kv_heads": H, "head_dim": d // H, "d_model": d,
-                 "d_mlp": cfg.n_inner or 4 * d}
-        extra["n_positions"] = cfg.n_positions
-    else:
-        d, H = cfg.hidden_size, cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or d // H
-        kv = getattr(cfg, "num_key_value_heads", None) or H
-        shape = {"n_layers": cfg.num_hidden_layers, "n_heads": H, "n_kv_heads": kv, "head_dim": head_dim,
-                 "d_model": d, "d_mlp": cfg.intermediate_size}
-        if fam == "llama":
-            bias = bool(getattr(cfg, "attention_bias", False))
-            extra.update(qkv_bias=bias or model_type == "qwen2", o_bias=bias,
-                         mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
-        elif fam == "gemma3":
-            bias = bool(getattr(cfg, "attention_bias", False))
-            extra.update(qkv_bias=bias, o_bias=bias)
-    shape = {"family": fam, **shape, "vocab_size": cfg.vocab_size}
-    shape["n_params"] = count_params(shape, **extra)
-    shape["model_type"] = getattr(hf_config, "model_type", model_type)
+    shape["model_type"] = getattr(hf_config, "model_type", getattr(cfg, "model_type", None))
     return shape
 
 
@@ -181,9 +126,7 @@ def calibrated(shape: dict[str, Any] | ModelShape) -> tuple[dict[str, Any], tupl
     """(the shape as a dict, its family's ACT_PER_LAYER coefficients (c_d, c_f)): what every
     estimate starts from; ValueError for a family without measured coefficients."""
     s = shape_dict(shape)
-    if s["family"] not in ACT_PER_LAYER:
-        raise ValueError(f"family {s['family']!r} has no calibrated estimate; known: {', '.join(FAMILIES)}")
-    return s, ACT_PER_LAYER[s["family"]]
+    return s, family(s["family"]).act_per_layer
 
 
 def largest_fitting(fits, limit: int = 1024) -> int:

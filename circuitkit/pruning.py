@@ -123,7 +123,7 @@ def ablate_heads(adapter: ModelAdapter, removed: torch.Tensor, values: list[torc
                     v = values[layer]
                     z[..., sl] = 0 if v is None else fit_positions(v, z.shape[-2])[..., sl].to(z.dtype).expand_as(z[..., sl])
                 return (z, *args[1:])
-            hk.pre(adapter.o_proj(layer), hook)
+            hk.pre(adapter.z_input(layer), hook)
         yield
 
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from circuitkit.attribution import load_scores, run_attribution, save_scores, top_heads
 from circuitkit.attribution.memory import ATTRIBUTION_MEMORY, attribution_estimate
-from circuitkit.circuit import load_circuit, run_circuit_path, save_circuit
+from circuitkit.circuit import Circuit, load_circuit, run_circuit_path, save_circuit
 from circuitkit.circuit_graph import write_circuit_graph
 from circuitkit.config import AppConfig, ConfigError, to_dict
 from circuitkit.errors import UserError
@@ -175,7 +175,7 @@ def _pruning(ctx: RunContext) -> StageResult:
                                f"kept heads (outlined), {p.scope} sparsity {achieved:.2f}", head_mask)
     out_path = run_circuit_path(ctx.cfg.output_path, ctx.run_dir)
     g = scores.graph
-    save_circuit(out_path, {
+    save_circuit(out_path, Circuit(**{
         **found.ablation_values,
         "graph": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
                   "parallel_residual": g.parallel_residual},
@@ -188,7 +188,7 @@ def _pruning(ctx: RunContext) -> StageResult:
         "achieved_sparsity": achieved, "n_removed": found.selection.n_removed,
         "n_heads_removed": int((~head_mask).sum()), "metrics": found.metrics, "curve": curve, "cpr": cpr, "cmd": cmd, "n_eval_examples": len(held_out),
         "config": to_dict(ctx.cfg), "versions": package_versions(),
-    })
+    }))
     unit = "heads" if p.scope == "heads" else "edges"
     table = Table(title=f"circuit: {int(kept.sum())} of {found.n_total} {unit} kept")
     for col in ("target sparsity", "achieved", "m(full)", "m(empty)", "m(circuit)", "faithfulness", "CPR", "CMD"):

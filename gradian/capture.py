@@ -81,10 +81,9 @@ def supervised_positions(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tenso
     return b, t - 1, ids[b, t]
 
 
-def _softcap(logits: torch.Tensor, config) -> torch.Tensor:
-    # Gemma 3's CausalLM head applies cap * tanh(logits / cap) when configured; replicate it so
-    # the loss is the model's own (done in float32 here, after the upcast).
-    cap = getattr(config, "final_logit_softcapping", None)
+def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    # A family whose LM head applies cap * tanh(logits / cap) (Gemma 3, `adapter.logit_softcap`);
+    # replicated so the loss is the model's own (done in float32 here, after the upcast).
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
@@ -133,7 +132,7 @@ def supervised_loss_grad(adapter, h: torch.Tensor, targets: torch.Tensor, weight
         chunk = slice(start, start + rows)
         h_chunk = h[chunk].detach().requires_grad_(True)
         # (rows, V) logits, unnamed: autograd keeps what the loss's backward needs, nothing more
-        chunk_loss = token_losses(_softcap(adapter.unembed(h_chunk).float(), adapter.config), targets[chunk], loss)
+        chunk_loss = token_losses(_softcap(adapter.unembed(h_chunk).float(), adapter.logit_softcap), targets[chunk], loss)
         (grad_h[chunk],) = torch.autograd.grad((chunk_loss * weights[chunk]).sum(), h_chunk)
         token_loss[chunk] = chunk_loss.detach()
     return token_loss, grad_h
@@ -266,7 +265,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     weights = torch.ones_like(targets, dtype=torch.float32) if loss_reduction == "sum" else 1.0 / n_sup[ex].float()
     try:
         with torch.enable_grad(), ACTIVATION_CONTEXTS[mode](model, dtype):
-            hidden = adapter._base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = adapter.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             # Gather before the unembedding: only supervised positions reach the vocabulary.
             h_sup = hidden[ex, pos]  # (N, d)
             del hidden

@@ -36,13 +36,16 @@ import torch
 from circuitkit.device import DTYPES
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
+from gradian.header import check_header
 from gradian.projection import Projector, projection_fingerprint
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 # 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
 #    `second_moment` (gradian.precondition).
 # 4: the header records `activations` ("model" or "fused", gradian.capture.activation_numerics).
-FORMAT_VERSION = 4
+# 5: the header is `gradian.header.IndexHeader`, checked field by field, and records
+#    `parameter_share` (the share of the model's parameters the index covers).
+FORMAT_VERSION = 5
 # Optional shard tensors besides grads, norms and rows.
 OPTIONAL_TENSORS = ("sources", "second_moment")
 MANIFEST = "manifest.json"
@@ -135,6 +138,10 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
     if manifest["n_rows"] < 0 or manifest["rows_per_shard"] < 1:
         raise IndexIntegrityError(f"{path}: n_rows={manifest['n_rows']}, rows_per_shard="
                                   f"{manifest['rows_per_shard']} are not valid; {_REBUILD}.")
+    if "tokenizer_sha256" in manifest:  # an index the indexer wrote: its header, field by field
+        problems = check_header(manifest, str(path))
+        if problems:
+            raise IndexIntegrityError(f"{problems[0]}; {_REBUILD}.")
     for name, entry in manifest["shards"].items():
         confined_path(index_dir, name, path)
         rows = entry.get("rows") if isinstance(entry, dict) else None

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from circuitkit.batching import plan_batches
+from circuitkit.batching import plan_batches, rows_within_budget
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
@@ -36,6 +37,7 @@ from circuitkit.models.loading import context_length, load_model, model_context,
 from gradian.capture import activation_mode, activation_numerics, per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.data import TokenPolicy, collate, length_limit
+from gradian.header import IndexHeader, header_json
 from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
 from gradian.memory import estimate_grads
 from gradian.precondition import check_block_width
@@ -103,9 +105,12 @@ def check_writable_dir(path: Path, what: str) -> None:
     if probe.exists() and not probe.is_dir():
         raise UserError(f"{what}={str(path)!r}: {probe} is a file, not a directory; choose another place.",
                         exit_code=2)
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"{what}={str(path)!r}: cannot write into {probe} (permission denied or read-only);"
-                        " choose a directory you can write to.", exit_code=2)
+    try:  # a file created there, not os.access: permission bits say nothing for root or on read-only mounts
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise UserError(f"{what}={str(path)!r}: cannot write into {probe} ({err.strerror}; permission denied or"
+                        " read-only); choose a directory you can write to.", exit_code=2) from None
 
 
 def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks: int = 1) -> int:
@@ -246,27 +251,30 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     activations = activation_mode(grads.activations, model_dtype)  # "model", "recompute" or "fused"
     local = Path(source.name)
     data_file = str(local.resolve()) if local.exists() else source.name
-    header = {
-        "model": model_cfg.name, "revision": model_cfg.revision, "precision": model_cfg.precision,
-        "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer),
-        "projection": projector.describe(), "storage_dtype": grads.storage_dtype,
-        "loss_reduction": grads.loss_reduction, "loss": grads.loss, "preconditioner": grads.preconditioner,
-        "data_file": data_file, "data_source": {**source.spec.describe(), "path": data_file},
-        "data_sha256": source.fingerprint(),
-        "max_seq_length": report.max_seq_length, "truncation_side": grads.truncation_side,
-        "on_truncation": grads.on_truncation, "data_report": report.summary(),
-        "token_policy": report.policy.resolve(tokenizer), "row_width": projector.total_width,
-        "circuit": circuit,
-        "projection_sha256": projection_fingerprint(projector),
-        "activations": activation_numerics(activations),
-    }
-    if model_cfg.gguf_file:  # only when set: indexes of other models keep their bytes
-        header["gguf_file"] = model_cfg.gguf_file
+    n_params = sum(p.numel() for p in model.parameters())
+    covered = sum(d_out * d_in for d_out, d_in in shapes.values())  # weight elements whose gradient is projected
+    header = header_json(IndexHeader(
+        model=model_cfg.name, revision=model_cfg.revision, precision=model_cfg.precision,
+        weights_sha256=weights_hash(model), tokenizer_sha256=tokenizer_hash(tokenizer),
+        projection=projector.describe(), storage_dtype=grads.storage_dtype,
+        loss_reduction=grads.loss_reduction, loss=grads.loss, preconditioner=grads.preconditioner,
+        data_file=data_file, data_source={**source.spec.describe(), "path": data_file},
+        data_sha256=source.fingerprint(),
+        max_seq_length=report.max_seq_length, truncation_side=grads.truncation_side,
+        on_truncation=grads.on_truncation, data_report=report.summary(),
+        token_policy=report.policy.resolve(tokenizer), row_width=projector.total_width,
+        circuit=circuit,
+        projection_sha256=projection_fingerprint(projector),
+        activations=activation_numerics(activations),
+        parameter_share=covered / n_params, gguf_file=model_cfg.gguf_file,
+    ))
+    console.print(f"the index covers {covered / n_params:.1%} of the model's parameters ({covered:,} of"
+                  f" {n_params:,} weight elements)")
     lengths = corpus.lengths
     longest = int(lengths.max())
-    budget = grads.batch_tokens or grads.batch_size * report.max_seq_length
+    budget = grads.batch_tokens
     # The largest batch the plan can form: the token budget bounds rows x longest row.
-    worst_rows = max(1, min(grads.batch_size, corpus.n_rows, budget // longest))
+    worst_rows = min(rows_within_budget(grads.batch_size, budget, longest), corpus.n_rows)
     estimate = estimate_grads(
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,

@@ -14,10 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from circuitkit.circuit import kept_components, load_circuit
+from circuitkit.batching import rows_within_budget
+from circuitkit.circuit_file import grads_circuit_path, kept_components, load_circuit
 from circuitkit.config import AppConfig
 from circuitkit.device import DTYPES
 from circuitkit.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
+from circuitkit.models.adapters import family
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
 from circuitkit.pipeline import StageMemory
 from gradian.capture import activation_mode, logit_chunk_rows
@@ -48,23 +50,23 @@ from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 # * Supervised positions reach the unembedding `logit_chunk_rows(V)` at a time, so the (N_s, V)
 #   terms are (min(N_s, chunk rows), V).
 LOGIT_F32_COPIES = 3
-RECOMPUTED_C_F = {"gpt2": 1.0}
 RECOMPUTE_TMP_F = 5.5
 GRADS_FWD_TMP_F = 4.0
 # Index: per row float32 norm + int64 row id next to the stored gradient row.
 INDEX_ROW_EXTRA_BYTES = 4 + 8
 
 
-def _graph_layers(module_names: list[str], n_layers: int, c_d: float, c_f: float, d: int, f: int) -> float:
+def _graph_layers(module_names: list[str], s: dict[str, Any], c_d: float, c_f: float) -> float:
     """Activations autograd saves per token (units of elements), from the first selected module on.
 
     Layers after the first selected one count c_d·d + c_f·f; the first one its share by the
     module's role (attention: all of it; MLP input: c_f·f; MLP output: none), because the graph
     of the backward starts at the first module whose weight gradient is asked for.
     """
+    n_layers, d, f = s["n_layers"], s["d_model"], s["d_mlp"]
     if not module_names:
         return n_layers * (c_d * d + c_f * f)
-    first_layer, first_role = min((block_role(name) for name in module_names), key=lambda lr: lr[0])
+    first_layer, first_role = min((block_role(name, s) for name in module_names), key=lambda lr: lr[0])
     share = {"mlp_in": c_f * f, "mlp_out": 0.0}.get(first_role, c_d * d + c_f * f)
     return max(0, n_layers - first_layer - 1) * (c_d * d + c_f * f) + share
 
@@ -94,7 +96,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         weights                         P·p
         activations saved for backward  N·p·(ACT_BASE·d + A),  A = per-family ACT_PER_LAYER
                                         from the first selected module on (`_graph_layers`),
-                                        with RECOMPUTED_C_F for recomputed or fused
+                                        with the family's recomputed_c_f for recomputed or fused
                                         activations (`activations`: the run's
                                         `gradian.capture.activation_mode`; the default,
                                         "model", keeps the most)
@@ -125,12 +127,13 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
     B, N = batch_size, batch_size * seq_len
     Ns = min(batch_size * supervised_per_row, logit_chunk_rows(V))  # rows of one unembedding chunk
-    lean = activations in ("recompute", "fused") and s["family"] in RECOMPUTED_C_F
+    recomputed_c_f = family(s["family"]).recomputed_c_f
+    lean = activations in ("recompute", "fused") and recomputed_c_f is not None
     recomputed = lean and activations == "recompute"
-    c_f = RECOMPUTED_C_F[s["family"]] if lean else c_f
+    c_f = recomputed_c_f if lean else c_f
     tmp_f = RECOMPUTE_TMP_F if recomputed else GRADS_FWD_TMP_F
     kind, projection_dim, module_shapes = projector.kind, projector.projection_dim, projector.shapes
-    acts = N * p * (ACT_BASE * d + _graph_layers(list(module_shapes), s["n_layers"], c_d, c_f, d, f))
+    acts = N * p * (ACT_BASE * d + _graph_layers(list(module_shapes), s, c_d, c_f))
     capture = matrices = width = 0
     max_g = 0
     for name, (d_out, d_in) in module_shapes.items():
@@ -182,9 +185,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     shape = shape_for(cfg.model)
     seq = seq_len or g.max_seq_length
     projector = projector or grads_projector(cfg, shape)
-    rows = batch_size or g.batch_size
-    if g.batch_tokens is not None:
-        rows = max(1, min(rows, g.batch_tokens // seq))
+    rows = rows_within_budget(batch_size or g.batch_size, g.batch_tokens, seq)
     dtype = DTYPES[cfg.model.precision]
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
                           DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype))
@@ -193,7 +194,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
 def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:
     """Sites of a grads.circuit-restricted index: from the circuit file when it exists already,
     else (grads.circuit=run before pruning has run) every head and MLP, an upper bound."""
-    path = cfg.grads.circuit if cfg.grads.circuit != "run" else cfg.output_path
+    path = grads_circuit_path(cfg.grads.circuit, cfg.output_path, None)  # no run dir before the run
     heads = mlps = None
     if path is not None and Path(path).is_file():
         heads, mlps = kept_components(load_circuit(Path(path)))

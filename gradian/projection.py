@@ -1,4 +1,5 @@
-"""Which linear modules Gradian indexes, and how their per-example gradients are projected.
+"""How Gradian projects per-example weight gradients of linear modules (which modules: `grads.module_filter`,
+`circuitkit.models.linear_modules`, or a circuit, `gradian.restrict`).
 
 For a linear layer y = W x (+ b), W of shape (d_out, d_in), and one example with positions t,
 the weight gradient of that example's loss L is

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from circuitkit.batching import plan_batches
-from circuitkit.circuit import circuit_sha256
+from circuitkit.circuit_file import circuit_sha256
 from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes

@@ -7,16 +7,18 @@ the attention output projection, the d_head input columns that read its z_h:
     z = [z_0 | z_1 | ... ],  head h owns columns h*d_head .. (h+1)*d_head - 1  =: W_O[h]
 
 so its per-example gradient is G_h = Σ_t δ_t z_{t,h}ᵀ (d_model, d_head): the slice of the
-layer's o_proj gradient G = Σ_t δ_t z_tᵀ. Each kept head is one block of the stored row
+layer's W_O gradient G = Σ_t δ_t z_tᵀ. Each kept head is one block of the stored row
 ("site"), projected on its own (kronecker: P_out (k_o, d_model), P_in (k_i, d_head)). A kept
-MLP is its output projection, whole. The o_proj bias belongs to no head and is not indexed.
+MLP is its output linear (`adapter.mlp_output_linear`), whole; a family whose MLPs have none
+(fused mixture-of-experts weights) is refused with circuit_mlps=kept. The W_O bias belongs to
+no head and is not indexed.
 
-GQA changes nothing here: o_proj reads the query heads' outputs side by side whatever the
-number of KV heads. GPT-2's Conv1D stores W_O as (in, out); its input columns are the same.
+GQA changes nothing here: W_O (`adapter.z_input`) reads the query heads' outputs side by side
+whatever the number of KV heads. A Conv1D stores W_O as (in, out); its input columns are the same.
 
-Site names: ``{o_proj module name}:head{h}`` for a head, the module name for an MLP output.
-Which heads and MLPs a circuit keeps is `circuitkit.circuit.kept_components` (the only piece
-of circuit discovery Gradian imports).
+Site names: ``{W_O module name}:head{h}`` for a head, the module name for an MLP output.
+Which heads and MLPs a circuit keeps is `circuitkit.circuit_file.kept_components` (circuit.pt's
+reader sits below both domains: Gradian imports nothing of circuit discovery).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from circuitkit.circuit import circuit_sha256, kept_components, load_circuit
+from circuitkit.circuit_file import circuit_sha256, kept_components, load_circuit
 from circuitkit.config import GradsConfig, choices
-from circuitkit.models.linear_modules import is_linear, module_shape
+from circuitkit.models.linear_modules import module_shape
 
 log = logging.getLogger(__name__)
 _HEAD_SUFFIX = re.compile(r"^(?P<module>.+):head(?P<head>\d+)$")
@@ -64,15 +66,18 @@ def _module_names(model: nn.Module) -> dict[int, str]:
 
 
 def _mlp_out(adapter, layer: int) -> nn.Module:
-    """The MLP's output projection: the last linear module registered in the MLP."""
-    linears = [m for m in adapter.mlp(layer).modules() if is_linear(m)]
-    if not linears:
-        raise ValueError(f"the MLP of layer {layer} has no linear module to index.")
-    return linears[-1]
+    """The MLP's output linear (the family's `mlp_output_linear`); one clear error when the
+    family's MLP has none (mixture-of-experts weights fused in 3-D tensors)."""
+    out = adapter.mlp_output_linear(layer)
+    if out is None:
+        raise ValueError(f"the MLPs of this {adapter.family} model have no output linear to index (their"
+                         " experts' weights are fused 3-D tensors, which Gradian does not index): set"
+                         " grads.circuit_mlps=none to index the circuit's heads only.")
+    return out
 
 
 def circuit_sites(model: nn.Module, adapter, head_mask: torch.Tensor, mlp_mask: torch.Tensor | None) -> list[Site]:
-    """Sites of the kept heads (o_proj input columns) and kept MLPs (output projection), in forward order.
+    """Sites of the kept heads (W_O input columns) and kept MLPs (output linear), in forward order.
 
     head_mask (L, H) bool, mlp_mask (L,) bool or None (no MLPs). Per layer: its kept heads in
     head order, then its MLP.
@@ -84,9 +89,9 @@ def circuit_sites(model: nn.Module, adapter, head_mask: torch.Tensor, mlp_mask: 
     dh = adapter.head_dim
     sites: list[Site] = []
     for layer in range(adapter.n_layers):
-        o_proj = adapter.o_proj(layer)
+        z_input = adapter.z_input(layer)
         for h in head_mask[layer].nonzero().flatten().tolist():
-            sites.append(Site(f"{names[id(o_proj)]}:head{h}", o_proj, slice(h * dh, (h + 1) * dh)))
+            sites.append(Site(f"{names[id(z_input)]}:head{h}", z_input, slice(h * dh, (h + 1) * dh)))
         if mlp_mask is not None and bool(mlp_mask[layer]):
             out = _mlp_out(adapter, layer)
             sites.append(Site(names[id(out)], out, None))

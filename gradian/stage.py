@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from circuitkit.circuit import run_circuit_path
+from circuitkit.circuit_file import grads_circuit_path
 from circuitkit.config import AppConfig
 from circuitkit.io import check_writable
 from circuitkit.models.loading import check_model, model_inputs
@@ -21,12 +21,9 @@ from gradian.memory import GRADS_MEMORY
 def circuit_for_grads(ctx: RunContext) -> Path | None:
     """The circuit.pt `grads.circuit` names: 'run' is the file this run's pruning stage writes
     (read from disk, so a pruning stage skipped on rerun is not recomputed), else the path."""
-    circuit = ctx.cfg.grads.circuit
-    if circuit is None:
-        return None
-    if circuit != "run":
-        return Path(circuit)
-    path = run_circuit_path(ctx.cfg.output_path, ctx.run_dir)
+    path = grads_circuit_path(ctx.cfg.grads.circuit, ctx.cfg.output_path, ctx.run_dir)
+    if path is None or ctx.cfg.grads.circuit != "run":
+        return path
     if not path.is_file():
         raise FileNotFoundError(f"grads.circuit=run reads the circuit.pt of this run ({path}), which does not exist:"
                                 " run the pruning stage first (stages=[...,pruning,grads]) or give grads.circuit"
@@ -78,7 +75,7 @@ def _grads_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     else:
         inputs = {**model_inputs(cfg.model), "grads.data_path": data}
     if cfg.grads.circuit is not None:  # the circuit decides which parameters are indexed
-        inputs["grads.circuit"] = run_circuit_path(cfg.output_path, run_dir) if cfg.grads.circuit == "run" else Path(cfg.grads.circuit)
+        inputs["grads.circuit"] = grads_circuit_path(cfg.grads.circuit, cfg.output_path, run_dir)
     return inputs
 
 

@@ -210,7 +210,7 @@ def run_sweep(quick: bool = True) -> list[Row]:
 
 
 GRADS_FILTER = {"gpt2": ["mlp.c_proj"], "llama": ["down_proj"], "gpt_neox": ["dense_4h_to_h"],
-                "gemma3": ["down_proj"]}
+                "gemma3": ["down_proj"], "qwen3": ["down_proj"], "qwen3_moe": ["o_proj"]}
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from circuitkit.models.hooks import hook_names, hooks, run_with_cache
 from circuitkit.models.loading import load_model
 
 FAMILIES = {"tiny-gpt2": "gpt2", "tiny-neox": "gpt_neox", "tiny-neox-seq": "gpt_neox", "tiny-llama": "llama",
-            "tiny-qwen2": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-cg": "gemma3"}
+            "tiny-qwen2": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-cg": "gemma3", "tiny-qwen3": "qwen3",
+            "tiny-qwen3-moe": "qwen3_moe"}
 
 
 @functools.cache
@@ -33,7 +35,7 @@ def test_adapter_shape_and_frozen_parameters(name):
     assert a.family == FAMILIES[name]
     assert a.n_layers == len(a.blocks) >= 2
     assert a.n_heads % a.n_kv_heads == 0
-    if name in ("tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gemma3-cg"):
+    if name in ("tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gemma3-cg", "tiny-qwen3", "tiny-qwen3-moe"):
         assert a.n_kv_heads < a.n_heads  # the fixtures use GQA
     assert a.parallel_residual == (name == "tiny-neox")
     assert a.has_post_norms == name.startswith("tiny-gemma3")
@@ -131,9 +133,16 @@ def test_unknown_builtin_names_the_available_ones():
         load_model(ModelConfig(name="builtin:nope"))
 
 
-def test_the_families_of_the_adapters_are_the_schemas():
-    # model.shape.family (the estimate's families) and the adapters name the same families.
-    from circuitkit.config import ModelShape, choices
-    from circuitkit.models.adapters import MODEL_TYPE_FAMILIES
+def test_every_model_yaml_names_a_known_family_and_an_unknown_one_is_refused():
+    # model.shape.family is the name of a family module (circuitkit/models/families/).
+    from omegaconf import OmegaConf
 
-    assert set(MODEL_TYPE_FAMILIES.values()) == set(choices(ModelShape, "family"))
+    from circuitkit.models.adapters import FAMILIES, MODEL_TYPE_FAMILIES, family
+
+    assert set(MODEL_TYPE_FAMILIES.values()) == set(FAMILIES)
+    conf = Path(__file__).resolve().parent.parent / "conf" / "model"
+    for path in conf.glob("*.yaml"):
+        fam = OmegaConf.load(path).get("shape", {}).get("family")
+        assert fam is None or fam in FAMILIES, path
+    with pytest.raises(ValueError, match="unknown; known: gpt2, gpt_neox, llama, gemma3"):
+        family("bert")

@@ -4,18 +4,19 @@ Parsed with `ast` (nothing is imported), every import counts, at module top or i
 function: a function-level import is still a dependency, only a later one. Layers, bottom up:
 
     core     runner core: config, pipeline, manifest, fingerprints, device, io, errors
-    models   loading, adapters, hooks, fixtures, model shapes: the only code with HF module names
+    models   loading, adapters, hooks, fixtures, model shapes; HF module names only in models/families/
     circuit  circuit discovery and pruning: tasks, attribution, pruning, circuit.pt, its stages
     gradian  gradient indexing and ranking, its stage and memory estimate
     entry    run.py, cli.py, api.py, smart.py, gradian/cli.py and the list of stages
 
 Rules: no cycles; imports point down only (the two domains are one level, and may not import
-each other, except that gradian may read circuit.pt through `circuitkit.circuit`).
+each other; circuit.pt's format, `circuitkit.circuit_file`, sits in the core, below both).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -36,9 +37,19 @@ LAYERS: dict[str, str] = {
     "circuitkit.batching": CORE,  # length-aware batch plans, for the index and for attribution
     "circuitkit.pipeline": CORE,
     "circuitkit.sweep": CORE,
+    "circuitkit.circuit_file": CORE,  # circuit.pt: the Circuit type, its writer and reader (both domains read it)
     # models: loading, adapters, hooks, fixtures, the model's shape and memory terms
     "circuitkit.models": MODELS,
     "circuitkit.models.adapters": MODELS,
+    # one module per architecture family (the only code with HF module names) and their registry
+    "circuitkit.models.families": MODELS,
+    "circuitkit.models.families.base": MODELS,
+    "circuitkit.models.families.gpt2": MODELS,
+    "circuitkit.models.families.gpt_neox": MODELS,
+    "circuitkit.models.families.llama": MODELS,
+    "circuitkit.models.families.gemma3": MODELS,
+    "circuitkit.models.families.qwen3": MODELS,
+    "circuitkit.models.families.qwen3_moe": MODELS,
     "circuitkit.models.hooks": MODELS,
     "circuitkit.models.loading": MODELS,
     "circuitkit.models.placement": MODELS,  # model.device_map: input device, offloaded weights made resident
@@ -86,6 +97,7 @@ LAYERS: dict[str, str] = {
     "gradian.corpus": GRADIAN,
     "gradian.data": GRADIAN,
     "gradian.doctor": GRADIAN,
+    "gradian.header": GRADIAN,  # the typed index header (IndexHeader), its writer and reader
     "gradian.index": GRADIAN,
     "gradian.indexer": GRADIAN,
     "gradian.projection": GRADIAN,
@@ -107,8 +119,8 @@ LAYERS: dict[str, str] = {
     "circuitkit.stage_list": ENTRY,
 }
 
-# What gradian may import of circuit discovery: the reader of the circuit.pt format.
-GRADIAN_MAY_READ = {"circuitkit.circuit"}
+# What gradian may import of circuit discovery: nothing (circuit.pt's reader is in the core).
+GRADIAN_MAY_READ: set[str] = set()
 
 def _modules() -> dict[str, Path]:
     mods = {}
@@ -208,3 +220,65 @@ def test_the_checker_sees_a_circle_and_a_climb():
     assert strongly_connected(edges) == [{"circuitkit.io", "circuitkit.errors"}]
     assert violations(edges) == {("circuitkit.io", "gradian.index"), ("circuitkit.io", "circuitkit.errors"),
                                  ("circuitkit.errors", "circuitkit.io")}
+
+
+# Hugging Face module and config names that only the family modules may write
+# (circuitkit/models/families/): each family's facts live in its one file.
+HF_NAMES = ("c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", "query_key_value",
+            "dense_h_to_4h", "dense_4h_to_h", "gate_proj", "up_proj", "down_proj", "gate_up_proj", "self_attn",
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+            "post_feedforward_layernorm", "final_layer_norm", "embed_tokens", "embed_in", "ln_1", "ln_2", "ln_f",
+            "wte", "q_norm", "k_norm", "language_model", "final_logit_softcapping", "use_parallel_residual",
+            "num_experts", "moe_intermediate_size", "n_embd", "n_inner")
+FAMILY_DIR = REPO / "circuitkit" / "models" / "families"
+# The fixtures build Hugging Face models of named classes, weight by weight for the induction model.
+HF_NAMES_ALLOWED = (FAMILY_DIR, REPO / "circuitkit" / "fixtures")
+_HF_NAME = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(HF_NAMES) + r")(?![A-Za-z0-9_])")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                ids.add(id(first.value))
+    return ids
+
+
+def hf_names_in_code(source: str) -> list[str]:
+    """HF names used by code (attribute names, identifiers and string constants; docstrings and
+    comments are prose and may name them)."""
+    tree = ast.parse(source)
+    prose = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            text = node.value
+        else:
+            continue
+        found += [f"{m.group(1)} (line {node.lineno})" for m in _HF_NAME.finditer(text)]
+    return found
+
+
+def test_hf_module_names_live_only_in_the_family_files():
+    bad = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            if any(path.is_relative_to(allowed) for allowed in HF_NAMES_ALLOWED):
+                continue
+            names = hf_names_in_code(path.read_text())
+            if names:
+                bad[str(path.relative_to(REPO))] = names
+    assert bad == {}, "Hugging Face names outside circuitkit/models/families/ (ask the family instead)"
+
+
+def test_the_name_checker_sees_names_in_code_not_in_prose():
+    src = ('"""Docstring naming c_proj is prose."""\n'
+           'def f(block):\n    """o_proj in a docstring too."""\n'
+           '    x = block.attn.c_proj  # comment: down_proj\n    return ["mlp.down_proj", "upper_proj"]\n')
+    assert hf_names_in_code(src) == ["c_proj (line 4)", "down_proj (line 5)"]

@@ -13,7 +13,8 @@ from circuitkit.config import DataParams, ModelConfig
 from circuitkit.models.loading import load_model
 from circuitkit.tasks import build_task
 
-FAMILIES = ("tiny-gpt2", "tiny-neox", "tiny-neox-seq", "tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gemma3-cg")
+FAMILIES = ("tiny-gpt2", "tiny-neox", "tiny-neox-seq", "tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gemma3-cg",
+            "tiny-qwen3", "tiny-qwen3-moe")
 
 
 @functools.cache
@@ -68,7 +69,10 @@ def test_node_score_is_sum_of_outgoing_edges(name):
     assert abs(out[0] - s.embed) <= 1e-5 * scale
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-gemma3"])
+# Not tiny-qwen3-moe: its top-k routing switches experts along the interpolation path (19 of
+# 200 steps on these pairs), and the metric jumps there (one jump ~40% of the gap), so the
+# integral of the gradients misses the jumps: completeness does not hold for a routed MoE.
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-gemma3", "tiny-qwen3"])
 def test_ig_completeness_on_the_embedding(name):
     lm, data = loaded(name), pairs(name, n=4)
     s = attribute(lm.adapter, data, "eap-ig", "node", ig_steps=100, batch_size=4, progress=False)
@@ -98,7 +102,7 @@ def test_null_ig_steps_means_thirty():
         interpolation_points("eap-ig", 0)
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_exact_patching_of_the_embedding_is_the_full_gap(name):
     lm, data = loaded(name), pairs(name, n=4)
     x = exact_patching(lm.adapter, data, "node", batch_size=4, progress=False)

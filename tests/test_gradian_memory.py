@@ -61,13 +61,25 @@ def test_estimate_counts_the_modules_the_index_projects(fixture):
     cfg = ModelConfig(name=f"builtin:{fixture}", precision="float32")
     loaded = load_model(cfg)
     shape = shape_for(cfg)
-    everything = module_shapes(select_modules(loaded.model, loaded.adapter, None))
+    fused = loaded.adapter.fused_experts  # experts in 3-D weights: every-linear index refused, both sides
+    if fused:
+        for refuse in (lambda: select_modules(loaded.model, loaded.adapter, None),
+                       lambda: linear_module_shapes(shape, None)):
+            with pytest.raises(ValueError, match="mixture-of-experts weights stored as fused 3-D tensors"):
+                refuse()
+    everything = module_shapes(select_modules(loaded.model, loaded.adapter, ["attn"] if fused else None))
     first_block = next(iter(everything)).rsplit(".", 2)[0]  # e.g. model.layers.0.self_attn
     layer_glob = first_block.rsplit(".", 2)[0].replace(".0", ".1") + ".*"  # every module of layer 1
-    for patterns in (None, ["*.mlp.*"], [layer_glob], ["c_proj", "down_proj", "dense_4h_to_h"]):
+    filters = ([["attn"], [layer_glob], ["o_proj"]] if fused
+               else [None, ["*.mlp.*"], [layer_glob], ["c_proj", "down_proj", "dense_4h_to_h"]])
+    for patterns in filters:
         indexed = module_shapes(select_modules(loaded.model, loaded.adapter, patterns))
         assert list(linear_module_shapes(shape, patterns).items()) == list(indexed.items()), patterns
     n_layers, n_heads = loaded.adapter.n_layers, loaded.adapter.n_heads
-    sites = circuit_sites(loaded.model, loaded.adapter, torch.ones(n_layers, n_heads, dtype=torch.bool),
-                          torch.ones(n_layers, dtype=torch.bool))
+    mlps = None if fused else torch.ones(n_layers, dtype=torch.bool)
+    sites = circuit_sites(loaded.model, loaded.adapter, torch.ones(n_layers, n_heads, dtype=torch.bool), mlps)
     assert list(circuit_module_shapes(shape).items()) == list(site_shapes(sites).items())
+    if fused:  # the circuit's MLPs have no output linear: refused in one line
+        with pytest.raises(ValueError, match="grads.circuit_mlps=none"):
+            circuit_sites(loaded.model, loaded.adapter, torch.ones(n_layers, n_heads, dtype=torch.bool),
+                          torch.ones(n_layers, dtype=torch.bool))

@@ -29,7 +29,8 @@ def _load_script():
     return module
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-neox", "tiny-llama", "tiny-qwen2", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-neox", "tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-qwen3",
+                                  "tiny-qwen3-moe"])
 def test_closed_form_params_match_fixture(tiny_model, name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -40,7 +41,7 @@ def test_closed_form_params_match_fixture(tiny_model, name):
 
 
 def test_closed_form_params_match_yaml_counts():
-    for name in ("gpt2", "pythia70m", "llama1b", "llama3b"):
+    for name in ("gpt2", "pythia70m", "llama1b", "llama3b", "qwen3_0.6b"):
         shape = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml").shape)
         assert count_params(shape) == shape["n_params"], name
 

@@ -45,7 +45,7 @@ def test_sparsity_that_rounds_to_zero_heads_warns_with_achieved(caplog):
     assert "achieved sparsity 0.0" in caplog.text and "0.0625" in caplog.text
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-neox", "tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-neox", "tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_circuit_with_no_head_removed_is_bit_identical_and_all_removed_is_empty(name):
     lm, data = loaded(name), pairs(name)
     a = lm.adapter
@@ -74,7 +74,7 @@ def test_zero_ablation_sets_z_to_zero():
     def grab(module, args):
         seen["z"] = args[0]
     with torch.no_grad(), ablate_heads(lm.adapter, removed, [None] * lm.adapter.n_layers):
-        handle = lm.adapter.o_proj(1).register_forward_pre_hook(grab)  # runs after the ablation hook
+        handle = lm.adapter.z_input(1).register_forward_pre_hook(grab)  # runs after the ablation hook
         lm.model(input_ids=data.clean_ids)
     handle.remove()
     dh = lm.adapter.head_dim
@@ -82,7 +82,7 @@ def test_zero_ablation_sets_z_to_zero():
     assert seen["z"][..., : 2 * dh].abs().max() > 0
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-neox", "tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-neox", "tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_edge_circuit_identities(name):
     """All edges kept = the model; none kept with corrupted ablation = the corrupted run."""
     lm, data = loaded(name), pairs(name)
@@ -109,7 +109,7 @@ def test_circuit_pt_round_trips_with_weights_only(tmp_path):
     path = save_circuit(tmp_path / "c.pt", circuit)
     assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []
     back = load_circuit(path)
-    assert back["format_version"] == 1 and torch.equal(back["head_mask"], circuit["head_mask"])
+    assert back["format_version"] == 2 and torch.equal(back["head_mask"], circuit["head_mask"])
     assert back["metrics"] == circuit["metrics"] and back["config"] == circuit["config"]
     with pytest.raises(FileNotFoundError, match="pruning stage"):
         load_circuit(tmp_path / "missing.pt")

@@ -216,7 +216,7 @@ CASES = [
     Case("manifest n_rows a string", then(lambda d, i, t: _edit(i, lambda m: m.update(n_rows="12")), rank()), 1,
          r"n_rows is '12', expected a JSON int", no_model=True),
     Case("manifest names no model", then(lambda d, i, t: _edit(i, lambda m: m.pop("model")), rank()), 1,
-         r"names no model", no_model=True),
+         r"no model", no_model=True),
     Case("index dir missing", rank(index="nope"), 2, r"is not a gradient index \(no manifest\.json\)",
          no_model=True),
     Case("index is a file", then(lambda d, i, t: (d / "afile").write_text("x"), rank(index="afile")), 2,

@@ -40,7 +40,7 @@ from circuitkit.tasks.base import TaskData
 
 @dataclass
 class AttributionScores:
-    """Scores averaged over examples (float32)."""
+    """Scores over the examples (float32): means, or sums when `attribute(..., sums=True)`."""
 
     head: torch.Tensor  # (n_layers, n_heads)
     mlp: torch.Tensor  # (n_layers,)
@@ -108,11 +108,11 @@ def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, ans
         for layer in range(L):
             def z_hook(module, args, layer=layer):
                 rec.z[layer] = args[0].detach()
-            hk.pre(adapter.o_proj(layer), z_hook)
+            hk.pre(adapter.z_input(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
                 rec.mlp[layer] = first_output(out).detach()
-            hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
+            hk.post(adapter.mlp_write(layer), mlp_hook)
             if edges and adapter.post_attn_norm(layer) is not None:
                 def total_hook(module, args, layer=layer):
                     rec.attn_total[layer] = args[0].detach()
@@ -212,12 +212,12 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
         for layer in range(L):
             def z_hook(module, args, layer=layer):
                 args[0].register_hook(lambda g: sums.add("z", g, layer))
-            hk.pre(adapter.o_proj(layer), z_hook)
+            hk.pre(adapter.z_input(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
                 t = first_output(out)
                 t.register_hook(lambda g: sums.add("mlp", g, layer))
-            hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_hook)
+            hk.post(adapter.mlp_write(layer), mlp_hook)
             if not edges:
                 continue
 
@@ -286,7 +286,7 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     shards of the examples add exactly (`circuitkit.attribution.shards`).
     """
     rule = integration_rule(algorithm, ig_steps, ig_rule)
-    divisor = 1 if sums else len(data)  # `sums` is reused below for the gradient sums
+    divisor = 1 if sums else len(data)
     edges = level == "edge"
     graph = graph_of(adapter)
     device = input_device(adapter.model)
@@ -311,12 +311,13 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
             delta = deltas(adapter, clean, corrupted, edges)
             e_clean, e_corrupted = clean.embed.float(), corrupted.embed.float()
             del clean, corrupted
-            sums = _GradientSums(adapter, edges)
+            grad_sums = _GradientSums(adapter, edges)
             for alpha, relative_weight in zip(rule.alphas, rule.relative_weights, strict=True):
                 e_k = (e_corrupted + alpha * (e_clean - e_corrupted)).to(dtype)
-                sums.relative_weight = relative_weight
-                _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k, batch, metric, clean_answer, sums)
-            _batch_scores(adapter, graph, delta, sums, rule.passes, out)
+                grad_sums.relative_weight = relative_weight
+                _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k, batch, metric, clean_answer,
+                              grad_sums)
+            _batch_scores(adapter, graph, delta, grad_sums, rule.passes, out)
             bar.advance(task)
     n = divisor
     return AttributionScores(

@@ -41,13 +41,13 @@ def _node_patches(adapter: ModelAdapter, corrupted: dict):
                     z = args[0].clone()
                     z[..., h * dh:(h + 1) * dh] = corrupted.z[layer][..., h * dh:(h + 1) * dh]
                     return (z, *args[1:])
-                hk.pre(adapter.o_proj(layer), hook)
+                hk.pre(adapter.z_input(layer), hook)
             yield "head", (layer, h), patch_z
 
         def patch_mlp(hk, layer=layer):
             def hook(module, args, out):
                 return replace_first_output(out, corrupted.mlp[layer])
-            hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), hook)
+            hk.post(adapter.mlp_write(layer), hook)
         yield "mlp", layer, patch_mlp
 
 

@@ -174,14 +174,14 @@ def hooks(adapter: ModelAdapter, fns: Mapping[str, HookFn | Sequence[HookFn]]) -
                 qkv[layer][kind[-1]] = fl
             elif kind == "attn.hook_z":
                 hook = _z_hook(fl, adapter.n_heads, adapter.head_dim)
-                hk.pre(adapter.o_proj(layer), hook)
+                hk.pre(adapter.z_input(layer), hook)
             elif kind == "hook_attn_out":
-                module = adapter.post_attn_norm(layer) or adapter.attn(layer)
+                module = adapter.attn_write(layer)
                 hk.post(module, _post_hook(fl))
             elif kind == "hook_mlp_in":
                 hk.pre(adapter.mlp(layer), _pre_hook(fl), with_kwargs=True)
             elif kind == "hook_mlp_out":
-                module = adapter.post_mlp_norm(layer) or adapter.mlp(layer)
+                module = adapter.mlp_write(layer)
                 hk.post(module, _post_hook(fl))
             elif kind == "hook_resid_post":
                 hk.post(adapter.blocks[layer], _post_hook(fl))

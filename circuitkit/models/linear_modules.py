@@ -2,26 +2,22 @@
 
 One rule for both sides of Gradian: `select_modules` walks the loaded model (what the index
 projects), `linear_module_shapes` / `circuit_module_shapes` name the same modules from the
-model's shape alone (what the memory estimate counts, before any weight is loaded). Their
-names agree for every family; `tests/test_gradian_memory.py` compares them on each fixture.
+model's shape alone (what the memory estimate counts, before any weight is loaded), from the
+family's `linear_layout` (`circuitkit.models.families`). Their names agree for every family; `tests/test_gradian_memory.py` compares them on each fixture.
 `module_pattern_matches` is the filter's one matching rule.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from circuitkit.memory import shape_dict
-
-# MLP projections by their Hugging Face names: an input projection keeps the MLP's activations
-# for the backward, an output projection keeps nothing of its own block (gradian.memory).
-MLP_IN_NAMES = ("c_fc", "gate_proj", "up_proj", "dense_h_to_4h", "fc1", "fc_in")
-MLP_OUT_NAMES = ("c_proj", "down_proj", "dense_4h_to_h", "fc2", "fc_out")
+from circuitkit.models.families import family
+from circuitkit.models.families.base import ATTENTION
 
 
 def _conv1d_type() -> type | None:
@@ -77,6 +73,11 @@ def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) ->
     if not candidates:
         raise ValueError(f"No linear modules found in the blocks of {type(model).__name__}.")
     if not patterns:
+        fused = fused_expert_parameters(model, adapter)
+        if fused:
+            share = sum(n for _, n in fused) / sum(p.numel() for p in model.parameters())
+            kinds = sorted({".".join(p for p in n.split(".") if not p.isdigit()) for n, _ in fused})
+            raise ValueError(_experts_refused(f"{share:.1%} of the model's parameters are", kinds))
         return candidates
     chosen = [(n, m) for n, m in candidates if any(module_pattern_matches(n, p) for p in patterns)]
     if not chosen:
@@ -90,43 +91,24 @@ def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) ->
     return chosen
 
 
+def _experts_refused(what: str, kinds: list[str]) -> str:
+    return (f"{what} mixture-of-experts weights stored as fused 3-D tensors ({', '.join(kinds[:4])}), which"
+            " Gradian does not index; an index of every linear module would leave them out: set"
+            " grads.module_filter to the modules to index (e.g. [attn], the attention projections) to index the"
+            " rest knowingly.")
+
+
 def module_pattern_matches(name: str, pattern: str) -> bool:
     """grads.module_filter semantics: a glob ("*.mlp.c_proj") matches the whole module name,
     a plain pattern ("down_proj") is a substring."""
     return fnmatch.fnmatchcase(name, pattern) if any(c in pattern for c in "*?[") else pattern in name
 
 
-_LINEAR_LAYOUT = {  # family -> (block prefix, [(module suffix, (d_out, d_in) as a function of the shape)])
-    "gpt2": ("transformer.h.{l}.", [("attn.c_attn", lambda s: (3 * s["n_heads"] * s["head_dim"], s["d_model"])),
-                                     ("attn.c_proj", lambda s: (s["d_model"], s["n_heads"] * s["head_dim"])),
-                                     ("mlp.c_fc", lambda s: (s["d_mlp"], s["d_model"])),
-                                     ("mlp.c_proj", lambda s: (s["d_model"], s["d_mlp"]))]),
-    "gpt_neox": ("gpt_neox.layers.{l}.", [
-        ("attention.query_key_value", lambda s: (3 * s["n_heads"] * s["head_dim"], s["d_model"])),
-        ("attention.dense", lambda s: (s["d_model"], s["n_heads"] * s["head_dim"])),
-        ("mlp.dense_h_to_4h", lambda s: (s["d_mlp"], s["d_model"])),
-        ("mlp.dense_4h_to_h", lambda s: (s["d_model"], s["d_mlp"]))]),
-    "llama": ("model.layers.{l}.", [
-        ("self_attn.q_proj", lambda s: (s["n_heads"] * s["head_dim"], s["d_model"])),
-        ("self_attn.k_proj", lambda s: (s["n_kv_heads"] * s["head_dim"], s["d_model"])),
-        ("self_attn.v_proj", lambda s: (s["n_kv_heads"] * s["head_dim"], s["d_model"])),
-        ("self_attn.o_proj", lambda s: (s["d_model"], s["n_heads"] * s["head_dim"])),
-        ("mlp.gate_proj", lambda s: (s["d_mlp"], s["d_model"])),
-        ("mlp.up_proj", lambda s: (s["d_mlp"], s["d_model"])),
-        ("mlp.down_proj", lambda s: (s["d_model"], s["d_mlp"]))]),
-}
-# Gemma 3: Gemma3ForConditionalGeneration (model_type gemma3, the released checkpoints) keeps
-# its text blocks under model.language_model; the text-only Gemma3ForCausalLM (gemma3_text)
-# under model.layers, as the adapter finds them.
-_LINEAR_LAYOUT["gemma3"] = ("model.language_model.layers.{l}.", _LINEAR_LAYOUT["llama"][1])
-_TEXT_ONLY_PREFIX = {"gemma3_text": "model.layers.{l}."}
-
-
-def _layout(s: dict[str, Any]) -> tuple[str, list]:
-    """(block prefix, linear layout) of a shape; a shape without `model_type` (given in a model
-    yaml) is taken to be the family's released checkpoint class."""
-    prefix, layout = _LINEAR_LAYOUT[s["family"]]
-    return _TEXT_ONLY_PREFIX.get(s.get("model_type"), prefix), layout
+def _layout(s: dict[str, Any]) -> tuple[str, list[tuple[str, str, tuple[int, int]]]]:
+    """(block prefix, linear layout) of a shape, from its family; a shape without `model_type`
+    (given in a model yaml) is taken to be the family's released checkpoint class."""
+    fam = family(s["family"])
+    return fam.prefix(s.get("model_type")), fam.linear_layout(s)
 
 
 def linear_module_shapes(shape: dict[str, Any], patterns: list[str] | None = None) -> dict[str, tuple[int, int]]:
@@ -134,47 +116,70 @@ def linear_module_shapes(shape: dict[str, Any], patterns: list[str] | None = Non
     filtered like grads.module_filter; names follow the Hugging Face modules of each family."""
     s = shape_dict(shape)
     prefix, layout = _layout(s)
+    if not patterns and family(s["family"]).fused_experts:
+        raise ValueError(_experts_refused(f"the experts of this {s['family']} model are", ["the MLPs' experts"]))
     out = {}
     for layer in range(s["n_layers"]):
-        for suffix, dims in layout:
+        for suffix, _, dims in layout:
             name = prefix.format(l=layer) + suffix
             if not patterns or any(module_pattern_matches(name, p) for p in patterns):
-                out[name] = dims(s)
+                out[name] = dims
     return out
 
 
 def circuit_module_shapes(shape: dict[str, Any], head_mask: Any | None = None,
                           mlp_mask: Any | None = None) -> dict[str, tuple[int, int]]:
     """Sites of a circuit-restricted index (`gradian.restrict`) as name -> (d_out, d_in), from the
-    shape alone: per kept head its (d_model, head_dim) block of the attention output projection,
-    per kept MLP its output projection. head_mask (L, H) / mlp_mask (L,) None = all kept (the
-    upper bound used before the pruning stage has written the circuit)."""
+    shape alone: per kept head its (d_model, head_dim) block of the attention output projection
+    (the family's z input), per kept MLP its output linear (none for fused experts). head_mask
+    (L, H) / mlp_mask (L,) None = all kept (the upper bound used before the pruning stage has
+    written the circuit)."""
     s = shape_dict(shape)
-    prefix, layout = _layout(s)
-    # The attention output projection is the 2nd attention linear of every layout; the MLP
-    # output projection is the last linear.
-    o_suffix = {"gpt2": "attn.c_proj", "gpt_neox": "attention.dense"}.get(s["family"], "self_attn.o_proj")
-    mlp_out = layout[-1]
+    fam = family(s["family"])
+    prefix = fam.prefix(s.get("model_type"))
+    dims = {suffix: d for suffix, _, d in fam.linear_layout(s)}
+    o_suffix, mlp_out = fam.paths["attn_out"], fam.paths.get("mlp_out")
     out: dict[str, tuple[int, int]] = {}
     for layer in range(s["n_layers"]):
         for h in range(s["n_heads"]):
             if head_mask is None or bool(head_mask[layer][h]):
                 out[f"{prefix.format(l=layer)}{o_suffix}:head{h}"] = (s["d_model"], s["head_dim"])
-        if mlp_mask is None or bool(mlp_mask[layer]):
-            out[prefix.format(l=layer) + mlp_out[0]] = mlp_out[1](s)
+        if mlp_out is not None and (mlp_mask is None or bool(mlp_mask[layer])):
+            out[prefix.format(l=layer) + mlp_out] = dims[mlp_out]
     return out
 
 
-def block_role(name: str) -> tuple[int, str]:
-    """(layer, role) of a module of the blocks, from its Hugging Face name: role "mlp_in" (an
-    MLP input projection), "mlp_out" (an MLP output projection) or "attention" (anything else,
-    circuit sites such as `...attn.c_proj:head1` included)."""
-    m = re.search(r"\.(\d+)\.", f".{name}.")
-    layer = int(m.group(1)) if m else 0
-    leaf = name.rsplit(".", 1)[-1]
-    parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    if leaf in MLP_IN_NAMES:
-        return layer, "mlp_in"
-    if leaf in MLP_OUT_NAMES and "attn" not in parent and "attention" not in parent:
-        return layer, "mlp_out"
-    return layer, "attention"
+def block_role(name: str, shape: dict[str, Any]) -> tuple[int, str]:
+    """(layer, role) of a module of the blocks named as `linear_module_shapes` or
+    `circuit_module_shapes` name it: role "mlp_in" (an MLP input projection), "mlp_out" (an MLP
+    output projection) or "attention" (anything else, circuit sites such as `...:head1` included),
+    as the shape's family lays its linear modules out."""
+    s = shape_dict(shape)
+    prefix, layout = _layout(s)
+    head, _, tail = prefix.partition("{l}")
+    if not name.startswith(head):
+        return 0, ATTENTION
+    layer_text, _, suffix = name[len(head):].partition(tail or ".")
+    if not layer_text.isdigit():
+        return 0, ATTENTION
+    roles = {path: role for path, role, _ in layout}
+    return int(layer_text), roles.get(suffix.split(":", 1)[0], ATTENTION)
+
+
+def parameter_share(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> float:
+    """Share of the model's parameters (elements) held by `modules` (their weights and biases)."""
+    total = sum(p.numel() for p in model.parameters())
+    covered = sum(p.numel() for _, m in modules for p in m.parameters(recurse=False))
+    return covered / total if total else 0.0
+
+
+def fused_expert_parameters(model: nn.Module, adapter) -> list[tuple[str, int]]:
+    """(name, elements) of the 3-D parameters inside the blocks (mixture-of-experts weights stored
+    fused, one slice per expert), which no linear module holds and so no index covers."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for block in adapter.blocks:
+        for name, p in block.named_parameters(prefix=names[id(block)]):
+            if p.dim() >= 3:
+                out.append((name, p.numel()))
+    return out

@@ -30,11 +30,6 @@ def input_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def is_split(model: nn.Module) -> bool:
-    """True when accelerate placed the model with a device map (several devices or offload)."""
-    return bool(getattr(model, "hf_device_map", None))
-
-
 def resident(module: nn.Module) -> contextlib.AbstractContextManager:
     """Context in which the offloaded weights of `module` and its submodules are real tensors
     on their execution device (a no-op for a model without offload). Tensors taken inside

@@ -79,7 +79,7 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
                 ex, pos, target = supervised_positions(batch)
                 embeds = embed(batch["input_ids"]).detach().requires_grad_(True)
                 if supervised_logits_only:
-                    hidden = loaded.adapter._base(inputs_embeds=embeds, attention_mask=batch["attention_mask"])
+                    hidden = loaded.adapter.base(inputs_embeds=embeds, attention_mask=batch["attention_mask"])
                     logits = loaded.adapter.unembed(hidden.last_hidden_state[ex, pos])
                 else:
                     logits = loaded.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits[ex, pos]

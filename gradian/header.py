@@ -1,0 +1,98 @@
+"""The index header, typed: what decides an index's stored values, one writer, one checking reader.
+
+`IndexHeader` holds the fields `gradian.indexer` records at the top of manifest.json (in this
+order); `IndexWriter` adds n_rows, rows_per_shard and format_version, then the shard list.
+`header_json` is the one writer of those fields; `check_header` the one reader (called by
+`gradian.index.read_manifest` for every index the indexer wrote, i.e. whose manifest records a
+tokenizer): it checks the type of every field and fills, in one place, what an older format
+version did not record (`DEFAULTS_BEFORE`), so no reader needs a default of its own. A bare
+shard store (`IndexWriter` with a header of its own, as the benchmarks use) is checked for its
+storage keys only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+_NONE = type(None)
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    """Everything that decides an index's stored values (see `gradian.indexer`)."""
+
+    model: str
+    revision: str | None
+    precision: str
+    weights_sha256: str
+    tokenizer_sha256: str
+    projection: dict[str, Any]
+    storage_dtype: str
+    loss_reduction: str
+    loss: str
+    preconditioner: str
+    data_file: str
+    data_source: dict[str, Any]
+    data_sha256: str
+    max_seq_length: int
+    truncation_side: str
+    on_truncation: str
+    data_report: dict[str, Any]
+    token_policy: dict[str, Any]
+    row_width: int
+    circuit: dict[str, Any] | None
+    projection_sha256: str
+    activations: str
+    parameter_share: float  # share of the model's parameters (elements) the index covers
+    gguf_file: str | None = None  # model.gguf_file, when the model is a GGUF inside model.name
+
+    def to_json(self) -> dict[str, Any]:
+        """The header's JSON fields, in the order manifest.json stores them."""
+        return asdict(self)
+
+
+# JSON types of each field (int where JSON has an integer; a float field also takes an int).
+TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,), "revision": (str, _NONE), "precision": (str,), "weights_sha256": (str,),
+    "tokenizer_sha256": (str,), "projection": (dict,), "storage_dtype": (str,), "loss_reduction": (str,),
+    "loss": (str,), "preconditioner": (str,), "data_file": (str,), "data_source": (dict, _NONE),
+    "data_sha256": (str, _NONE), "max_seq_length": (int,), "truncation_side": (str,), "on_truncation": (str,),
+    "data_report": (dict, _NONE), "token_policy": (dict, _NONE), "row_width": (int,), "circuit": (dict, _NONE),
+    "projection_sha256": (str, _NONE), "activations": (str,), "parameter_share": (float, int, _NONE),
+    "gguf_file": (str, _NONE)}
+assert list(TYPES) == [f.name for f in fields(IndexHeader)]
+
+# What a manifest of an older format version lacks, and what that version meant. Format
+# versions: 2 projection_sha256; 3 token_policy, loss, preconditioner; 4 activations;
+# 5 parameter_share, gguf_file. (Before 2, the header was as it is in version 2 without its hash.)
+DEFAULTS_BEFORE: dict[str, tuple[int, Any]] = {
+    "projection_sha256": (2, None), "token_policy": (3, None), "loss": (3, "ce"), "preconditioner": (3, "none"),
+    "activations": (4, "model"), "parameter_share": (5, None), "gguf_file": (5, None),
+}
+
+
+def header_json(header: IndexHeader) -> dict[str, Any]:
+    """The one writer of the header fields (`IndexWriter` stores them as given)."""
+    return header.to_json()
+
+
+def check_header(manifest: dict[str, Any], where: str) -> list[str]:
+    """Problems with the header fields of a manifest (the type of every field), after filling
+    `DEFAULTS_BEFORE` into `manifest` for the fields its format version did not record; a field
+    its version records and the manifest lacks is a problem."""
+    version = manifest.get("format_version", 1)
+    problems = []
+    for name, kinds in TYPES.items():
+        if name not in manifest:
+            since, default = DEFAULTS_BEFORE.get(name, (0, None))
+            if version < since:
+                manifest[name] = default
+            else:
+                problems.append(f"{where}: no {name} (format_version {version} records it)")
+            continue
+        value = manifest[name]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            expected = " or ".join("null" if k is _NONE else k.__name__ for k in kinds)
+            problems.append(f"{where}: {name} is {str(value)[:60]!r}, expected {expected}")
+    return problems
