@@ -41,6 +41,9 @@ from gradian.projection import Projector, projection_fingerprint
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 # 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
 #    `second_moment` (gradian.precondition).
+#    Still 4 with K-FAC: shards may hold `kfac_in.m`, `kfac_out.m`, `kfac_tokens`, and the manifest
+#    `curvature` (curvature.safetensors, gradian.curvature); readers that predate them refuse
+#    such shards (unknown tensors) rather than misread them.
 # 4: the header records `activations` ("model" or "fused", gradian.capture.activation_numerics).
 FORMAT_VERSION = 4
 # Optional shard tensors besides grads, norms and rows.
@@ -245,11 +248,13 @@ class IndexWriter:
 
     # -- writing ----------------------------------------------------------------------------
     def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor | None = None,
-                    second_moment_blocks: int | None = None) -> Path:
+                    second_moment_blocks: int | None = None,
+                    extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
         """Store shard k: grads (n, width) float32 in the storage dtype, with float32 norms, and
         `sources` (n,) int64, where each row is in the data (JSONL line or table row index).
         `second_moment_blocks` M: also store the stored rows' per-block Σ g gᵀ, (M, k, k) float32
-        (`gradian.precondition.shard_second_moment`).
+        (`gradian.precondition.shard_second_moment`). `extra_tensors`: the K-FAC factor sums
+        (`gradian.curvature.FactorSums.tensors`), stored as given.
 
         Norms are of the stored values, so cosine scores read back exactly what was stored.
         Raises StorageOverflowError naming the rows if float16 would turn values into inf.
@@ -279,6 +284,8 @@ class IndexWriter:
                 from gradian.precondition import shard_second_moment
 
                 tensors["second_moment"] = shard_second_moment(stored.float(), second_moment_blocks)
+            if extra_tensors:
+                tensors.update(extra_tensors)
             path = atomic_save_safetensors(self.index_dir / shard_name(k), tensors)
             digest = sha256_file(path)
         with self._manifest_lock():
@@ -415,7 +422,9 @@ class IndexReader:
     def _check_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> list[str]:
         """What in a loaded shard disagrees with its manifest entry."""
         entry, problems = self.manifest["shards"][name], []
-        if set(tensors) - set(OPTIONAL_TENSORS) != {"grads", "norms", "rows"}:
+        from gradian.curvature import factor_shapes, has_kfac, is_factor_tensor, shard_factor_problems
+
+        if {t for t in tensors if not is_factor_tensor(t)} - set(OPTIONAL_TENSORS) != {"grads", "norms", "rows"}:
             return [f"{name} holds tensors {sorted(tensors)}, expected grads, norms, rows (and sources,"
                     " second_moment)"]
         moment, blocks = tensors.get("second_moment"), self.second_moment_blocks
@@ -423,6 +432,12 @@ class IndexReader:
             return [f"{name} {'lacks' if moment is None else 'holds'} second_moment, but the manifest's"
                     f" preconditioner is {self.manifest.get('preconditioner', 'none')!r}"]
         start, end = entry["rows"]
+        kfac = has_kfac(self.manifest.get("preconditioner"))
+        if kfac != any(is_factor_tensor(t) for t in tensors):
+            return [f"{name} {'lacks' if kfac else 'holds'} K-FAC factors, but the manifest's preconditioner is"
+                    f" {self.manifest.get('preconditioner', 'none')!r}"]
+        if kfac:
+            problems += shard_factor_problems(name, tensors, factor_shapes(self.manifest), end - start)
         rows, grads, norms = tensors["rows"], tensors["grads"], tensors["norms"]
         if rows.dtype != torch.int64 or rows.shape != (end - start,) or not torch.equal(rows, torch.arange(start, end)):
             problems.append(f"{name} holds row ids {rows.tolist()[:3]}… ({rows.dtype}), the manifest says rows"
@@ -451,7 +466,9 @@ class IndexReader:
     @property
     def second_moment_blocks(self) -> int | None:
         """M, the number of per-module blocks whose second moments the shards hold (None: none)."""
-        if self.manifest.get("preconditioner", "none") == "none":
+        from gradian.curvature import has_module
+
+        if not has_module(self.manifest.get("preconditioner", "none")):
             return None
         modules = (self.manifest.get("projection") or {}).get("modules") or {}
         return len(modules) or None
@@ -520,7 +537,11 @@ class IndexReader:
                     if not torch.allclose(again, tensors["second_moment"], rtol=1e-5, atol=1e-6):
                         found.append(f"{name} second_moment is not the sum of its stored rows' outer products")
             problems += found
-        listed = set(self.manifest["shards"]) | {MANIFEST}
+        from gradian.curvature import CURVATURE_FILE, has_kfac, verify_curvature
+
+        if has_kfac(self.manifest.get("preconditioner")) and not problems:
+            problems += verify_curvature(self)
+        listed = set(self.manifest["shards"]) | {MANIFEST} | ({CURVATURE_FILE} if "curvature" in self.manifest else set())
         unlisted = sorted(p.name for p in self.index_dir.iterdir() if not p.name.startswith(".") and p.name not in listed)
         if unlisted:
             problems.append(f"files the manifest does not list: {', '.join(unlisted[:5])}"
@@ -592,4 +613,5 @@ class IndexReader:
         return {**header, "complete": self.manifest["complete"] and not missing, "missing": missing,
                 "manifest_complete": self.manifest["complete"],
                 "n_shard_files": len(shards), "shard_files": sorted(shards), "rows_stored": stored,
-                "bytes": sum(e["bytes"] for e in shards.values()) + (self.index_dir / MANIFEST).stat().st_size}
+                "bytes": sum(e["bytes"] for e in shards.values()) + (self.index_dir / MANIFEST).stat().st_size
+                + ((self.manifest.get("curvature") or {}).get("bytes") or 0)}
