@@ -146,29 +146,22 @@ def shard_factor_problems(name: str, tensors: dict[str, torch.Tensor], shapes: l
     return problems
 
 
-def _read_shard_factors(index_dir: Path, manifest: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    """The shards' factor sums added in float64 (shards in name order), and the position count."""
-    from safetensors import safe_open
-
-    from gradian.index import IndexIntegrityError, confined_path
-
-    n_mod = len(factor_shapes(manifest))
+def _read_shard_factors(reader) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The shards' factor sums added in float64 (shards in name order), and the position count.
+    reader: a `gradian.index.IndexReader` (its `read_tensors` reads only the named tensors)."""
+    n_mod = len(factor_shapes(reader.manifest))
     a_tot: list[torch.Tensor | None] = [None] * n_mod
     s_tot: list[torch.Tensor | None] = [None] * n_mod
     tokens = 0
-    for name in sorted(manifest["shards"]):
-        path = confined_path(index_dir, name)
-        with safe_open(str(path), framework="pt") as fh:
-            keys = set(fh.keys())
-            if TOKENS not in keys:
-                raise IndexIntegrityError(f"{path} holds no K-FAC factors; rebuild the index with"
-                                          " grads.preconditioner=kfac.")
-            tokens += int(fh.get_tensor(TOKENS)[0])
-            for m in range(n_mod):
-                key_in, key_out = factor_names(m)
-                a, s = fh.get_tensor(key_in).double(), fh.get_tensor(key_out).double()
-                a_tot[m] = a if a_tot[m] is None else a_tot[m] + a
-                s_tot[m] = s if s_tot[m] is None else s_tot[m] + s
+    keys = [TOKENS] + [key for m in range(n_mod) for key in factor_names(m)]
+    for name in sorted(reader.manifest["shards"]):
+        t = reader.read_tensors(name, keys, "grads.preconditioner=kfac")
+        tokens += int(t[TOKENS][0])
+        for m in range(n_mod):
+            key_in, key_out = factor_names(m)
+            a, s = t[key_in].double(), t[key_out].double()
+            a_tot[m] = a if a_tot[m] is None else a_tot[m] + a
+            s_tot[m] = s if s_tot[m] is None else s_tot[m] + s
     return a_tot, s_tot, tokens
 
 
@@ -197,21 +190,18 @@ def ekfac_eigenvalues(reader, q_in: list[torch.Tensor], q_out: list[torch.Tensor
     return [s / max(n, 1) for s in sums]
 
 
-def _n_rows(manifest: dict[str, Any]) -> int:
+def n_rows_of(manifest: dict[str, Any]) -> int:
     return sum(e["rows"][1] - e["rows"][0] for e in manifest["shards"].values())
 
 
-def compute_curvature(index_dir: Path) -> dict[str, torch.Tensor]:
+def compute_curvature(reader) -> dict[str, torch.Tensor]:
     """The tensors of ``curvature.safetensors`` for an index: per module m the eigenbases
     ``q_in.m`` (k_i, k_i), ``q_out.m`` (k_o, k_o), K-FAC eigenvalues ``e_in.m``, ``e_out.m`` and the
     EK-FAC ones ``ekfac.m`` (k_o, k_i), float32; Λ* computed with the float32 bases as stored, so
     a verifier gets the same numbers; ``n_rows`` and ``kfac_tokens`` (1,) int64."""
-    from gradian.index import IndexReader
-
-    reader = IndexReader(index_dir)
     manifest = reader.manifest
-    a_tot, s_tot, tokens = _read_shard_factors(Path(index_dir), manifest)
-    n_rows = _n_rows(manifest)
+    a_tot, s_tot, tokens = _read_shard_factors(reader)
+    n_rows = n_rows_of(manifest)
     out: dict[str, torch.Tensor] = {"n_rows": torch.tensor([n_rows], dtype=torch.int64),
                                     TOKENS: torch.tensor([tokens], dtype=torch.int64)}
     q_in, q_out = [], []
@@ -226,33 +216,7 @@ def compute_curvature(index_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def finalize(index_dir: Path) -> Path | None:
-    """Write ``curvature.safetensors`` for a complete index whose shards hold K-FAC factors and
-    record it in the manifest (``curvature``: file, sha256, bytes, the shards' sha256 it covers).
-    Idempotent: an index whose recorded file is present and current is left as it is. Returns the
-    path, or None when the index is not complete (the last worker to finish writes it)."""
-    from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
-    from gradian.index import MANIFEST, IndexReader, read_manifest
-
-    index_dir = Path(index_dir)
-    reader = IndexReader(index_dir)
-    if not reader.complete or not has_kfac(reader.manifest.get("preconditioner")):
-        return None
-    if current_record(index_dir, reader.manifest) is not None:
-        return index_dir / CURVATURE_FILE
-    tensors = compute_curvature(index_dir)
-    path = atomic_save_safetensors(index_dir / CURVATURE_FILE, tensors)
-    record = {"file": CURVATURE_FILE, "sha256": sha256_file(path), "bytes": path.stat().st_size,
-              "shards_sha256": _shards_digest(reader.manifest)}
-    with file_lock(index_dir / ".manifest.lock"):
-        manifest = read_manifest(index_dir)
-        manifest["curvature"] = record
-        atomic_write_json(index_dir / MANIFEST, manifest)
-    log.info("wrote %s (EK-FAC eigenvalues of %d rows)", path, int(tensors["n_rows"][0]))
-    return path
-
-
-def _shards_digest(manifest: dict[str, Any]) -> str:
+def shards_digest(manifest: dict[str, Any]) -> str:
     import hashlib
 
     items = sorted((n, e["sha256"]) for n, e in manifest["shards"].items())
@@ -267,7 +231,7 @@ def current_record(index_dir: Path, manifest: dict[str, Any]) -> dict[str, Any] 
     record = manifest.get("curvature")
     path = Path(index_dir) / CURVATURE_FILE
     if (not isinstance(record, dict) or record.get("file") != CURVATURE_FILE or not path.is_file()
-            or record.get("shards_sha256") != _shards_digest(manifest) or sha256_file(path) != record.get("sha256")):
+            or record.get("shards_sha256") != shards_digest(manifest) or sha256_file(path) != record.get("sha256")):
         return None
     return record
 
@@ -293,8 +257,8 @@ def verify_curvature(reader) -> list[str]:
     except Exception as err:  # noqa: BLE001 - any unreadable file is one problem line
         return [f"{CURVATURE_FILE} is not readable ({err})"]
     problems = []
-    a_tot, s_tot, tokens = _read_shard_factors(Path(index_dir), manifest)
-    n_rows = _n_rows(manifest)
+    a_tot, s_tot, tokens = _read_shard_factors(reader)
+    n_rows = n_rows_of(manifest)
     if int(stored["n_rows"][0]) != n_rows or int(stored[TOKENS][0]) != tokens:
         problems.append(f"{CURVATURE_FILE} counts {int(stored['n_rows'][0])} rows and {int(stored[TOKENS][0])}"
                         f" positions, the shards {n_rows} and {tokens}")
@@ -349,8 +313,8 @@ class KroneckerCurvature:
             if kind == "ekfac":
                 log.warning("%s has no current %s: computing the EK-FAC eigenvalues now (one pass over the rows).",
                             reader.index_dir, CURVATURE_FILE)
-            a_tot, s_tot, tokens = _read_shard_factors(Path(reader.index_dir), reader.manifest)
-            n_rows = _n_rows(reader.manifest)
+            a_tot, s_tot, tokens = _read_shard_factors(reader)
+            n_rows = n_rows_of(reader.manifest)
             t = {}
             for m in range(len(shapes)):
                 qa, ea, qs, es = _basis(a_tot[m], s_tot[m], n_rows, tokens)

@@ -473,6 +473,22 @@ class IndexReader:
         modules = (self.manifest.get("projection") or {}).get("modules") or {}
         return len(modules) or None
 
+    def read_tensors(self, name: str, keys: list[str], fix: str) -> dict[str, torch.Tensor]:
+        """The named tensors of listed shard `name`, read without the rows (the sha256 of the
+        same files is checked when `shards()` streams them); IndexIntegrityError naming `fix`
+        (the setting that would have stored them) when one is absent."""
+        from safetensors import SafetensorError, safe_open
+
+        path = confined_path(self.index_dir, name)
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                absent = [k for k in keys if k not in fh.keys()]  # noqa: SIM118 - safe_open has no iter
+                if absent:
+                    raise IndexIntegrityError(f"{path} holds no {absent[0]}; {_REBUILD} with {fix}.")
+                return {k: fh.get_tensor(k) for k in keys}
+        except (SafetensorError, OSError) as err:
+            raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {_REBUILD}.") from None
+
     def second_moment_sums(self) -> list[torch.Tensor]:
         """Every listed shard's ``second_moment`` (M, k, k) float32, read without the rows (the
         sha256 of the same files is checked when `shards()` streams them)."""

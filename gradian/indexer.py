@@ -31,12 +31,21 @@ from circuitkit.batching import plan_batches
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
+from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.capture import activation_mode, activation_numerics, per_example_gradients
 from gradian.corpus import TokenizedCorpus
-from gradian.curvature import FactorSums, check_kfac, has_kfac, has_module
-from gradian.curvature import finalize as finalize_curvature
+from gradian.curvature import (
+    CURVATURE_FILE,
+    FactorSums,
+    check_kfac,
+    compute_curvature,
+    current_record,
+    has_kfac,
+    has_module,
+    shards_digest,
+)
 from gradian.data import TokenPolicy, collate, length_limit
 from gradian.index import MANIFEST, IndexMismatchError, IndexReader, IndexWriter, read_manifest
 from gradian.memory import estimate_grads
@@ -157,6 +166,31 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     if tokens < grads.max_seq_length:
         log.info("rows are cut at %s", limit)
     return tokens
+
+
+def finalize_curvature(index_dir: Path) -> Path | None:
+    """Write ``curvature.safetensors`` (`gradian.curvature`: eigenbases of the summed K-FAC factors
+    and the EK-FAC eigenvalues of the stored rows) for a complete index whose shards hold K-FAC
+    factors, and record it in the manifest (``curvature``: file, sha256, bytes and a digest of the
+    shards' sha256 it was made from). Idempotent: a recorded file that is present and current is
+    kept. Returns the path, or None while the index is not complete (the worker that completes
+    it, or a resume, writes it). Two workers finishing together write the same bytes."""
+    index_dir = Path(index_dir)
+    reader = IndexReader(index_dir)
+    if not reader.complete or not has_kfac(reader.manifest.get("preconditioner")):
+        return None
+    if current_record(index_dir, reader.manifest) is not None:
+        return index_dir / CURVATURE_FILE
+    tensors = compute_curvature(reader)
+    path = atomic_save_safetensors(index_dir / CURVATURE_FILE, tensors)
+    record = {"file": CURVATURE_FILE, "sha256": sha256_file(path), "bytes": path.stat().st_size,
+              "shards_sha256": shards_digest(reader.manifest)}
+    with file_lock(index_dir / ".manifest.lock"):
+        manifest = read_manifest(index_dir)
+        manifest["curvature"] = record
+        atomic_write_json(index_dir / MANIFEST, manifest)
+    log.info("wrote %s (EK-FAC eigenvalues of %d rows)", path, int(tensors["n_rows"][0]))
+    return path
 
 
 def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_dir: Path) -> None:
