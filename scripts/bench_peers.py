@@ -61,6 +61,7 @@ TOOLS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bergson": (".venv-peers", "worker_bergson.py", {}),
     "traker": (".venv-peers", "worker_trak.py", {}),
     "dattri": (".venv-peers", "worker_dattri.py", {}),
+    "kronfluence": (".venv-kronfluence", "worker_kronfluence.py", {}),
 }
 # bergson formats prompt/completion rows with the tokenizer's chat template. For every tool to see
 # the same tokens (the prompt's then the completion's, loss on the completion), the benchmark's

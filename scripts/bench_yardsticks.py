@@ -188,6 +188,41 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
     return out
 
 
+PEER_SCORES = {"scores": "ekfac (Kronfluence)", "scores_default_damping": "ekfac, damping 1e-8 (Kronfluence)"}
+
+
+def run_peer(ys: Yardstick, tool: str, work: Path, console: Console, timeout: float = 3000) -> list[dict[str, Any]]:
+    """A peer's worker (scripts/peers/) on the yardstick's model, documents, queries and modules."""
+    from bench_peers import run_worker
+
+    from circuitkit.models.linear_modules import select_modules
+    from circuitkit.models.loading import load_model
+
+    loaded = load_model(ModelConfig(name=ys.model_dir, precision=ys.precision), device=torch.device("cpu"))
+    modules = [n for n, _ in select_modules(loaded.model, loaded.adapter, getattr(ys, "modules", MODULES))]
+    del loaded
+    tool_work = work / f"{tool}_{ys.name}"
+    tool_work.mkdir(parents=True, exist_ok=True)
+    spec = {"model_dir": ys.model_dir, "docs": str(ys.docs), "queries": {s: str(p) for s, p in ys.queries.items()},
+            "modules": modules, "per_module_dim": 0, "total_dim": 0, "batch_size": 8, "max_length": 256, "seed": 0,
+            "work_dir": str(tool_work)}
+    start = time.perf_counter()
+    result = run_worker(tool, spec, tool_work, timeout)
+    console.print(f"[dim]{tool} on {ys.name}: {time.perf_counter() - start:.0f} s[/dim]")
+    if result.get("error"):
+        console.print(f"{tool} on {ys.name} failed: {str(result['error']).splitlines()[0]}")
+        return []
+    out = []
+    for key, label in PEER_SCORES.items():
+        for style, matrix in (result.get(key) or {}).items():
+            out.append({"yardstick": ys.name, "style": style, "loss": "ce", "width": "full", "seed": 0,
+                        "score": label, "stream_s": result.get("query_seconds") or 0.0,
+                        "index_s": result.get("index_seconds"), "bytes": {"rows": 0, "second_moment": 0, "kfac": 0},
+                        "version": result.get("version"),
+                        **ys.evaluate(style, torch.tensor(matrix, dtype=torch.float64))})
+    return out
+
+
 def planted_a(work: Path, entities: int, epochs: int) -> Yardstick:
     corpus = make_corpus(entities, seed=0, cross_template=True)
     docs = write_jsonl(work / "a_docs.jsonl", corpus.docs)
@@ -298,9 +333,9 @@ def print_table(summary: list[dict[str, Any]], console: Console) -> None:
     for col in ("loss", "width", "score", *[f"{y} {s}" for y, s in columns]):
         table.add_column(col, justify="left" if col in ("loss", "score") else "right")
     by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"]): s for s in summary}
+    order = ["cosine", "influence", "whitened", "kfac", "ekfac", *PEER_SCORES.values()]
     keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary},
-                  key=lambda k: (k[0], 10**9 if k[1] == "raw" else int(k[1]),
-                                 ["cosine", "influence", "whitened", "kfac", "ekfac"].index(k[2])))
+                  key=lambda k: (k[0], {"raw": 10**9, "full": 10**10}.get(k[1]) or int(k[1]), order.index(k[2])))
     for loss, width, score in keys:
         cells = []
         for y, s in columns:
@@ -311,7 +346,7 @@ def print_table(summary: list[dict[str, Any]], console: Console) -> None:
                 cells.append(f"{e['lds']:.3f}")
             else:
                 cells.append(f"{e['r1']:.3f} / {e['r10']:.3f}")
-        table.add_row(loss, "exact" if width == "raw" else width, score, *cells)
+        table.add_row(loss, {"raw": "exact", "full": "peer"}.get(width, width), score, *cells)
     console.print(table)
 
 
@@ -321,7 +356,7 @@ def print_costs(summary: list[dict[str, Any]], console: Console) -> None:
     for col in ("width", "cosine s", "influence", "whitened", "kfac", "ekfac", "rows MiB", "second moments MiB",
                 "K-FAC MiB"):
         table.add_column(col, justify="right")
-    widths = sorted({s["width"] for s in summary if s["yardstick"] == "B" and s["loss"] == "ce"},
+    widths = sorted({s["width"] for s in summary if s["yardstick"] == "B" and s["loss"] == "ce" and s["width"] != "full"},
                     key=lambda w: 10**9 if w == "raw" else int(w))
     for w in widths:
         e = {s["score"]: s for s in summary if s["yardstick"] == "B" and s["loss"] == "ce" and s["width"] == w
@@ -350,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smollm2-facts", type=int, default=10)
     p.add_argument("--smollm2-steps", type=int, default=8)
     p.add_argument("--smollm2-widths", default="1024")
+    p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence)")
+    p.add_argument("--no-gradian", action="store_true", help="only the peers (e.g. after a run with the same --work)")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -376,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raise SystemExit(f"--yardsticks: unknown {name!r} (A, B, LDS)")
             fine_tunes[name] = ys.fine_tune
-            rows += run_yardstick(ys, widths, args.seeds, losses, work, console)
+            if not args.no_gradian:
+                rows += run_yardstick(ys, widths, args.seeds, losses, work, console)
+            for tool in (t for t in args.peers.split(",") if t):
+                rows += run_peer(ys, tool, work, console)
             console.print(f"yardstick {name}: {time.perf_counter() - t0:.0f} s")
             if args.json:  # partial results survive a later failure
                 args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
@@ -386,8 +426,11 @@ def main(argv: list[str] | None = None) -> int:
             fine_tunes["S"] = ys.fine_tune
             global MODULES
             MODULES = ys.modules
-            rows += run_yardstick(ys, [int(w) for w in args.smollm2_widths.split(",")], 1, losses, work, console,
-                                  batch_size=4)
+            if not args.no_gradian:
+                rows += run_yardstick(ys, [int(w) for w in args.smollm2_widths.split(",")], 1, losses, work, console,
+                                      batch_size=4)
+            for tool in (t for t in args.peers.split(",") if t):
+                rows += run_peer(ys, tool, work, console)
             console.print(f"yardstick S: {time.perf_counter() - t0:.0f} s")
     summary = summarize(rows)
     print_table(summary, console)

@@ -58,7 +58,8 @@ if fresh .venv-kronfluence; then
   pip=(.venv-kronfluence/bin/python -m pip install --quiet -c "$CONSTRAINT")
   "${pip[@]}" --no-deps kronfluence==1.0.1
   mapfile -t kronfluence_deps < <(.venv-kronfluence/bin/python "$HERE/requirements_without.py" kronfluence torchvision)
-  "${pip[@]}" "${kronfluence_deps[@]}" "transformers>=5,<6"
+  # hydra-core: gradian.data (the workers' shared tokenization, scripts/peers/lmdata.py) imports circuitkit.config.
+  "${pip[@]}" "${kronfluence_deps[@]}" "transformers>=5,<6" hydra-core rich
   touch ".venv-kronfluence/.peers-$STAMP"
 fi
 
