@@ -123,12 +123,16 @@ def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks
     """A shard's float32 rows stay in host memory until the shard is written: refuse a shard that
     cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
     With grads.preconditioner=module the shard's second moments (`n_blocks` of k x k float32) and
-    one block's float64 scratch (rows x k) come on top. Returns the buffer's bytes."""
+    one block's float64 scratch (rows x k) come on top; with kfac the float64 factor sums. Returns the buffer's bytes."""
     rows = min(grads.rows_per_shard, n_rows)
     need = rows * row_width * 4
     if has_module(grads.preconditioner):
         k = row_width // n_blocks
         need += n_blocks * k * k * 4 + rows * k * 8
+    if has_kfac(grads.preconditioner):  # float64 factor sums; a side is at most k (raw: d <= 4096)
+        k = row_width // n_blocks
+        side = min(k, 4096)
+        need += n_blocks * 2 * side * side * 8 if grads.projection_dim is None else n_blocks * 4 * k * 8
     available = free_memory_bytes(torch.device("cpu"))
     if need > available:
         fits = max(1, available // (2 * row_width * 4))
