@@ -295,3 +295,18 @@ def test_resume_with_another_preconditioner_is_refused_before_the_model_loads(in
     cfg = _cfg(index.parent, "grads.preconditioner=module", "grads.rows_per_shard=7")
     with pytest.raises(IndexMismatchError, match="preconditioner: index has 'module\\+kfac', asked 'module'"):
         build_index(cfg.model, cfg.grads, index)
+
+
+def test_rank_with_kfac_from_the_command_line_and_a_short_summary(index: Path, tmp_path: Path, capsys) -> None:
+    from gradian.cli import main
+
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:4]))
+    out = tmp_path / "ranked.jsonl"
+    assert main(["rank", "--index", str(index), "--queries", str(queries), "--score", "ekfac", "--top-k", "3",
+                 "--out", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "first 3 ranks of 3 of 4 queries" in text and "first 5 ranks" not in text
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == 5 * 3
+    assert [r["row_id"] for r in results if r["rank"] == 1][:4] == [0, 1, 2, 3]  # each row finds itself first
