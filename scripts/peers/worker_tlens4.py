@@ -35,6 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 LOGIT_TOLERANCE = 1e-4
 
 
+def our_name(node, side: str) -> str:
+    """A transformer-lens Node in CircuitKit's graph names (circuitkit/attribution/graph.py)."""
+    kind, layer, head = node.kind, node.layer, node.head
+    names = {"embed": "input", "attn_head_out": f"a{layer}.h{head}", "mlp_out": f"m{layer}",
+             "q_input": f"a{layer}.h{head}<q>", "k_input": f"a{layer}.g{head}<k>", "v_input": f"a{layer}.g{head}<v>",
+             "mlp_in": f"m{layer}<in>", "logits": "logits"}
+    if kind not in names:
+        raise ValueError(f"unknown {side} node kind {kind!r}")
+    return names[kind]
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
     from peak import measured
@@ -80,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
                 elif node.kind == "mlp_out":
                     mlp[node.layer] += score / n
             for (src, dst), score in result.edge_scores.items():
-                key = (f"{src.kind}:{src.layer}:{src.head}", f"{dst.kind}:{dst.layer}:{dst.head}")
+                key = (our_name(src, "source"), our_name(dst, "destination"))  # summed over positions
                 edges[key] = edges.get(key, 0.0) + score / n
         cpu_seconds = time.process_time() - cpu0
     out = {"tool": "transformer-lens-4", "algorithm": args.algorithm, "level": args.level, "seconds": m.seconds,
@@ -92,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
                    f"'{args.level}')) per pair, node scores summed over positions",
            "head": head.tolist(), "mlp": mlp.tolist()}
     if edges:
-        out["n_edges_tlens"] = len(edges)
+        out["edges"] = [(up, down, score) for (up, down), score in sorted(edges.items())]
     return out
 
 
