@@ -6,7 +6,7 @@
                                manifest summary and sizes of a gradient index; --verify checks
                                every shard and lists what is wrong (exit 1 if anything is);
                                --row N shows training row N's tokens and which are supervised
-    gradian rank --index DIR --queries FILE [--top-k K] [--score cosine|dot|influence|whitened|kfac|ekfac]
+    gradian rank --index DIR --queries FILE [--top-k K] [--score auto|cosine|dot|influence|whitened|kfac|ekfac]
                  [--damping D] [--aggregate mean|max] [--out FILE] [--no-verify] [--append-eos true|false]
                                training rows most similar (by gradient) to each query row and overall
     gradian doctor [--json]    versions, devices, determinism, backends and self-tests (Markdown)
@@ -201,7 +201,13 @@ def rank_command(args: argparse.Namespace) -> int:
         raise
     except (ValueError, FileNotFoundError) as err:  # IndexMismatchError, DataError: the input is wrong
         raise UserError(str(err), exit_code=2) from err
-    title = f"{args.score} ranking of {args.index} against {args.queries}"
+    score = args.score
+    if score == "auto":
+        from gradian.index import IndexReader
+        from gradian.rank import default_score
+
+        score = default_score(IndexReader(args.index).manifest)
+    title = f"{score} ranking of {args.index} against {args.queries}"
     if not args.out:
         Console().print(_results_table(title, results))
         return 0
@@ -234,8 +240,10 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--index", required=True, help="index directory (holds manifest.json)")
     rank.add_argument("--queries", required=True, help="JSONL of query rows (same format as training rows)")
     rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
-    rank.add_argument("--score", choices=("cosine", "dot", "influence", "whitened", "kfac", "ekfac"), default="cosine",
-                      help="influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
+    rank.add_argument("--score", choices=("auto", "cosine", "dot", "influence", "whitened", "kfac", "ekfac"),
+                      default="auto",
+                      help="auto (default): ekfac if the index holds K-FAC factors (grads.preconditioner=kfac, the"
+                           " default), else cosine. influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
                            " the cosine after whitening with each module's damped second moment A; kfac / ekfac"
                            " need grads.preconditioner=kfac: qᵀ(F + λI)⁻¹g with K-FAC's or EK-FAC's F")
     rank.add_argument("--damping", type=float, default=None,

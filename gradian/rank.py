@@ -417,7 +417,13 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
     return out
 
 
-def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "cosine",
+def default_score(manifest: dict[str, Any]) -> str:
+    """What `score="auto"` ranks with: ekfac where the index holds K-FAC factors (the best score on
+    most yardsticks, docs/benchmarks.md "Yardsticks"), else cosine."""
+    return "ekfac" if has_kfac(manifest.get("preconditioner")) else "cosine"
+
+
+def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "auto",
          aggregate: str = "mean", out_path: str | Path | None = None,
          model_cfg: ModelConfig | None = None, loaded=None, verify: bool = True,
          circuit: str | Path | None = None, append_eos: bool | None = None,
@@ -440,11 +446,17 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     `score`: cosine, dot, or (an index built with grads.preconditioner=module) influence or
     whitened, or (grads.preconditioner=kfac) kfac or ekfac, with `damping` (share of the mean
     eigenvalue, default 0.1; `gradian.precondition`, `gradian.curvature`; refused with cosine / dot).
+    "auto" (the default): ekfac on an index with K-FAC factors, else cosine (`default_score`).
     Query rows are tokenized with the index's token policy (manifest ``token_policy``);
     `append_eos`, when given, must be that policy's (IndexMismatchError otherwise).
     """
-    _check_choice("score", score, SCORES)
+    _check_choice("score", score, ("auto", *SCORES))
     _check_choice("aggregate", aggregate, AGGREGATES)
+    if score == "auto":
+        score = default_score(IndexReader(index_dir).manifest)
+        if damping is not None and score not in CURVATURE_SCORES:
+            raise UserError(f"--damping {damping}: {index_dir} holds no curvature (grads.preconditioner=none), so"
+                            " the score is cosine and there is nothing to damp. Drop --damping.", exit_code=2)
     if top_k < 1:
         raise UserError(f"--top-k {top_k}: it must be >= 1.", exit_code=2)
     check_input_file(Path(queries_path), "--queries")

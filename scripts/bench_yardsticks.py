@@ -350,6 +350,26 @@ def print_table(summary: list[dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
+def markdown(summary: list[dict[str, Any]]) -> str:
+    """The table of `print_table` as Markdown (docs/benchmarks.md)."""
+    columns = sorted({(s["yardstick"], s["style"]) for s in summary},
+                     key=lambda c: (["A", "B", "S", "LDS"].index(c[0]), c[1]))
+    by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"]): s for s in summary}
+    order = ["cosine", "influence", "whitened", "kfac", "ekfac", *PEER_SCORES.values()]
+    keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary},
+                  key=lambda k: (k[0], {"raw": 10**9, "full": 10**10}.get(k[1]) or int(k[1]), order.index(k[2])))
+    lines = ["| loss | width | score | " + " | ".join(f"{y} {s}" for y, s in columns) + " |",
+             "|---|---:|---|" + "---:|" * len(columns)]
+    for loss, width, score in keys:
+        cells = []
+        for y, st in columns:
+            e = by.get((y, st, loss, width, score))
+            cells.append("-" if e is None else f"{e['lds']:.3f}" if "lds" in e else f"{e['r1']:.3f} / {e['r10']:.3f}")
+        lines.append(f"| {loss} | {({'raw': 'exact', 'full': 'peer'}).get(width, width)} | {score} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def print_costs(summary: list[dict[str, Any]], console: Console) -> None:
     """stream_topk seconds per score relative to cosine, and stored bytes, per width (planted B, ce)."""
     table = Table(title="rank cost (stream_topk, same process, ratio to cosine) and disk per index (yardstick B, ce)")
@@ -389,7 +409,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-gradian", action="store_true", help="only the peers (e.g. after a run with the same --work)")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--from-json", type=Path, nargs="*", default=None,
+                   help="print the tables (and Markdown) of earlier --json files, merged; run nothing")
     args = p.parse_args(argv)
+    if args.from_json:
+        rows = [r for path in args.from_json for r in json.loads(path.read_text())["rows"]]
+        summary = summarize(rows)
+        print_table(summary, Console(width=200))
+        if any(s["yardstick"] == "B" for s in summary):
+            print_costs(summary, Console(width=200))
+        print(markdown(summary))
+        return 0
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)
     logging.getLogger("gradian.curvature").setLevel(logging.ERROR)
     console = Console(width=200)
