@@ -278,7 +278,7 @@ def test_refusals(root: Path, index: Path, tmp_path: Path, capsys) -> None:
     queries = tmp_path / "q.jsonl"
     queries.write_text(json.dumps(ROWS[0]) + "\n")
     assert main(["rank", "--index", str(plain), "--queries", str(queries), "--score", "kfac"]) == 2
-    assert main(["rank", "--index", str(index), "--queries", str(queries), "--damping", "0.1"]) == 2
+    assert main(["rank", "--index", str(index), "--queries", str(queries), "--score", "cosine", "--damping", "0.1"]) == 2
     assert "--score cosine: cosine uses no curvature" in " ".join(capsys.readouterr().err.split())
     cfg = _cfg(root, "grads.preconditioner=kfac", "grads.projection=dense")
     with pytest.raises(ValueError, match="Kronecker structure"):
