@@ -452,17 +452,19 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     """
     _check_choice("score", score, ("auto", *SCORES))
     _check_choice("aggregate", aggregate, AGGREGATES)
-    if score == "auto":
-        score = default_score(IndexReader(index_dir).manifest)
-        if damping is not None and score not in CURVATURE_SCORES:
-            raise UserError(f"--damping {damping}: {index_dir} holds no curvature (grads.preconditioner=none), so"
-                            " the score is cosine and there is nothing to damp. Drop --damping.", exit_code=2)
     if top_k < 1:
         raise UserError(f"--top-k {top_k}: it must be >= 1.", exit_code=2)
     check_input_file(Path(queries_path), "--queries")
     if out_path is not None:
         check_output_file(Path(out_path), "--out")
     manifest = IndexReader(index_dir).manifest
+    if score == "auto":
+        score = default_score(manifest)
+        if damping is not None and score not in CURVATURE_SCORES:
+            raise UserError(f"--damping {damping}: {index_dir} holds no K-FAC factors (grads.preconditioner="
+                            f"{manifest.get('preconditioner', 'none')}), so --score auto is cosine, which uses no"
+                            f" damping. Drop --damping, or name a --score that uses it ({', '.join(CURVATURE_SCORES)}).",
+                            exit_code=2)
     if not isinstance(manifest.get("model"), str):
         raise IndexIntegrityError(f"{Path(index_dir) / 'manifest.json'} names no model (model:"
                                   f" {manifest.get('model')!r}); rebuild the index with `gradian index`.")

@@ -280,6 +280,8 @@ def test_refusals(root: Path, index: Path, tmp_path: Path, capsys) -> None:
     assert main(["rank", "--index", str(plain), "--queries", str(queries), "--score", "kfac"]) == 2
     assert main(["rank", "--index", str(index), "--queries", str(queries), "--score", "cosine", "--damping", "0.1"]) == 2
     assert "--score cosine: cosine uses no curvature" in " ".join(capsys.readouterr().err.split())
+    assert main(["rank", "--index", str(plain), "--queries", str(queries), "--damping", "0.1"]) == 2  # auto: cosine
+    assert "so --score auto is cosine, which uses no damping" in " ".join(capsys.readouterr().err.split())
     cfg = _cfg(root, "grads.preconditioner=kfac", "grads.projection=dense")
     with pytest.raises(ValueError, match="Kronecker structure"):
         build_index(cfg.model, cfg.grads, tmp_path / "dense")
