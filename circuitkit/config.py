@@ -155,8 +155,10 @@ class GradsConfig:
                          choices=("kronecker", "kronecker_orthogonal", "dense"))
     projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (the index size, and the peak a little: capture buffers, projection matrices)", ge=1)
     projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)
-    preconditioner: str = _f("none", "store each module's second moment of the rows in the shards (module), for"
-                             " `gradian rank --score influence|whitened`", choices=("none", "module"))
+    preconditioner: str = _f("none", "curvature stored with the index: each module's second moment of the rows"
+                             " (module, for `gradian rank --score influence|whitened`), K-FAC factors of the"
+                             " projected activations and output gradients (kfac, for --score kfac|ekfac), or both",
+                             choices=("none", "module", "kfac", "module+kfac"))
     storage_dtype: str = _f("float16", "dtype of stored rows (on-disk index size only, not the peak)",
                           choices=("float16", "bfloat16", "float32"))
     batch_tokens: Optional[int] = _f(None, "token budget of one batch: rows x longest row (padding included);"

@@ -173,7 +173,7 @@ def activation_numerics(mode: str) -> str:
 def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
                           projector: Projector, batch: Mapping[str, torch.Tensor],
                           loss_reduction: str = "sum", loss: str = "ce",
-                          activations: str = "auto") -> PerExampleGradients:
+                          activations: str = "auto", factors=None) -> PerExampleGradients:
     """Projected per-example gradients of `modules` for one batch, from one forward+backward.
 
     batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
@@ -183,6 +183,8 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     Returns name -> (B, projector.width(name)) float32 (a `PerExampleGradients`, with
     ``.losses`` (B,) and ``.n_supervised`` (B,)). `loss`: "ce" or "margin" (module docstring).
     `activations`: `grads.activations` (`activation_mode`): model and recompute give the same bits.
+    `factors`: a `gradian.curvature.FactorSums` that also sums the projected inputs' and output
+    gradients' outer products over the batch's positions (K-FAC factors), or None.
 
     Parameters must be frozen (requires_grad False): the backward computes activation
     gradients only. An example's row does not depend on the rest of its batch: padding
@@ -253,7 +255,10 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             def grad_hook(delta: torch.Tensor) -> None:
                 for name, _ in group:
                     dp = projector.project_output(name, delta)  # (B, T, k_o); masked like x above
-                    rows[name] = projector.combine(name, x_proj.pop(name), torch.where(keep, dp, torch.zeros_like(dp)))
+                    dp, xp = torch.where(keep, dp, torch.zeros_like(dp)), x_proj.pop(name)
+                    if factors is not None:
+                        factors.add(name, xp, dp)
+                    rows[name] = projector.combine(name, xp, dp)
 
             out.register_hook(grad_hook)
             return out
@@ -275,6 +280,8 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
         for h in handles:
             h.remove()
         x_proj.clear()
+    if factors is not None:
+        factors.add_tokens(int(attention_mask.sum()))
     losses = torch.zeros(n_examples, dtype=torch.float32, device=device).index_add(0, ex, token_loss)
     if loss_reduction == "mean":
         losses = losses / n_sup.float()

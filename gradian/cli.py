@@ -6,7 +6,7 @@
                                manifest summary and sizes of a gradient index; --verify checks
                                every shard and lists what is wrong (exit 1 if anything is);
                                --row N shows training row N's tokens and which are supervised
-    gradian rank --index DIR --queries FILE [--top-k K] [--score cosine|dot|influence|whitened]
+    gradian rank --index DIR --queries FILE [--top-k K] [--score auto|cosine|dot|influence|whitened|kfac|ekfac]
                  [--damping D] [--aggregate mean|max] [--out FILE] [--no-verify] [--append-eos true|false]
                                training rows most similar (by gradient) to each query row and overall
     gradian doctor [--json]    versions, devices, determinism, backends and self-tests (Markdown)
@@ -101,8 +101,19 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
     problems = reader.verify()
     console = error_console()
     if not problems:
-        console.print(Text(f"verified {index_dir}: {summary['n_shard_files']} shards, sha256, row ranges, shapes,"
-                           " dtypes and projection fingerprint all match the manifest"))
+        from gradian.curvature import has_kfac, has_module
+
+        checked = ["sha256", "row ranges", "shapes", "dtypes", "norms of the stored rows", "projection fingerprint"]
+        precond = summary.get("preconditioner", "none")
+        if has_module(precond):
+            checked.append("second moments (recomputed from the stored rows)")
+        if has_kfac(precond):
+            checked.append("K-FAC factors (symmetric, finite)")
+            if summary.get("curvature"):
+                checked.append("curvature.safetensors (eigenbases of the summed factors; EK-FAC eigenvalues"
+                               " recomputed from the stored rows)")
+        console.print(Text(f"verified {index_dir}: {summary['n_shard_files']} shards; {', '.join(checked)} all"
+                           " match the manifest"))
         return 0
     for problem in problems:
         print_error(problem, console, label="problem")
@@ -190,14 +201,21 @@ def rank_command(args: argparse.Namespace) -> int:
         raise
     except (ValueError, FileNotFoundError) as err:  # IndexMismatchError, DataError: the input is wrong
         raise UserError(str(err), exit_code=2) from err
-    title = f"{args.score} ranking of {args.index} against {args.queries}"
+    score = args.score
+    if score == "auto":
+        from gradian.index import IndexReader
+        from gradian.rank import default_score
+
+        score = default_score(IndexReader(args.index).manifest)
+    title = f"{score} ranking of {args.index} against {args.queries}"
     if not args.out:
         Console().print(_results_table(title, results))
         return 0
     queries = list(dict.fromkeys(r["query"] for r in results if r["query"] != "aggregate"))
     shown_queries = set(queries[:SUMMARY_QUERIES]) | {"aggregate"}
-    shown = [r for r in results if r["query"] in shown_queries and r["rank"] <= SUMMARY_RANKS]
-    Console().print(_results_table(f"{title} (first {SUMMARY_RANKS} ranks of {min(len(queries), SUMMARY_QUERIES)}"
+    ranks = min(SUMMARY_RANKS, args.top_k)
+    shown = [r for r in results if r["query"] in shown_queries and r["rank"] <= ranks]
+    Console().print(_results_table(f"{title} (first {ranks} ranks of {min(len(queries), SUMMARY_QUERIES)}"
                                    f" of {len(queries)} queries and the aggregate; all in {args.out})", shown))
     error_console().print(Text(f"wrote {len(results)} rows ({len(queries)} queries and the aggregate, top"
                                f" {args.top_k} each) to {args.out}"))
@@ -222,11 +240,15 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--index", required=True, help="index directory (holds manifest.json)")
     rank.add_argument("--queries", required=True, help="JSONL of query rows (same format as training rows)")
     rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
-    rank.add_argument("--score", choices=("cosine", "dot", "influence", "whitened"), default="cosine",
-                      help="influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
-                           " the cosine after whitening with each module's damped second moment A")
+    rank.add_argument("--score", choices=("auto", "cosine", "dot", "influence", "whitened", "kfac", "ekfac"),
+                      default="auto",
+                      help="auto (default): ekfac if the index holds K-FAC factors (grads.preconditioner=kfac),"
+                           " else cosine. influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
+                           " the cosine after whitening with each module's damped second moment A; kfac / ekfac"
+                           " need grads.preconditioner=kfac: qᵀ(F + λI)⁻¹g with K-FAC's or EK-FAC's F")
     rank.add_argument("--damping", type=float, default=None,
-                      help="for influence / whitened: λ as a share of each module's mean eigenvalue (default 0.1)")
+                      help="for influence / whitened / kfac / ekfac: λ as a share of each module's mean eigenvalue"
+                           " (default 0.1); refused with cosine and dot")
     rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
                       help="how the per-query scores of a row combine into one ranking")
     rank.add_argument("--out", default=None,

@@ -42,6 +42,9 @@ from gradian.projection import Projector, projection_fingerprint
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 # 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
 #    `second_moment` (gradian.precondition).
+#    Still 4 with K-FAC: shards may hold `kfac_in.m`, `kfac_out.m`, `kfac_tokens`, and the manifest
+#    `curvature` (curvature.safetensors, gradian.curvature); readers that predate them refuse
+#    such shards (unknown tensors) rather than misread them.
 # 4: the header records `activations` ("model" or "fused", gradian.capture.activation_numerics).
 # 5: the header is `gradian.header.IndexHeader`, checked field by field, and records
 #    `parameter_share` (the share of the model's parameters the index covers).
@@ -252,11 +255,13 @@ class IndexWriter:
 
     # -- writing ----------------------------------------------------------------------------
     def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor | None = None,
-                    second_moment_blocks: int | None = None) -> Path:
+                    second_moment_blocks: int | None = None,
+                    extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
         """Store shard k: grads (n, width) float32 in the storage dtype, with float32 norms, and
         `sources` (n,) int64, where each row is in the data (JSONL line or table row index).
         `second_moment_blocks` M: also store the stored rows' per-block Σ g gᵀ, (M, k, k) float32
-        (`gradian.precondition.shard_second_moment`).
+        (`gradian.precondition.shard_second_moment`). `extra_tensors`: the K-FAC factor sums
+        (`gradian.curvature.FactorSums.tensors`), stored as given.
 
         Norms are of the stored values, so cosine scores read back exactly what was stored.
         Raises StorageOverflowError naming the rows if float16 would turn values into inf.
@@ -286,6 +291,8 @@ class IndexWriter:
                 from gradian.precondition import shard_second_moment
 
                 tensors["second_moment"] = shard_second_moment(stored.float(), second_moment_blocks)
+            if extra_tensors:
+                tensors.update(extra_tensors)
             path = atomic_save_safetensors(self.index_dir / shard_name(k), tensors)
             digest = sha256_file(path)
         with self._manifest_lock():
@@ -422,7 +429,9 @@ class IndexReader:
     def _check_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> list[str]:
         """What in a loaded shard disagrees with its manifest entry."""
         entry, problems = self.manifest["shards"][name], []
-        if set(tensors) - set(OPTIONAL_TENSORS) != {"grads", "norms", "rows"}:
+        from gradian.curvature import factor_shapes, has_kfac, is_factor_tensor, shard_factor_problems
+
+        if {t for t in tensors if not is_factor_tensor(t)} - set(OPTIONAL_TENSORS) != {"grads", "norms", "rows"}:
             return [f"{name} holds tensors {sorted(tensors)}, expected grads, norms, rows (and sources,"
                     " second_moment)"]
         moment, blocks = tensors.get("second_moment"), self.second_moment_blocks
@@ -430,6 +439,12 @@ class IndexReader:
             return [f"{name} {'lacks' if moment is None else 'holds'} second_moment, but the manifest's"
                     f" preconditioner is {self.manifest.get('preconditioner', 'none')!r}"]
         start, end = entry["rows"]
+        kfac = has_kfac(self.manifest.get("preconditioner"))
+        if kfac != any(is_factor_tensor(t) for t in tensors):
+            return [f"{name} {'lacks' if kfac else 'holds'} K-FAC factors, but the manifest's preconditioner is"
+                    f" {self.manifest.get('preconditioner', 'none')!r}"]
+        if kfac:
+            problems += shard_factor_problems(name, tensors, factor_shapes(self.manifest), end - start)
         rows, grads, norms = tensors["rows"], tensors["grads"], tensors["norms"]
         if rows.dtype != torch.int64 or rows.shape != (end - start,) or not torch.equal(rows, torch.arange(start, end)):
             problems.append(f"{name} holds row ids {rows.tolist()[:3]}… ({rows.dtype}), the manifest says rows"
@@ -458,10 +473,28 @@ class IndexReader:
     @property
     def second_moment_blocks(self) -> int | None:
         """M, the number of per-module blocks whose second moments the shards hold (None: none)."""
-        if self.manifest.get("preconditioner", "none") == "none":
+        from gradian.curvature import has_module
+
+        if not has_module(self.manifest.get("preconditioner", "none")):
             return None
         modules = (self.manifest.get("projection") or {}).get("modules") or {}
         return len(modules) or None
+
+    def read_tensors(self, name: str, keys: list[str], fix: str) -> dict[str, torch.Tensor]:
+        """The named tensors of listed shard `name`, read without the rows (the sha256 of the
+        same files is checked when `shards()` streams them); IndexIntegrityError naming `fix`
+        (the setting that would have stored them) when one is absent."""
+        from safetensors import SafetensorError, safe_open
+
+        path = confined_path(self.index_dir, name)
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                absent = [k for k in keys if k not in fh.keys()]  # noqa: SIM118 - safe_open has no iter
+                if absent:
+                    raise IndexIntegrityError(f"{path} holds no {absent[0]}; {_REBUILD} with {fix}.")
+                return {k: fh.get_tensor(k) for k in keys}
+        except (SafetensorError, OSError) as err:
+            raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {_REBUILD}.") from None
 
     def second_moment_sums(self) -> list[torch.Tensor]:
         """Every listed shard's ``second_moment`` (M, k, k) float32, read without the rows (the
@@ -527,7 +560,11 @@ class IndexReader:
                     if not torch.allclose(again, tensors["second_moment"], rtol=1e-5, atol=1e-6):
                         found.append(f"{name} second_moment is not the sum of its stored rows' outer products")
             problems += found
-        listed = set(self.manifest["shards"]) | {MANIFEST}
+        from gradian.curvature import CURVATURE_FILE, has_kfac, verify_curvature
+
+        if has_kfac(self.manifest.get("preconditioner")) and not problems:
+            problems += verify_curvature(self)
+        listed = set(self.manifest["shards"]) | {MANIFEST} | ({CURVATURE_FILE} if "curvature" in self.manifest else set())
         unlisted = sorted(p.name for p in self.index_dir.iterdir() if not p.name.startswith(".") and p.name not in listed)
         if unlisted:
             problems.append(f"files the manifest does not list: {', '.join(unlisted[:5])}"
@@ -599,4 +636,5 @@ class IndexReader:
         return {**header, "complete": self.manifest["complete"] and not missing, "missing": missing,
                 "manifest_complete": self.manifest["complete"],
                 "n_shard_files": len(shards), "shard_files": sorted(shards), "rows_stored": stored,
-                "bytes": sum(e["bytes"] for e in shards.values()) + (self.index_dir / MANIFEST).stat().st_size}
+                "bytes": sum(e["bytes"] for e in shards.values()) + (self.index_dir / MANIFEST).stat().st_size
+                + ((self.manifest.get("curvature") or {}).get("bytes") or 0)}

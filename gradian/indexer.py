@@ -32,13 +32,24 @@ from circuitkit.batching import plan_batches, rows_within_budget
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
+from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.capture import activation_mode, activation_numerics, per_example_gradients
 from gradian.corpus import TokenizedCorpus
+from gradian.curvature import (
+    CURVATURE_FILE,
+    FactorSums,
+    check_kfac,
+    compute_curvature,
+    current_record,
+    has_kfac,
+    has_module,
+    shards_digest,
+)
 from gradian.data import TokenPolicy, collate, length_limit
 from gradian.header import IndexHeader, header_json
-from gradian.index import MANIFEST, IndexReader, IndexWriter, read_manifest
+from gradian.index import MANIFEST, IndexMismatchError, IndexReader, IndexWriter, read_manifest
 from gradian.memory import estimate_grads
 from gradian.precondition import check_block_width
 from gradian.projection import Projector, projection_fingerprint
@@ -117,12 +128,16 @@ def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks
     """A shard's float32 rows stay in host memory until the shard is written: refuse a shard that
     cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
     With grads.preconditioner=module the shard's second moments (`n_blocks` of k x k float32) and
-    one block's float64 scratch (rows x k) come on top. Returns the buffer's bytes."""
+    one block's float64 scratch (rows x k) come on top; with kfac the float64 factor sums. Returns the buffer's bytes."""
     rows = min(grads.rows_per_shard, n_rows)
     need = rows * row_width * 4
-    if grads.preconditioner == "module":
+    if has_module(grads.preconditioner):
         k = row_width // n_blocks
         need += n_blocks * k * k * 4 + rows * k * 8
+    if has_kfac(grads.preconditioner):  # float64 factor sums; a side is at most k (raw: d <= 4096)
+        k = row_width // n_blocks
+        side = min(k, 4096)
+        need += n_blocks * 2 * side * side * 8 if grads.projection_dim is None else n_blocks * 4 * k * 8
     available = free_memory_bytes(torch.device("cpu"))
     if need > available:
         fits = max(1, available // (2 * row_width * 4))
@@ -160,6 +175,43 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     if tokens < grads.max_seq_length:
         log.info("rows are cut at %s", limit)
     return tokens
+
+
+def finalize_curvature(index_dir: Path) -> Path | None:
+    """Write ``curvature.safetensors`` (`gradian.curvature`: eigenbases of the summed K-FAC factors
+    and the EK-FAC eigenvalues of the stored rows) for a complete index whose shards hold K-FAC
+    factors, and record it in the manifest (``curvature``: file, sha256, bytes and a digest of the
+    shards' sha256 it was made from). Idempotent: a recorded file that is present and current is
+    kept. Returns the path, or None while the index is not complete (the worker that completes
+    it, or a resume, writes it). Two workers finishing together write the same bytes."""
+    index_dir = Path(index_dir)
+    reader = IndexReader(index_dir)
+    if not reader.complete or not has_kfac(reader.manifest.get("preconditioner")):
+        return None
+    if current_record(index_dir, reader.manifest) is not None:
+        return index_dir / CURVATURE_FILE
+    tensors = compute_curvature(reader)
+    path = atomic_save_safetensors(index_dir / CURVATURE_FILE, tensors)
+    record = {"file": CURVATURE_FILE, "sha256": sha256_file(path), "bytes": path.stat().st_size,
+              "shards_sha256": shards_digest(reader.manifest)}
+    with file_lock(index_dir / ".manifest.lock"):
+        manifest = read_manifest(index_dir)
+        manifest["curvature"] = record
+        atomic_write_json(index_dir / MANIFEST, manifest)
+    log.info("wrote %s (EK-FAC eigenvalues of %d rows)", path, int(tensors["n_rows"][0]))
+    return path
+
+
+def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_dir: Path) -> None:
+    """Refuse to resume an index whose manifest records other grads settings than asked, for the
+    settings known before the model loads (IndexMismatchError naming each, as IndexWriter would)."""
+    asked = {"preconditioner": grads.preconditioner, "loss": grads.loss, "loss_reduction": grads.loss_reduction,
+             "storage_dtype": grads.storage_dtype, "rows_per_shard": grads.rows_per_shard}
+    diffs = [f"{k}: index has {manifest.get(k)!r}, asked {v!r}" for k, v in asked.items()
+             if k in manifest and manifest[k] != v]
+    if diffs:
+        raise IndexMismatchError(f"{index_dir} holds an index made differently: {'; '.join(diffs)}. Use another"
+                                 " grads.index_dir, or delete this one to rebuild it.")
 
 
 def token_policy(grads: GradsConfig) -> TokenPolicy:
@@ -212,7 +264,9 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
     check_grads_config(model_cfg, grads, index_dir)
     check_data_source(grads, data_path)
     if (Path(index_dir) / MANIFEST).is_file():
-        read_manifest(Path(index_dir))  # a damaged or tampered index to resume is refused first
+        # A damaged or tampered index to resume is refused first, and so is one made with other
+        # settings that the config alone decides (the rest is compared once the model is loaded).
+        check_resume_settings(read_manifest(Path(index_dir)), grads, Path(index_dir))
     source = Source(SourceSpec.from_grads(grads, data_path))
     loaded = loaded or load_model(model_cfg)
     tokenizer = loaded.tokenizer
@@ -247,6 +301,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         modules = select_modules(model, adapter, grads.module_filter)
         shapes = module_shapes(modules)
     projector = Projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed)
+    if has_kfac(grads.preconditioner):
+        check_kfac(projector.kind, {n: projector.factors.get(n, s) for n, s in projector.shapes.items()})
     model_dtype = next(model.parameters()).dtype
     activations = activation_mode(grads.activations, model_dtype)  # "model", "recompute" or "fused"
     local = Path(source.name)
@@ -294,17 +350,21 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             rows = corpus.rows(start, end)
             row_lengths = [len(r.input_ids) for r in rows]
             grads_out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
+            factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
             for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length):
                 chunk = [rows[i] for i in plan]
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
                 grads_out[plan] = per_example_gradients(model, adapter, modules, projector, batch,
                                                         grads.loss_reduction, grads.loss,
-                                                        activations).row().cpu()
+                                                        activations, factors).row().cpu()
                 stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())
                 bar.update(task, advance=len(chunk), rates=stats.text())
             writer.write_shard(k, grads_out, torch.arange(start, end),
                                sources=torch.from_numpy(corpus.positions[start:end].copy()),
-                               second_moment_blocks=len(shapes) if grads.preconditioner == "module" else None)
+                               second_moment_blocks=len(shapes) if has_module(grads.preconditioner) else None,
+                               extra_tensors=factors.tensors() if factors is not None else None)
+    if has_kfac(grads.preconditioner):
+        finalize_curvature(index_dir)  # the EK-FAC eigenvalues, once every shard is written
     if stats.rows:
         console.print(f"indexed {stats.rows} rows: {stats.text()} ({stats.real_tokens} tokens,"
                       f" {stats.computed_tokens} computed)")

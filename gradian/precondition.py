@@ -13,7 +13,8 @@ rank time the shards' sums are added in float64 and, per module,
     F_m = S_m / n                          the empirical Fisher / Gauss-Newton matrix in the
                                            projected space (TRAK's ΦᵀΦ, LoGra's eFIM)
     λ_m = damping · tr(F_m) / k            damping 0.1: a tenth of the mean eigenvalue
-    A_m = (F_m + λ_m I)⁻¹
+    A_m = (F_m + λ_m I)⁻¹                  never formed: F_m + λ_m I = L_m L_mᵀ is factored once
+                                           (Cholesky) and each use is a triangular solve
 
 Scores of a query q against a row g:
 
@@ -26,8 +27,11 @@ shares (large eigenvalues of F_m) count less, directions that single rows out co
 damping keeps directions no row explored (eigenvalue ~0) from dominating: relative to the mean
 eigenvalue it does not depend on the loss scale, the model or k.
 
-Rank-time cost: `influence` is one (Q, W) x (W, n) matmul per shard, as `dot`; `whitened`
-also whitens every shard row, M · n · k² more multiply-adds (docs/benchmarks.md measures both).
+Rank-time cost: one Cholesky factorisation per module (M k³ / 3 in float64, once), then
+`influence` is two triangular solves for the Q queries and one (Q, W) x (W, n) matmul per
+shard, as `dot`; `whitened` also solves for every shard row, M · n · k² more multiply-adds
+(docs/benchmarks.md measures both). Disk: k² float32 per module and shard (width 4096: 64 MiB
+per module and shard); `gradian.curvature`'s K-FAC factors are the small alternative.
 """
 
 from __future__ import annotations
@@ -47,11 +51,12 @@ TENSOR = "second_moment"
 
 
 def check_block_width(projection_dim: int | None, preconditioner: str) -> None:
-    """grads.preconditioner=module needs projected rows of width <= MAX_BLOCK_WIDTH per module."""
-    if preconditioner == "none":
-        return
+    """grads.preconditioner=module needs projected rows of width <= MAX_BLOCK_WIDTH per module
+    (kfac's factors are checked on the projector, `gradian.curvature.check_kfac`)."""
     if preconditioner not in PRECONDITIONERS:
         raise ValueError(f"grads.preconditioner={preconditioner!r}; valid: {', '.join(PRECONDITIONERS)}.")
+    if preconditioner in ("none", "kfac"):
+        return
     if projection_dim is None or projection_dim > MAX_BLOCK_WIDTH:
         raise ValueError(f"grads.preconditioner={preconditioner} stores a (k, k) matrix per module and shard;"
                          f" with grads.projection_dim={projection_dim} that is too large. Set grads.projection_dim"
@@ -72,17 +77,19 @@ def shard_second_moment(stored: torch.Tensor, n_blocks: int) -> torch.Tensor:
 
 
 class Preconditioner:
-    """Per-module damped inverse second moments A_m (M, k, k) float64 and whiteners W_m (WᵀW = A).
+    """Per-module damped second moments F_m + λ_m I (M, k, k), kept as their Cholesky factors L_m.
 
     Built from the total of the shards' ``second_moment`` sums and the row count (`from_sums`).
+    Nothing is inverted: `precondition` solves with L_m (queries only), `whiten` solves L_m y = g
+    for the rows. `inverse` and `whitener` form the matrices, for tests.
     """
 
-    def __init__(self, inverse: torch.Tensor, whitener: torch.Tensor, damping: float, lambdas: torch.Tensor) -> None:
-        self.inverse = inverse  # (M, k, k) A_m, float64
-        self.whitener = whitener  # (M, k, k) W_m = L_m⁻¹, lower triangular, float64
-        # Applied in float32: rows are stored in float16/bfloat16/float32, so float64 would only
-        # slow the per-shard whitening down. Row vectors: A g -> g A (A symmetric), W g -> g Wᵀ.
-        self._inverse32, self._whitener_t32 = inverse.float(), whitener.transpose(1, 2).contiguous().float()
+    def __init__(self, chol: torch.Tensor, damping: float, lambdas: torch.Tensor) -> None:
+        self.chol = chol  # (M, k, k) L_m, lower triangular, float64
+        # The rows' whitening runs in float32: rows are stored in float16/bfloat16/float32, so
+        # float64 would only slow the per-shard solve down. Row vectors: W g = L⁻¹ g -> g L⁻ᵀ,
+        # i.e. y Lᵀ = g solved from the right with the upper triangular Lᵀ.
+        self._chol_t32 = chol.transpose(1, 2).contiguous().float()
         self.damping = damping
         self.lambdas = lambdas  # (M,) λ_m
 
@@ -102,26 +109,38 @@ class Preconditioner:
         # slower than a Cholesky factorisation on some LAPACK builds: seconds for 8 x 256²).
         lambdas = damping * torch.diagonal(fisher, dim1=1, dim2=2).sum(dim=1) / k
         lambdas = torch.where(lambdas > 0, lambdas, torch.ones_like(lambdas))  # an all-zero block: identity
-        eye = torch.eye(k, dtype=torch.float64)
-        chol = torch.linalg.cholesky(fisher + lambdas[:, None, None] * eye)  # L, (M, k, k)
-        whitener = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)  # L⁻¹
-        inverse = whitener.transpose(1, 2) @ whitener  # L⁻ᵀ L⁻¹ = (F + λI)⁻¹
-        return cls(inverse, whitener, damping, lambdas)
+        fisher.diagonal(dim1=1, dim2=2).add_(lambdas[:, None])
+        return cls(torch.linalg.cholesky(fisher), damping, lambdas)  # factor once, in place of an inverse
 
     @property
     def n_blocks(self) -> int:
-        return self.inverse.shape[0]
+        return self.chol.shape[0]
 
-    def _apply(self, mats: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """rows (n, M·k) -> each block times its (k, k) matrix on the right, (n, M·k) float32."""
+    @property
+    def whitener(self) -> torch.Tensor:
+        """W_m = L_m⁻¹ (M, k, k) float64 (formed for tests; ranking solves instead)."""
+        eye = torch.eye(self.chol.shape[-1], dtype=torch.float64).expand_as(self.chol)
+        return torch.linalg.solve_triangular(self.chol, eye, upper=False)
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        """A_m = (F_m + λ_m I)⁻¹ (M, k, k) float64 (formed for tests; ranking solves instead)."""
+        w = self.whitener
+        return w.transpose(1, 2) @ w
+
+    def _blocks(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]
-        blocks = rows.float().reshape(n, self.n_blocks, -1).transpose(0, 1)  # (M, n, k)
-        return (blocks @ mats).transpose(0, 1).reshape(n, -1)
+        return rows.reshape(n, self.n_blocks, -1).transpose(0, 1)  # (M, n, k)
 
     def precondition(self, rows: torch.Tensor) -> torch.Tensor:
-        """A g per block: (n, M·k) -> (n, M·k) float32 (for queries: influence = (A q)ᵀ g)."""
-        return self._apply(self._inverse32, rows)
+        """A g per block: (n, M·k) -> (n, M·k) float32, by two triangular solves in float64 (for
+        queries: influence = (A q)ᵀ g)."""
+        n = rows.shape[0]
+        blocks = self._blocks(rows.double()).transpose(1, 2)  # (M, k, n)
+        return torch.cholesky_solve(blocks, self.chol).transpose(1, 2).transpose(0, 1).reshape(n, -1).float()
 
     def whiten(self, rows: torch.Tensor) -> torch.Tensor:
-        """W g per block: (n, M·k) -> (n, M·k) float32; ‖W g‖ = ‖g‖_A and (W q)·(W g) = qᵀ A g."""
-        return self._apply(self._whitener_t32, rows)
+        """W g = L⁻¹ g per block: (n, M·k) -> (n, M·k) float32; ‖W g‖ = ‖g‖_A, (W q)·(W g) = qᵀ A g."""
+        n = rows.shape[0]
+        solved = torch.linalg.solve_triangular(self._chol_t32, self._blocks(rows.float()), upper=True, left=False)
+        return solved.transpose(0, 1).reshape(n, -1)

@@ -10,7 +10,9 @@ Scores: ``dot`` = <g_query, g_row>; ``cosine`` = dot / (|g_query| |g_row|), usin
 stored in the index (norms of the stored values, so the cosine is exactly that of what is on
 disk). ``influence`` and ``whitened`` use the per-module second moments an index built with
 ``grads.preconditioner: module`` holds (`gradian.precondition`): qᵀ A g, and that divided by
-‖q‖_A ‖g‖_A. ``aggregate`` turns the Q per-query scores of a row into one (``mean`` or ``max``) and
+‖q‖_A ‖g‖_A. ``kfac`` and ``ekfac`` use the K-FAC factors an index built with
+``grads.preconditioner: kfac`` holds (`gradian.curvature`): qᵀ (F + λI)⁻¹ g with K-FAC's or
+EK-FAC's F. ``aggregate`` turns the Q per-query scores of a row into one (``mean`` or ``max``) and
 ranks the rows by it as well.
 """
 
@@ -32,6 +34,7 @@ from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes
 from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
+from gradian.curvature import KroneckerCurvature, has_kfac
 from gradian.data import _preview, collate, load_rows, policy_of
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.indexer import check_input_file, check_writable_dir, tokenizer_hash
@@ -42,8 +45,10 @@ from gradian.sources import DataError, Source, SourceSpec
 
 log = logging.getLogger(__name__)
 
-SCORES = ("cosine", "dot", "influence", "whitened")
-PRECONDITIONED_SCORES = ("influence", "whitened")
+SCORES = ("cosine", "dot", "influence", "whitened", "kfac", "ekfac")
+PRECONDITIONED_SCORES = ("influence", "whitened")  # the module second moments (gradian.precondition)
+KRONECKER_SCORES = ("kfac", "ekfac")  # the K-FAC factors (gradian.curvature)
+CURVATURE_SCORES = PRECONDITIONED_SCORES + KRONECKER_SCORES
 AGGREGATES = ("mean", "max")
 QUERY_BATCH_SIZE = 8
 # Norms below this count as zero: a zero gradient has no direction, its cosine is defined as 0.
@@ -89,9 +94,12 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     k' = min(top_k, rows in the index). Peak memory is about one shard in float32 plus Q x
     shard rows of scores, whatever the number of rows. `verify`: check each shard's sha256
     against the manifest as it is read (IndexIntegrityError on a mismatch). `damping`: λ_m as a
-    share of module m's mean eigenvalue for the preconditioned scores (None: 0.1).
+    share of module m's mean eigenvalue for the curvature scores (None: 0.1); refused with
+    cosine and dot, which use none.
     """
     _check_choice("score", score, SCORES)
+    if damping is not None and score not in CURVATURE_SCORES:
+        raise ValueError(f"damping={damping} with score {score!r}: only {', '.join(CURVATURE_SCORES)} use a damping.")
     _check_choice("aggregate", aggregate, AGGREGATES)
     if top_k < 1:
         raise ValueError(f"top_k={top_k}; it must be >= 1.")
@@ -107,7 +115,10 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
         log.warning("%s is incomplete (%s): ranking only the rows stored so far.", reader.index_dir,
                     "; ".join(reader.missing()) or "the manifest says so")
     precond = _preconditioner(reader, damping) if score in PRECONDITIONED_SCORES else None
-    if score == "influence":
+    if score in KRONECKER_SCORES:
+        _kronecker_check(reader)
+        q = KroneckerCurvature.from_index(reader, score, DAMPING if damping is None else damping).precondition(q)
+    elif score == "influence":
         q = precond.precondition(q)  # (A q)ᵀ g = qᵀ A g: the rows need nothing more
     elif score == "whitened":
         q = precond.whiten(q)
@@ -128,6 +139,14 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
         del scores, grads  # release the shard before the next one is read
     return {"query_scores": per_query.values, "query_rows": per_query.rows,
             "aggregate_scores": combined.values[0], "aggregate_rows": combined.rows[0]}
+
+
+def _kronecker_check(reader: IndexReader) -> None:
+    if not has_kfac(reader.manifest.get("preconditioner")):
+        raise IndexMismatchError(f"{reader.index_dir} was built with grads.preconditioner="
+                                 f"{reader.manifest.get('preconditioner', 'none')}: it holds no K-FAC factors for"
+                                 " --score kfac or ekfac. Rank with another score, or rebuild the index with"
+                                 " grads.preconditioner=kfac (or module+kfac).")
 
 
 def _preconditioner(reader: IndexReader, damping: float | None):
@@ -398,7 +417,13 @@ def format_results(manifest: dict[str, Any], top: dict[str, torch.Tensor], query
     return out
 
 
-def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "cosine",
+def default_score(manifest: dict[str, Any]) -> str:
+    """What `score="auto"` ranks with: ekfac where the index holds K-FAC factors (the best score on
+    most yardsticks, docs/benchmarks.md "Yardsticks"), else cosine."""
+    return "ekfac" if has_kfac(manifest.get("preconditioner")) else "cosine"
+
+
+def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score: str = "auto",
          aggregate: str = "mean", out_path: str | Path | None = None,
          model_cfg: ModelConfig | None = None, loaded=None, verify: bool = True,
          circuit: str | Path | None = None, append_eos: bool | None = None,
@@ -419,11 +444,13 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     a restricted index's queries use the heads and MLPs its manifest records.
 
     `score`: cosine, dot, or (an index built with grads.preconditioner=module) influence or
-    whitened, with `damping` (share of the mean eigenvalue, default 0.1; `gradian.precondition`).
+    whitened, or (grads.preconditioner=kfac) kfac or ekfac, with `damping` (share of the mean
+    eigenvalue, default 0.1; `gradian.precondition`, `gradian.curvature`; refused with cosine / dot).
+    "auto" (the default): ekfac on an index with K-FAC factors, else cosine (`default_score`).
     Query rows are tokenized with the index's token policy (manifest ``token_policy``);
     `append_eos`, when given, must be that policy's (IndexMismatchError otherwise).
     """
-    _check_choice("score", score, SCORES)
+    _check_choice("score", score, ("auto", *SCORES))
     _check_choice("aggregate", aggregate, AGGREGATES)
     if top_k < 1:
         raise UserError(f"--top-k {top_k}: it must be >= 1.", exit_code=2)
@@ -431,16 +458,28 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     if out_path is not None:
         check_output_file(Path(out_path), "--out")
     manifest = IndexReader(index_dir).manifest
+    if score == "auto":
+        score = default_score(manifest)
+        if damping is not None and score not in CURVATURE_SCORES:
+            raise UserError(f"--damping {damping}: {index_dir} holds no K-FAC factors (grads.preconditioner="
+                            f"{manifest.get('preconditioner', 'none')}), so --score auto is cosine, which uses no"
+                            f" damping. Drop --damping, or name a --score that uses it ({', '.join(CURVATURE_SCORES)}).",
+                            exit_code=2)
     if not isinstance(manifest.get("model"), str):
         raise IndexIntegrityError(f"{Path(index_dir) / 'manifest.json'} names no model (model:"
                                   f" {manifest.get('model')!r}); rebuild the index with `gradian index`.")
     check_circuit(manifest, circuit)
     check_token_policy(manifest, append_eos)
+    if damping is not None and score not in CURVATURE_SCORES:
+        raise UserError(f"--damping {damping} with --score {score}: {score} uses no curvature, so there is nothing to"
+                        f" damp. Drop --damping, or rank with --score {' / '.join(CURVATURE_SCORES)}.", exit_code=2)
     if damping is not None and damping <= 0:
         raise UserError(f"--damping {damping}: it must be > 0 (a share of each module's mean eigenvalue).",
                         exit_code=2)
     if score in PRECONDITIONED_SCORES and IndexReader(index_dir).second_moment_blocks is None:
         _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads
+    if score in KRONECKER_SCORES:
+        _kronecker_check(IndexReader(index_dir))
     if loaded is None:
         model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
                                              gguf_file=manifest.get("gguf_file"),

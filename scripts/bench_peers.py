@@ -61,6 +61,7 @@ TOOLS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bergson": (".venv-peers", "worker_bergson.py", {}),
     "traker": (".venv-peers", "worker_trak.py", {}),
     "dattri": (".venv-peers", "worker_dattri.py", {}),
+    "kronfluence": (".venv-kronfluence", "worker_kronfluence.py", {}),
 }
 # bergson formats prompt/completion rows with the tokenizer's chat template. For every tool to see
 # the same tokens (the prompt's then the completion's, loss on the completion), the benchmark's
@@ -313,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=5, help="fine-tuning epochs (5: learnt, not memorised)")
     p.add_argument("--seeds", type=int, default=5, help="projection seeds per tool (recall is averaged)")
     p.add_argument("--dims", default="256", help="per-module projection widths, comma-separated squares")
-    p.add_argument("--tools", default=",".join(TOOLS), help=f"subset of {','.join(TOOLS)}")
+    # kronfluence (EK-FAC, no projection: one run whatever --dims and --seeds) runs in
+    # bench_yardsticks.py --peers kronfluence; named here it runs like the others.
+    p.add_argument("--tools", default=",".join(t for t in TOOLS if t != "kronfluence"),
+                   help=f"subset of {','.join(TOOLS)}")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker run")
     p.add_argument("--no-circuit", action="store_true", help="skip CircuitKit vs auto-circuit")

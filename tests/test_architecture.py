@@ -107,6 +107,7 @@ LAYERS: dict[str, str] = {
     "gradian.memory": GRADIAN,
     "gradian.stage": GRADIAN,
     "gradian.precondition": GRADIAN,
+    "gradian.curvature": GRADIAN,
     "gradian.tokens": GRADIAN,
     # entry points
     "circuitkit": ENTRY,

@@ -206,7 +206,7 @@ def test_margin_index_records_its_loss_and_queries_use_it(root: Path, tmp_path: 
     assert not torch.equal(a, b) and (a.norm(dim=1) > b.norm(dim=1)).all()
     queries = tmp_path / "q.jsonl"
     queries.write_text(json.dumps(ROWS[9]) + "\n")
-    results = rank(margin, queries, top_k=1)
+    results = rank(margin, queries, top_k=1, score="cosine")
     assert results[0]["row_id"] == 9 and results[0]["score"] == pytest.approx(1.0, abs=1e-5)
 
 
@@ -251,8 +251,11 @@ def test_shard_buffer_counts_the_second_moments() -> None:
     from circuitkit.config import GradsConfig
     from gradian.indexer import check_shard_buffer
 
-    plain = GradsConfig(rows_per_shard=100, projection_dim=16)
+    plain = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="none")
     module = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="module")
+    kfac = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="kfac")
     assert check_shard_buffer(plain, 50, 8 * 16, 8) == 50 * 128 * 4
+    # + the float64 factor sums, bounded by 4 k per block (two sides of at most k entries each).
+    assert check_shard_buffer(kfac, 50, 8 * 16, 8) == 50 * 128 * 4 + 8 * 4 * 16 * 8
     # + 8 blocks of 16 x 16 float32, + one block's float64 scratch of 50 x 16.
     assert check_shard_buffer(module, 50, 8 * 16, 8) == 50 * 128 * 4 + 8 * 16 * 16 * 4 + 50 * 16 * 8

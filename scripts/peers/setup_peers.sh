@@ -3,6 +3,11 @@
 #
 #   .venv-peers        bergson, traker, dattri next to the CPU build of torch 2.13.0
 #   .venv-autocircuit  auto-circuit with transformer-lens<3 and transformers 4.x (torch 2.13.0)
+#   .venv-kronfluence  kronfluence 1.0.1 (EK-FAC influence) with transformers 5.x (torch 2.13.0)
+#   .venv-tlens4       transformer-lens 4.3.0 (TransformerBridge attribution patching; transformers>=5.9)
+#
+# PEERS="kronfluence tlens4" builds only the venvs named (peers, autocircuit, kronfluence, tlens4);
+# default: all of them.
 #
 # Workarounds (docs/benchmarks.md, "Peers"):
 # * bergson requires torchvision and torchaudio; from PyPI they pull torch 2.14.1 (a CUDA build,
@@ -11,6 +16,8 @@
 #   other requirements are installed separately, with torch held at 2.13.0 by a constraint.
 # * transformer-lens 2.x holds numpy below 2, while the newest pyarrow (pulled by datasets)
 #   needs numpy 2: pyarrow is held below 23.
+# * kronfluence 1.0.1 requires torchvision, which it imports only for its vision examples: it is
+#   installed with --no-deps, like bergson, and its other requirements separately.
 # Each venv is rebuilt only when this script changes (a stamp file records the script's hash).
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
@@ -18,7 +25,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 STAMP=$(sha256sum "$0" | cut -c1-16)
 TORCH=torch==2.13.0
 
+PEERS=${PEERS:-peers autocircuit kronfluence tlens4}
+
 fresh() {  # fresh VENV: true when VENV needs (re)building; then it is removed and recreated
+  [[ " $PEERS " == *" ${1#.venv-} "* ]] || return 1
   if [[ -f "$1/.peers-$STAMP" ]]; then echo "$1 is up to date"; return 1; fi
   rm -rf "$1"
   "$PYTHON" -m venv "$1"
@@ -44,8 +54,23 @@ if fresh .venv-autocircuit; then
   touch ".venv-autocircuit/.peers-$STAMP"
 fi
 
-for venv in .venv-peers .venv-autocircuit; do
+if fresh .venv-kronfluence; then
+  pip=(.venv-kronfluence/bin/python -m pip install --quiet -c "$CONSTRAINT")
+  "${pip[@]}" --no-deps kronfluence==1.0.1
+  mapfile -t kronfluence_deps < <(.venv-kronfluence/bin/python "$HERE/requirements_without.py" kronfluence torchvision)
+  # hydra-core: gradian.data (the workers' shared tokenization, scripts/peers/lmdata.py) imports circuitkit.config.
+  "${pip[@]}" "${kronfluence_deps[@]}" "transformers>=5,<6" hydra-core rich
+  touch ".venv-kronfluence/.peers-$STAMP"
+fi
+
+if fresh .venv-tlens4; then
+  .venv-tlens4/bin/python -m pip install --quiet -c "$CONSTRAINT" transformer-lens==4.3.0
+  touch ".venv-tlens4/.peers-$STAMP"
+fi
+
+for venv in .venv-peers .venv-autocircuit .venv-kronfluence .venv-tlens4; do
+  [[ -x "$venv/bin/python" ]] || continue
   echo "$venv:"
   "$venv/bin/python" -m pip list --format=freeze 2>/dev/null \
-    | grep -iE '^(torch|transformers|transformer-lens|auto-circuit|bergson|traker|dattri|numpy)==' | sed 's/^/  /'
+    | grep -iE '^(torch|transformers|transformer-lens|auto-circuit|bergson|traker|dattri|kronfluence|numpy)==' | sed 's/^/  /'
 done

@@ -1,0 +1,346 @@
+"""K-FAC and EK-FAC curvature in the Kronecker-projected space (`grads.preconditioner: kfac`).
+
+For a linear module with Kronecker projection P_out (k_o, d_out), P_in (k_i, d_in), a stored
+block is g = vec(Σ_t s_t a_tᵀ) (row-major, index o · k_i + i) with the projected activations
+a_t = P_in x_t (k_i,) and output gradients s_t = P_out δ_t (k_o,) of every position t. While the
+rows are computed the indexer sums, per shard and module, in float64 (saved as float32),
+
+    kfac_in.m  = Σ_{rows, t} a_t a_tᵀ        (k_i, k_i)       over every non-padding position
+    kfac_out.m = Σ_{rows, t} s_t s_tᵀ        (k_o, k_o)
+    kfac_tokens = number of those positions  (1,) int64
+
+Sums add, like the second moments (`gradian.precondition`): any sharding, worker count or resume
+gives the same total. K-FAC's Fisher of a module, with n rows and N positions in all,
+
+    F ≈ S ⊗ A,   S = Σ s sᵀ / n  (per row: summed over its positions),   A = Σ a aᵀ / N,
+
+so F's eigenbasis is Q_S ⊗ Q_A (S = Q_S diag(e_S) Q_Sᵀ, A = Q_A diag(e_A) Q_Aᵀ) with eigenvalues
+Λ[o, i] = e_S[o] e_A[i]. EK-FAC (George et al. 2018, as Kronfluence) keeps the basis and replaces
+Λ by the rows' own second moment in it, Λ*[o, i] = Σ_rows (Q_Sᵀ G_row Q_A)[o, i]² / n, with
+G_row the (k_o, k_i) stored block. Λ* needs the final basis, so it is computed once the index is
+complete, from the stored rows (one pass), and saved in ``curvature.safetensors`` (listed in
+the manifest with its sha256; `gradian inspect --verify` recomputes it). Scores:
+
+    kfac(q, g)  = Σ_m q_mᵀ (F_m + λ_m I)⁻¹ g_m,   F_m = (Q_S ⊗ Q_A) diag(Λ_m) (Q_S ⊗ Q_A)ᵀ
+    ekfac(q, g) = the same with Λ*_m;             λ_m = damping · mean(Λ_m)   (damping 0.1)
+
+Applied to the queries only, in the eigenbasis (two (k_o, k_i) rotations and a division per
+query and module: no inverse, no k x k matrix); the rows are streamed as for `dot`, so ranking
+costs what cosine costs. Disk: (k_i² + k_o²) float32 per module and shard, against k² for the
+module second moments (width 4096 = 64 x 64: 32 KiB against 64 MiB per module and shard).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CURVATURE_FILE = "curvature.safetensors"
+TOKENS = "kfac_tokens"
+KINDS = ("kfac", "ekfac")
+# Above this many rows or columns per factor the (k, k) factors are not small any more (raw rows of
+# a large model: d_in² floats per module and shard).
+MAX_FACTOR_WIDTH = 4096
+
+
+def factor_names(m: int) -> tuple[str, str]:
+    return f"kfac_in.{m}", f"kfac_out.{m}"
+
+
+def is_factor_tensor(name: str) -> bool:
+    return name == TOKENS or name.startswith(("kfac_in.", "kfac_out."))
+
+
+def has_kfac(preconditioner: str | None) -> bool:
+    return preconditioner in ("kfac", "module+kfac")
+
+
+def has_module(preconditioner: str | None) -> bool:
+    return preconditioner in ("module", "module+kfac")
+
+
+def check_kfac(kind: str, factors: dict[str, tuple[int, int]]) -> None:
+    """K-FAC needs Kronecker rows (or raw ones) with factors of at most MAX_FACTOR_WIDTH a side.
+
+    kind: the projector's kind; factors: name -> (k_o, k_i) (raw rows: (d_out, d_in)).
+    """
+    if kind == "dense":
+        raise ValueError("grads.preconditioner=kfac needs the Kronecker structure of the rows: set"
+                         " grads.projection=kronecker or kronecker_orthogonal (or grads.preconditioner=module).")
+    wide = [(n, f) for n, f in factors.items() if max(f) > MAX_FACTOR_WIDTH]
+    if wide:
+        name, (k_o, k_i) = wide[0]
+        raise ValueError(f"grads.preconditioner=kfac stores ({k_o}, {k_o}) and ({k_i}, {k_i}) factors for {name};"
+                         f" a side above {MAX_FACTOR_WIDTH} is too large. Set grads.projection_dim (kronecker rows).")
+
+
+class FactorSums:
+    """Per-module Σ a aᵀ and Σ s sᵀ (float64) and the position count of one shard's batches."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        self.a: dict[str, torch.Tensor] = {}
+        self.s: dict[str, torch.Tensor] = {}
+        self.tokens = 0
+
+    def add(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> None:
+        """xp (B, T, k_i), dp (B, T, k_o): the projected inputs and output gradients of one batch,
+        zero at padding (padding adds nothing)."""
+        a = xp.reshape(-1, xp.shape[-1]).double()
+        s = dp.reshape(-1, dp.shape[-1]).double()
+        a_sum, s_sum = (a.T @ a).cpu(), (s.T @ s).cpu()
+        # Exactly symmetric (a blocked matmul may sum (i, j) and (j, i) in another order).
+        a_sum, s_sum = (a_sum + a_sum.T) / 2, (s_sum + s_sum.T) / 2
+        self.a[name] = a_sum if name not in self.a else self.a[name] + a_sum
+        self.s[name] = s_sum if name not in self.s else self.s[name] + s_sum
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += int(n)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Shard tensors: kfac_in.m, kfac_out.m (float32) in module order m, and kfac_tokens (1,)."""
+        missing = [n for n in self.names if n not in self.a]
+        if missing:
+            raise RuntimeError(f"no K-FAC factors were collected for modules {missing[:3]}.")
+        out = {TOKENS: torch.tensor([self.tokens], dtype=torch.int64)}
+        for m, name in enumerate(self.names):
+            key_in, key_out = factor_names(m)
+            out[key_in], out[key_out] = self.a[name].float(), self.s[name].float()
+        return out
+
+
+def factor_shapes(manifest: dict[str, Any]) -> list[tuple[int, int]]:
+    """(k_o, k_i) per module, in row order, from the manifest's projection (raw rows: the shape)."""
+    modules = (manifest.get("projection") or {}).get("modules") or {}
+    return [tuple(e.get("factors") or e["shape"]) for e in modules.values()]
+
+
+def shard_factor_problems(name: str, tensors: dict[str, torch.Tensor], shapes: list[tuple[int, int]],
+                          n_rows: int) -> list[str]:
+    """What is wrong with a shard's K-FAC tensors: presence, shapes, dtypes, symmetry, a
+    non-negative diagonal, and at least one position per row."""
+    problems = []
+    tokens = tensors.get(TOKENS)
+    if tokens is None or tokens.dtype != torch.int64 or tokens.shape != (1,) or int(tokens[0]) < n_rows:
+        problems.append(f"{name} kfac_tokens is {None if tokens is None else tokens.tolist()}, expected one int64"
+                        f" count >= its {n_rows} rows")
+    for m, (k_o, k_i) in enumerate(shapes):
+        for key, k in zip(factor_names(m), (k_i, k_o), strict=True):
+            t = tensors.get(key)
+            if t is None or t.dtype != torch.float32 or tuple(t.shape) != (k, k):
+                problems.append(f"{name} {key} is {None if t is None else (t.dtype, tuple(t.shape))}, expected"
+                                f" float32 ({k}, {k})")
+            elif not torch.isfinite(t).all() or not torch.equal(t, t.T) or (torch.diagonal(t) < 0).any():
+                problems.append(f"{name} {key} is not a sum of outer products (not finite, not symmetric or a"
+                                " negative diagonal)")
+    extra = sorted(k for k in tensors if is_factor_tensor(k) and k != TOKENS
+                   and int(k.rsplit(".", 1)[1]) >= len(shapes))
+    if extra:
+        problems.append(f"{name} holds K-FAC factors {extra[:3]} for modules the manifest does not list")
+    return problems
+
+
+def _read_shard_factors(reader) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """The shards' factor sums added in float64 (shards in name order), and the position count.
+    reader: a `gradian.index.IndexReader` (its `read_tensors` reads only the named tensors)."""
+    n_mod = len(factor_shapes(reader.manifest))
+    a_tot: list[torch.Tensor | None] = [None] * n_mod
+    s_tot: list[torch.Tensor | None] = [None] * n_mod
+    tokens = 0
+    keys = [TOKENS] + [key for m in range(n_mod) for key in factor_names(m)]
+    for name in sorted(reader.manifest["shards"]):
+        t = reader.read_tensors(name, keys, "grads.preconditioner=kfac")
+        tokens += int(t[TOKENS][0])
+        for m in range(n_mod):
+            key_in, key_out = factor_names(m)
+            a, s = t[key_in].double(), t[key_out].double()
+            a_tot[m] = a if a_tot[m] is None else a_tot[m] + a
+            s_tot[m] = s if s_tot[m] is None else s_tot[m] + s
+    return a_tot, s_tot, tokens
+
+
+def _basis(a_sum: torch.Tensor, s_sum: torch.Tensor, n_rows: int, tokens: int):
+    """Eigenbases and eigenvalues of A = Σ a aᵀ / N and S = Σ s sᵀ / n (float64; eigenvalues
+    clamped at 0: the factors are positive semi-definite, roundoff is not)."""
+    e_a, q_a = torch.linalg.eigh(a_sum / max(tokens, 1))
+    e_s, q_s = torch.linalg.eigh(s_sum / max(n_rows, 1))
+    return q_a, e_a.clamp_min(0), q_s, e_s.clamp_min(0)
+
+
+def ekfac_eigenvalues(reader, q_in: list[torch.Tensor], q_out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Λ*_m = Σ_rows (Q_outᵀ G Q_in)² / n per module (k_o, k_i) float64, from the stored rows."""
+    shapes = factor_shapes(reader.manifest)
+    sums = [torch.zeros(k_o, k_i, dtype=torch.float64) for k_o, k_i in shapes]
+    n = 0
+    offsets = [0]
+    for k_o, k_i in shapes:
+        offsets.append(offsets[-1] + k_o * k_i)
+    for _rows, grads, _norms in reader.shards(verify=False):
+        n += grads.shape[0]
+        for m, (k_o, k_i) in enumerate(shapes):
+            block = grads[:, offsets[m]:offsets[m + 1]].double().reshape(-1, k_o, k_i)
+            rotated = q_out[m].T @ block @ q_in[m]
+            sums[m] += (rotated * rotated).sum(0)
+    return [s / max(n, 1) for s in sums]
+
+
+def n_rows_of(manifest: dict[str, Any]) -> int:
+    return sum(e["rows"][1] - e["rows"][0] for e in manifest["shards"].values())
+
+
+def compute_curvature(reader) -> dict[str, torch.Tensor]:
+    """The tensors of ``curvature.safetensors`` for an index: per module m the eigenbases
+    ``q_in.m`` (k_i, k_i), ``q_out.m`` (k_o, k_o), K-FAC eigenvalues ``e_in.m``, ``e_out.m`` and the
+    EK-FAC ones ``ekfac.m`` (k_o, k_i), float32; Λ* computed with the float32 bases as stored, so
+    a verifier gets the same numbers; ``n_rows`` and ``kfac_tokens`` (1,) int64."""
+    manifest = reader.manifest
+    a_tot, s_tot, tokens = _read_shard_factors(reader)
+    n_rows = n_rows_of(manifest)
+    out: dict[str, torch.Tensor] = {"n_rows": torch.tensor([n_rows], dtype=torch.int64),
+                                    TOKENS: torch.tensor([tokens], dtype=torch.int64)}
+    q_in, q_out = [], []
+    for m in range(len(a_tot)):
+        qa, ea, qs, es = _basis(a_tot[m], s_tot[m], n_rows, tokens)
+        out[f"q_in.{m}"], out[f"q_out.{m}"] = qa.float(), qs.float()
+        out[f"e_in.{m}"], out[f"e_out.{m}"] = ea.float(), es.float()
+        q_in.append(qa.float().double())
+        q_out.append(qs.float().double())
+    for m, lam in enumerate(ekfac_eigenvalues(reader, q_in, q_out)):
+        out[f"ekfac.{m}"] = lam.float()
+    return out
+
+
+def shards_digest(manifest: dict[str, Any]) -> str:
+    import hashlib
+
+    items = sorted((n, e["sha256"]) for n, e in manifest["shards"].items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def current_record(index_dir: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest's ``curvature`` entry if its file is there with that sha256 and it was made
+    from the shards the manifest lists now; else None."""
+    from circuitkit.io import sha256_file
+
+    record = manifest.get("curvature")
+    path = Path(index_dir) / CURVATURE_FILE
+    if (not isinstance(record, dict) or record.get("file") != CURVATURE_FILE or not path.is_file()
+            or record.get("shards_sha256") != shards_digest(manifest) or sha256_file(path) != record.get("sha256")):
+        return None
+    return record
+
+
+def verify_curvature(reader) -> list[str]:
+    """`inspect --verify`'s checks of ``curvature.safetensors``: recorded, its sha256, made from the
+    listed shards, bases orthonormal and diagonalising the shards' summed factors, and the EK-FAC
+    eigenvalues recomputed from the stored rows."""
+    from safetensors.torch import load_file
+
+    manifest, index_dir = reader.manifest, reader.index_dir
+    if not reader.complete:
+        return []
+    record = manifest.get("curvature")
+    if record is None:
+        return [f"no {CURVATURE_FILE} recorded although the index is complete and holds K-FAC factors: resume the"
+                " index with the same command to write it"]
+    if current_record(index_dir, manifest) is None:
+        return [f"{CURVATURE_FILE} is missing, changed after it was written, or was made from other shards than"
+                " the manifest lists: resume the index with the same command to rewrite it"]
+    try:
+        stored = load_file(str(Path(index_dir) / CURVATURE_FILE))
+    except Exception as err:  # noqa: BLE001 - any unreadable file is one problem line
+        return [f"{CURVATURE_FILE} is not readable ({err})"]
+    problems = []
+    a_tot, s_tot, tokens = _read_shard_factors(reader)
+    n_rows = n_rows_of(manifest)
+    if int(stored["n_rows"][0]) != n_rows or int(stored[TOKENS][0]) != tokens:
+        problems.append(f"{CURVATURE_FILE} counts {int(stored['n_rows'][0])} rows and {int(stored[TOKENS][0])}"
+                        f" positions, the shards {n_rows} and {tokens}")
+    q_in, q_out = [], []
+    for m in range(len(a_tot)):
+        for side, total, count in (("in", a_tot[m], tokens), ("out", s_tot[m], n_rows)):
+            q, e = stored[f"q_{side}.{m}"].double(), stored[f"e_{side}.{m}"].double()
+            k = q.shape[0]
+            want = total / max(count, 1)
+            scale = want.diagonal().abs().max().clamp_min(1e-30)
+            if (not torch.allclose(q.T @ q, torch.eye(k, dtype=torch.float64), atol=1e-4)
+                    or (q @ torch.diag(e) @ q.T - want).abs().max() > 1e-4 * scale):
+                problems.append(f"{CURVATURE_FILE} q_{side}.{m} / e_{side}.{m} are not the eigendecomposition of the"
+                                f" shards' summed kfac_{side}.{m}")
+        q_in.append(stored[f"q_in.{m}"].double())
+        q_out.append(stored[f"q_out.{m}"].double())
+    if not problems:
+        for m, lam in enumerate(ekfac_eigenvalues(reader, q_in, q_out)):
+            if not torch.allclose(stored[f"ekfac.{m}"].double(), lam, rtol=1e-4, atol=1e-6 * lam.max().item()):
+                problems.append(f"{CURVATURE_FILE} ekfac.{m} is not the stored rows' second moment in the K-FAC"
+                                " eigenbasis")
+    return problems
+
+
+class KroneckerCurvature:
+    """Damped K-FAC or EK-FAC preconditioner per module, in the eigenbasis Q_out ⊗ Q_in.
+
+    `precondition(q)` returns (F + λI)⁻¹ q per block for query rows; nothing is inverted.
+    """
+
+    def __init__(self, shapes: list[tuple[int, int]], q_in: list[torch.Tensor], q_out: list[torch.Tensor],
+                 eigenvalues: list[torch.Tensor], damping: float) -> None:
+        if damping <= 0:
+            raise ValueError(f"damping={damping}; it must be > 0 (a share of the mean eigenvalue).")
+        self.shapes, self.q_in, self.q_out, self.damping = shapes, q_in, q_out, damping
+        self.eigenvalues = eigenvalues
+        means = [lam.mean() for lam in eigenvalues]
+        self.lambdas = torch.stack([damping * mu if mu > 0 else torch.ones((), dtype=torch.float64) for mu in means])
+
+    @classmethod
+    def from_index(cls, reader, kind: str, damping: float) -> KroneckerCurvature:
+        """From ``curvature.safetensors`` when it is current; else (an incomplete index, or one
+        whose file is missing) computed now from the shards (EK-FAC: one extra pass over the rows)."""
+        from safetensors.torch import load_file
+
+        if kind not in KINDS:
+            raise ValueError(f"curvature {kind!r}; valid: {', '.join(KINDS)}.")
+        shapes = factor_shapes(reader.manifest)
+        if current_record(reader.index_dir, reader.manifest) is not None:
+            t = load_file(str(Path(reader.index_dir) / CURVATURE_FILE))
+        else:
+            if kind == "ekfac":
+                log.warning("%s has no current %s: computing the EK-FAC eigenvalues now (one pass over the rows).",
+                            reader.index_dir, CURVATURE_FILE)
+            a_tot, s_tot, tokens = _read_shard_factors(reader)
+            n_rows = n_rows_of(reader.manifest)
+            t = {}
+            for m in range(len(shapes)):
+                qa, ea, qs, es = _basis(a_tot[m], s_tot[m], n_rows, tokens)
+                t[f"q_in.{m}"], t[f"q_out.{m}"], t[f"e_in.{m}"], t[f"e_out.{m}"] = qa, qs, ea, es
+            if kind == "ekfac":
+                lams = ekfac_eigenvalues(reader, [t[f"q_in.{m}"] for m in range(len(shapes))],
+                                         [t[f"q_out.{m}"] for m in range(len(shapes))])
+                t.update({f"ekfac.{m}": lam for m, lam in enumerate(lams)})
+        q_in = [t[f"q_in.{m}"].double() for m in range(len(shapes))]
+        q_out = [t[f"q_out.{m}"].double() for m in range(len(shapes))]
+        if kind == "kfac":
+            eig = [torch.outer(t[f"e_out.{m}"].double(), t[f"e_in.{m}"].double()) for m in range(len(shapes))]
+        else:
+            eig = [t[f"ekfac.{m}"].double() for m in range(len(shapes))]
+        return cls(shapes, q_in, q_out, eig, damping)
+
+    def precondition(self, rows: torch.Tensor) -> torch.Tensor:
+        """(F + λI)⁻¹ g per block, rows (n, Σ k) -> (n, Σ k) float32 (computed in float64)."""
+        out = torch.empty(rows.shape, dtype=torch.float32)
+        start = 0
+        for m, (k_o, k_i) in enumerate(self.shapes):
+            block = rows[:, start:start + k_o * k_i].double().reshape(-1, k_o, k_i)
+            rotated = self.q_out[m].T @ block @ self.q_in[m]
+            rotated = rotated / (self.eigenvalues[m] + self.lambdas[m])
+            out[:, start:start + k_o * k_i] = (self.q_out[m] @ rotated @ self.q_in[m].T).reshape(-1, k_o * k_i).float()
+            start += k_o * k_i
+        if start != rows.shape[1]:
+            raise ValueError(f"rows have width {rows.shape[1]}, the curvature's blocks {start}.")
+        return out

@@ -1,0 +1,479 @@
+"""Benchmark: every Gradian score option on several yardsticks, in one table.
+
+Yardsticks (each its own fine-tuned model; all recall figures are of the one target document
+among all documents):
+
+* ``A``   bench_planted_facts.make_corpus(cross_template=True): facts in one of two templates per
+          attribute, queries completed in the template that entity's fact was *not* written in
+          (style ``cross``); the tiny GPT-2 fixture fine-tuned --epochs epochs.
+* ``B``   planted_facts_b.make_corpus_b: other entities, fact kinds, templates and prompts, queries
+          that are paraphrases (a question and, for ``para``, a completion template never trained;
+          ``answer``: the value alone); the same fixture fine-tuned the same way.
+* ``LDS`` bench_lds.py's linear datamodeling score (--lds-subsets half-subset models), styles full
+          and short.
+* ``S``   (--smollm2 DIR) a fact set of B's generator fine-tuned into SmolLM2-135M on the CPU
+          (--smollm2-facts facts, a few AdamW steps on a few modules), recall of ``para`` queries.
+
+Options, per loss (ce, margin) and width per module (--widths; kronecker, 3 projection seeds):
+``cosine``, ``influence`` and ``whitened`` (module second moments, widths <= 4096), ``kfac`` and
+``ekfac`` (gradian.curvature), all ranked by `stream_topk` on one index built with
+grads.preconditioner=module+kfac; and the exact references on raw gradients (no projection):
+cosine, kfac, ekfac, and exact influence (the damped per-module second moment of the raw rows,
+applied by Woodbury's identity: an n x n solve instead of a D x D one). The modules are the
+MLP's two linear layers of every block (module_filter mlp), so that every width up to 16384 has
+a Kronecker factorisation on the fixture (d_model 64, d_mlp 256).
+
+Also measured on the widest index that has every score: the seconds of `stream_topk` per score
+(ratios to cosine in the same process) and the bytes of each stored part.
+
+    python scripts/bench_yardsticks.py [--widths 256,1024,4096,16384] [--seeds 3] [--losses ce,margin]
+        [--yardsticks A,B,LDS] [--lds-subsets 16] [--smollm2 DIR] [--work DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_planted_facts import fine_tuned_model, make_corpus, write_jsonl  # noqa: E402
+from planted_facts_b import make_corpus_b  # noqa: E402
+
+from circuitkit.config import GradsConfig, ModelConfig  # noqa: E402
+from gradian.index import IndexReader  # noqa: E402
+from gradian.indexer import build_index  # noqa: E402
+from gradian.rank import check_compatible, query_gradients, stream_topk  # noqa: E402
+
+MODULES = ["mlp"]
+DAMPING = 0.1
+
+
+def score_matrix(index_dir: Path, q: torch.Tensor, score: str, n_docs: int) -> tuple[torch.Tensor, float]:
+    """(Q, n_docs) scores of every row and the seconds `stream_topk` took."""
+    start = time.perf_counter()
+    top = stream_topk(index_dir, q, top_k=n_docs, score=score)
+    seconds = time.perf_counter() - start
+    out = torch.zeros(q.shape[0], n_docs, dtype=torch.float64)
+    out.scatter_(1, top["query_rows"], top["query_scores"].double())
+    return out, seconds
+
+
+def exact_influence(index_dir: Path, q: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
+    """Σ_m q_mᵀ (F_m + λ_m I)⁻¹ g_m on raw rows, F_m = G_mᵀ G_m / n, λ_m = damping · tr(F_m) / D_m,
+    by Woodbury: (F + λI)⁻¹ q = (q - G_mᵀ (nλ I + G_m G_mᵀ)⁻¹ G_m q) / λ. (Q, n) float64."""
+    reader = IndexReader(index_dir)
+    rows = torch.cat([g for _, g, _ in reader.shards()]).double()
+    n = rows.shape[0]
+    out = torch.zeros(q.shape[0], n, dtype=torch.float64)
+    start = 0
+    for entry in reader.manifest["projection"]["modules"].values():
+        width = entry["width"]
+        g, qm = rows[:, start:start + width], q[:, start:start + width].double()
+        lam = damping * (g * g).sum() / n / width
+        gram = g @ g.T + n * lam * torch.eye(n, dtype=torch.float64)
+        solved = (qm - (torch.linalg.solve(gram, g @ qm.T)).T @ g) / lam  # (Q, D)
+        out += solved @ g.T
+        start += width
+    return out
+
+
+def planted_metrics(scores: torch.Tensor, targets: list[int]) -> dict[str, float]:
+    order = scores.argsort(dim=1, descending=True, stable=True)
+    ranks = [(order[i] == t).nonzero().item() + 1 for i, t in enumerate(targets)]
+    n = len(ranks)
+    return {"r1": sum(r == 1 for r in ranks) / n, "r10": sum(r <= 10 for r in ranks) / n,
+            "mrr": sum(1 / r for r in ranks) / n}
+
+
+def stored_bytes(index_dir: Path) -> dict[str, int]:
+    """Bytes of the rows, the second moments and the K-FAC factors + curvature file."""
+    from safetensors import safe_open
+
+    out = {"rows": 0, "second_moment": 0, "kfac": 0}
+    reader = IndexReader(index_dir)
+    for name in reader.manifest["shards"]:
+        with safe_open(str(index_dir / name), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118
+                t = fh.get_slice(key)
+                size = 1
+                for d in t.get_shape():
+                    size *= d
+                size *= {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}[t.get_dtype()]
+                part = "rows" if key in ("grads", "norms", "rows", "sources") else (
+                    "second_moment" if key == "second_moment" else "kfac")
+                out[part] += size
+    curv = index_dir / "curvature.safetensors"
+    if curv.is_file():
+        out["kfac"] += curv.stat().st_size
+    return out
+
+
+class Yardstick:
+    """A fine-tuned model, its documents, query files per style, and how to score a matrix."""
+
+    def __init__(self, name: str, model_dir: str, docs: Path, queries: dict[str, Path], targets: list[int] | None,
+                 lds_data: tuple | None = None, precision: str = "float32") -> None:
+        self.name, self.model_dir, self.docs, self.queries, self.targets = name, model_dir, docs, queries, targets
+        self.lds_data = lds_data  # (subsets, style -> losses)
+        self.n_docs = sum(1 for line in docs.read_text().splitlines() if line.strip())
+        self.precision = precision
+
+    def evaluate(self, style: str, scores: torch.Tensor) -> dict[str, float]:
+        if self.lds_data is None:
+            return planted_metrics(scores, self.targets)
+        from bench_lds import lds
+
+        subsets, losses = self.lds_data
+        mean, se = lds(scores.tolist(), subsets, losses[style])
+        return {"lds": mean, "lds_se": se}
+
+
+def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str], work: Path,
+                  console: Console, batch_size: int = 16) -> list[dict[str, Any]]:
+    from circuitkit.models.loading import load_model
+
+    model_cfg = ModelConfig(name=ys.model_dir, precision=ys.precision)
+    loaded = load_model(model_cfg, device=torch.device("cpu"))
+    quiet = Console(stderr=True, quiet=True)
+    out = []
+    plan = [(loss, None, 0) for loss in losses] + [(loss, w, s) for loss in losses for w in widths for s in range(seeds)]
+    for loss, width, seed in plan:
+        raw = width is None
+        precond = "kfac" if (raw or width > 4096) else "module+kfac"
+        grads = GradsConfig(data_path=str(ys.docs), batch_size=batch_size, module_filter=MODULES,
+                            projection="kronecker", projection_dim=width, projection_seed=seed,
+                            storage_dtype="float32", loss=loss, preconditioner=precond)
+        index_dir = work / f"{ys.name}_{loss}_{width or 'raw'}_{seed}"
+        start = time.perf_counter()
+        build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)
+        index_s = time.perf_counter() - start
+        manifest = IndexReader(index_dir).manifest
+        projector = check_compatible(manifest, loaded)
+        scores = ["cosine", "kfac", "ekfac"] + (["influence", "whitened"] if precond == "module+kfac" else [])
+        sizes = stored_bytes(index_dir)
+        for style, path in ys.queries.items():
+            q, _ = query_gradients(manifest, loaded, projector, path, batch_size=batch_size)
+            for score in scores:
+                matrix, seconds = score_matrix(index_dir, q, score, ys.n_docs)
+                out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": width or "raw",
+                            "seed": seed, "score": score, "stream_s": seconds, "index_s": index_s, "bytes": sizes,
+                            **ys.evaluate(style, matrix)})
+            if raw:
+                start = time.perf_counter()
+                matrix = exact_influence(index_dir, q)
+                out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": "raw", "seed": seed,
+                            "score": "influence", "stream_s": time.perf_counter() - start, "index_s": index_s,
+                            "bytes": sizes, **ys.evaluate(style, matrix)})
+        console.print(f"[dim]{ys.name}: loss {loss}, width {width or 'raw'}, seed {seed} done"
+                      f" (index {index_s:.1f} s)[/dim]")
+        if not raw:
+            import shutil
+
+            shutil.rmtree(index_dir, ignore_errors=True)  # disk: keep only the raw references
+    return out
+
+
+PEER_SCORES = {"scores": "ekfac (Kronfluence)", "scores_default_damping": "ekfac, damping 1e-8 (Kronfluence)"}
+
+
+def run_peer(ys: Yardstick, tool: str, work: Path, console: Console, timeout: float = 3000) -> list[dict[str, Any]]:
+    """A peer's worker (scripts/peers/) on the yardstick's model, documents, queries and modules."""
+    from bench_peers import run_worker
+
+    from circuitkit.models.linear_modules import select_modules
+    from circuitkit.models.loading import load_model
+
+    loaded = load_model(ModelConfig(name=ys.model_dir, precision=ys.precision), device=torch.device("cpu"))
+    modules = [n for n, _ in select_modules(loaded.model, loaded.adapter, getattr(ys, "modules", MODULES))]
+    del loaded
+    tool_work = work / f"{tool}_{ys.name}"
+    tool_work.mkdir(parents=True, exist_ok=True)
+    spec = {"model_dir": ys.model_dir, "docs": str(ys.docs), "queries": {s: str(p) for s, p in ys.queries.items()},
+            "modules": modules, "per_module_dim": 0, "total_dim": 0, "batch_size": 8, "max_length": 256, "seed": 0,
+            "work_dir": str(tool_work)}
+    start = time.perf_counter()
+    result = run_worker(tool, spec, tool_work, timeout)
+    console.print(f"[dim]{tool} on {ys.name}: {time.perf_counter() - start:.0f} s[/dim]")
+    if result.get("error"):
+        console.print(f"{tool} on {ys.name} failed: {str(result['error']).splitlines()[0]}")
+        return []
+    out = []
+    for key, label in PEER_SCORES.items():
+        for style, matrix in (result.get(key) or {}).items():
+            out.append({"yardstick": ys.name, "style": style, "loss": "ce", "width": "full", "seed": 0,
+                        "score": label, "stream_s": result.get("query_seconds") or 0.0,
+                        "index_s": result.get("index_seconds"), "bytes": {"rows": 0, "second_moment": 0, "kfac": 0},
+                        "version": result.get("version"),
+                        **ys.evaluate(style, torch.tensor(matrix, dtype=torch.float64))})
+    return out
+
+
+def planted_a(work: Path, entities: int, epochs: int) -> Yardstick:
+    corpus = make_corpus(entities, seed=0, cross_template=True)
+    docs = write_jsonl(work / "a_docs.jsonl", corpus.docs)
+    queries = {"cross": write_jsonl(work / "a_queries_cross.jsonl", corpus.queries["cross"])}
+    base = ModelConfig(name="builtin:tiny-gpt2", precision="float32")
+    _, info = fine_tuned_model(base, docs, work / "a_model", epochs=epochs, seed=0)
+    ys = Yardstick("A", str(work / "a_model"), docs, queries, corpus.targets)
+    ys.fine_tune = info
+    return ys
+
+
+def planted_b(work: Path, entities: int, epochs: int) -> Yardstick:
+    corpus = make_corpus_b(entities, seed=0)
+    docs = write_jsonl(work / "b_docs.jsonl", corpus.docs)
+    queries = {s: write_jsonl(work / f"b_queries_{s}.jsonl", q) for s, q in corpus.queries.items()}
+    base = ModelConfig(name="builtin:tiny-gpt2", precision="float32")
+    _, info = fine_tuned_model(base, docs, work / "b_model", epochs=epochs, seed=0)
+    ys = Yardstick("B", str(work / "b_model"), docs, queries, corpus.targets)
+    ys.fine_tune = info
+    return ys
+
+
+def lds_yardstick(work: Path, subsets: int, console: Console) -> Yardstick:
+    from bench_lds import subset_losses
+    from bench_peers import prepare
+
+    lds_work = work / "lds"
+    lds_work.mkdir(parents=True, exist_ok=True)
+    data = prepare(lds_work, "tiny", 12, 10)
+    subs, losses = subset_losses(data, lds_work, subsets, 10, 0, console)
+    ys = Yardstick("LDS", data["model_dir"], Path(data["docs"]), {s: Path(p) for s, p in data["queries"].items()},
+                   None, lds_data=(subs, losses))
+    ys.fine_tune = data["fine_tune"]
+    return ys
+
+
+def smollm2_yardstick(work: Path, model_dir: str, n_facts: int, steps: int, console: Console) -> Yardstick:
+    """Fine-tune SmolLM2 on B-style facts, only the MLP down projections of the last layers."""
+    import random
+
+    from bench_planted_facts import fine_tune
+
+    from circuitkit.models.loading import load_model
+
+    corpus = make_corpus_b(max(1, n_facts // 5 + 1), n_generic=n_facts // 2, seed=3)
+    keep = [i for i, d in enumerate(corpus.docs)]
+    docs = write_jsonl(work / "s_docs.jsonl", [corpus.docs[i] for i in keep])
+    rng = random.Random(0)
+    pick = sorted(rng.sample(range(corpus.n_facts), min(n_facts, corpus.n_facts)))
+    queries = {"para": write_jsonl(work / "s_queries_para.jsonl", [corpus.queries["para"][i] for i in pick])}
+    targets = [corpus.targets[i] for i in pick]
+    loaded = load_model(ModelConfig(name=model_dir, precision="float32"), device=torch.device("cpu"))
+    model = loaded.model
+    n_layers = model.config.num_hidden_layers
+    trained = [f"model.layers.{i}.mlp.down_proj" for i in range(n_layers - 4, n_layers)]
+    # Only the trained modules' weights get gradients (fine_tune unfreezes everything: wrap it).
+    start = time.perf_counter()
+    original = model.requires_grad_
+
+    def restricted(flag: bool = True):
+        original(False)
+        if flag:
+            for name in trained:
+                model.get_submodule(name).weight.requires_grad_(True)
+        return model
+
+    model.requires_grad_ = restricted
+    n_docs = sum(1 for _ in docs.read_text().splitlines())
+    epochs = max(1, steps * 8 // n_docs)
+    info = fine_tune(loaded, docs, epochs=epochs, lr=1e-3, batch_size=8, seed=0)
+    model.requires_grad_ = original
+    model.requires_grad_(False)
+    out = work / "s_model"
+    model.save_pretrained(out)
+    loaded.tokenizer.save_pretrained(out)
+    info["trained_modules"] = trained
+    info["wall_s"] = time.perf_counter() - start
+    console.print(f"SmolLM2 fine-tune: {info}")
+    ys = Yardstick("S", str(out), docs, queries, targets)
+    ys.fine_tune = info
+    ys.modules = trained
+    return ys
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean over seeds (and styles kept apart) per (yardstick, style, loss, width, score)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["yardstick"], r["style"], r["loss"], str(r["width"]), r["score"]), []).append(r)
+    out = []
+    for (ys, style, loss, width, score), runs in groups.items():
+        entry = {"yardstick": ys, "style": style, "loss": loss, "width": width, "score": score, "seeds": len(runs),
+                 "stream_s": statistics.mean(r["stream_s"] for r in runs), "bytes": runs[0]["bytes"]}
+        for key in ("r1", "r10", "mrr", "lds"):
+            if key in runs[0]:
+                values = [r[key] for r in runs]
+                entry[key] = statistics.mean(values)
+                entry[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        out.append(entry)
+    return out
+
+
+def print_table(summary: list[dict[str, Any]], console: Console) -> None:
+    columns = sorted({(s["yardstick"], s["style"]) for s in summary},
+                     key=lambda c: (["A", "B", "S", "LDS"].index(c[0]), c[1]))
+    table = Table(title="Gradian score options on every yardstick (mean over projection seeds; recall@1 / recall@10,"
+                        " LDS)")
+    for col in ("loss", "width", "score", *[f"{y} {s}" for y, s in columns]):
+        table.add_column(col, justify="left" if col in ("loss", "score") else "right")
+    by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"]): s for s in summary}
+    order = ["cosine", "influence", "whitened", "kfac", "ekfac", *PEER_SCORES.values()]
+    keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary},
+                  key=lambda k: (k[0], {"raw": 10**9, "full": 10**10}.get(k[1]) or int(k[1]), order.index(k[2])))
+    for loss, width, score in keys:
+        cells = []
+        for y, s in columns:
+            e = by.get((y, s, loss, width, score))
+            if e is None:
+                cells.append("-")
+            elif "lds" in e:
+                cells.append(f"{e['lds']:.3f}")
+            else:
+                cells.append(f"{e['r1']:.3f} / {e['r10']:.3f}")
+        table.add_row(loss, {"raw": "exact", "full": "peer"}.get(width, width), score, *cells)
+    console.print(table)
+
+
+def markdown(summary: list[dict[str, Any]]) -> str:
+    """The table of `print_table` as Markdown (docs/benchmarks.md)."""
+    columns = sorted({(s["yardstick"], s["style"]) for s in summary},
+                     key=lambda c: (["A", "B", "S", "LDS"].index(c[0]), c[1]))
+    by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"]): s for s in summary}
+    order = ["cosine", "influence", "whitened", "kfac", "ekfac", *PEER_SCORES.values()]
+    keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary},
+                  key=lambda k: (k[0], {"raw": 10**9, "full": 10**10}.get(k[1]) or int(k[1]), order.index(k[2])))
+    lines = ["| loss | width | score | " + " | ".join(f"{y} {s}" for y, s in columns) + " |",
+             "|---|---:|---|" + "---:|" * len(columns)]
+    for loss, width, score in keys:
+        cells = []
+        for y, st in columns:
+            e = by.get((y, st, loss, width, score))
+            cells.append("-" if e is None else f"{e['lds']:.3f}" if "lds" in e else f"{e['r1']:.3f} / {e['r10']:.3f}")
+        lines.append(f"| {loss} | {({'raw': 'exact', 'full': 'peer'}).get(width, width)} | {score} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def print_costs(summary: list[dict[str, Any]], console: Console) -> None:
+    """stream_topk seconds per score relative to cosine, and stored bytes, per width (planted B, ce)."""
+    table = Table(title="rank cost (stream_topk, same process, ratio to cosine) and disk per index (yardstick B, ce)")
+    for col in ("width", "cosine s", "influence", "whitened", "kfac", "ekfac", "rows MiB", "second moments MiB",
+                "K-FAC MiB"):
+        table.add_column(col, justify="right")
+    widths = sorted({s["width"] for s in summary if s["yardstick"] == "B" and s["loss"] == "ce" and s["width"] != "full"},
+                    key=lambda w: 10**9 if w == "raw" else int(w))
+    for w in widths:
+        e = {s["score"]: s for s in summary if s["yardstick"] == "B" and s["loss"] == "ce" and s["width"] == w
+             and s["style"] == "para"}
+        if "cosine" not in e:
+            continue
+        base = e["cosine"]["stream_s"]
+        b = e["cosine"]["bytes"]
+        table.add_row("exact" if w == "raw" else w, f"{base:.3f}",
+                      *[f"{e[s]['stream_s'] / base:.2f}x" if s in e else "-" for s in ("influence", "whitened", "kfac",
+                                                                                       "ekfac")],
+                      f"{b['rows'] / 2**20:.2f}", f"{b['second_moment'] / 2**20:.2f}", f"{b['kfac'] / 2**20:.3f}")
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--widths", default="256,1024,4096,16384")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--losses", default="ce,margin")
+    p.add_argument("--yardsticks", default="A,B,LDS")
+    p.add_argument("--entities", type=int, default=24, help="entities of A and B (4 / 5 facts each)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--lds-subsets", type=int, default=16)
+    p.add_argument("--smollm2", default=None, help="SmolLM2 HF directory: add the real-model yardstick S")
+    p.add_argument("--smollm2-facts", type=int, default=10)
+    p.add_argument("--smollm2-steps", type=int, default=8)
+    p.add_argument("--smollm2-widths", default="1024")
+    p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence)")
+    p.add_argument("--no-gradian", action="store_true", help="only the peers (e.g. after a run with the same --work)")
+    p.add_argument("--work", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--from-json", type=Path, nargs="*", default=None,
+                   help="print the tables (and Markdown) of earlier --json files, merged; run nothing")
+    args = p.parse_args(argv)
+    if args.from_json:
+        rows = [r for path in args.from_json for r in json.loads(path.read_text())["rows"]]
+        summary = summarize(rows)
+        print_table(summary, Console(width=200))
+        if any(s["yardstick"] == "B" for s in summary):
+            print_costs(summary, Console(width=200))
+        print(markdown(summary))
+        return 0
+    logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)
+    logging.getLogger("gradian.curvature").setLevel(logging.ERROR)
+    console = Console(width=200)
+    widths = [int(w) for w in args.widths.split(",") if w]
+    losses = [x for x in args.losses.split(",") if x]
+    wanted = [y for y in args.yardsticks.split(",") if y]
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    fine_tunes = {}
+    with tempfile.TemporaryDirectory(prefix="yardsticks_") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for name in wanted:
+            t0 = time.perf_counter()
+            if name == "A":
+                ys = planted_a(work, args.entities, args.epochs)
+            elif name == "B":
+                ys = planted_b(work, args.entities, args.epochs)
+            elif name == "LDS":
+                ys = lds_yardstick(work, args.lds_subsets, console)
+            else:
+                raise SystemExit(f"--yardsticks: unknown {name!r} (A, B, LDS)")
+            fine_tunes[name] = ys.fine_tune
+            if not args.no_gradian:
+                rows += run_yardstick(ys, widths, args.seeds, losses, work, console)
+            for tool in (t for t in args.peers.split(",") if t):
+                rows += run_peer(ys, tool, work, console)
+            console.print(f"yardstick {name}: {time.perf_counter() - t0:.0f} s")
+            if args.json:  # partial results survive a later failure
+                args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
+        if args.smollm2:
+            t0 = time.perf_counter()
+            ys = smollm2_yardstick(work, args.smollm2, args.smollm2_facts, args.smollm2_steps, console)
+            fine_tunes["S"] = ys.fine_tune
+            global MODULES
+            MODULES = ys.modules
+            if not args.no_gradian:
+                rows += run_yardstick(ys, [int(w) for w in args.smollm2_widths.split(",")], 1, losses, work, console,
+                                      batch_size=4)
+            for tool in (t for t in args.peers.split(",") if t):
+                rows += run_peer(ys, tool, work, console)
+            console.print(f"yardstick S: {time.perf_counter() - t0:.0f} s")
+    summary = summarize(rows)
+    print_table(summary, console)
+    if any(s["yardstick"] == "B" for s in summary):
+        print_costs(summary, console)
+    machine = f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    console.print(f"{machine}; wall time {time.perf_counter() - start:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "rows": rows, "fine_tune": fine_tunes,
+                                         "machine": machine, "args": vars(args) | {"work": str(args.work)}},
+                                        indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
