@@ -120,6 +120,15 @@ class RunContext:
         self.stages = stages  # the selected stages of this run, in order (the preflight reads them)
         self._load_model = load_model
         self._loaded = None
+        self._record: Callable[[dict[str, Any]], None] | None = None  # set by the pipeline per stage
+
+    def record(self, **values: Any) -> None:
+        """Add `values` to the running stage's manifest entry and write manifest.json now
+        (before the stage ends): e.g. a shard's checksum, which other jobs read while this one
+        still runs."""
+        if self._record is None:
+            raise PipelineError("record() is only available while a pipeline stage runs.")
+        self._record(values)
 
     @property
     def model_loaded(self) -> bool:
@@ -289,6 +298,11 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         manifest["stages"][stage.name] = entry
         atomic_write_json(manifest_path, manifest)
+
+        def record(values: dict[str, Any], entry: dict[str, Any] = entry) -> None:
+            entry.update(values)
+            atomic_write_json(manifest_path, manifest)
+        ctx._record = record
         ctx.console.rule(f"stage {stage.name}")
         t0 = time.perf_counter()
         try:

@@ -53,6 +53,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.preflight": MODELS,  # sums the estimates the stages declare; imports no domain
     # circuit discovery and pruning
     "circuitkit.tasks": CIRCUIT,
+    "circuitkit.attribution.checks": CIRCUIT,  # artifacts checked against the model and graph they are used with
     "circuitkit.tasks.base": CIRCUIT,
     "circuitkit.tasks.greater_than": CIRCUIT,
     "circuitkit.tasks.induction": CIRCUIT,
