@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -203,6 +205,41 @@ def _artifact_record(run_dir: Path, paths: list[Path]) -> dict[str, dict[str, An
     return out
 
 
+class InterruptWatch:
+    """Remembers that Ctrl-C came, even when the KeyboardInterrupt it raised was swallowed.
+
+    Python ignores (prints "Exception ignored in ...") an exception raised inside a finalizer
+    or a __del__, so a Ctrl-C that lands in a cleanup callback would let the stage go on and be
+    recorded `ok`. While the watch is active, SIGINT sets `fired` and then raises as usual; the
+    pipeline checks `fired` after each stage and ends the run as interrupted (exit 130).
+    Installed only in the main thread and over Python's own handler.
+    """
+
+    def __init__(self) -> None:
+        self.fired = False
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        self.fired = True
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> InterruptWatch:
+        if threading.current_thread() is threading.main_thread():
+            current = signal.getsignal(signal.SIGINT)
+            if current is signal.default_int_handler:
+                self._previous = current
+                signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 def _stage_error_message(err: BaseException) -> str:
     if isinstance(err, OSError) and not isinstance(err, FileNotFoundError | IsADirectoryError):
         return describe_os_error(err)
@@ -277,6 +314,15 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
     manifest_path = run_dir / MANIFEST
     atomic_write_json(manifest_path, manifest)
 
+    with InterruptWatch() as watch:
+        _run_stages(ctx, selected, hashes, manifest, manifest_path, fingerprints, watch)
+    print_manifest_table(manifest, ctx.console)
+    return manifest
+
+
+def _run_stages(ctx: RunContext, selected: list[Stage], hashes: dict[str, str], manifest: dict[str, Any],
+                manifest_path: Path, fingerprints: Fingerprinter, watch: InterruptWatch) -> None:
+    cfg, run_dir = ctx.cfg, ctx.run_dir
     upstream_ran = False  # once a stage runs, the ones after it read fresh inputs and run too
     for stage in selected:
         prior = manifest["stages"].get(stage.name, {})
@@ -308,12 +354,19 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
         try:
             with measure_peak(resident_bytes=ctx.resident_bytes) as peak:
                 result = stage.run(ctx)
+            if watch.fired:  # Ctrl-C whose KeyboardInterrupt a finalizer swallowed: still an interrupt
+                raise KeyboardInterrupt
         except KeyboardInterrupt:
             entry.update(status="interrupted", wall_s=round(time.perf_counter() - t0, 3),
                          error="interrupted (Ctrl-C)")
             atomic_write_json(manifest_path, manifest)
             raise
         except Exception as err:
+            if watch.fired:  # an error that followed a swallowed Ctrl-C: the run was interrupted
+                entry.update(status="interrupted", wall_s=round(time.perf_counter() - t0, 3),
+                             error="interrupted (Ctrl-C)")
+                atomic_write_json(manifest_path, manifest)
+                raise KeyboardInterrupt from err
             message = _stage_error_message(err)
             entry.update(status="failed", wall_s=round(time.perf_counter() - t0, 3), error=message)
             atomic_write_json(manifest_path, manifest)
@@ -329,8 +382,9 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
             finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
         atomic_write_json(manifest_path, manifest)
-    print_manifest_table(manifest, ctx.console)
-    return manifest
+        ctx._record = None
+    if watch.fired:
+        raise KeyboardInterrupt
 
 
 def print_manifest_table(manifest: dict[str, Any], console: Console) -> None:

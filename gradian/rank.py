@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -436,8 +437,8 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
                                   f" {manifest.get('model')!r}); rebuild the index with `gradian index`.")
     check_circuit(manifest, circuit)
     check_token_policy(manifest, append_eos)
-    if damping is not None and damping <= 0:
-        raise UserError(f"--damping {damping}: it must be > 0 (a share of each module's mean eigenvalue).",
+    if damping is not None and not (math.isfinite(damping) and damping > 0):
+        raise UserError(f"--damping {damping}: it must be a finite number > 0 (a share of each module's mean eigenvalue).",
                         exit_code=2)
     if score in PRECONDITIONED_SCORES and IndexReader(index_dir).second_moment_blocks is None:
         _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads

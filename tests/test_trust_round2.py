@@ -1,0 +1,265 @@
+"""Trust, second round (issue 31): artifacts checked against the model they are used with,
+shards verified, non-finite values refused, errors that were internal or unclear.
+
+The table drives `python -m circuitkit.run` and `circuitkit ...` in process (the machinery of
+tests/test_trust_pipeline.py): every case asserts the exit status, exactly one error line that
+names the problem, no traceback, and that nothing written before the command changed. The tests
+after the table cover what a row cannot (Ctrl-C swallowed by a finalizer, the shard dir of a
+running sweep).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_trust_pipeline import SMALL, Case, _r, _snapshot, _tiny, _truncate, _write, invoke
+
+from circuitkit.attribution import AttributionScores, Graph, save_scores
+from circuitkit.attribution.shards import (
+    PARTIAL_FILE,
+    SHARD_SHA_KEY,
+    ShardMergeError,
+    publish_and_try_merge,
+    save_partial,
+    shard_file_name,
+)
+from circuitkit.config import compose, to_dict
+from circuitkit.io import atomic_save_safetensors, atomic_write_json, sha256_file
+
+TINY = Graph(2, 4, 4, False)  # the tiny GPT-2 fixture's graph
+GPT2_SMALL = Graph(12, 12, 12, False)
+
+
+def _scores(g: Graph, seed: int = 0, **change) -> AttributionScores:
+    torch.manual_seed(seed)
+    edges = torch.randn(len(g.upstream), len(g.downstream)) * g.edge_mask()
+    fields = {"head": torch.randn(g.n_layers, g.n_heads), "mlp": torch.randn(g.n_layers), "embed": torch.tensor(0.3),
+              "graph": g, "edges": edges, "metric_clean": 1.0, "metric_corrupted": 0.0, "n_examples": 4,
+              "info": {"algorithm": "eap"}}
+    fields.update(change)
+    return AttributionScores(**fields)
+
+
+def _scores_file(tmp: Path, scores: AttributionScores, name: str = "run/scores.safetensors") -> Path:
+    path = tmp / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_scores(path, scores, {"model": "x", "task": "imported"})
+
+
+def _raw_scores(tmp: Path, tensors: dict, meta: dict, name: str = "run/scores.safetensors") -> Path:
+    path = tmp / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_save_safetensors(path, tensors, meta)
+
+
+def _data_file(tmp: Path, bad_id: int | None = None, name: str = "run/data.safetensors") -> Path:
+    from circuitkit.tasks.base import random_pairs
+
+    data = random_pairs(6, 8, 100)
+    if bad_id is not None:
+        data.clean_ids[2, 3] = bad_id
+    path = tmp / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return data.save(path, {"task": "induction", "num_examples": "4", "eval_examples": "2", "model": "x"})
+
+
+# ----------------------------------------------------------------------------- shard run dirs
+
+def _cfg_dict() -> dict:
+    return to_dict(compose([*SMALL, "discovery.num_shards=2"])[1])
+
+
+def _shard_run(tmp: Path, i: int, n: int = 2, meta_drop: str | None = None, record: bool = True) -> Path:
+    """A finished shard's run dir made by hand: its sums and the manifest that records their sha256."""
+    from circuitkit.attribution.shards import shard_identity
+
+    run = tmp / f"shard{i}"
+    sums = _scores(TINY, seed=i, n_examples=3, edges=None)
+    path = save_partial(run / PARTIAL_FILE, sums, i, n, (3 * i, 3 * i + 3), shard_identity(_cfg_dict()), "m", "d", run)
+    if meta_drop:  # the same file without one metadata key
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            meta = {k: v for k, v in (fh.metadata() or {}).items() if k != meta_drop}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        atomic_save_safetensors(path, tensors, meta)
+    stage = {"status": "ok", **({SHARD_SHA_KEY: sha256_file(path)} if record else {})}
+    atomic_write_json(run / "manifest.json", {"config": _cfg_dict(), "stages": {"attribution": stage}})
+    _write(run / "data.safetensors", b"data")
+    return run
+
+
+def _change_a_value(path: Path) -> None:
+    """Rewrite a shard with one head sum changed, keeping its metadata (what a hand edit does)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata()
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    tensors["head_sums"][0, 0] += 1.0
+    atomic_save_safetensors(path, tensors, meta)
+
+
+def _shards(tmp: Path, change: Callable[[Path], None] | None = None, **kw) -> None:
+    for i in (0, 1):
+        run = _shard_run(tmp, i, **(kw if i == 1 else {}))
+        if change and i == 1:
+            change(run / PARTIAL_FILE)
+
+
+MERGE = _r("merge", "{tmp}/shard0", "{tmp}/shard1", "--out", "{tmp}/merged", "--no-prune")
+
+CASES = [
+    # --- artifacts that do not fit the run's model (were exit 0 with wrong numbers) -----------
+    Case("scores-of-another-model", "run", _r("stages=[data,pruning]"), 1, "12 layers x 12 heads",
+         extra=["2 layers x 4 heads", "scores.safetensors", "[157, 445]", "[11, 27]"],
+         setup=lambda tmp, mp: _scores_file(tmp, _scores(GPT2_SMALL))),
+    Case("scores-shape-made-by-hand", "run", _r("stages=[data,pruning]"), 1, "head scores have shape [3, 4]",
+         extra=["scores.safetensors", "[2, 4]"],
+         setup=lambda tmp, mp: _scores_file(tmp, _scores(TINY, head=torch.zeros(3, 4)))),
+    Case("scores-nan", "run", _r("stages=[data,pruning]"), 1, "non-finite", extra=["edge scores", "nan"],
+         setup=lambda tmp, mp: _scores_file(tmp, _scores(TINY, edges=_scores(TINY).edges.index_put_(
+             (torch.tensor(0), torch.tensor(0)), torch.tensor(float("nan")))))),
+    Case("scores-inf", "run", _r("stages=[data,pruning]"), 1, "non-finite", extra=["head scores", "inf"],
+         setup=lambda tmp, mp: _scores_file(tmp, _scores(TINY, head=torch.full((2, 4), float("inf"))))),
+    Case("scores-truncated", "run", _r("stages=[data,pruning]"), 1, "scores.safetensors",
+         extra=["cannot be read as scores"], setup=lambda tmp, mp: _truncate(_scores_file(tmp, _scores(TINY)))),
+    Case("scores-garbage", "run", _r("stages=[data,pruning]"), 1, "scores.safetensors",
+         extra=["cannot be read as scores"], setup=lambda tmp, mp: _write(tmp / "run" / "scores.safetensors",
+                                                                         b"\x07garbage" * 40)),
+    Case("scores-metadata-missing", "run", _r("stages=[data,pruning]"), 1, "scores.safetensors",
+         extra=["missing metadata graph"], setup=lambda tmp, mp: _raw_scores(
+             tmp, {"head_scores": torch.zeros(2, 4), "mlp_scores": torch.zeros(2), "embed_score": torch.zeros(1)}, {})),
+    Case("data-of-another-tokenizer", "run", _r("stages=[attribution]"), 1, "token id 70000",
+         extra=["data.safetensors", "outside the vocabulary"], setup=lambda tmp, mp: _data_file(tmp, 70000)),
+    Case("data-truncated", "run", _r("stages=[attribution]"), 1, "data.safetensors",
+         extra=["cannot be read as task data"], setup=lambda tmp, mp: _truncate(_data_file(tmp))),
+    Case("show-negative-top-edges", "cli", _r("show", "{tmp}/c.pt", "--top-edges", "-5"), 2, "--top-edges -5",
+         extra=[">= 1"]),
+    # --- shards verified when merged ---------------------------------------------------------
+    Case("merge-shard-value-changed", "cli", MERGE, 1, "shard1/attribution_shard.safetensors",
+         extra=["does not have the sha256 its run recorded", "rerun shard 1"],
+         setup=lambda tmp, mp: _shards(tmp, _change_a_value)),
+    Case("merge-shard-without-checksum", "cli", MERGE, 1, "records no checksum for shard 1",
+         setup=lambda tmp, mp: _shards(tmp, record=False)),
+    Case("merge-shard-missing-metadata", "cli", MERGE, 1, "missing metadata 'graph'",
+         extra=["shard1/attribution_shard.safetensors"], setup=lambda tmp, mp: _shards(tmp, meta_drop="graph")),
+]
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith(("error:", "interrupted:"))]
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch):
+    _tiny()  # built once, before the snapshot
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_ends_in_one_line(case: Case, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CIRCUITKIT_DEBUG", raising=False)
+    _write(tmp_path / "prior" / "keep.txt", "written before the command")
+    if case.setup:
+        case.setup(tmp_path, monkeypatch)
+    before = _snapshot(tmp_path)
+    argv = case.args(tmp_path)
+    if case.entry == "run" and not any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
+        argv = [*SMALL, *argv, f"hydra.run.dir={tmp_path / 'run'}"]
+    code, out, err = invoke(case.entry, argv, capsys)
+    assert "Traceback" not in out + err, err[-3000:]
+    lines = error_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    needle = case.needle(tmp_path) if callable(case.needle) else case.needle
+    for text in [needle, *case.extra]:
+        assert text in lines[0], lines[0]
+    assert code == case.code, (code, lines[0])
+    after = _snapshot(tmp_path)
+    assert {k: after.get(k) for k in before} == before  # nothing written before changed
+    if code == 2 and case.entry == "run":
+        assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- shards
+
+def test_a_shard_changed_in_the_shard_dir_before_the_last_finishes_is_refused(tmp_path):
+    shard_dir = tmp_path / "attribution_shards"
+    for i in (0, 1):
+        _shard_run(tmp_path, i)
+    merged, _, missing = publish_and_try_merge(tmp_path / "shard0" / PARTIAL_FILE, shard_dir, 0, 2,
+                                               tmp_path / "shard0")
+    assert merged is None and missing == [1]
+    _change_a_value(shard_dir / shard_file_name(0, 2))  # while shard 1 still runs
+    with pytest.raises(ShardMergeError, match=r"shard-00000-of-00002.safetensors does not have the sha256 its run"
+                                              r" recorded in .*shard0/manifest.json"):
+        publish_and_try_merge(tmp_path / "shard1" / PARTIAL_FILE, shard_dir, 1, 2, tmp_path / "shard1")
+    assert not (shard_dir / "merge.json").exists()
+
+
+def test_verified_shards_merge_to_the_mean(tmp_path, capsys):
+    _shards(tmp_path)
+    code, _, err = invoke("cli", MERGE(tmp_path), capsys)
+    assert code == 0, err
+    from circuitkit.attribution import load_scores
+
+    merged = load_scores(tmp_path / "merged" / "scores.safetensors")
+    want = (_scores(TINY, seed=0).head + _scores(TINY, seed=1).head) / 6  # sums of 3 + 3 examples
+    assert torch.allclose(merged.head, want) and merged.n_examples == 6
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+def test_ctrl_c_swallowed_by_a_finalizer_still_ends_the_run_interrupted(tmp_path, monkeypatch, capsys):
+    """Ctrl-C that lands inside a weakref finalizer raises KeyboardInterrupt there, which Python
+    prints as "Exception ignored" and drops; the stage returns normally. The run must still end
+    with 130 and the stage recorded `interrupted`, never `ok`."""
+    import os
+    import signal
+    import sys
+    import weakref
+
+    from test_trust_pipeline import _replace_stage
+
+    from circuitkit.pipeline import StageResult
+
+    swallowed = []
+
+    def cleanup():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10_000):  # the handler runs here, inside the finalizer
+            pass
+        swallowed.append("the finalizer went on")  # never reached: the interrupt ends the callback
+
+    def stage(ctx):
+        class Resource:
+            pass
+        res = Resource()
+        weakref.finalize(res, cleanup)
+        del res  # the finalizer runs now; its KeyboardInterrupt is "ignored" by Python
+        return StageResult([], {"done": True})
+
+    ignored = []  # what Python prints as "Exception ignored in: <finalize object ...>"
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: ignored.append(u.exc_type))
+    _replace_stage(monkeypatch, "data", stage)
+    code, _, err = invoke("run", ["stages=[data]", f"hydra.run.dir={tmp_path}", *SMALL], capsys)
+    assert ignored == [KeyboardInterrupt] and not swallowed  # the interrupt really was swallowed
+    assert code == 130, err[-2000:]
+    entry = json.loads((tmp_path / "manifest.json").read_text())["stages"]["data"]
+    assert entry["status"] == "interrupted"
+
+
+def test_show_top_edges_counts_from_the_strongest(tmp_path, capsys):
+    """--top-edges 3 draws the three strongest edges (and -5 is refused by the table above)."""
+    from circuitkit.circuit_graph import build_picture
+
+    circuit = {"head_mask": torch.ones(2, 4, dtype=torch.bool), "mlp_mask": torch.ones(2, dtype=torch.bool),
+               "head_scores": torch.ones(2, 4), "edge_scores": _scores(TINY).edges,
+               "edge_mask": TINY.edge_mask(), "scope": "edges",
+               "graph": {"n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "parallel_residual": False}}
+    assert len(build_picture(circuit, 3).edges) == 3
+
