@@ -67,6 +67,15 @@ def _data_file(tmp: Path, bad_id: int | None = None, name: str = "run/data.safet
     return data.save(path, {"task": "induction", "num_examples": "4", "eval_examples": "2", "model": "x"})
 
 
+def _circuit(tmp: Path, g: Graph, name: str = "big.pt") -> Path:
+    from circuitkit.circuit import save_circuit
+
+    return save_circuit(tmp / name, {
+        "model_name": "gpt2", "head_mask": torch.ones(g.n_layers, g.n_heads, dtype=torch.bool),
+        "head_scores": torch.zeros(g.n_layers, g.n_heads), "ablation": "zero", "rank_by": "abs",
+        "target_sparsity": 0.0, "achieved_sparsity": 0.0})
+
+
 # ----------------------------------------------------------------------------- shard run dirs
 
 def _cfg_dict() -> dict:
@@ -138,6 +147,8 @@ CASES = [
          extra=["data.safetensors", "outside the vocabulary"], setup=lambda tmp, mp: _data_file(tmp, 70000)),
     Case("data-truncated", "run", _r("stages=[attribution]"), 1, "data.safetensors",
          extra=["cannot be read as task data"], setup=lambda tmp, mp: _truncate(_data_file(tmp))),
+    Case("grads-circuit-of-another-model", "run", _r("stages=[grads]", "grads.circuit={tmp}/big.pt"), 1,
+         "12 layers x 12 heads", extra=["big.pt", "2 layers x 4 heads"], setup=lambda tmp, mp: _circuit(tmp, GPT2_SMALL)),
     Case("show-negative-top-edges", "cli", _r("show", "{tmp}/c.pt", "--top-edges", "-5"), 2, "--top-edges -5",
          extra=[">= 1"]),
     # --- shards verified when merged ---------------------------------------------------------
