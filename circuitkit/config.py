@@ -106,8 +106,9 @@ class DiscoveryConfig:
                    choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
     metric: str = _f("logit_diff", "scalar per example", choices=("logit_diff", "prob_diff", "logprob", "kl"))
     ig_steps: Optional[int] = _f(5, "integration steps of EAP-IG (null = 30, 1 = EAP)", ge=1)
-    ig_rule: str = _f("right", "EAP-IG quadrature rule; ig_steps is its number of passes (right = reference EAP-IG)",
-                      choices=("right", "midpoint", "trapezoid", "gauss_legendre"))
+    ig_rule: str = _f("right", "EAP-IG quadrature rule; ig_steps is its number of passes (the reference EAP-IG:"
+                      " right at node level, left at edge level)",
+                      choices=("right", "midpoint", "trapezoid", "gauss_legendre", "left"))
     batch_size: int = _f(4, "examples per forward/backward pass", ge=1)
     num_shards: int = _f(1, "jobs splitting the attribution examples (contiguous ranges; merged by the last to finish)", ge=1)
     shard_index: int = _f(0, "this job's share of the attribution examples, 0 <= shard_index < num_shards", ge=0)
