@@ -154,12 +154,17 @@ class Source:
         """(position, where, canonical obj) for every record in the row range, in source order."""
         start, end = self.spec.row_range or (0, None)
         raw = self._jsonl() if self.format == "jsonl" else self._table()
+        seen = 0
         for n, (position, where, record) in enumerate(raw):
+            seen = n + 1
             if n < start:
                 continue
             if end is not None and n >= end:
                 break
             yield position, where, _canonical(record, self.spec, where)
+        if self.spec.row_range is not None and seen <= start:
+            raise DataError(f"grads.data_row_range=[{start}, {end}] starts past the end of {self.name}, which has"
+                            f" {seen} record(s): set grads.data_row_range within [0, {seen}] (or null for all).")
 
     def _jsonl(self) -> Iterator[tuple[int, str, Any]]:
         # jsonl_objects names a line that is not valid JSON or not UTF-8 as file:line.

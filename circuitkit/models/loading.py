@@ -199,6 +199,11 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     except Exception as err:
         if isinstance(err, UserError):
             raise
+        if Path(path).is_dir() and type(err).__name__ == "UnpicklingError":  # pickle.UnpicklingError
+            pickles = sorted(p.name for p in Path(path).glob("*.bin")) or ["its weight file"]
+            raise UserError(f"model.name={cfg.name!r}: {Path(path) / pickles[0]} is refused as unsafe: it is a"
+                            " pickle that holds objects other than tensors, and loading it could run code; use"
+                            " the model saved as safetensors (or convert a copy you trust).") from None
         if Path(path).is_dir():
             broken = _broken_weight_file(path)
             if broken:
