@@ -19,6 +19,7 @@ The pipeline knows no stage by name: each domain defines its stages, and the ent
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import platform
@@ -40,7 +41,7 @@ from circuitkit.config import AppConfig, to_dict
 from circuitkit.device import get_device, measure_peak, module_bytes
 from circuitkit.errors import UserError, describe_os_error
 from circuitkit.fingerprint import Fingerprinter, changed_inputs
-from circuitkit.io import atomic_write_json, sha256_file, sha256_json
+from circuitkit.io import atomic_write_json, json_bytes, rewrite_in_place, sha256_file, sha256_json
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -240,6 +241,21 @@ class InterruptWatch:
             self._previous = None
 
 
+MANIFEST_RESERVE_BYTES = 8192  # room kept in a running stage's manifest for its failure record
+
+
+def write_final_status(manifest_path: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest after a stage failed or was interrupted. On a full disk the atomic write
+    fails too; the manifest is then rewritten in place, into the room the `running` write kept,
+    so that it never stays `running` after the run has stopped."""
+    try:
+        atomic_write_json(manifest_path, manifest)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not manifest_path.is_file():
+            raise
+        rewrite_in_place(manifest_path, json_bytes(manifest))
+
+
 def _stage_error_message(err: BaseException) -> str:
     if isinstance(err, OSError) and not isinstance(err, FileNotFoundError | IsADirectoryError):
         return describe_os_error(err)
@@ -343,11 +359,11 @@ def _run_stages(ctx: RunContext, selected: list[Stage], hashes: dict[str, str], 
         entry: dict[str, Any] = {"status": "running", "config_hash": hashes[stage.name], "inputs": inputs,
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         manifest["stages"][stage.name] = entry
-        atomic_write_json(manifest_path, manifest)
+        atomic_write_json(manifest_path, manifest, reserve_bytes=MANIFEST_RESERVE_BYTES)
 
         def record(values: dict[str, Any], entry: dict[str, Any] = entry) -> None:
             entry.update(values)
-            atomic_write_json(manifest_path, manifest)
+            atomic_write_json(manifest_path, manifest, reserve_bytes=MANIFEST_RESERVE_BYTES)
         ctx._record = record
         ctx.console.rule(f"stage {stage.name}")
         t0 = time.perf_counter()
@@ -359,17 +375,17 @@ def _run_stages(ctx: RunContext, selected: list[Stage], hashes: dict[str, str], 
         except KeyboardInterrupt:
             entry.update(status="interrupted", wall_s=round(time.perf_counter() - t0, 3),
                          error="interrupted (Ctrl-C)")
-            atomic_write_json(manifest_path, manifest)
+            write_final_status(manifest_path, manifest)
             raise
         except Exception as err:
             if watch.fired:  # an error that followed a swallowed Ctrl-C: the run was interrupted
                 entry.update(status="interrupted", wall_s=round(time.perf_counter() - t0, 3),
                              error="interrupted (Ctrl-C)")
-                atomic_write_json(manifest_path, manifest)
+                write_final_status(manifest_path, manifest)
                 raise KeyboardInterrupt from err
             message = _stage_error_message(err)
             entry.update(status="failed", wall_s=round(time.perf_counter() - t0, 3), error=message)
-            atomic_write_json(manifest_path, manifest)
+            write_final_status(manifest_path, manifest)
             raise PipelineError(f"stage '{stage.name}' failed: {message} (manifest: {manifest_path})") from err
         entry.update(
             status="ok" if result.summary.get("status") != "skipped" else "skipped",

@@ -264,6 +264,35 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_ends_the_run_interrupted(tmp_path
     assert entry["status"] == "interrupted"
 
 
+def test_disk_full_names_the_file_and_leaves_no_stage_running(tmp_path, monkeypatch, capsys):
+    """A write that fails with ENOSPC names no file (the OS reports none); the message must name the
+    artifact, and the manifest, whose own atomic rewrite fails on the full disk too, must not be
+    left saying `running`."""
+    import errno
+
+    from test_trust_pipeline import _replace_stage
+
+    import circuitkit.io as io_module
+    from circuitkit.io import atomic_write_bytes
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # what write() raises: no filename
+
+    def stage(ctx):
+        monkeypatch.setattr(io_module.Path, "write_bytes", full)  # from now on the disk is full
+        atomic_write_bytes(ctx.run_dir / "data.safetensors", b"x" * 64)
+
+    _replace_stage(monkeypatch, "data", stage)
+    code, _, err = invoke("run", ["stages=[data]", f"hydra.run.dir={tmp_path}", *SMALL], capsys)
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1, err[-2000:]
+    assert "no space left on the device while writing" in lines[0]
+    assert f"{tmp_path / 'data.safetensors'}'" in lines[0], lines[0]  # the artifact, not a .tmp name
+    entry = json.loads((tmp_path / "manifest.json").read_text())["stages"]["data"]
+    assert entry["status"] == "failed" and "no space left" in entry["error"]
+    assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
+
+
 def test_show_top_edges_counts_from_the_strongest(tmp_path, capsys):
     """--top-edges 3 draws the three strongest edges (and -5 is refused by the table above)."""
     from circuitkit.circuit_graph import build_picture
