@@ -204,6 +204,9 @@ class Source:
         datasets = _need_datasets("Arrow data and hub datasets")
         path = Path(self.spec.path)
         if self.format == "hf":
+            from circuitkit.hub import check_hub_name
+
+            check_hub_name(self.spec.path, None, "grads.data_path", kind="dataset")  # offline: at once, no retries
             try:
                 return datasets.load_dataset(self.spec.path, split=self.spec.split)
             except Exception as err:  # the hub client raises many types; name the source

@@ -30,6 +30,7 @@ LAYERS: dict[str, str] = {
     # runner core
     "circuitkit.config": CORE,
     "circuitkit.errors": CORE,
+    "circuitkit.hub": CORE,  # is the Hugging Face hub reachable (asked once; offline mode on when not)
     "circuitkit.io": CORE,
     "circuitkit.device": CORE,
     "circuitkit.fingerprint": CORE,
