@@ -11,12 +11,23 @@ running sweep).
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from test_trust_pipeline import SMALL, Case, _r, _snapshot, _tiny, _truncate, _write, invoke
+from test_trust_pipeline import (
+    SMALL,
+    Case,
+    _log_to_this_tests_stderr,  # noqa: F401  (autouse: loggers on this test's stderr)
+    _r,
+    _snapshot,
+    _tiny,
+    _truncate,
+    _write,
+    invoke,
+)
 
 from circuitkit.attribution import AttributionScores, Graph, save_scores
 from circuitkit.attribution.shards import (
@@ -74,6 +85,74 @@ def _circuit(tmp: Path, g: Graph, name: str = "big.pt") -> Path:
         "model_name": "gpt2", "head_mask": torch.ones(g.n_layers, g.n_heads, dtype=torch.bool),
         "head_scores": torch.zeros(g.n_layers, g.n_heads), "ablation": "zero", "rank_by": "abs",
         "target_sparsity": 0.0, "achieved_sparsity": 0.0})
+
+
+def _confs(tmp: Path) -> None:
+    head = "defaults:\n  - config\n  - _self_\n"
+    _write(tmp / "conf" / "bad.yaml", head + "seed: [1\n")
+    _write(tmp / "conf" / "range.yaml", head + "discovery:\n  batch_size: 0\n")
+    _write(tmp / "conf" / "conflict.yaml", head + "pruning:\n  scope: edges\nstages: [data,attribution,pruning]\n")
+
+
+def _graph_json(tmp: Path, score=1.0, node_score=0.5, n_layers=2) -> Path:
+    obj = {"cfg": {"n_layers": n_layers, "n_heads": 4, "d_model": 64},
+           "nodes": {"input": {"in_graph": True, "score": 1.0}, "a0.h1": {"in_graph": True, "score": node_score}},
+           "edges": {"input->logits": {"score": score, "in_graph": True}}}
+    return _write(tmp / "g.json", json.dumps(obj))
+
+
+def _pickled_model(tmp: Path) -> None:
+    """The tiny model with its weights as a pytorch_model.bin pickle that holds a callable."""
+    import os
+
+    from safetensors.torch import load_file
+
+    target = tmp / "pickled"
+    shutil.copytree(_tiny(), target)
+    state = load_file(str(target / "model.safetensors"))
+    os.remove(target / "model.safetensors")
+    state["payload"] = Payload()
+    torch.save(state, target / "pytorch_model.bin")
+
+
+class Payload:
+    """What an attacker puts in a pickle: loading it would call print (here harmless)."""
+
+    def __reduce__(self):
+        return (print, ("payload ran",))
+
+
+def _offline(monkeypatch) -> None:
+    from circuitkit import hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.forget()
+
+
+@pytest.fixture(autouse=True)
+def _loggers_on_this_tests_stderr(capsys, monkeypatch):
+    """Hydra's job logging leaves handlers on an earlier test's captured stream (closed or not);
+    a real command is one process and never meets this. Point every stream handler here, and
+    let a handler still left on a closed capture drop its record instead of printing a trace."""
+    monkeypatch.setattr("logging.raiseExceptions", False)
+    import logging
+    import sys
+
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler and handler.stream not in (sys.stderr, sys.stdout):
+                handler.stream = sys.stderr
+
+
+@pytest.fixture(autouse=True)
+def _hub_state():
+    from circuitkit import hub
+
+    hub.forget()
+    yield
+    hub.forget()
 
 
 # ----------------------------------------------------------------------------- shard run dirs
@@ -151,6 +230,48 @@ CASES = [
          "12 layers x 12 heads", extra=["big.pt", "2 layers x 4 heads"], setup=lambda tmp, mp: _circuit(tmp, GPT2_SMALL)),
     Case("show-negative-top-edges", "cli", _r("show", "{tmp}/c.pt", "--top-edges", "-5"), 2, "--top-edges -5",
          extra=[">= 1"]),
+    # --- a user's config file: checked like overrides, before the run dir ----------------------
+    Case("user-config-yaml-syntax", "run", _r("--config-dir", "{tmp}/conf", "--config-name", "bad"), 2,
+         lambda tmp: f"{tmp}/conf/bad.yaml", extra=["YAML syntax error", "line 5"], setup=lambda tmp, mp: _confs(tmp)),
+    Case("config-name-missing", "run", _r("--config-name", "nope"), 2, "--config-name nope",
+         extra=["no nope.yaml"]),
+    Case("user-config-out-of-range", "run", _r("--config-dir", "{tmp}/conf", "--config-name", "range"), 2,
+         "discovery.batch_size", extra=["out of range"], setup=lambda tmp, mp: _confs(tmp)),
+    Case("user-config-scope-level-conflict", "run", _r("--config-dir", "{tmp}/conf", "--config-name", "conflict"), 2,
+         "pruning.scope=edges", extra=["discovery.level=edge"], setup=lambda tmp, mp: _confs(tmp)),
+    # --- import / export --------------------------------------------------------------------
+    Case("import-a-json-list", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "JSON list",
+         setup=lambda tmp, mp: _write(tmp / "g.json", "[1, 2, 3]")),
+    Case("import-edges-not-an-object", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "'edges' is a JSON list",
+         setup=lambda tmp, mp: _write(tmp / "g.json", json.dumps({"cfg": {"n_layers": 2, "n_heads": 4}, "nodes": {},
+                                                                   "edges": []}))),
+    Case("import-string-score", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "has score 'high'",
+         extra=["input->logits"], setup=lambda tmp, mp: _graph_json(tmp, score="high")),
+    Case("import-nan-score", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.safetensors"), 1, "has score nan",
+         extra=["finite"], setup=lambda tmp, mp: _graph_json(tmp, score=float("nan"))),
+    Case("import-infinite-node-score", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.safetensors"), 1,
+         "node 'a0.h1' has score inf", setup=lambda tmp, mp: _graph_json(tmp, node_score=float("inf"))),
+    Case("import-negative-n-layers", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "n_layers is -2",
+         setup=lambda tmp, mp: _graph_json(tmp, n_layers=-2)),
+    Case("import-not-utf8", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "g.json is not UTF-8",
+         setup=lambda tmp, mp: _write(tmp / "g.json", '{"cfg": "caf\xe9"}'.encode("latin-1"))),
+    Case("import-bad-scale", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt", "--scale", "0"), 1, "--scale 0",
+         setup=lambda tmp, mp: _graph_json(tmp)),
+    Case("import-parent-is-a-file", "cli", _r("import", "{tmp}/g.json", "{tmp}/prior/keep.txt/out.pt"), 2,
+         "keep.txt", extra=["is a file"], setup=lambda tmp, mp: _graph_json(tmp)),
+    Case("export-parent-is-a-file", "cli", _r("export", "{tmp}/c.pt", "{tmp}/prior/keep.txt/c.json"), 2, "keep.txt",
+         extra=["is a file"], setup=lambda tmp, mp: _circuit(tmp, TINY, "c.pt")),
+    # --- models and data ------------------------------------------------------------------------
+    Case("model-weights-a-pickle", "run", _r("stages=[data]", "model.name={tmp}/pickled"), 1,
+         lambda tmp: f"{tmp}/pickled/pytorch_model.bin", extra=["refused as unsafe"],
+         setup=lambda tmp, mp: _pickled_model(tmp)),
+    Case("grads-row-range-past-the-end", "run", _r("stages=[grads]", "grads.data_path={tmp}/train.jsonl",
+                                                   "grads.data_row_range=[5,9]", "grads.index_dir={tmp}/idx"), 1,
+         "grads.data_row_range=[5, 9]", extra=["2 record(s)"],
+         setup=lambda tmp, mp: _write(tmp / "train.jsonl", '{"prompt": "The cat ", "completion": "runs."}\n'
+                                                          '{"prompt": "The dog ", "completion": "sleeps."}\n')),
+    Case("hub-model-offline", "run", _r("stages=[data]", "model.name=someorg/unknown-7b"), 2, "someorg/unknown-7b",
+         extra=["offline", "not in the local Hugging Face cache"], setup=lambda tmp, mp: _offline(mp)),
     # --- shards verified when merged ---------------------------------------------------------
     Case("merge-shard-value-changed", "cli", MERGE, 1, "shard1/attribution_shard.safetensors",
          extra=["does not have the sha256 its run recorded", "rerun shard 1"],
@@ -303,3 +424,42 @@ def test_show_top_edges_counts_from_the_strongest(tmp_path, capsys):
                "graph": {"n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "parallel_residual": False}}
     assert len(build_picture(circuit, 3).edges) == 3
 
+
+
+# --------------------------------------------------------------------------- | head
+
+def _closed_stdout_run(argv: list[str]) -> tuple[int, str]:
+    """A command whose stdout reader has gone (what `| head` does once it has its lines)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    return proc.wait(timeout=300), err
+
+
+def test_config_piped_into_head_exits_quietly():
+    code, err = _closed_stdout_run(["circuitkit.cli", "config"])
+    assert code == 0 and err == "", err  # was: exit 1, nothing said
+
+
+def test_a_broken_pipe_in_any_command_ends_quietly(capsys):
+    from circuitkit.errors import run_entry
+
+    def prints_to_a_gone_reader():
+        raise BrokenPipeError(32, "Broken pipe")  # print() into `| head` after it exited
+
+    def rich_on_a_gone_reader():  # what rich's Console does then: dup2 /dev/null, SystemExit(1)
+        try:
+            raise BrokenPipeError(32, "Broken pipe")
+        except BrokenPipeError:
+            raise SystemExit(1) from None
+
+    assert run_entry(prints_to_a_gone_reader) == 0
+    assert run_entry(rich_on_a_gone_reader) == 0
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):  # any other exit passes through unchanged
+        run_entry(lambda: (_ for _ in ()).throw(SystemExit(3)))
