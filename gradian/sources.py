@@ -206,7 +206,8 @@ class Source:
         if self.format == "hf":
             from circuitkit.hub import check_hub_name
 
-            check_hub_name(self.spec.path, None, "grads.data_path", kind="dataset")  # offline: at once, no retries
+            if not path.exists():  # a hub name (a local folder is read by load_dataset itself)
+                check_hub_name(self.spec.path, None, "grads.data_path", kind="dataset")  # offline: at once
             try:
                 return datasets.load_dataset(self.spec.path, split=self.spec.split)
             except Exception as err:  # the hub client raises many types; name the source

@@ -148,11 +148,26 @@ def _loggers_on_this_tests_stderr(capsys, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _hub_state():
+    """Each test decides online/offline afresh, and leaves the process as it found it (going
+    offline sets environment variables and the hub libraries' constants)."""
+    import os
+    import sys
+
     from circuitkit import hub
 
+    env = {name: os.environ.get(name) for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")}
+    constants = sys.modules.get("huggingface_hub.constants")
+    offline = getattr(constants, "HF_HUB_OFFLINE", None)
     hub.forget()
     yield
     hub.forget()
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = offline
 
 
 # ----------------------------------------------------------------------------- shard run dirs
