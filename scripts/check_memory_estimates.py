@@ -311,6 +311,8 @@ def build_real_fast(name: str, dtype: torch.dtype, n_layers: int) -> torch.nn.Mo
     with no_init_weights():
         model = tf.AutoModelForCausalLM.from_config(config_from_shape(shape, n_layers), attn_implementation="sdpa",
                                                     dtype=dtype)
+    model.tie_weights()  # skipped with the initialisation; the real model ties its embeddings
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.02)
