@@ -285,7 +285,7 @@ CASES = [
          "grads.data_row_range=[5, 9]", extra=["2 record(s)"],
          setup=lambda tmp, mp: _write(tmp / "train.jsonl", '{"prompt": "The cat ", "completion": "runs."}\n'
                                                           '{"prompt": "The dog ", "completion": "sleeps."}\n')),
-    Case("hub-model-offline", "run", _r("stages=[data]", "model.name=someorg/unknown-7b"), 2, "someorg/unknown-7b",
+    Case("hub-model-offline", "run", _r("stages=[data]", "model.name=someorg/unknown-7b"), 1, "someorg/unknown-7b",
          extra=["offline", "not in the local Hugging Face cache"], setup=lambda tmp, mp: _offline(mp)),
     # --- shards verified when merged ---------------------------------------------------------
     Case("merge-shard-value-changed", "cli", MERGE, 1, "shard1/attribution_shard.safetensors",

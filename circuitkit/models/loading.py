@@ -190,10 +190,10 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
         log.warning("model.trust_remote_code=true: code from '%s' will run on this machine.", cfg.name)
     _quiet_transformers()
     path = resolve_model_path(cfg.name)
-    if not Path(path).exists():  # a hub name: decide online/offline once, before any request retries
-        from circuitkit.hub import hub_offline
+    if not Path(path).exists():  # a hub name: offline (decided once), not cached is one line now, no retries
+        from circuitkit.hub import check_hub_name
 
-        hub_offline()
+        check_hub_name(cfg.name, cfg.revision, "model.name")
     device = device or get_device()
     try:
         auto = _auto_class(path, cfg.revision, cfg.trust_remote_code)
@@ -262,13 +262,8 @@ def weights_hash(model: nn.Module) -> str:
 # ----------------------------------------------------------------------------- what stages ask
 
 def check_model(cfg: ModelConfig) -> None:
-    """The pre-run check every stage that loads the model shares: the reference resolves (and a hub
-    name, offline, is in the local cache: circuitkit.hub)."""
-    path = resolve_model_path(cfg.name)
-    if not cfg.name.startswith(BUILTIN_PREFIX) and not Path(path).exists():
-        from circuitkit.hub import check_hub_name
-
-        check_hub_name(cfg.name, cfg.revision, "model.name")
+    """The pre-run check every stage that loads the model shares: the reference resolves."""
+    resolve_model_path(cfg.name)
 
 
 def model_inputs(cfg: ModelConfig) -> dict[str, Path | str]:
