@@ -22,7 +22,7 @@ import sys
 from rich.console import Console
 from rich.syntax import Syntax
 
-from circuitkit.errors import DEBUG_ENV, run_entry
+from circuitkit.errors import DEBUG_ENV, UserError, run_entry
 
 # Each subcommand imports its module when it runs (inside main): `circuitkit --help` and a
 # mistyped command load neither torch nor Hydra, so they answer at once.
@@ -107,6 +107,8 @@ def _main(argv: list[str]) -> int:
         from circuitkit.circuit import show_circuit
 
         args = parser.parse_args(argv)
+        if args.top_edges < 1:  # a negative count would slice from the other end
+            raise UserError(f"--top-edges {args.top_edges}: give a number of edges >= 1.", exit_code=2)
         show_circuit(args.path)
         if args.graph:
             from circuitkit.circuit_graph import graph_file

@@ -112,8 +112,9 @@ class DiscoveryConfig:
                    choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
     metric: str = _f("logit_diff", "scalar per example", choices=("logit_diff", "prob_diff", "logprob", "kl"))
     ig_steps: Optional[int] = _f(5, "integration steps of EAP-IG (null = 30, 1 = EAP)", ge=1)
-    ig_rule: str = _f("right", "EAP-IG quadrature rule; ig_steps is its number of passes (right = reference EAP-IG)",
-                      choices=("right", "midpoint", "trapezoid", "gauss_legendre"))
+    ig_rule: str = _f("right", "EAP-IG quadrature rule; ig_steps is its number of passes (the reference EAP-IG:"
+                      " right at node level, left at edge level)",
+                      choices=("right", "midpoint", "trapezoid", "gauss_legendre", "left"))
     batch_size: int = _f(4, "examples per forward/backward pass", ge=1)
     num_shards: int = _f(1, "jobs splitting the attribution examples (contiguous ranges; merged by the last to finish)", ge=1)
     shard_index: int = _f(0, "this job's share of the attribution examples, 0 <= shard_index < num_shards", ge=0)
@@ -541,24 +542,65 @@ def check_overrides(overrides: Iterable[str], ranges: bool = True) -> None:
             _check_value(key, v, leaf_tp, meta)
 
 
-def _hydra_compose(overrides: list[str], config_name: str, with_hydra: bool, keep: bool = False) -> DictConfig:
+def _yaml_error(err: Exception) -> ConfigError:
+    """One line for a YAML syntax error: the file, line and column, and what the parser expected."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or " ".join(str(err).split())
+    where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "a config file"
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and start is not None and mark is not None and start.line != mark.line:
+        problem += f" ({context} from line {start.line + 1}, column {start.column + 1})"
+    return ConfigError(f"YAML syntax error in {where}: {problem}; fix the file (quote values with ':', '[' or '{{').")
+
+
+def _missing_config(config_name: str, config_dir: str | None) -> ConfigError:
+    dirs = [Path(config_dir).expanduser()] if config_dir else []
+    dirs.append(CONF_DIR)
+    options = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+    close = difflib.get_close_matches(config_name, options, n=1)
+    hint = f" Did you mean --config-name {close[0]}?" if close else ""
+    return ConfigError(f"--config-name {config_name}: there is no {config_name}.yaml in"
+                       f" {' or '.join(str(d) for d in dirs)} (add --config-dir DIR for your own); configs there:"
+                       f" {', '.join(options) or 'none'}.{hint}")
+
+
+def _hydra_compose(overrides: list[str], config_name: str, with_hydra: bool, keep: bool = False,
+                   config_dir: str | None = None) -> DictConfig:
     """Hydra's compose API on conf/, its errors turned into ConfigError naming the problem.
 
     with_hydra: include the `hydra` block (run and sweep dirs). keep: leave Hydra's global
-    state initialized afterwards (as `compose` always has), else clear it.
+    state initialized afterwards (as `compose` always has), else clear it. config_dir: a user's
+    directory of configs (`--config-dir`), searched for `config_name` first, with conf/ behind it
+    for the groups and defaults it names.
     """
+    import yaml
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException
 
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
+    primary = str(CONF_DIR)
+    if config_dir is not None:
+        user_dir = Path(config_dir).expanduser().resolve()
+        if not user_dir.is_dir():
+            raise ConfigError(f"--config-dir {config_dir}: {user_dir} is not a directory; give the directory that"
+                              " holds your .yaml config.")
+        if (user_dir / f"{config_name}.yaml").is_file():  # else conf/ holds it: Hydra's CLI finds it there too
+            primary = str(user_dir)
+            overrides = [*overrides, f"hydra.searchpath=[file://{CONF_DIR}]"]
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with initialize_config_dir(config_dir=primary, version_base="1.3"):
             return hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=with_hydra)
+    except yaml.YAMLError as err:
+        raise _yaml_error(err) from None
     except OmegaConfBaseException as err:
         raise config_error_from_omegaconf(err) from None
+    except MissingConfigException as err:
+        if "primary config" in str(err):
+            raise _missing_config(config_name, config_dir) from None
+        raise ConfigError(" ".join(str(err).split())) from None
     except HydraException as err:  # e.g. a group option that does not exist (model=nope)
         raise ConfigError(" ".join(str(err).split())) from None
     finally:
@@ -577,13 +619,14 @@ def compose(overrides: Iterable[str] = (), config_name: str = "config") -> tuple
     return cfg, validate(cfg)
 
 
-def compose_with_run_dir(overrides: Iterable[str], config_name: str = "config") -> tuple[AppConfig, str]:
+def compose_with_run_dir(overrides: Iterable[str], config_name: str = "config",
+                         config_dir: str | None = None) -> tuple[AppConfig, str]:
     """One composition that gives what `compose` validates and `hydra.run.dir` resolved now,
     so a single run is checked before Hydra creates its directory (a composition takes
     seconds on a busy machine: one, not two)."""
     overrides = list(overrides)
     check_overrides(overrides)
-    cfg = _hydra_compose(overrides, config_name, with_hydra=True)
+    cfg = _hydra_compose(overrides, config_name, with_hydra=True, config_dir=config_dir)
     try:
         run_dir = str(OmegaConf.select(cfg, "hydra.run.dir", throw_on_resolution_failure=True))
         typed = validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
@@ -592,14 +635,15 @@ def compose_with_run_dir(overrides: Iterable[str], config_name: str = "config") 
     return typed, run_dir
 
 
-def hydra_dir(overrides: Iterable[str], kind: str = "run", config_name: str = "config") -> str:
+def hydra_dir(overrides: Iterable[str], kind: str = "run", config_name: str = "config",
+              config_dir: str | None = None) -> str:
     """`hydra.run.dir` (kind "run") or `hydra.sweep.dir` ("sweep") as these overrides set it,
     resolved now (so it can be checked before Hydra creates it)."""
     overrides = list(overrides)
     # A sweep's values do not decide its directory; compose cannot take them.
     single = [text for text, ov in zip(overrides, _parse_overrides(overrides), strict=True)
               if not ov.is_sweep_override()]
-    cfg = _hydra_compose(single, config_name, with_hydra=True)
+    cfg = _hydra_compose(single, config_name, with_hydra=True, config_dir=config_dir)
     try:
         return str(OmegaConf.select(cfg, f"hydra.{kind}.dir", throw_on_resolution_failure=True))
     except OmegaConfBaseException as err:

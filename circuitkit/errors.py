@@ -2,7 +2,8 @@
 
 Entry points (`python -m circuitkit.run`, `circuitkit ...`, `gradian ...`) wrap their work in
 `run_entry`: an error a user can act on prints one line naming the problem and the fix, an
-unexpected one prints one line saying it is a bug, Ctrl-C prints one line and exits 130. Set
+unexpected one prints one line saying it is a bug, Ctrl-C prints one line and exits 130, and
+output piped into a reader that stops early (`| head`) ends quietly with 0. Set
 the environment variable ``CIRCUITKIT_DEBUG=1`` to see the Python traceback instead.
 
 Exit codes: 0 ok, 1 the work failed (bad data, a failed stage, an I/O error), 2 the command or
@@ -92,8 +93,14 @@ def run_entry(fn: Callable[..., Any], *args: Any, console: Console | None = None
     """
     try:
         result = fn(*args, **kwargs)
-    except SystemExit:
+    except SystemExit as exit_:
+        if isinstance(exit_.__context__, BrokenPipeError):  # rich's Console exits 1 when stdout's reader left
+            quiet_stdout()
+            return 0
         raise
+    except BrokenPipeError:  # the reader of stdout went away (`circuitkit show ... | head`): not an error
+        quiet_stdout()
+        return 0
     except BaseException as err:  # noqa: BLE001 - every error ends in one line, not a traceback
         if debug_enabled():
             raise
@@ -101,6 +108,17 @@ def run_entry(fn: Callable[..., Any], *args: Any, console: Console | None = None
         print_error(message, console, label="interrupted" if code == EXIT_INTERRUPTED else "error")
         return code
     return 0 if result is None else int(result)
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null after its reader has gone, so that the flush at exit does not
+    raise BrokenPipeError again (Python prints that as "Exception ignored ...")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real stdout (captured in tests): nothing to flush
+        pass
 
 
 def exit_with(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

@@ -51,7 +51,7 @@ from circuitkit.circuit import Circuit, kept_components, load_circuit, save_circ
 from circuitkit.circuit_graph import graph_shape
 from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
-from circuitkit.io import atomic_write_bytes, sha256_file
+from circuitkit.io import atomic_write_bytes, check_writable, sha256_file
 from circuitkit.memory import shape_for
 
 FORMATS = ("eap-ig-json",)
@@ -88,22 +88,29 @@ def _edge_name(parent: str, child: str, letter: str) -> str:
 
 def to_eap_ig(graph: Graph, d_model: int, head_scores: torch.Tensor, mlp_scores: torch.Tensor, embed_score: float,
               edge_scores: torch.Tensor | None, node_in_graph: dict[str, bool], edge_in_graph: torch.Tensor,
-              extra_cfg: dict[str, Any] | None = None) -> dict[str, Any]:
+              extra_cfg: dict[str, Any] | None = None, node_scores: bool = True) -> dict[str, Any]:
     """The EAP-IG JSON object for our graph.
 
     head_scores (L, H), mlp_scores (L,), edge_scores (n_up, n_down) in our layout or None (then
     every edge score is 0.0), node_in_graph {our upstream node name: bool}, edge_in_graph
-    (n_up, n_down) bool.
+    (n_up, n_down) bool. `node_scores=False` leaves the nodes' "score" out: the reference's own
+    `Graph.to_json` fails on a graph whose nodes carry scores, so a file meant to be loaded and
+    saved again there must have none.
     """
     cfg = {"n_layers": graph.n_layers, "n_heads": graph.n_heads, "parallel_attn_mlp": graph.parallel_residual,
            "d_model": int(d_model), "n_key_value_heads": graph.n_kv_heads, **(extra_cfg or {})}
-    nodes: dict[str, dict[str, Any]] = {"input": {"in_graph": bool(node_in_graph["input"]),
-                                                  "score": _number(embed_score)}}
+
+    def node(name: str, score: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"in_graph": bool(node_in_graph[name])}
+        if node_scores:
+            out["score"] = _number(score)
+        return out
+
+    nodes: dict[str, dict[str, Any]] = {"input": node("input", embed_score)}
     for layer in range(graph.n_layers):
         for h in range(graph.n_heads):
-            name = f"a{layer}.h{h}"
-            nodes[name] = {"in_graph": bool(node_in_graph[name]), "score": _number(head_scores[layer, h])}
-        nodes[f"m{layer}"] = {"in_graph": bool(node_in_graph[f"m{layer}"]), "score": _number(mlp_scores[layer])}
+            nodes[f"a{layer}.h{h}"] = node(f"a{layer}.h{h}", head_scores[layer, h])
+        nodes[f"m{layer}"] = node(f"m{layer}", mlp_scores[layer])
     nodes["logits"] = {"in_graph": True}
     exists = graph.edge_mask()
     edges: dict[str, dict[str, Any]] = {}
@@ -130,7 +137,17 @@ def _d_model(explicit: int | None, stored: Any, model_name: str | None) -> int:
     raise InteropError("d_model is needed for the EAP-IG cfg; pass --d-model.")
 
 
-def export_circuit(circuit: dict[str, Any], d_model: int | None = None) -> dict[str, Any]:
+def _bool_or_none(value: Any, what: str) -> bool | None:
+    """A boolean as JSON should hold it; the strings "true"/"false" (written by earlier versions'
+    scores.safetensors metadata) are read as what they say, never as a non-empty string."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise InteropError(f"{what} is {value!r}; it must be true, false or null.")
+
+
+def export_circuit(circuit: dict[str, Any], d_model: int | None = None, node_scores: bool = True) -> dict[str, Any]:
     """circuit.pt contents -> EAP-IG JSON object (see the module docstring for what is in_graph)."""
     g = graph_shape(circuit)
     heads, mlps = kept_components(circuit)
@@ -146,13 +163,14 @@ def export_circuit(circuit: dict[str, Any], d_model: int | None = None) -> dict[
         down = torch.tensor([any(in_graph.get(c, True) for c, _ in cs) for cs in _children(g)])
         edge_in = g.edge_mask() & up[:, None] & down[None, :]
     d = _d_model(d_model, circuit.get("d_model"), circuit.get("model_name"))
-    extra = {"model_name": circuit.get("model_name"), "prepend_bos": circuit.get("prepend_bos"),
+    extra = {"model_name": circuit.get("model_name"),
+             "prepend_bos": _bool_or_none(circuit.get("prepend_bos"), "the circuit's prepend_bos"),
              "source": "circuitkit circuit.pt"}
     return to_eap_ig(g, d, circuit["head_scores"], circuit["mlp_scores"], float(circuit.get("embed_score", 0.0)),
-                     circuit.get("edge_scores"), in_graph, edge_in, extra)
+                     circuit.get("edge_scores"), in_graph, edge_in, extra, node_scores)
 
 
-def export_scores(path: Path, d_model: int | None = None) -> dict[str, Any]:
+def export_scores(path: Path, d_model: int | None = None, node_scores: bool = True) -> dict[str, Any]:
     """scores.safetensors -> EAP-IG JSON object with every node and edge in the graph."""
     from safetensors import safe_open
 
@@ -162,29 +180,63 @@ def export_scores(path: Path, d_model: int | None = None) -> dict[str, Any]:
     g = scores.graph
     in_graph = {n: True for n in g.upstream}
     d = _d_model(d_model, None, meta.get("model"))
-    extra = {"model_name": meta.get("model"), "prepend_bos": meta.get("prepend_bos"),
+    extra = {"model_name": meta.get("model"),
+             "prepend_bos": _bool_or_none(meta.get("prepend_bos"), f"{path}'s prepend_bos"),  # a JSON boolean
              "source": "circuitkit scores.safetensors"}
-    return to_eap_ig(g, d, scores.head, scores.mlp, float(scores.embed), scores.edges, in_graph, g.edge_mask(), extra)
+    return to_eap_ig(g, d, scores.head, scores.mlp, float(scores.embed), scores.edges, in_graph, g.edge_mask(), extra,
+                     node_scores)
 
 
-def from_eap_ig(obj: dict[str, Any], n_kv_heads: int | None = None) -> dict[str, Any]:
+def _count(cfg: dict[str, Any], key: str, required: bool = True) -> int | None:
+    value = cfg.get(key)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InteropError(f"the EAP-IG cfg's {key} is {value!r}; it must be a whole number >= 1.")
+    return value
+
+
+def _score(value: Any, where: str) -> float:
+    """A finite float from a JSON score; InteropError naming `where` for strings, NaN, inf, ..."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InteropError(f"{where} has score {value!r}; a score must be a number (or null).")
+    if not math.isfinite(value):
+        raise InteropError(f"{where} has score {value}; scores must be finite (NaN and infinity are refused).")
+    return float(value)
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise InteropError(f"{where} has in_graph {value!r}; it must be true or false.")
+    return value
+
+
+def from_eap_ig(obj: Any, n_kv_heads: int | None = None) -> dict[str, Any]:
     """EAP-IG JSON object -> our layout: graph, head/mlp/embed scores, edge scores and masks.
 
     Node scores come from the file when it has them, else (as our attribution guarantees) a
-    node's score is the sum of its outgoing edge scores.
+    node's score is the sum of its outgoing edge scores (also for a node whose score is null).
+    Every value is checked: a wrong structure, a non-numeric or non-finite score, a count that
+    is not a positive integer raise InteropError naming it.
     """
+    if not isinstance(obj, dict):
+        raise InteropError(f"not an EAP-IG graph: the file holds a JSON {type(obj).__name__}, not an object with"
+                           " cfg, nodes and edges.")
     missing = [k for k in ("cfg", "nodes", "edges") if k not in obj]
     if missing:
         raise InteropError(f"not an EAP-IG graph: missing key(s) {', '.join(missing)} (expected cfg, nodes, edges).")
+    for key in ("cfg", "nodes", "edges"):
+        if not isinstance(obj[key], dict):
+            raise InteropError(f"not an EAP-IG graph: '{key}' is a JSON {type(obj[key]).__name__}, not an object.")
     cfg = obj["cfg"]
-    try:
-        n_layers, n_heads = int(cfg["n_layers"]), int(cfg["n_heads"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise InteropError(f"the EAP-IG cfg needs n_layers and n_heads, got {cfg!r}.") from err
-    n_kv = int(n_kv_heads or cfg.get("n_key_value_heads") or n_heads)
+    n_layers, n_heads = _count(cfg, "n_layers"), _count(cfg, "n_heads")
+    n_kv = n_kv_heads or _count(cfg, "n_key_value_heads", required=False) or n_heads
     if n_heads % n_kv:
         raise InteropError(f"n_heads={n_heads} is not a multiple of n_key_value_heads={n_kv}.")
-    g = Graph(n_layers, n_heads, n_kv, bool(cfg.get("parallel_attn_mlp", False)))
+    if "d_model" in cfg and cfg["d_model"] is not None:
+        _count(cfg, "d_model")
+    g = Graph(n_layers, n_heads, n_kv, _bool_or_none(cfg.get("parallel_attn_mlp", False), "cfg.parallel_attn_mlp")
+              or False)
     up_index = {n: i for i, n in enumerate(g.upstream)}
     down_index: dict[tuple[str, str], int] = {}
     for v, cs in enumerate(_children(g)):
@@ -199,23 +251,27 @@ def from_eap_ig(obj: dict[str, Any], n_kv_heads: int | None = None) -> dict[str,
         if m is None or m["parent"] not in up_index or key not in down_index:
             raise InteropError(f"edge {name!r} does not exist in a {n_layers}-layer, {n_heads}-head graph"
                                " (names: input, a{layer}.h{head}, m{layer}, logits; attention inputs <q>, <k>, <v>).")
+        if not isinstance(info, dict):
+            raise InteropError(f"edge {name!r} is {info!r}; each edge must be an object with score and in_graph.")
         u, v = up_index[m["parent"]], down_index[key]
         if not exists[u, v]:
             raise InteropError(f"edge {name!r} goes backwards (its child runs before its parent).")
-        scores[u, v] += float(info.get("score") or 0.0)
-        kept[u, v] |= bool(info.get("in_graph", False))
+        score = info.get("score")
+        scores[u, v] += 0.0 if score is None else _score(score, f"edge {name!r}")
+        kept[u, v] |= _flag(info.get("in_graph", False), f"edge {name!r}")
     nodes = obj["nodes"]
+    for name, info in nodes.items():
+        if not isinstance(info, dict):
+            raise InteropError(f"node {name!r} is {info!r}; each node must be an object with in_graph (and score).")
     node_score_given = any("score" in nodes.get(n, {}) for n in g.upstream)
     summed = scores.sum(dim=1)
 
     def node_score(name: str) -> float:
-        if node_score_given:
-            value = nodes.get(name, {}).get("score")
-            return float("nan") if value is None else float(value)
-        return float(summed[up_index[name]])
+        value = nodes.get(name, {}).get("score") if node_score_given else None
+        return float(summed[up_index[name]]) if value is None else _score(value, f"node {name!r}")
 
     def node_in(name: str) -> bool:
-        return bool(nodes.get(name, {}).get("in_graph", False))
+        return _flag(nodes.get(name, {}).get("in_graph", False), f"node {name!r}")
 
     head_scores = torch.tensor([[node_score(f"a{layer}.h{h}") for h in range(n_heads)] for layer in range(n_layers)])
     mlp_scores = torch.tensor([node_score(f"m{layer}") for layer in range(n_layers)])
@@ -226,26 +282,60 @@ def from_eap_ig(obj: dict[str, Any], n_kv_heads: int | None = None) -> dict[str,
             "head_mask": head_mask, "mlp_mask": mlp_mask}
 
 
-def import_eap_ig(json_path: Path, out_path: Path, model_name: str | None = None,
-                  n_kv_heads: int | None = None) -> Path:
-    """Convert an EAP-IG JSON graph into a circuit.pt (suffix .pt) or a scores.safetensors."""
-    json_path, out_path = Path(json_path), Path(out_path)
-    if not json_path.is_file():
-        raise FileNotFoundError(f"{json_path} does not exist.")
+def read_json(path: Path) -> Any:
+    """The JSON value in `path`; InteropError naming the file for non-UTF-8 bytes or invalid JSON."""
+    raw = Path(path).read_bytes()
     try:
-        obj = json.loads(json_path.read_text())
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise InteropError(f"{path} is not UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start}); save the"
+                           " JSON as UTF-8.") from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as err:
-        raise InteropError(f"{json_path} is not JSON ({err}).") from err
-    parsed = from_eap_ig(obj, n_kv_heads)
+        raise InteropError(f"{path} is not JSON ({err}).") from None
+
+
+def _check_sign_scale(sign: float, scale: float) -> None:
+    if sign not in (1, -1):
+        raise InteropError(f"--sign {sign}: it must be 1 or -1.")
+    if not (math.isfinite(scale) and scale > 0):
+        raise InteropError(f"--scale {scale}: it must be a finite number > 0.")
+
+
+def import_eap_ig(json_path: Path, out_path: Path, model_name: str | None = None,
+                  n_kv_heads: int | None = None, sign: int = 1, scale: float = 1.0) -> Path:
+    """Convert an EAP-IG JSON graph into a circuit.pt (suffix .pt) or a scores.safetensors.
+
+    Every score of the file is multiplied by `sign` x `scale` (docs/interop.md: the reference's
+    score with `loss=False` is -1 x CircuitKit's, so `sign=-1`; a batch-mean metric is 1/B of
+    it, so `scale=B`); both are recorded in what is written.
+    """
+    json_path, out_path = Path(json_path), Path(out_path)
+    _check_sign_scale(sign, scale)
+    if not json_path.is_file():
+        raise FileNotFoundError(f"{json_path} {'is a directory' if json_path.is_dir() else 'does not exist'}.")
+    if out_path.suffix not in (".pt", ".safetensors"):
+        raise InteropError(f"output {out_path} must end in .pt (a circuit) or .safetensors (scores).")
+    check_writable(out_path, "the output")
+    parsed = from_eap_ig(read_json(json_path), n_kv_heads)
+    factor = float(sign) * float(scale)
+    for key in ("head_scores", "mlp_scores", "embed_score", "edge_scores"):
+        parsed[key] = parsed[key] * factor
     g: Graph = parsed["graph"]
     model_name = model_name or parsed["cfg"].get("model_name") or "unknown"
+    conversion = {"sign": int(sign), "scale": float(scale)}
+    source = {"format": "eap-ig-json", "path": str(json_path.resolve()), "sha256": sha256_file(json_path),
+              **conversion}
+    prepend_bos = _bool_or_none(parsed["cfg"].get("prepend_bos"), f"{json_path}'s cfg.prepend_bos")
     if out_path.suffix == ".safetensors":
         scores = AttributionScores(parsed["head_scores"], parsed["mlp_scores"], parsed["embed_score"], g,
-                                   parsed["edge_scores"], info={"imported_from": str(json_path)})
-        return save_scores(out_path, scores, {"model": model_name, "task": "imported",
-                                              "source_sha256": sha256_file(json_path)})
-    if out_path.suffix != ".pt":
-        raise InteropError(f"output {out_path} must end in .pt (a circuit) or .safetensors (scores).")
+                                   parsed["edge_scores"], info={"imported_from": source})
+        meta = {"model": model_name, "task": "imported", "source_sha256": source["sha256"],
+                "import_sign": str(int(sign)), "import_scale": repr(float(scale))}
+        if prepend_bos is not None:
+            meta["prepend_bos"] = str(prepend_bos).lower()
+        return save_scores(out_path, scores, meta)
 
     n_total = int(g.edge_mask().sum())
     n_kept = int(parsed["edge_mask"].sum())
@@ -259,30 +349,32 @@ def import_eap_ig(json_path: Path, out_path: Path, model_name: str | None = None
         "upstream_nodes": g.upstream, "downstream_nodes": g.downstream,
         "graph": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
                   "parallel_residual": g.parallel_residual},
-        "d_model": parsed["cfg"].get("d_model"), "prepend_bos": parsed["cfg"].get("prepend_bos"),
-        "ablation": "zero", "rank_by": "abs", "target_sparsity": removed, "achieved_sparsity": removed,
+        "d_model": parsed["cfg"].get("d_model"), "prepend_bos": prepend_bos,
+        # The reference defines a circuit under activation patching: removed edges carry the
+        # corrupted run's values (CircuitKit's `corrupted` ablation), not zeros.
+        "ablation": "corrupted", "rank_by": "abs", "target_sparsity": removed, "achieved_sparsity": removed,
         "n_removed": n_total - n_kept, "n_heads_removed": int((~parsed["head_mask"]).sum()),
         "metrics": {"full": nan, "empty": nan, "circuit": nan, "faithfulness": nan}, "cpr": nan, "cmd": nan,
-        "imported_from": {"format": "eap-ig-json", "path": str(json_path.resolve()),
-                          "sha256": sha256_file(json_path)},
+        "imported_from": source,
     }))
     return out_path
 
 
-def export_file(src: Path, out_path: Path, d_model: int | None = None) -> Path:
+def export_file(src: Path, out_path: Path, d_model: int | None = None, node_scores: bool = True) -> Path:
     """circuit.pt or scores.safetensors -> EAP-IG JSON file (written atomically)."""
     src = Path(src)
     if not src.is_file():
-        raise FileNotFoundError(f"{src} does not exist.")
+        raise FileNotFoundError(f"{src} {'is a directory' if src.is_dir() else 'does not exist'}.")
+    check_writable(Path(out_path), "the output")
     if src.suffix == ".safetensors":
-        obj = export_scores(src, d_model)
+        obj = export_scores(src, d_model, node_scores)
     else:
-        obj = export_circuit(load_circuit(src), d_model)
+        obj = export_circuit(load_circuit(src), d_model, node_scores)
     return atomic_write_bytes(Path(out_path), json.dumps(obj, allow_nan=False).encode())
 
 
 def export_main(argv: list[str]) -> int:
-    """`circuitkit export SRC --format eap-ig-json OUT [--d-model D]`."""
+    """`circuitkit export SRC OUT [--format eap-ig-json] [--d-model D] [--no-node-scores]`."""
     parser = argparse.ArgumentParser(prog="circuitkit export",
                                      description="Export a circuit.pt or scores.safetensors to another tool's format.")
     parser.add_argument("src", help="circuit.pt (pruning stage) or scores.safetensors (attribution stage)")
@@ -290,9 +382,12 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--format", choices=FORMATS, default="eap-ig-json",
                         help="eap-ig-json: hannamw/EAP-IG Graph.to_json (what MIB's circuit track reads)")
     parser.add_argument("--d-model", type=int, default=None, help="residual width, if the file cannot tell")
+    parser.add_argument("--no-node-scores", action="store_true",
+                        help="write nodes without scores: the reference's Graph.to_json fails on a graph whose"
+                             " nodes have scores, so use this for a file to be loaded and saved again there")
     args = parser.parse_args(argv)
     try:
-        path = export_file(Path(args.src), Path(args.out), args.d_model)
+        path = export_file(Path(args.src), Path(args.out), args.d_model, node_scores=not args.no_node_scores)
     except (InteropError, FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from err
     obj = json.loads(Path(path).read_text())
@@ -302,7 +397,7 @@ def export_main(argv: list[str]) -> int:
 
 
 def import_main(argv: list[str]) -> int:
-    """`circuitkit import GRAPH.json OUT(.pt|.safetensors) [--model NAME] [--n-kv-heads K]`."""
+    """`circuitkit import GRAPH.json OUT(.pt|.safetensors) [--model NAME] [--n-kv-heads K] [--sign S] [--scale C]`."""
     parser = argparse.ArgumentParser(prog="circuitkit import",
                                      description="Import an EAP-IG JSON graph as a circuit.pt or scores.safetensors.")
     parser.add_argument("src", help="EAP-IG JSON graph (Graph.to_json)")
@@ -311,10 +406,17 @@ def import_main(argv: list[str]) -> int:
     parser.add_argument("--model", default=None, help="model name recorded in the output")
     parser.add_argument("--n-kv-heads", type=int, default=None,
                         help="KV heads per layer (GQA), if the file's cfg has no n_key_value_heads")
+    parser.add_argument("--sign", type=int, default=1, choices=(1, -1),
+                        help="multiply the file's scores by this: -1 for the reference run with loss=False"
+                             " (its scores are -1 x CircuitKit's), 1 (default) for loss=True or CircuitKit's own"
+                             " exports; recorded in the output")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply the file's scores by this (> 0): B for a metric that is a mean over a"
+                             " batch of B (the notebooks'), 1 (default) for a per-example sum; recorded in the output")
     args = parser.parse_args(argv)
     try:
-        path = import_eap_ig(Path(args.src), Path(args.out), args.model, args.n_kv_heads)
+        path = import_eap_ig(Path(args.src), Path(args.out), args.model, args.n_kv_heads, args.sign, args.scale)
     except (InteropError, FileNotFoundError, ValueError) as err:
         raise UserError(str(err)) from err
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (f" (scores x {args.sign * args.scale:g})" if args.sign * args.scale != 1 else ""))
     return 0

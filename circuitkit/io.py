@@ -48,10 +48,16 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give a file path to write to.")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise _with_filename(err, path) from err
     os.close(fd)
     try:
-        write(Path(tmp))
+        try:
+            write(Path(tmp))
+        except OSError as err:  # e.g. ENOSPC from a write: name the artifact, not the temporary file
+            raise _with_filename(err, path) from err
         # mkstemp makes 0600 files; a shared index or run dir needs what open() would give.
         os.chmod(tmp, 0o666 & ~current_umask())
         with open(tmp, "rb+") as fh:
@@ -64,14 +70,38 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def _with_filename(err: OSError, path: Path) -> OSError:
+    """The same OSError naming `path` (a failed write() names no file; the message should)."""
+    if err.filename and not Path(str(err.filename)).name.startswith(f".{path.name}."):
+        return err
+    return type(err)(err.errno, err.strerror or str(err), str(path))
+
+
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """Overwrite the existing file `path` with `data` without a temporary file: the last resort
+    when the disk is full, since rewriting blocks a file already holds needs no free space. Not
+    atomic; used only for the manifest's final status after a failed atomic write."""
+    with open(path, "r+b") as fh:
+        fh.write(data)
+        fh.truncate(len(data))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> Path:
     """Write `data` to `path` atomically."""
     return _atomic(path, lambda tmp: tmp.write_bytes(data))
 
 
-def atomic_write_json(path: Path, obj: Any) -> Path:
-    """Write `obj` as indented JSON to `path` atomically."""
-    return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
+def json_bytes(obj: Any) -> bytes:
+    """`obj` as indented JSON text, as the manifests are written."""
+    return (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode()
+
+
+def atomic_write_json(path: Path, obj: Any, reserve_bytes: int = 0) -> Path:
+    """Write `obj` as indented JSON to `path` atomically. `reserve_bytes` of trailing whitespace
+    (still valid JSON) keep room for a later `rewrite_in_place` of a longer text on a full disk."""
+    return atomic_write_bytes(path, json_bytes(obj) + b" " * reserve_bytes)
 
 
 def safetensors_parts(tensors: dict, metadata: dict[str, str] | None = None) -> tuple[bytes, memoryview]:

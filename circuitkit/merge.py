@@ -4,7 +4,8 @@ The last shard of a sweep merges on its own (circuitkit.attribution.shards); thi
 for shards that ran where they cannot meet (different machines, different sweep dirs) or when
 the automatic merge was refused. It reads each run dir's `attribution_shard.safetensors`,
 refuses shards of different configs, models or data naming the key, writes the merged
-`scores.safetensors`, `data.safetensors` and `merge.json` into DIR, and runs the pruning stage
+`scores.safetensors`, `data.safetensors` and `merge.json` into DIR (each shard verified against
+the sha256 its run dir's manifest.json recorded for it), and runs the pruning stage
 there on the merged scores with the shards' config (skip with --no-prune).
 """
 
@@ -55,7 +56,7 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
         if not path.is_file():
             raise UserError(f"{run_dir} has no {PARTIAL_FILE}: give the run dirs of attribution shards"
                             " (discovery.num_shards > 1) whose attribution stage finished.", exit_code=2)
-        partials.append(load_partial(path))
+        partials.append(load_partial(path, run_dir=Path(run_dir)))  # verified against that run's manifest
     merged = merge_partials(partials)  # refuses mismatched shards, naming the key
     first = Path(run_dirs[0])
     config = load_manifest(first).get("config")

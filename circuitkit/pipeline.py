@@ -19,10 +19,13 @@ The pipeline knows no stage by name: each domain defines its stages, and the ent
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +41,7 @@ from circuitkit.config import AppConfig, to_dict
 from circuitkit.device import get_device, measure_peak, module_bytes
 from circuitkit.errors import UserError, describe_os_error
 from circuitkit.fingerprint import Fingerprinter, changed_inputs
-from circuitkit.io import atomic_write_json, sha256_file, sha256_json
+from circuitkit.io import atomic_write_json, json_bytes, rewrite_in_place, sha256_file, sha256_json
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -120,6 +123,15 @@ class RunContext:
         self.stages = stages  # the selected stages of this run, in order (the preflight reads them)
         self._load_model = load_model
         self._loaded = None
+        self._record: Callable[[dict[str, Any]], None] | None = None  # set by the pipeline per stage
+
+    def record(self, **values: Any) -> None:
+        """Add `values` to the running stage's manifest entry and write manifest.json now
+        (before the stage ends): e.g. a shard's checksum, which other jobs read while this one
+        still runs."""
+        if self._record is None:
+            raise PipelineError("record() is only available while a pipeline stage runs.")
+        self._record(values)
 
     @property
     def model_loaded(self) -> bool:
@@ -192,6 +204,56 @@ def _artifact_record(run_dir: Path, paths: list[Path]) -> dict[str, dict[str, An
         rel = str(p.relative_to(run_dir)) if p.is_relative_to(run_dir) else str(p)
         out[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
     return out
+
+
+class InterruptWatch:
+    """Remembers that Ctrl-C came, even when the KeyboardInterrupt it raised was swallowed.
+
+    Python ignores (prints "Exception ignored in ...") an exception raised inside a finalizer
+    or a __del__, so a Ctrl-C that lands in a cleanup callback would let the stage go on and be
+    recorded `ok`. While the watch is active, SIGINT sets `fired` and then raises as usual; the
+    pipeline checks `fired` after each stage and ends the run as interrupted (exit 130).
+    Installed only in the main thread and over Python's own handler.
+    """
+
+    def __init__(self) -> None:
+        self.fired = False
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        self.fired = True
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> InterruptWatch:
+        if threading.current_thread() is threading.main_thread():
+            current = signal.getsignal(signal.SIGINT)
+            if current is signal.default_int_handler:
+                self._previous = current
+                signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+MANIFEST_RESERVE_BYTES = 8192  # room kept in a running stage's manifest for its failure record
+
+
+def write_final_status(manifest_path: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest after a stage failed or was interrupted. On a full disk the atomic write
+    fails too; the manifest is then rewritten in place, into the room the `running` write kept,
+    so that it never stays `running` after the run has stopped."""
+    try:
+        atomic_write_json(manifest_path, manifest)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not manifest_path.is_file():
+            raise
+        rewrite_in_place(manifest_path, json_bytes(manifest))
 
 
 def _stage_error_message(err: BaseException) -> str:
@@ -274,6 +336,15 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
     manifest_path = run_dir / MANIFEST
     atomic_write_json(manifest_path, manifest)
 
+    with InterruptWatch() as watch:
+        _run_stages(ctx, selected, hashes, manifest, manifest_path, fingerprints, watch)
+    print_manifest_table(manifest, ctx.console)
+    return manifest
+
+
+def _run_stages(ctx: RunContext, selected: list[Stage], hashes: dict[str, str], manifest: dict[str, Any],
+                manifest_path: Path, fingerprints: Fingerprinter, watch: InterruptWatch) -> None:
+    cfg, run_dir = ctx.cfg, ctx.run_dir
     upstream_ran = False  # once a stage runs, the ones after it read fresh inputs and run too
     for stage in selected:
         prior = manifest["stages"].get(stage.name, {})
@@ -294,21 +365,33 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
         entry: dict[str, Any] = {"status": "running", "config_hash": hashes[stage.name], "inputs": inputs,
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         manifest["stages"][stage.name] = entry
-        atomic_write_json(manifest_path, manifest)
+        atomic_write_json(manifest_path, manifest, reserve_bytes=MANIFEST_RESERVE_BYTES)
+
+        def record(values: dict[str, Any], entry: dict[str, Any] = entry) -> None:
+            entry.update(values)
+            atomic_write_json(manifest_path, manifest, reserve_bytes=MANIFEST_RESERVE_BYTES)
+        ctx._record = record
         ctx.console.rule(f"stage {stage.name}")
         t0 = time.perf_counter()
         try:
             with measure_peak(resident_bytes=ctx.resident_bytes) as peak:
                 result = stage.run(ctx)
+            if watch.fired:  # Ctrl-C whose KeyboardInterrupt a finalizer swallowed: still an interrupt
+                raise KeyboardInterrupt
         except KeyboardInterrupt:
             entry.update(status="interrupted", wall_s=round(time.perf_counter() - t0, 3),
                          error="interrupted (Ctrl-C)")
-            atomic_write_json(manifest_path, manifest)
+            write_final_status(manifest_path, manifest)
             raise
         except Exception as err:
+            if watch.fired:  # an error that followed a swallowed Ctrl-C: the run was interrupted
+                entry.update(status="interrupted", wall_s=round(time.perf_counter() - t0, 3),
+                             error="interrupted (Ctrl-C)")
+                write_final_status(manifest_path, manifest)
+                raise KeyboardInterrupt from err
             message = _stage_error_message(err)
             entry.update(status="failed", wall_s=round(time.perf_counter() - t0, 3), error=message)
-            atomic_write_json(manifest_path, manifest)
+            write_final_status(manifest_path, manifest)
             raise PipelineError(f"stage '{stage.name}' failed: {message} (manifest: {manifest_path})") from err
         entry.update(
             status="ok" if result.summary.get("status") != "skipped" else "skipped",
@@ -321,8 +404,9 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
             finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
         atomic_write_json(manifest_path, manifest)
-    print_manifest_table(manifest, ctx.console)
-    return manifest
+        ctx._record = None
+    if watch.fired:
+        raise KeyboardInterrupt
 
 
 def print_manifest_table(manifest: dict[str, Any], console: Console) -> None:

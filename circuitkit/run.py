@@ -32,9 +32,20 @@ from circuitkit.sweep import forget_last_sweep, last_sweep, record_job_failure
 _FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
                      "--cfg", "-c", "--package", "-p", "--experimental-rerun"}
 # Flags after which Hydra prints something and runs no job, or composes from elsewhere: no pre-check.
+# (--config-name / --config-dir are pre-checked: a user's config file is composed like Hydra will.)
 _NO_PRECHECK = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--version",
-                "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
-                "--config-dir", "-cd", "--experimental-rerun"}
+                "--shell-completion", "-sc", "--config-path", "-cp", "--experimental-rerun"}
+
+
+def flag_value(argv: list[str], *names: str) -> str | None:
+    """The value of a Hydra flag (`--config-name x`, `--config-name=x`, `-cn x`), None if absent."""
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg[len(name) + 1:]
+    return None
 
 
 def overrides_from_argv(argv: list[str]) -> list[str]:
@@ -87,11 +98,13 @@ def _main(argv: list[str]) -> int:
     overrides = overrides_from_argv(argv)
     # In a sweep, a value out of range fails its own job (a row of the summary), not the sweep.
     check_overrides(overrides, ranges=not multirun)
-    if not _NO_PRECHECK & set(argv):
+    if not _NO_PRECHECK & {a.split("=", 1)[0] for a in argv}:
+        name = flag_value(argv, "--config-name", "-cn") or "config"
+        config_dir = flag_value(argv, "--config-dir", "-cd")
         if multirun:
-            check_writable(Path(hydra_dir(overrides, "sweep")), "hydra.sweep.dir", directory=True)
+            check_writable(Path(hydra_dir(overrides, "sweep", name, config_dir)), "hydra.sweep.dir", directory=True)
         else:
-            typed, run_dir = compose_with_run_dir(overrides)
+            typed, run_dir = compose_with_run_dir(overrides, name, config_dir)
             check_stages(typed)
             check_writable(Path(run_dir), "hydra.run.dir", directory=True)
     if debug_enabled():

@@ -15,6 +15,8 @@ from rich.table import Table
 from safetensors import safe_open
 
 from circuitkit.attribution import load_scores, run_attribution, save_scores, top_heads
+from circuitkit.attribution.checks import ArtifactMismatch, check_data_fits_model, check_scores_fit_model
+from circuitkit.attribution.eap import graph_of
 from circuitkit.attribution.memory import ATTRIBUTION_MEMORY, attribution_estimate
 from circuitkit.circuit import Circuit, load_circuit, run_circuit_path, save_circuit
 from circuitkit.circuit_graph import write_circuit_graph
@@ -66,16 +68,43 @@ def _data(ctx: RunContext) -> StageResult:
 def task_data(ctx: RunContext):
     """(pairs, number used for attribution): from this run, or from data.safetensors in the run dir.
 
-    The pairs after the first `number` are the held-out ones.
+    The pairs after the first `number` are the held-out ones. A file read from the run dir is
+    checked against the model (vocabulary, context) before use.
     """
     if "data" not in ctx.state:
         path = ctx.run_dir / DATA_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: run the data stage first (add 'data' to stages).")
-        ctx.state["data"] = TaskData.load(path)
-        with safe_open(str(path), framework="pt") as fh:
-            ctx.state["n_attr"] = int(fh.metadata()["num_examples"])
+        data, n_attr = _read_task_data(path)
+        config = ctx.model().model.config
+        check_data_fits_model(data, getattr(getattr(config, "text_config", None) or config, "vocab_size", None),
+                              context_length(config), path, ctx.cfg.model.name)
+        ctx.state["data"], ctx.state["n_attr"] = data, n_attr
     return ctx.state["data"], ctx.state["n_attr"]
+
+
+def _read_task_data(path: Path) -> tuple[TaskData, int]:
+    """data.safetensors -> (pairs, attribution count); one line naming the file if it is not one."""
+    fix = "it is truncated, corrupted or not written by the data stage: rerun the data stage."
+    try:
+        data = TaskData.load(path)
+        with safe_open(str(path), framework="pt") as fh:
+            n_attr = int((fh.metadata() or {})["num_examples"])
+    except KeyError as err:
+        raise ArtifactMismatch(f"{path} is not CircuitKit task data (missing {err}); {fix}") from None
+    except Exception as err:  # noqa: BLE001 - header, EOF and format errors all mean "not readable"
+        if isinstance(err, OSError):
+            raise
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+        raise ArtifactMismatch(f"{path} cannot be read as task data ({reason}); {fix}") from None
+    n = len(data)
+    shapes = {f: tuple(getattr(data, f).shape) for f in ("clean_ids", "corrupted_ids", "attention_mask")}
+    if len(set(shapes.values())) != 1 or any(len(getattr(data, f)) != n for f in ("answer_pos", "correct",
+                                                                                  "incorrect")):
+        raise ArtifactMismatch(f"{path}: its tensors disagree in shape ({shapes}); {fix}")
+    if not 1 <= n_attr <= n:
+        raise ArtifactMismatch(f"{path}: num_examples={n_attr} but the file holds {n} pairs; {fix}")
+    return data, n_attr
 
 
 def _attribution(ctx: RunContext) -> StageResult:
@@ -137,6 +166,7 @@ def attribution_scores(ctx: RunContext):
             raise FileNotFoundError(f"{path} does not exist: pruning needs attribution scores; add 'attribution'"
                                     " to stages (e.g. stages=[data,attribution,pruning]).")
         ctx.state["scores"] = load_scores(path)
+        ctx.state["scores_loaded"] = True
     return ctx.state["scores"]
 
 
@@ -157,10 +187,12 @@ def _pruning(ctx: RunContext) -> StageResult:
                           " the last shard to finish prunes the merged scores.")
         return StageResult([], {"status": "skipped", "reason": "waiting for the other attribution shards"})
     scores = attribution_scores(ctx)
+    adapter = ctx.model().adapter
+    check_scores_fit_model(scores, graph_of(adapter), ctx.run_dir / SCORES_FILE if "scores_loaded" in ctx.state
+                           else "the attribution scores", ctx.cfg.model.name)
     if p.scope == "edges" and scores.edges is None:
         raise ValueError("pruning.scope=edges needs edge scores, but attribution ran at node level:"
                          " set discovery.level=edge (or pruning.scope=heads).")
-    adapter = ctx.model().adapter
     data, n_attr = task_data(ctx)
     held_out = data[n_attr:]
     if len(held_out) == 0:

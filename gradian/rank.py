@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -473,8 +474,8 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     if damping is not None and score not in CURVATURE_SCORES:
         raise UserError(f"--damping {damping} with --score {score}: {score} uses no curvature, so there is nothing to"
                         f" damp. Drop --damping, or rank with --score {' / '.join(CURVATURE_SCORES)}.", exit_code=2)
-    if damping is not None and damping <= 0:
-        raise UserError(f"--damping {damping}: it must be > 0 (a share of each module's mean eigenvalue).",
+    if damping is not None and not (math.isfinite(damping) and damping > 0):
+        raise UserError(f"--damping {damping}: it must be a finite number > 0 (a share of each module's mean eigenvalue).",
                         exit_code=2)
     if score in PRECONDITIONED_SCORES and IndexReader(index_dir).second_moment_blocks is None:
         _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads

@@ -33,6 +33,7 @@ from torch import nn
 
 from circuitkit.circuit_file import circuit_sha256, kept_components, load_circuit
 from circuitkit.config import GradsConfig, choices
+from circuitkit.errors import UserError
 from circuitkit.models.linear_modules import module_shape
 
 log = logging.getLogger(__name__)
@@ -147,5 +148,9 @@ def restricted_sites(model: nn.Module, adapter, circuit_path: str | Path, circui
         log.warning("grads.circuit %s was found on %s, the index is built for %s (same shape, so it is used).",
                     path, circuit["model_name"], model_name)
     heads, mlps = kept_components(circuit)
+    if tuple(heads.shape) != (adapter.n_layers, adapter.n_heads):  # checked against the model it is used with
+        raise UserError(f"grads.circuit={str(circuit_path)!r} is a circuit of {heads.shape[0]} layers x"
+                        f" {heads.shape[1]} heads (made for {circuit.get('model_name')}), but the model has"
+                        f" {adapter.n_layers} layers x {adapter.n_heads} heads: use a circuit found on this model.")
     sites = circuit_sites(model, adapter, heads, mlps if circuit_mlps == "kept" else None)
     return sites, circuit_record(path, circuit, sites, circuit_mlps)

@@ -154,12 +154,17 @@ class Source:
         """(position, where, canonical obj) for every record in the row range, in source order."""
         start, end = self.spec.row_range or (0, None)
         raw = self._jsonl() if self.format == "jsonl" else self._table()
+        seen = 0
         for n, (position, where, record) in enumerate(raw):
+            seen = n + 1
             if n < start:
                 continue
             if end is not None and n >= end:
                 break
             yield position, where, _canonical(record, self.spec, where)
+        if self.spec.row_range is not None and seen <= start:
+            raise DataError(f"grads.data_row_range=[{start}, {end}] starts past the end of {self.name}, which has"
+                            f" {seen} record(s): set grads.data_row_range within [0, {seen}] (or null for all).")
 
     def _jsonl(self) -> Iterator[tuple[int, str, Any]]:
         # jsonl_objects names a line that is not valid JSON or not UTF-8 as file:line.
@@ -199,6 +204,10 @@ class Source:
         datasets = _need_datasets("Arrow data and hub datasets")
         path = Path(self.spec.path)
         if self.format == "hf":
+            from circuitkit.hub import check_hub_name
+
+            if not path.exists():  # a hub name (a local folder is read by load_dataset itself)
+                check_hub_name(self.spec.path, None, "grads.data_path", kind="dataset")  # offline: at once
             try:
                 return datasets.load_dataset(self.spec.path, split=self.spec.split)
             except Exception as err:  # the hub client raises many types; name the source

@@ -292,6 +292,104 @@ def rows_table(rows: list[Row], title: str = "CPU, float32, eap-ig") -> Table:
     return table
 
 
+# --------------------------------------------------------------------------- the small-input grid
+
+GRID_SEQS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+GRID_BATCHES = (1, 2, 4, 8, 16)
+GRID_RANGE = (0.95, 1.10)  # issue 31: every point within -5 % .. +10 % of the measured peak
+
+
+def build_real_fast(name: str, dtype: torch.dtype, n_layers: int) -> torch.nn.Module:
+    """`build_real`, without transformers' weight initialisation (minutes for a 128k x 2048
+    embedding on a loaded CPU): parameters are allocated empty and filled with N(0, 0.02)
+    directly. The peak memory does not depend on the values."""
+    from omegaconf import OmegaConf
+    from transformers.initialization import no_init_weights
+
+    shape = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml").shape)
+    torch.manual_seed(0)
+    with no_init_weights():
+        model = tf.AutoModelForCausalLM.from_config(config_from_shape(shape, n_layers), attn_implementation="sdpa",
+                                                    dtype=dtype)
+    model.tie_weights()  # skipped with the initialisation; the real model ties its embeddings
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+        for module in model.modules():
+            if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
+                module.weight.fill_(1.0)
+    model.eval().requires_grad_(False)
+    return model
+
+
+@dataclass
+class GridRow:
+    model: str
+    dtype: str
+    batch: int
+    seq_len: int
+    measured_layers: str  # "16" measured at full depth, or "1,2 -> 16" extrapolated (linear in depth)
+    estimate_mib: float
+    measured_mib: float
+    ratio: float  # estimate / measured
+    phase: str
+
+
+def run_grid(name: str = "llama1b", dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat16),
+             seqs: Iterable[int] = GRID_SEQS, batches: Iterable[int] = GRID_BATCHES, layers: tuple[int, int] = (1, 2),
+             max_measured_mib: float = 6000.0, ig_steps: int = 3) -> list[GridRow]:
+    """Edge-level eap-ig peaks at `name`'s full width for every (seq, batch) whose estimate at the
+    measured depth is under `max_measured_mib`, measured at two depths and extrapolated linearly
+    to the full depth (every term but the tiny score matrix is linear in the number of layers);
+    `layers=(L, L)` with L the full depth measures directly. The estimate is the full-depth one."""
+    from omegaconf import OmegaConf
+
+    full = OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml").shape
+    L_full = int(full.n_layers)
+    rows = []
+    for dtype in dtypes:
+        measured: dict[int, dict[tuple[int, int], float]] = {}
+        for L in sorted(set(layers)):
+            model = build_real_fast(name, dtype, L)
+            shape_l = shape_from_config(model.config)
+            measured[L] = {}
+            for seq in seqs:
+                for batch in batches:
+                    est_l = estimate_attribution(shape_l, dtype.itemsize, batch, seq, "eap-ig", "edge", ig_steps)
+                    if est_l.total_bytes / MiB > max_measured_mib:
+                        continue
+                    measured[L][(batch, seq)] = measure_model(model, name, "edge", batch, seq, ig_steps).measured_mib
+                    print(f"{name} {dtype} L={L} batch {batch} seq {seq}: {measured[L][(batch, seq)]:.1f} MiB",
+                          flush=True)
+            del model
+        shape = shape_from_config(config_from_shape(OmegaConf.to_container(full)))
+        lo, hi = sorted(set(layers))[0], sorted(set(layers))[-1]
+        for key in sorted(measured[hi], key=lambda k: (k[1], k[0])):
+            if key not in measured[lo]:
+                continue
+            per_layer = (measured[hi][key] - measured[lo][key]) / (hi - lo) if hi > lo else 0.0
+            meas = measured[hi][key] + per_layer * (L_full - hi)
+            batch, seq = key
+            est = estimate_attribution(shape, dtype.itemsize, batch, seq, "eap-ig", "edge", ig_steps)
+            label = str(L_full) if lo == hi == L_full else f"{lo},{hi} -> {L_full}"
+            rows.append(GridRow(name, str(dtype).removeprefix("torch."), batch, seq, label, est.total_bytes / MiB,
+                                meas, est.total_bytes / MiB / meas, est.phase))
+    return rows
+
+
+def grid_table(rows: list[GridRow]) -> Table:
+    table = Table(title="edge-level eap-ig peak: estimate vs measured (CPU dispatch tracker + weights, ig_steps 3)")
+    for col in ("dtype", "batch", "seq", "layers measured", "estimate MiB", "measured MiB", "ratio", "phase"):
+        table.add_column(col, justify="right")
+    lo, hi = GRID_RANGE
+    for r in rows:
+        table.add_row(r.dtype, str(r.batch), str(r.seq_len), r.measured_layers, f"{r.estimate_mib:.0f}",
+                      f"{r.measured_mib:.0f}", f"{r.ratio:.3f}", r.phase,
+                      style=None if lo <= r.ratio <= hi else "red")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (~30 s)")
@@ -302,8 +400,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="real width, this many layers")
     parser.add_argument("--real-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="e.g. bfloat16 alone for gemma4b (its float32 weights alone are 16 GB)")
+    parser.add_argument("--grid", action="store_true",
+                        help="llama1b edge level over seq 16..2048 x batch 1..16, both precisions, measured at"
+                             " --grid-layers depths and extrapolated to 16 layers; points over --grid-max-mib skipped")
+    parser.add_argument("--grid-layers", nargs=2, type=int, default=[1, 2])
+    parser.add_argument("--grid-max-mib", type=float, default=6000.0)
+    parser.add_argument("--grid-seqs", nargs="+", type=int, default=list(GRID_SEQS))
+    parser.add_argument("--grid-batches", nargs="+", type=int, default=list(GRID_BATCHES))
     args = parser.parse_args(argv)
     console = Console()
+    if args.grid:
+        grid = run_grid("llama1b", dtypes=[getattr(torch, d) for d in args.real_dtypes], seqs=args.grid_seqs,
+                        batches=args.grid_batches, layers=tuple(args.grid_layers), max_measured_mib=args.grid_max_mib)
+        console.print(grid_table(grid))
+        lo, hi = GRID_RANGE
+        bad = [r for r in grid if not lo <= r.ratio <= hi]
+        console.print(f"{len(grid) - len(bad)}/{len(grid)} within [{lo}, {hi}]" + (
+            f"; ratios {min(r.ratio for r in grid):.3f}..{max(r.ratio for r in grid):.3f}" if grid else ""))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"grid": [asdict(r) for r in grid]}, fh, indent=2)
+        return 0 if not bad else 1
     if args.real:
         rows = run_real_sweep(args.real_models, args.real_batches, args.layers,
                               dtypes=[getattr(torch, d) for d in args.real_dtypes])

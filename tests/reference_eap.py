@@ -75,10 +75,14 @@ def _logits_grad(adapter, batch, e_k, metric, clean_answer):
     return torch.autograd.grad(value, leaf["x"])[0].float()
 
 
-def reference_edge_scores(adapter, data, algorithm="eap-ig", metric="logit_diff", ig_steps=3) -> torch.Tensor:
-    """(n_upstream, n_downstream) edge scores, means over examples, computed the slow way."""
+def reference_edge_scores(adapter, data, algorithm="eap-ig", metric="logit_diff", ig_steps=3,
+                          alphas=None) -> torch.Tensor:
+    """(n_upstream, n_downstream) edge scores, means over examples, computed the slow way.
+
+    `alphas`: the interpolation points, equal weights (default: the `right` rule's, as CircuitKit
+    computes them); pass another grid to reproduce another implementation's."""
     graph = graph_of(adapter)
-    alphas = interpolation_points(algorithm, ig_steps)
+    alphas = interpolation_points(algorithm, ig_steps) if alphas is None else list(alphas)
     mask = graph.edge_mask()
     scores = torch.zeros(mask.shape)
     dtype = adapter.embed.weight.dtype

@@ -31,6 +31,7 @@ LAYERS: dict[str, str] = {
     # runner core
     "circuitkit.config": CORE,
     "circuitkit.errors": CORE,
+    "circuitkit.hub": CORE,  # is the Hugging Face hub reachable (asked once; offline mode on when not)
     "circuitkit.io": CORE,
     "circuitkit.device": CORE,
     "circuitkit.fingerprint": CORE,
@@ -67,6 +68,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.preflight": MODELS,  # sums the estimates the stages declare; imports no domain
     # circuit discovery and pruning
     "circuitkit.tasks": CIRCUIT,
+    "circuitkit.attribution.checks": CIRCUIT,  # artifacts checked against the model and graph they are used with
     "circuitkit.tasks.base": CIRCUIT,
     "circuitkit.tasks.greater_than": CIRCUIT,
     "circuitkit.tasks.induction": CIRCUIT,

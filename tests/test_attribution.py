@@ -37,6 +37,23 @@ def test_fast_edge_scores_equal_per_head_reference(name):
     assert rel <= 1e-4, f"{name}: max relative difference {rel:.2e}"
 
 
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_left_rule_reproduces_the_reference_edge_level_grid(name):
+    """hannamw/EAP-IG's edge-level EAP-IG (`get_scores_eap_ig`) interpolates the input with
+    `for step in range(0, steps)`, α = step / steps: the corrupted point, never the clean one.
+    ig_rule=left is that grid; the default `right` is not (it is the reference at node level)."""
+    lm, data = loaded(name), pairs(name, n=4)
+    steps = 3
+    reference_grid = [step / steps for step in range(0, steps)]  # as the reference loops
+    slow = reference_edge_scores(lm.adapter, data, ig_steps=steps, alphas=reference_grid)
+    left = attribute(lm.adapter, data, "eap-ig", "edge", ig_steps=steps, batch_size=2, progress=False,
+                     ig_rule="left").edges
+    right = attribute(lm.adapter, data, "eap-ig", "edge", ig_steps=steps, batch_size=2, progress=False).edges
+    rel = float((left - slow).abs().max() / slow.abs().max())
+    assert rel <= 1e-4, f"{name}: left vs the reference grid, max relative difference {rel:.2e}"
+    assert float((right - slow).abs().max() / slow.abs().max()) > 1e-2  # the other grid: not the reference
+
+
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-gemma3"])
 def test_ig_steps_one_is_eap(name):
     lm, data = loaded(name), pairs(name)

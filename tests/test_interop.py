@@ -159,7 +159,75 @@ def test_pipeline_circuit_exports_with_its_token_policy(tmp_path) -> None:
     assert kept == int(circuit["edge_mask"].sum())  # no GQA in tiny-gpt2: one-to-one
     assert cli(["export", str(tmp_path / "run" / "scores.safetensors"), str(tmp_path / "s.json")]) == 0
     scores_obj = json.loads((tmp_path / "s.json").read_text())
-    assert scores_obj["cfg"]["prepend_bos"] == "true" and all(e["in_graph"] for e in scores_obj["edges"].values())
+    # a JSON boolean, as the circuit export writes it (was the string "true", and "false" read as true)
+    assert scores_obj["cfg"]["prepend_bos"] is True and all(e["in_graph"] for e in scores_obj["edges"].values())
+    assert cli(["import", str(tmp_path / "s.json"), str(tmp_path / "back.pt")]) == 0
+    assert load_circuit(tmp_path / "back.pt")["prepend_bos"] is True
+
+
+def _exported(tmp_path, seed: int = 3) -> tuple[dict, dict]:
+    g = Graph(2, 4, 4, False)
+    circuit = _random_circuit(g, "edges", seed=seed)
+    save_circuit(tmp_path / "c.pt", {**circuit, "ablation": "zero", "rank_by": "abs", "target_sparsity": 0.5,
+                                     "achieved_sparsity": 0.5})
+    return circuit, export_circuit(load_circuit(tmp_path / "c.pt"))
+
+
+def test_sign_and_scale_on_import_are_applied_and_recorded(tmp_path) -> None:
+    """A reference file with loss=False holds -1 x our scores, and a batch-mean metric 1/B of them:
+    --sign -1 --scale B brings them back, and the output says so."""
+    from circuitkit.attribution import load_scores
+
+    circuit, obj = _exported(tmp_path)
+    B = 4
+    for e in obj["edges"].values():
+        e["score"] = -e["score"] / B
+    for n in obj["nodes"].values():
+        if "score" in n:
+            n["score"] = -n["score"] / B
+    (tmp_path / "ref.json").write_text(json.dumps(obj))
+    assert cli(["import", str(tmp_path / "ref.json"), str(tmp_path / "s.safetensors"), "--sign", "-1",
+                "--scale", str(B)]) == 0
+    scores = load_scores(tmp_path / "s.safetensors")
+    torch.testing.assert_close(scores.edges, circuit["edge_scores"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scores.head, circuit["head_scores"], rtol=1e-5, atol=1e-6)
+    assert scores.info["imported_from"]["sign"] == -1 and scores.info["imported_from"]["scale"] == 4.0
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as fh:
+        meta = fh.metadata()
+    assert meta["import_sign"] == "-1" and meta["import_scale"] == "4.0"
+    assert cli(["import", str(tmp_path / "ref.json"), str(tmp_path / "c2.pt"), "--sign", "-1", "--scale", "4"]) == 0
+    back = load_circuit(tmp_path / "c2.pt")
+    assert back["imported_from"]["sign"] == -1 and back["imported_from"]["scale"] == 4.0
+    torch.testing.assert_close(back["edge_scores"], circuit["edge_scores"], rtol=1e-5, atol=1e-6)
+    # without the sign, signed ranking would keep the other end of the list: the scores are negated
+    assert cli(["import", str(tmp_path / "ref.json"), str(tmp_path / "raw.safetensors")]) == 0
+    raw = load_scores(tmp_path / "raw.safetensors")
+    torch.testing.assert_close(raw.edges, -circuit["edge_scores"] / B, rtol=1e-5, atol=1e-6)
+
+
+def test_export_without_node_scores_and_the_imported_ablation(tmp_path) -> None:
+    circuit, _ = _exported(tmp_path)
+    assert cli(["export", str(tmp_path / "c.pt"), str(tmp_path / "plain.json"), "--no-node-scores"]) == 0
+    obj = json.loads((tmp_path / "plain.json").read_text())
+    assert all("score" not in n for n in obj["nodes"].values())  # what the reference's to_json can save again
+    assert all("score" in e for e in obj["edges"].values())
+    assert cli(["import", str(tmp_path / "plain.json"), str(tmp_path / "back.pt")]) == 0
+    back = load_circuit(tmp_path / "back.pt")
+    g = Graph(2, 4, 4, False)
+    want = circuit["edge_scores"].sum(dim=1)[g.head_index(1, 2)]  # no node scores: the sum of its edges
+    assert abs(float(back["head_scores"][1, 2]) - float(want)) < 1e-5
+    assert back["ablation"] == "corrupted"  # the reference defines circuits under patching, not zeros
+
+
+def test_prepend_bos_string_in_an_older_file_reads_as_what_it_says(tmp_path) -> None:
+    _, obj = _exported(tmp_path)
+    for text, want in (("false", False), ("true", True)):
+        obj["cfg"]["prepend_bos"] = text
+        (tmp_path / "old.json").write_text(json.dumps(obj))
+        assert cli(["import", str(tmp_path / "old.json"), str(tmp_path / f"{text}.pt")]) == 0
+        assert load_circuit(tmp_path / f"{text}.pt")["prepend_bos"] is want
 
 
 def test_prepend_bos_policy_on_a_tokenizer_without_bos(tiny_model_dir) -> None:

@@ -194,6 +194,11 @@ CASES = [
     Case("resume follows a .. entry", then(lambda d, i, t: _edit(i, lambda m: _rename_entry(
         m, shard_name(1), "../x.safetensors")), index(index_dir="idx")), 1, r"shard entry '\.\./x\.safetensors' is a path",
         no_model=True),
+    # -- damping refused where it enters (issue 31): NaN ranked silently, inf ended in linear algebra
+    Case("damping nan", rank("--score", "whitened", "--damping", "nan"), 2, r"^error: --damping nan: .*finite",
+         no_model=True),
+    Case("damping inf", rank("--score", "whitened", "--damping", "inf"), 2, r"^error: --damping inf: .*finite",
+         no_model=True),
     # -- shards against the manifest (item 3)
     Case("shard values changed", then(lambda d, i, t: _change_values(i), rank()), 1,
          r"^error: \S+/shard-00001\.safetensors: sha256 \w+… differs from the manifest's"),

@@ -53,16 +53,44 @@ def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str,
 
 
 def load_scores(path: Path) -> AttributionScores:
-    """Read scores.safetensors back into AttributionScores."""
+    """Read scores.safetensors back into AttributionScores.
+
+    A file that is not one (truncated, garbage, keys or metadata missing), whose tensors do not
+    have the shapes of its own graph, or that holds NaN/inf raises one line naming the file
+    (circuitkit.artifact_checks.ArtifactMismatch)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata()
-        t = {k: fh.get_tensor(k) for k in fh.keys()}
-    graph = Graph(**json.loads(meta["graph"]))
-    return AttributionScores(t["head_scores"], t["mlp_scores"], t["embed_score"][0], graph, t.get("edge_scores"),
-                             float(meta["metric_clean"]), float(meta["metric_corrupted"]), int(meta["n_examples"]),
-                             json.loads(meta["info"]))
+    from circuitkit.attribution.checks import ArtifactMismatch, check_scores_consistent
+
+    path = Path(path)
+    fix = ("it is truncated, corrupted or not a CircuitKit scores file: rerun the attribution stage"
+           " (or `circuitkit import` it again).")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            t = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as err:  # noqa: BLE001 - header, EOF and format errors all mean "not readable"
+        if isinstance(err, OSError) and not isinstance(err, FileNotFoundError):
+            raise
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+        raise ArtifactMismatch(f"{path} cannot be read as scores ({reason}); {fix}") from None
+    missing = [k for k in ("head_scores", "mlp_scores", "embed_score") if k not in t]
+    missing += [f"metadata {k}" for k in ("graph", "metric_clean", "metric_corrupted", "n_examples", "info")
+                if k not in meta]
+    if missing:
+        raise ArtifactMismatch(f"{path} is not a CircuitKit scores file: missing {', '.join(missing)}; {fix}")
+    try:
+        graph = Graph(**json.loads(meta["graph"]))
+        if min(graph.n_layers, graph.n_heads, graph.n_kv_heads) < 1 or graph.n_heads % graph.n_kv_heads:
+            raise ValueError(f"impossible graph {meta['graph']}")
+        scores = AttributionScores(t["head_scores"], t["mlp_scores"], t["embed_score"].reshape(-1)[0], graph,
+                                   t.get("edge_scores"), float(meta["metric_clean"]),
+                                   float(meta["metric_corrupted"]), int(meta["n_examples"]),
+                                   json.loads(meta["info"]))
+    except (TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise ArtifactMismatch(f"{path} has unreadable metadata ({str(err)[:120]}); {fix}") from None
+    check_scores_consistent(scores, path)
+    return scores
 
 
 def top_heads(head_scores: torch.Tensor, k: int = 5, by_abs: bool = True) -> list[tuple[int, int, float]]:

@@ -7,7 +7,7 @@ With Δ_u = a_u(x) - a_u(x̃) and interpolated input embeddings e_k = ẽ + α_k
 
 `eap-ig` takes m = ig_steps points (null means 30) of the quadrature rule `ig_rule`
 (`circuitkit.attribution.quadrature`); the default `right` rule is α_k = k/m, w_k = 1/m for
-k = 1..m, so m = 1 is EAP. `clean-corrupted` averages the gradients at α = 0 and α = 1.
+k = 1..m, so m = 1 is EAP (the reference's node-level grid; `left`, k = 0..m−1, is its edge-level one). `clean-corrupted` averages the gradients at α = 0 and α = 1.
 Node and edge level use the same points and weights. Scores are float32 means over examples
 whatever the model dtype; parameters stay frozen (only activation gradients).
 

@@ -7,12 +7,22 @@ The EAP-IG score integrates the gradient along e(α) = ẽ + α (e − ẽ), α 
 with one forward+backward pass per point, so `ig_steps` is the number of passes for every rule.
 The rules (m = ig_steps) and the polynomial degree of g they integrate exactly:
 
-    right           α_k = k/m,            k = 1..m, w_k = 1/m                 degree 0 (the reference EAP-IG;
-                                                                                m = 1 is EAP)
+    right           α_k = k/m,            k = 1..m, w_k = 1/m                 degree 0 (the reference EAP-IG at
+                                                                                node level; m = 1 is EAP)
     midpoint        α_k = (k − ½)/m,      k = 1..m, w_k = 1/m                 degree 1, error O(1/m²)
     trapezoid       α_k = k/(m − 1),      k = 0..m−1, w = (½, 1, …, 1, ½)/(m−1) degree 1, error O(1/m²);
                                                                                 α = 0 is a pass at the corrupted input
     gauss_legendre  Gauss-Legendre nodes and weights mapped from [−1, 1]    degree 2m − 1
+    left            α_k = k/m,            k = 0..m−1, w_k = 1/m               degree 0 (the reference EAP-IG at
+                                                                                edge level)
+
+Which rule is the reference (hannamw/EAP-IG, what MIB runs): its node-level EAP-IG
+(`get_scores_ig_activations`) samples α = k/m for k = 1..m, our `right`; its edge-level EAP-IG
+(`get_scores_eap_ig`) loops `for step in range(0, steps)` with α = step/steps, k = 0..m−1: it
+evaluates the corrupted point α = 0 and never the clean one, our `left`. No other rule reproduces
+its edge scores (they differ by 10-12 % relative at the same m). With m = 1 the reference's
+edge-level "EAP-IG" is the gradient at the corrupted input alone, which is not EAP (EAP takes it
+at the clean input: `right` with m = 1, or algorithm=eap).
 
 This module is the one place that turns (algorithm, ig_steps, ig_rule) into points; the
 attribution core and the memory estimate both read it. It imports nothing heavy so the
@@ -30,7 +40,7 @@ IG_RULES = choices(DiscoveryConfig, "ig_rule")
 DEFAULT_IG_RULE = "right"
 # Highest polynomial degree of the integrand each rule integrates exactly with m points.
 EXACT_DEGREE = {"right": lambda m: 0, "midpoint": lambda m: 1, "trapezoid": lambda m: 1,
-                "gauss_legendre": lambda m: 2 * m - 1}
+                "gauss_legendre": lambda m: 2 * m - 1, "left": lambda m: 0}
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,8 @@ def quadrature(rule: str, m: int) -> Quadrature:
         raise ValueError(f"discovery.ig_steps={m} must be >= 1 (1 is EAP)")
     if rule == "right":
         return Quadrature(tuple(k / m for k in range(1, m + 1)), (1.0,) * m, rule)
+    if rule == "left":  # the reference's edge-level grid: α = 0 (corrupted) included, α = 1 (clean) never
+        return Quadrature(tuple(k / m for k in range(m)), (1.0,) * m, rule)
     if rule == "midpoint":
         return Quadrature(tuple((k - 0.5) / m for k in range(1, m + 1)), (1.0,) * m, rule)
     if rule == "trapezoid":

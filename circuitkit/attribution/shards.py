@@ -12,6 +12,12 @@ finds every shard present (under a file lock) writes the merged `scores.safetens
 `merge.json` there. Shards merge only when they were made with the same config (every key but
 the shard keys and where the model is placed), the same model files and the same task data;
 otherwise the merge is refused naming the key.
+
+Every shard file is verified before it is merged: the job that writes it records its sha256
+in its run's manifest.json (`stages.attribution.shard_sha256`, written before the file is
+published), and the merge refuses a file whose bytes no longer have that checksum, as
+`gradian rank` refuses a changed index shard. The shard file names its run dir in its
+metadata; `circuitkit merge RUN_DIRS` checks against the run dirs it is given.
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ class Partial:
 
 def save_partial(path: Path, sums: AttributionScores, shard_index: int, num_shards: int,
                  example_range: tuple[int, int], identity: dict[str, Any], model_sha256: str,
-                 data_sha256: str) -> Path:
+                 data_sha256: str, run_dir: Path | None = None) -> Path:
     """A shard file: float32 sums `head_sums` (L, H), `mlp_sums` (L,), `embed_sum` (1,),
     `edge_sums` (n_up, n_down) when computed, `metric_sums` (2,) clean/corrupted; the count
     and what it was made from in the metadata."""
@@ -102,12 +108,41 @@ def save_partial(path: Path, sums: AttributionScores, shard_index: int, num_shar
             "model_sha256": model_sha256, "data_sha256": data_sha256, "info": json.dumps(sums.info),
             "graph": json.dumps({"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
                                  "parallel_residual": g.parallel_residual})}
+    if run_dir is not None:
+        meta["run_dir"] = str(Path(run_dir).resolve())
     return atomic_save_safetensors(path, tensors, meta)
 
 
-def load_partial(path: Path) -> Partial:
-    """Read a shard file; ShardMergeError naming the file if it is not one."""
+SHARD_SHA_KEY = "shard_sha256"  # in the attribution stage's manifest entry of the shard's run
+
+
+def verify_shard_checksum(path: Path, run_dir: Path | None, shard_index: int) -> None:
+    """ShardMergeError unless `path` has the sha256 its run recorded in `run_dir`/manifest.json."""
+    from circuitkit.pipeline import MANIFEST, load_manifest
+
+    if run_dir is None:
+        raise ShardMergeError(f"{path} names no run dir, so its checksum cannot be verified (written by an older"
+                              f" CircuitKit); rerun shard {shard_index}.")
+    manifest_path = Path(run_dir) / MANIFEST
+    entry = load_manifest(Path(run_dir)).get("stages", {}).get("attribution", {})
+    recorded = entry.get(SHARD_SHA_KEY)
+    if recorded is None:
+        raise ShardMergeError(f"{manifest_path} records no checksum for shard {shard_index} ({path}): the"
+                              f" manifest is missing or was written by an older CircuitKit; rerun shard {shard_index}.")
+    actual = sha256_file(path)
+    if actual != recorded:
+        raise ShardMergeError(f"{path} does not have the sha256 its run recorded in {manifest_path}"
+                              f" ({actual[:12]}... vs {recorded[:12]}...): the file changed after shard {shard_index}"
+                              f" wrote it; rerun shard {shard_index}.")
+
+
+def load_partial(path: Path, run_dir: Path | None = None, verify: bool = True) -> Partial:
+    """Read a shard file; ShardMergeError naming the file if it is not one, its tensors do not fit
+    its graph, or (with `verify`) its bytes differ from the checksum recorded in its run's
+    manifest (`run_dir`, default the run dir named in the file)."""
     from safetensors import safe_open
+
+    from circuitkit.attribution.checks import ArtifactMismatch, check_scores_consistent
 
     try:
         with safe_open(str(path), framework="pt") as fh:
@@ -117,12 +152,30 @@ def load_partial(path: Path) -> Partial:
         raise ShardMergeError(f"{path} cannot be read as an attribution shard ({err}); rerun that shard.") from None
     if meta.get("format") != "circuitkit-attribution-shard-1":
         raise ShardMergeError(f"{path} is not an attribution shard (no circuitkit shard metadata).")
-    sums = AttributionScores(t["head_sums"], t["mlp_sums"], t["embed_sum"][0], Graph(**json.loads(meta["graph"])),
-                             t.get("edge_sums"), float(t["metric_sums"][0]), float(t["metric_sums"][1]),
-                             int(meta["n_examples"]), json.loads(meta["info"]))
-    start, stop = json.loads(meta["example_range"])
-    return Partial(Path(path), sums, int(meta["shard_index"]), int(meta["num_shards"]), (start, stop),
-                   json.loads(meta["identity"]), meta["model_sha256"], meta["data_sha256"])
+    needed_meta = ("n_examples", "shard_index", "num_shards", "example_range", "identity", "model_sha256",
+                   "data_sha256", "info", "graph")
+    missing = [f"metadata '{k}'" for k in needed_meta if k not in meta]
+    missing += [f"tensor '{k}'" for k in ("head_sums", "mlp_sums", "embed_sum", "metric_sums") if k not in t]
+    if missing:
+        raise ShardMergeError(f"{path} is not a complete attribution shard: missing {', '.join(missing)}; rerun"
+                              " that shard.")
+    try:
+        sums = AttributionScores(t["head_sums"], t["mlp_sums"], t["embed_sum"].reshape(-1)[0],
+                                 Graph(**json.loads(meta["graph"])), t.get("edge_sums"), float(t["metric_sums"][0]),
+                                 float(t["metric_sums"][1]), int(meta["n_examples"]), json.loads(meta["info"]))
+        start, stop = json.loads(meta["example_range"])
+        partial = Partial(Path(path), sums, int(meta["shard_index"]), int(meta["num_shards"]), (int(start), int(stop)),
+                          json.loads(meta["identity"]), meta["model_sha256"], meta["data_sha256"])
+    except (TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise ShardMergeError(f"{path} has unreadable shard metadata ({str(err)[:120]}); rerun that shard.") from None
+    try:
+        check_scores_consistent(sums, path)
+    except ArtifactMismatch as err:
+        raise ShardMergeError(str(err)) from None
+    if verify:
+        where = run_dir if run_dir is not None else (Path(meta["run_dir"]) if meta.get("run_dir") else None)
+        verify_shard_checksum(Path(path), where, partial.shard_index)
+    return partial
 
 
 def check_compatible(partials: list[Partial]) -> None:
@@ -141,6 +194,9 @@ def check_compatible(partials: list[Partial]) -> None:
         if other.data_sha256 != first.data_sha256:
             raise ShardMergeError(f"cannot merge {first.path} and {other.path}: their task data (data.safetensors)"
                                   " differ; rerun the shards with the same data.")
+        if other.sums.graph != first.sums.graph:
+            raise ShardMergeError(f"cannot merge {first.path} and {other.path}: their graphs differ"
+                                  f" ({first.sums.graph} vs {other.sums.graph}); rerun the shards with one model.")
         if other.num_shards != first.num_shards:
             raise ShardMergeError(f"cannot merge {first.path} and {other.path}: config key 'discovery.num_shards'"
                                   f" differs ({first.num_shards} vs {other.num_shards}).")
@@ -250,7 +306,8 @@ def run_attribution_shard(ctx, data, data_file: Path) -> ShardOutcome:
     sums = run_attribution(ctx.model().adapter, data[start:stop], d, sums=True)
     model_sha, data_sha = _model_and_data_sha256(ctx.run_dir, data_file)
     path = save_partial(ctx.run_dir / PARTIAL_FILE, sums, d.shard_index, d.num_shards, (start, stop),
-                        shard_identity(to_dict(ctx.cfg)), model_sha, data_sha)
+                        shard_identity(to_dict(ctx.cfg)), model_sha, data_sha, ctx.run_dir)
+    ctx.record(**{SHARD_SHA_KEY: sha256_file(path)})  # before publishing: the merge verifies it
     shard_dir = Path(d.shard_dir).expanduser() if d.shard_dir else default_shard_dir(ctx.run_dir)
     merged, records, missing = publish_and_try_merge(path, shard_dir, d.shard_index, d.num_shards, ctx.run_dir)
     if merged is None:

@@ -264,6 +264,10 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
         log.warning("model.trust_remote_code=true: code from '%s' will run on this machine.", cfg.name)
     _quiet_transformers()
     path, source_kwargs = pretrained_args(cfg)
+    if not source_kwargs and not Path(path).exists():  # a hub name: offline (decided once), not cached is one line now
+        from circuitkit.hub import check_hub_name
+
+        check_hub_name(cfg.name, cfg.revision, "model.name")
     device = device or get_device()
     try:
         auto = _auto_class(path, source_kwargs, cfg.revision, cfg.trust_remote_code)
@@ -277,6 +281,11 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
         if source_kwargs:
             raise GGUFError(f"model.name={cfg.name!r}: transformers could not load the GGUF file"
                             f" {source_kwargs['gguf_file']} ({_first_line(err)}).") from None
+        if Path(path).is_dir() and type(err).__name__ == "UnpicklingError":  # pickle.UnpicklingError
+            pickles = sorted(p.name for p in Path(path).glob("*.bin")) or ["its weight file"]
+            raise UserError(f"model.name={cfg.name!r}: {Path(path) / pickles[0]} is refused as unsafe: it is a"
+                            " pickle that holds objects other than tensors, and loading it could run code; use"
+                            " the model saved as safetensors (or convert a copy you trust).") from None
         if Path(path).is_dir():
             broken = _broken_weight_file(path)
             if broken:

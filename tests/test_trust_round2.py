@@ -1,0 +1,480 @@
+"""Trust, second round (issue 31): artifacts checked against the model they are used with,
+shards verified, non-finite values refused, errors that were internal or unclear.
+
+The table drives `python -m circuitkit.run` and `circuitkit ...` in process (the machinery of
+tests/test_trust_pipeline.py): every case asserts the exit status, exactly one error line that
+names the problem, no traceback, and that nothing written before the command changed. The tests
+after the table cover what a row cannot (Ctrl-C swallowed by a finalizer, the shard dir of a
+running sweep).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_trust_pipeline import (
+    SMALL,
+    Case,
+    _log_to_this_tests_stderr,  # noqa: F401  (autouse: loggers on this test's stderr)
+    _r,
+    _snapshot,
+    _tiny,
+    _truncate,
+    _write,
+    invoke,
+)
+
+from circuitkit.attribution import AttributionScores, Graph, save_scores
+from circuitkit.attribution.shards import (
+    PARTIAL_FILE,
+    SHARD_SHA_KEY,
+    ShardMergeError,
+    publish_and_try_merge,
+    save_partial,
+    shard_file_name,
+)
+from circuitkit.config import compose, to_dict
+from circuitkit.io import atomic_save_safetensors, atomic_write_json, sha256_file
+
+TINY = Graph(2, 4, 4, False)  # the tiny GPT-2 fixture's graph
+GPT2_SMALL = Graph(12, 12, 12, False)
+
+
+def _scores(g: Graph, seed: int = 0, **change) -> AttributionScores:
+    torch.manual_seed(seed)
+    edges = torch.randn(len(g.upstream), len(g.downstream)) * g.edge_mask()
+    fields = {"head": torch.randn(g.n_layers, g.n_heads), "mlp": torch.randn(g.n_layers), "embed": torch.tensor(0.3),
+              "graph": g, "edges": edges, "metric_clean": 1.0, "metric_corrupted": 0.0, "n_examples": 4,
+              "info": {"algorithm": "eap"}}
+    fields.update(change)
+    return AttributionScores(**fields)
+
+
+def _scores_file(tmp: Path, scores: AttributionScores, name: str = "run/scores.safetensors") -> Path:
+    path = tmp / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_scores(path, scores, {"model": "x", "task": "imported"})
+
+
+def _raw_scores(tmp: Path, tensors: dict, meta: dict, name: str = "run/scores.safetensors") -> Path:
+    path = tmp / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_save_safetensors(path, tensors, meta)
+
+
+def _data_file(tmp: Path, bad_id: int | None = None, name: str = "run/data.safetensors") -> Path:
+    from circuitkit.tasks.base import random_pairs
+
+    data = random_pairs(6, 8, 100)
+    if bad_id is not None:
+        data.clean_ids[2, 3] = bad_id
+    path = tmp / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return data.save(path, {"task": "induction", "num_examples": "4", "eval_examples": "2", "model": "x"})
+
+
+def _circuit(tmp: Path, g: Graph, name: str = "big.pt") -> Path:
+    from circuitkit.circuit import save_circuit
+
+    return save_circuit(tmp / name, {
+        "model_name": "gpt2", "head_mask": torch.ones(g.n_layers, g.n_heads, dtype=torch.bool),
+        "head_scores": torch.zeros(g.n_layers, g.n_heads), "ablation": "zero", "rank_by": "abs",
+        "target_sparsity": 0.0, "achieved_sparsity": 0.0})
+
+
+def _confs(tmp: Path) -> None:
+    head = "defaults:\n  - config\n  - _self_\n"
+    _write(tmp / "conf" / "bad.yaml", head + "seed: [1\n")
+    _write(tmp / "conf" / "range.yaml", head + "discovery:\n  batch_size: 0\n")
+    _write(tmp / "conf" / "conflict.yaml", head + "pruning:\n  scope: edges\nstages: [data,attribution,pruning]\n")
+
+
+def _graph_json(tmp: Path, score=1.0, node_score=0.5, n_layers=2) -> Path:
+    obj = {"cfg": {"n_layers": n_layers, "n_heads": 4, "d_model": 64},
+           "nodes": {"input": {"in_graph": True, "score": 1.0}, "a0.h1": {"in_graph": True, "score": node_score}},
+           "edges": {"input->logits": {"score": score, "in_graph": True}}}
+    return _write(tmp / "g.json", json.dumps(obj))
+
+
+def _pickled_model(tmp: Path) -> None:
+    """The tiny model with its weights as a pytorch_model.bin pickle that holds a callable."""
+    import os
+
+    from safetensors.torch import load_file
+
+    target = tmp / "pickled"
+    shutil.copytree(_tiny(), target)
+    state = load_file(str(target / "model.safetensors"))
+    os.remove(target / "model.safetensors")
+    state["payload"] = Payload()
+    torch.save(state, target / "pytorch_model.bin")
+
+
+class Payload:
+    """What an attacker puts in a pickle: loading it would call print (here harmless)."""
+
+    def __reduce__(self):
+        return (print, ("payload ran",))
+
+
+def _offline(monkeypatch) -> None:
+    from circuitkit import hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.forget()
+
+
+@pytest.fixture(autouse=True)
+def _loggers_on_this_tests_stderr(capsys, monkeypatch):
+    """Hydra's job logging leaves handlers on an earlier test's captured stream (closed or not);
+    a real command is one process and never meets this. Point every stream handler here, and
+    let a handler still left on a closed capture drop its record instead of printing a trace."""
+    monkeypatch.setattr("logging.raiseExceptions", False)
+    import logging
+    import sys
+
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler and handler.stream not in (sys.stderr, sys.stdout):
+                handler.stream = sys.stderr
+
+
+@pytest.fixture(autouse=True)
+def _hub_state():
+    """Each test decides online/offline afresh, and leaves the process as it found it (going
+    offline sets environment variables and the hub libraries' constants)."""
+    import os
+    import sys
+
+    from circuitkit import hub
+
+    env = {name: os.environ.get(name) for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")}
+    constants = sys.modules.get("huggingface_hub.constants")
+    offline = getattr(constants, "HF_HUB_OFFLINE", None)
+    hub.forget()
+    yield
+    hub.forget()
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = offline
+
+
+# ----------------------------------------------------------------------------- shard run dirs
+
+def _cfg_dict() -> dict:
+    return to_dict(compose([*SMALL, "discovery.num_shards=2"])[1])
+
+
+def _shard_run(tmp: Path, i: int, n: int = 2, meta_drop: str | None = None, record: bool = True) -> Path:
+    """A finished shard's run dir made by hand: its sums and the manifest that records their sha256."""
+    from circuitkit.attribution.shards import shard_identity
+
+    run = tmp / f"shard{i}"
+    sums = _scores(TINY, seed=i, n_examples=3, edges=None)
+    path = save_partial(run / PARTIAL_FILE, sums, i, n, (3 * i, 3 * i + 3), shard_identity(_cfg_dict()), "m", "d", run)
+    if meta_drop:  # the same file without one metadata key
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            meta = {k: v for k, v in (fh.metadata() or {}).items() if k != meta_drop}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        atomic_save_safetensors(path, tensors, meta)
+    stage = {"status": "ok", **({SHARD_SHA_KEY: sha256_file(path)} if record else {})}
+    atomic_write_json(run / "manifest.json", {"config": _cfg_dict(), "stages": {"attribution": stage}})
+    _write(run / "data.safetensors", b"data")
+    return run
+
+
+def _change_a_value(path: Path) -> None:
+    """Rewrite a shard with one head sum changed, keeping its metadata (what a hand edit does)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata()
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    tensors["head_sums"][0, 0] += 1.0
+    atomic_save_safetensors(path, tensors, meta)
+
+
+def _shards(tmp: Path, change: Callable[[Path], None] | None = None, **kw) -> None:
+    for i in (0, 1):
+        run = _shard_run(tmp, i, **(kw if i == 1 else {}))
+        if change and i == 1:
+            change(run / PARTIAL_FILE)
+
+
+MERGE = _r("merge", "{tmp}/shard0", "{tmp}/shard1", "--out", "{tmp}/merged", "--no-prune")
+
+CASES = [
+    # --- artifacts that do not fit the run's model (were exit 0 with wrong numbers) -----------
+    Case("scores-of-another-model", "run", _r("stages=[data,pruning]"), 1, "12 layers x 12 heads",
+         extra=["2 layers x 4 heads", "scores.safetensors", "[157, 445]", "[11, 27]"],
+         setup=lambda tmp, mp: _scores_file(tmp, _scores(GPT2_SMALL))),
+    Case("scores-shape-made-by-hand", "run", _r("stages=[data,pruning]"), 1, "head scores have shape [3, 4]",
+         extra=["scores.safetensors", "[2, 4]"],
+         setup=lambda tmp, mp: _scores_file(tmp, _scores(TINY, head=torch.zeros(3, 4)))),
+    Case("scores-nan", "run", _r("stages=[data,pruning]"), 1, "non-finite", extra=["edge scores", "nan"],
+         setup=lambda tmp, mp: _scores_file(tmp, _scores(TINY, edges=_scores(TINY).edges.index_put_(
+             (torch.tensor(0), torch.tensor(0)), torch.tensor(float("nan")))))),
+    Case("scores-inf", "run", _r("stages=[data,pruning]"), 1, "non-finite", extra=["head scores", "inf"],
+         setup=lambda tmp, mp: _scores_file(tmp, _scores(TINY, head=torch.full((2, 4), float("inf"))))),
+    Case("scores-truncated", "run", _r("stages=[data,pruning]"), 1, "scores.safetensors",
+         extra=["cannot be read as scores"], setup=lambda tmp, mp: _truncate(_scores_file(tmp, _scores(TINY)))),
+    Case("scores-garbage", "run", _r("stages=[data,pruning]"), 1, "scores.safetensors",
+         extra=["cannot be read as scores"], setup=lambda tmp, mp: _write(tmp / "run" / "scores.safetensors",
+                                                                         b"\x07garbage" * 40)),
+    Case("scores-metadata-missing", "run", _r("stages=[data,pruning]"), 1, "scores.safetensors",
+         extra=["missing metadata graph"], setup=lambda tmp, mp: _raw_scores(
+             tmp, {"head_scores": torch.zeros(2, 4), "mlp_scores": torch.zeros(2), "embed_score": torch.zeros(1)}, {})),
+    Case("data-of-another-tokenizer", "run", _r("stages=[attribution]"), 1, "token id 70000",
+         extra=["data.safetensors", "outside the vocabulary"], setup=lambda tmp, mp: _data_file(tmp, 70000)),
+    Case("data-truncated", "run", _r("stages=[attribution]"), 1, "data.safetensors",
+         extra=["cannot be read as task data"], setup=lambda tmp, mp: _truncate(_data_file(tmp))),
+    Case("grads-circuit-of-another-model", "run", _r("stages=[grads]", "grads.circuit={tmp}/big.pt"), 1,
+         "12 layers x 12 heads", extra=["big.pt", "2 layers x 4 heads"], setup=lambda tmp, mp: _circuit(tmp, GPT2_SMALL)),
+    Case("show-negative-top-edges", "cli", _r("show", "{tmp}/c.pt", "--top-edges", "-5"), 2, "--top-edges -5",
+         extra=[">= 1"]),
+    # --- a user's config file: checked like overrides, before the run dir ----------------------
+    Case("user-config-yaml-syntax", "run", _r("--config-dir", "{tmp}/conf", "--config-name", "bad"), 2,
+         lambda tmp: f"{tmp}/conf/bad.yaml", extra=["YAML syntax error", "line 5"], setup=lambda tmp, mp: _confs(tmp)),
+    Case("config-name-missing", "run", _r("--config-name", "nope"), 2, "--config-name nope",
+         extra=["no nope.yaml"]),
+    Case("user-config-out-of-range", "run", _r("--config-dir", "{tmp}/conf", "--config-name", "range"), 2,
+         "discovery.batch_size", extra=["out of range"], setup=lambda tmp, mp: _confs(tmp)),
+    Case("user-config-scope-level-conflict", "run", _r("--config-dir", "{tmp}/conf", "--config-name", "conflict"), 2,
+         "pruning.scope=edges", extra=["discovery.level=edge"], setup=lambda tmp, mp: _confs(tmp)),
+    # --- import / export --------------------------------------------------------------------
+    Case("import-a-json-list", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "JSON list",
+         setup=lambda tmp, mp: _write(tmp / "g.json", "[1, 2, 3]")),
+    Case("import-edges-not-an-object", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "'edges' is a JSON list",
+         setup=lambda tmp, mp: _write(tmp / "g.json", json.dumps({"cfg": {"n_layers": 2, "n_heads": 4}, "nodes": {},
+                                                                   "edges": []}))),
+    Case("import-string-score", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "has score 'high'",
+         extra=["input->logits"], setup=lambda tmp, mp: _graph_json(tmp, score="high")),
+    Case("import-nan-score", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.safetensors"), 1, "has score nan",
+         extra=["finite"], setup=lambda tmp, mp: _graph_json(tmp, score=float("nan"))),
+    Case("import-infinite-node-score", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.safetensors"), 1,
+         "node 'a0.h1' has score inf", setup=lambda tmp, mp: _graph_json(tmp, node_score=float("inf"))),
+    Case("import-negative-n-layers", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "n_layers is -2",
+         setup=lambda tmp, mp: _graph_json(tmp, n_layers=-2)),
+    Case("import-not-utf8", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "g.json is not UTF-8",
+         setup=lambda tmp, mp: _write(tmp / "g.json", '{"cfg": "caf\xe9"}'.encode("latin-1"))),
+    Case("import-bad-scale", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt", "--scale", "0"), 1, "--scale 0",
+         setup=lambda tmp, mp: _graph_json(tmp)),
+    Case("import-parent-is-a-file", "cli", _r("import", "{tmp}/g.json", "{tmp}/prior/keep.txt/out.pt"), 2,
+         "keep.txt", extra=["is a file"], setup=lambda tmp, mp: _graph_json(tmp)),
+    Case("export-parent-is-a-file", "cli", _r("export", "{tmp}/c.pt", "{tmp}/prior/keep.txt/c.json"), 2, "keep.txt",
+         extra=["is a file"], setup=lambda tmp, mp: _circuit(tmp, TINY, "c.pt")),
+    # --- models and data ------------------------------------------------------------------------
+    Case("model-weights-a-pickle", "run", _r("stages=[data]", "model.name={tmp}/pickled"), 1,
+         lambda tmp: f"{tmp}/pickled/pytorch_model.bin", extra=["refused as unsafe"],
+         setup=lambda tmp, mp: _pickled_model(tmp)),
+    Case("grads-row-range-past-the-end", "run", _r("stages=[grads]", "grads.data_path={tmp}/train.jsonl",
+                                                   "grads.data_row_range=[5,9]", "grads.index_dir={tmp}/idx"), 1,
+         "grads.data_row_range=[5, 9]", extra=["2 record(s)"],
+         setup=lambda tmp, mp: _write(tmp / "train.jsonl", '{"prompt": "The cat ", "completion": "runs."}\n'
+                                                          '{"prompt": "The dog ", "completion": "sleeps."}\n')),
+    Case("hub-model-offline", "run", _r("stages=[data]", "model.name=someorg/unknown-7b"), 1, "someorg/unknown-7b",
+         extra=["offline", "not in the local Hugging Face cache"], setup=lambda tmp, mp: _offline(mp)),
+    # --- shards verified when merged ---------------------------------------------------------
+    Case("merge-shard-value-changed", "cli", MERGE, 1, "shard1/attribution_shard.safetensors",
+         extra=["does not have the sha256 its run recorded", "rerun shard 1"],
+         setup=lambda tmp, mp: _shards(tmp, _change_a_value)),
+    Case("merge-shard-without-checksum", "cli", MERGE, 1, "records no checksum for shard 1",
+         setup=lambda tmp, mp: _shards(tmp, record=False)),
+    Case("merge-shard-missing-metadata", "cli", MERGE, 1, "missing metadata 'graph'",
+         extra=["shard1/attribution_shard.safetensors"], setup=lambda tmp, mp: _shards(tmp, meta_drop="graph")),
+]
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith(("error:", "interrupted:"))]
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch):
+    _tiny()  # built once, before the snapshot
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_ends_in_one_line(case: Case, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CIRCUITKIT_DEBUG", raising=False)
+    _write(tmp_path / "prior" / "keep.txt", "written before the command")
+    if case.setup:
+        case.setup(tmp_path, monkeypatch)
+    before = _snapshot(tmp_path)
+    argv = case.args(tmp_path)
+    if case.entry == "run" and not any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
+        argv = [*SMALL, *argv, f"hydra.run.dir={tmp_path / 'run'}"]
+    code, out, err = invoke(case.entry, argv, capsys)
+    assert "Traceback" not in out + err, err[-3000:]
+    lines = error_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    needle = case.needle(tmp_path) if callable(case.needle) else case.needle
+    for text in [needle, *case.extra]:
+        assert text in lines[0], lines[0]
+    assert code == case.code, (code, lines[0])
+    after = _snapshot(tmp_path)
+    assert {k: after.get(k) for k in before} == before  # nothing written before changed
+    if code == 2 and case.entry == "run":
+        assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- shards
+
+def test_a_shard_changed_in_the_shard_dir_before_the_last_finishes_is_refused(tmp_path):
+    shard_dir = tmp_path / "attribution_shards"
+    for i in (0, 1):
+        _shard_run(tmp_path, i)
+    merged, _, missing = publish_and_try_merge(tmp_path / "shard0" / PARTIAL_FILE, shard_dir, 0, 2,
+                                               tmp_path / "shard0")
+    assert merged is None and missing == [1]
+    _change_a_value(shard_dir / shard_file_name(0, 2))  # while shard 1 still runs
+    with pytest.raises(ShardMergeError, match=r"shard-00000-of-00002.safetensors does not have the sha256 its run"
+                                              r" recorded in .*shard0/manifest.json"):
+        publish_and_try_merge(tmp_path / "shard1" / PARTIAL_FILE, shard_dir, 1, 2, tmp_path / "shard1")
+    assert not (shard_dir / "merge.json").exists()
+
+
+def test_verified_shards_merge_to_the_mean(tmp_path, capsys):
+    _shards(tmp_path)
+    code, _, err = invoke("cli", MERGE(tmp_path), capsys)
+    assert code == 0, err
+    from circuitkit.attribution import load_scores
+
+    merged = load_scores(tmp_path / "merged" / "scores.safetensors")
+    want = (_scores(TINY, seed=0).head + _scores(TINY, seed=1).head) / 6  # sums of 3 + 3 examples
+    assert torch.allclose(merged.head, want) and merged.n_examples == 6
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+def test_ctrl_c_swallowed_by_a_finalizer_still_ends_the_run_interrupted(tmp_path, monkeypatch, capsys):
+    """Ctrl-C that lands inside a weakref finalizer raises KeyboardInterrupt there, which Python
+    prints as "Exception ignored" and drops; the stage returns normally. The run must still end
+    with 130 and the stage recorded `interrupted`, never `ok`."""
+    import os
+    import signal
+    import sys
+    import weakref
+
+    from test_trust_pipeline import _replace_stage
+
+    from circuitkit.pipeline import StageResult
+
+    swallowed = []
+
+    def cleanup():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10_000):  # the handler runs here, inside the finalizer
+            pass
+        swallowed.append("the finalizer went on")  # never reached: the interrupt ends the callback
+
+    def stage(ctx):
+        class Resource:
+            pass
+        res = Resource()
+        weakref.finalize(res, cleanup)
+        del res  # the finalizer runs now; its KeyboardInterrupt is "ignored" by Python
+        return StageResult([], {"done": True})
+
+    ignored = []  # what Python prints as "Exception ignored in: <finalize object ...>"
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: ignored.append(u.exc_type))
+    _replace_stage(monkeypatch, "data", stage)
+    code, _, err = invoke("run", ["stages=[data]", f"hydra.run.dir={tmp_path}", *SMALL], capsys)
+    assert ignored == [KeyboardInterrupt] and not swallowed  # the interrupt really was swallowed
+    assert code == 130, err[-2000:]
+    entry = json.loads((tmp_path / "manifest.json").read_text())["stages"]["data"]
+    assert entry["status"] == "interrupted"
+
+
+def test_disk_full_names_the_file_and_leaves_no_stage_running(tmp_path, monkeypatch, capsys):
+    """A write that fails with ENOSPC names no file (the OS reports none); the message must name the
+    artifact, and the manifest, whose own atomic rewrite fails on the full disk too, must not be
+    left saying `running`."""
+    import errno
+
+    from test_trust_pipeline import _replace_stage
+
+    import circuitkit.io as io_module
+    from circuitkit.io import atomic_write_bytes
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # what write() raises: no filename
+
+    def stage(ctx):
+        monkeypatch.setattr(io_module.Path, "write_bytes", full)  # from now on the disk is full
+        atomic_write_bytes(ctx.run_dir / "data.safetensors", b"x" * 64)
+
+    _replace_stage(monkeypatch, "data", stage)
+    code, _, err = invoke("run", ["stages=[data]", f"hydra.run.dir={tmp_path}", *SMALL], capsys)
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1, err[-2000:]
+    assert "no space left on the device while writing" in lines[0]
+    assert f"{tmp_path / 'data.safetensors'}'" in lines[0], lines[0]  # the artifact, not a .tmp name
+    entry = json.loads((tmp_path / "manifest.json").read_text())["stages"]["data"]
+    assert entry["status"] == "failed" and "no space left" in entry["error"]
+    assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
+
+
+def test_show_top_edges_counts_from_the_strongest(tmp_path, capsys):
+    """--top-edges 3 draws the three strongest edges (and -5 is refused by the table above)."""
+    from circuitkit.circuit_graph import build_picture
+
+    circuit = {"head_mask": torch.ones(2, 4, dtype=torch.bool), "mlp_mask": torch.ones(2, dtype=torch.bool),
+               "head_scores": torch.ones(2, 4), "edge_scores": _scores(TINY).edges,
+               "edge_mask": TINY.edge_mask(), "scope": "edges",
+               "graph": {"n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "parallel_residual": False}}
+    assert len(build_picture(circuit, 3).edges) == 3
+
+
+
+# --------------------------------------------------------------------------- | head
+
+def _closed_stdout_run(argv: list[str]) -> tuple[int, str]:
+    """A command whose stdout reader has gone (what `| head` does once it has its lines)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    return proc.wait(timeout=300), err
+
+
+def test_config_piped_into_head_exits_quietly():
+    code, err = _closed_stdout_run(["circuitkit.cli", "config"])
+    assert code == 0 and err == "", err  # was: exit 1, nothing said
+
+
+def test_a_broken_pipe_in_any_command_ends_quietly(capsys):
+    from circuitkit.errors import run_entry
+
+    def prints_to_a_gone_reader():
+        raise BrokenPipeError(32, "Broken pipe")  # print() into `| head` after it exited
+
+    def rich_on_a_gone_reader():  # what rich's Console does then: dup2 /dev/null, SystemExit(1)
+        try:
+            raise BrokenPipeError(32, "Broken pipe")
+        except BrokenPipeError:
+            raise SystemExit(1) from None
+
+    assert run_entry(prints_to_a_gone_reader) == 0
+    assert run_entry(rich_on_a_gone_reader) == 0
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):  # any other exit passes through unchanged
+        run_entry(lambda: (_ for _ in ()).throw(SystemExit(3)))
