@@ -24,7 +24,7 @@ import torch
 from circuitkit.attribution.eap import attribute
 from circuitkit.config import DataParams, ModelConfig
 from circuitkit.models.loading import context_length, load_model
-from circuitkit.pruning import Evaluator, curve_areas, faithfulness, keep_top, mean_z
+from circuitkit.pruning import Evaluator, faithfulness, keep_top, mean_z
 from circuitkit.tasks import build_task
 
 DENSE = (1, 2, 3, 5, 8, 14, 20, 27, 40, 54, 81, 108, 135, 189, 243)

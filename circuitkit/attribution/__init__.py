@@ -26,7 +26,7 @@ def run_attribution(adapter: ModelAdapter, data: TaskData, cfg: DiscoveryConfig,
     if cfg.algorithm == "exact":
         return exact_patching(adapter, data, cfg.level, cfg.metric, cfg.batch_size, progress, sums=sums)
     return attribute(adapter, data, cfg.algorithm, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
-                     ig_rule=cfg.ig_rule, sums=sums)
+                     ig_rule=cfg.ig_rule, sums=sums, per_example=getattr(cfg, "per_example", False) and not sums)
 
 
 def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str, str] | None = None) -> Path:
@@ -44,6 +44,8 @@ def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str,
             "metric_clean": repr(scores.metric_clean), "metric_corrupted": repr(scores.metric_corrupted),
             "n_examples": str(scores.n_examples), "info": json.dumps(scores.info),
             "ig_rule": str(scores.info.get("ig_rule"))}
+    for key, value in (scores.per_example or {}).items():  # circuitkit.stability: (N, ...) per example
+        tensors[f"per_example_{key}"] = value.float().contiguous()
     if scores.edges is not None:
         tensors["edge_scores"] = scores.edges.float()
         meta["upstream_nodes"] = json.dumps(g.upstream)
@@ -62,7 +64,9 @@ def load_scores(path: Path) -> AttributionScores:
     graph = Graph(**json.loads(meta["graph"]))
     return AttributionScores(t["head_scores"], t["mlp_scores"], t["embed_score"][0], graph, t.get("edge_scores"),
                              float(meta["metric_clean"]), float(meta["metric_corrupted"]), int(meta["n_examples"]),
-                             json.loads(meta["info"]))
+                             json.loads(meta["info"]),
+                             per_example={k[len("per_example_"):]: v for k, v in t.items() if k.startswith("per_example_")}
+                             or None)
 
 
 def top_heads(head_scores: torch.Tensor, k: int = 5, by_abs: bool = True) -> list[tuple[int, int, float]]:
