@@ -90,7 +90,7 @@ def _main(argv: list[str]) -> int:
 
         return merge_main(rest)
     if command == "export" and ("--check-mib" in rest or "--format=mib" in rest
-                                or any(a == "--format" and b == "mib" for a, b in zip(rest, rest[1:]))):
+                                or any(a == "--format" and b == "mib" for a, b in zip(rest, rest[1:], strict=False))):
         from circuitkit.mib import export_main as mib_export  # issue 28: MIB's leaderboard folder
 
         return mib_export(rest)

@@ -100,7 +100,9 @@ class DataParams:
 
 @dataclass
 class DiscoveryConfig:
-    algorithm: str = _f("eap-ig", "attribution method", choices=("eap", "eap-ig", "clean-corrupted", "exact"))
+    algorithm: str = _f("eap-ig", "attribution method (eap-ig = EAP-IG-inputs; eap-ig-activations: IG along each layer's"
+                        " own activations, ig_steps x (2 x layers + 1) passes per batch)",
+                        choices=("eap", "eap-ig", "clean-corrupted", "exact", "eap-ig-activations"))
     level: str = _f("node", "score nodes or edges", choices=("node", "edge"))
     task: str = _f("induction", "task that supplies clean/corrupted pairs",
                    choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
@@ -427,7 +429,7 @@ def _check_cross_fields(cfg: AppConfig) -> None:
         raise ConfigError(f"Config key 'discovery.num_shards' = {d.num_shards} exceeds"
                           f" discovery.data_params.num_examples = {d.data_params.num_examples}: every shard needs"
                           " at least one example; use fewer shards.")
-    if d.algorithm == "eap-ig" and d.ig_rule == "trapezoid" and d.ig_steps == 1:
+    if d.algorithm in ("eap-ig", "eap-ig-activations") and d.ig_rule == "trapezoid" and d.ig_steps == 1:
         raise ConfigError("Config key 'discovery.ig_steps' = 1 is too few for discovery.ig_rule=trapezoid (its"
                           " points include both ends, α = 0 and α = 1): set ig_steps >= 2, or ig_rule=right for EAP.")
 

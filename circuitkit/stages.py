@@ -107,7 +107,7 @@ def _attribution(ctx: RunContext) -> StageResult:
         scores = run_attribution(loaded.adapter, data, d)
     ctx.state["scores"] = scores
     path = save_scores(ctx.run_dir / SCORES_FILE, scores, meta)
-    steps = "" if d.algorithm != "eap-ig" else f", ig_steps={scores.info['ig_steps']}, ig_rule={scores.info['ig_rule']}"
+    steps = "" if d.algorithm not in ("eap-ig", "eap-ig-activations") else f", ig_steps={scores.info['ig_steps']}, ig_rule={scores.info['ig_rule']}"
     plot = head_heatmap(scores.head, ctx.run_dir / HEATMAP_FILE,
                         f"{d.algorithm} head scores ({d.task}, {d.metric}{steps})")
     best = top_heads(scores.head, k=min(5, scores.head.numel()))
@@ -122,8 +122,10 @@ def _attribution(ctx: RunContext) -> StageResult:
                "metric_clean": scores.metric_clean, "metric_corrupted": scores.metric_corrupted,
                "embed_score": float(scores.embed), "top_head": f"L{best[0][0]}H{best[0][1]}",
                "top_head_score": best[0][2], **shard_summary}
-    if d.algorithm == "eap-ig":
+    if d.algorithm in ("eap-ig", "eap-ig-activations"):
         summary.update(ig_steps=scores.info["ig_steps"], ig_rule=scores.info["ig_rule"])
+    if "passes" in scores.info:
+        summary["passes_per_batch"] = scores.info["passes"]
     if scores.edges is not None:
         summary["n_edges"] = scores.graph.n_edges
     return StageResult([*shard_files, path, plot], summary, estimated_peak_bytes=estimate)

@@ -193,3 +193,55 @@ def test_mib_export_and_check(tmp_path):
     assert any("foo_gpt2" in p and "task" in p for p in problems)
     assert any("missing 0.5.json" in p for p in problems)
     assert main(["export", "--check-mib", str(tmp_path / "circ")]) == 1
+
+
+@pytest.mark.parametrize("rule", ["right", "midpoint", "trapezoid", "gauss_legendre"])
+def test_eap_ig_activations_matches_its_definition(rule):
+    """s(u) = Δ_u · Σ_k w_k ∂m/∂a_u with only u's group interpolated, computed here by named hooks."""
+    from circuitkit.attribution.eap_activations import attribute_activations, passes_per_batch
+    from circuitkit.attribution.metrics import compute_metric
+    from circuitkit.attribution.quadrature import integration_rule
+    from circuitkit.models.hooks import hooks, run_with_cache
+
+    lm, data = loaded("tiny-llama"), pairs("tiny-llama", 4)
+    a = lm.adapter
+    s = attribute_activations(a, data, "node", ig_steps=2, batch_size=4, progress=False, ig_rule=rule,
+                              group_by_length=False, per_example=True)
+    q = integration_rule("eap-ig", 2, rule)
+    layer = 1
+    z, mlp = f"blocks.{layer}.attn.hook_z", f"blocks.{layer}.hook_mlp_out"
+    with torch.no_grad():
+        clean_logits, c = run_with_cache(a, data.clean_ids, [z, mlp], attention_mask=data.attention_mask)
+        _, x = run_with_cache(a, data.corrupted_ids, [z, mlp], attention_mask=data.attention_mask)
+    expect = {}
+    for name in (z, mlp):
+        total = 0
+        for alpha, w in zip(q.alphas, q.weights, strict=True):
+            leaf = (x[name] + alpha * (c[name] - x[name])).detach().requires_grad_(True)
+            with hooks(a, {name: lambda v, n, leaf=leaf: leaf}):
+                logits = a.model(input_ids=data.clean_ids, attention_mask=data.attention_mask).logits
+            m = compute_metric("logit_diff", logits, data, clean_logits[torch.arange(4), data.answer_pos])
+            (g,) = torch.autograd.grad(m.sum(), leaf)
+            total = total + w * g
+        expect[name] = (c[name] - x[name]) * total
+    heads = expect[z].sum(dim=(1)).flatten(0, 0).sum(0).sum(-1) / 4  # (H,) mean over examples
+    assert torch.allclose(s.head[layer], heads, atol=1e-5, rtol=1e-4)
+    assert s.mlp[layer] == pytest.approx(float(expect[mlp].sum() / 4), abs=1e-5, rel=1e-4)
+    assert torch.allclose(s.per_example["head"].mean(0), s.head, atol=1e-6)
+    assert s.info["passes"] == passes_per_batch(a.n_layers, 2, rule) == q.passes * (2 * a.n_layers + 1)
+
+
+def test_eap_ig_activations_edges_sum_to_the_node_scores():
+    """At edge level the scores out of a head sum to its node score (its write reaches the logits only
+    through the inputs that read it), and they differ from EAP-IG-inputs'."""
+    from circuitkit.attribution.eap_activations import attribute_activations
+
+    lm, data = loaded("tiny-llama"), pairs("tiny-llama", 4)
+    a, g = lm.adapter, graph_of(lm.adapter)
+    s = attribute_activations(a, data, "edge", ig_steps=2, batch_size=2, progress=False, ig_rule="midpoint")
+    rows = [g.head_index(layer, h) for layer in range(a.n_layers) for h in range(a.n_heads)]
+    assert torch.allclose(s.edges[rows].sum(1), s.head.flatten(), atol=1e-4, rtol=1e-3)
+    mlp_rows = [g.mlp_index(layer) for layer in range(a.n_layers)]
+    assert torch.allclose(s.edges[mlp_rows].sum(1), s.mlp, atol=1e-4, rtol=1e-3)
+    inputs = attribute(a, data, "eap-ig", "edge", ig_steps=2, batch_size=2, progress=False, ig_rule="midpoint")
+    assert not torch.allclose(inputs.edges, s.edges, atol=1e-4)

@@ -25,6 +25,12 @@ def run_attribution(adapter: ModelAdapter, data: TaskData, cfg: DiscoveryConfig,
     (means over the examples; sums with `sums=True`, what a shard writes)."""
     if cfg.algorithm == "exact":
         return exact_patching(adapter, data, cfg.level, cfg.metric, cfg.batch_size, progress, sums=sums)
+    if cfg.algorithm == "eap-ig-activations":
+        from circuitkit.attribution.eap_activations import attribute_activations
+
+        return attribute_activations(adapter, data, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
+                                     ig_rule=cfg.ig_rule, sums=sums,
+                                     per_example=getattr(cfg, "per_example", False) and not sums)
     return attribute(adapter, data, cfg.algorithm, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
                      ig_rule=cfg.ig_rule, sums=sums, per_example=getattr(cfg, "per_example", False) and not sums)
 
