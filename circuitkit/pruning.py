@@ -266,7 +266,7 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     kept. With per-example scores (`scores.per_example`) the stability of the kept set is
     measured over `p.bootstrap_resamples` resamples, and `p.selection=bootstrap` can run.
     """
-    from circuitkit.selection import bootstrap_select
+    from circuitkit.selection import BootstrapSelector
     from circuitkit.stability import stability
 
     g = scores.graph
@@ -287,9 +287,12 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
         valid, ranked = g.edge_mask(), scores.edges
         selection = select_edges(scores.edges, valid, p.target_sparsity, p.rank_by)
 
+    selector = (BootstrapSelector(per_example, p.rank_by, max(p.bootstrap_resamples, 1), 0, valid)
+                if selection_rule == "bootstrap" else None)
+
     def choose(n_keep: int) -> torch.Tensor:
-        if selection_rule == "bootstrap":
-            return bootstrap_select(per_example, n_keep, p.rank_by, max(p.bootstrap_resamples, 1), 0, valid)
+        if selector is not None:
+            return selector(n_keep)
         return keep_top(ranked, n_keep, p.rank_by, valid)
 
     if selection_rule != "top_k":

@@ -36,22 +36,40 @@ def resampled_scores(per_example: torch.Tensor, weights: torch.Tensor) -> torch.
     return (weights @ flat / weights.sum(1, keepdim=True)).reshape(weights.shape[0], *per_example.shape[1:])
 
 
+class BootstrapSelector:
+    """Bootstrapped selection at any size n, from one set of R resamples (ranks computed once).
+
+    `selector(n)` is the bool mask (shape per_example.shape[1:]) of the n entries most often in a
+    resample's top n (ties in frequency: the higher full-data score by `rank_by`).
+    """
+
+    def __init__(self, per_example: torch.Tensor, rank_by: str = "abs", n_resamples: int = 100, seed: int = 0,
+                 valid: torch.Tensor | None = None) -> None:
+        self.shape, self.valid = per_example.shape[1:], valid
+        weights = bootstrap_weights(per_example.shape[0], n_resamples, seed)
+        key = resampled_scores(per_example, weights).flatten(1)  # (R, n)
+        key = key.abs() if rank_by == "abs" else key
+        if valid is not None:
+            key[:, ~valid.flatten()] = -math.inf
+        order = key.argsort(dim=1, descending=True, stable=True)
+        self.ranks = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+        full = per_example.float().mean(0).flatten()
+        full = full.abs() if rank_by == "abs" else full
+        span = full.abs().max().clamp(min=1e-30)
+        self.tie = 0.25 * (full / span + 1)  # in [0, 0.5): below one step of frequency
+
+    def __call__(self, n_keep: int) -> torch.Tensor:
+        counts = (self.ranks < n_keep).sum(0).float()
+        return keep_top((counts + self.tie).view(self.shape), n_keep, "signed", self.valid)
+
+
 def bootstrap_select(per_example: torch.Tensor, n_keep: int, rank_by: str = "abs", n_resamples: int = 100,
                      seed: int = 0, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Bool mask (shape per_example.shape[1:]) of the `n_keep` entries most often in a resample's top n_keep.
 
     Ties in frequency go to the higher full-data score (by `rank_by`).
     """
-    weights = bootstrap_weights(per_example.shape[0], n_resamples, seed)
-    counts = torch.zeros(per_example.shape[1:])
-    for row in resampled_scores(per_example, weights):
-        counts += keep_top(row, n_keep, rank_by, valid).float()
-    full = per_example.float().mean(0)
-    key = full.abs() if rank_by == "abs" else full
-    # frequency first; the score (scaled below one step of frequency) breaks ties
-    span = key.abs().max().clamp(min=1e-30)
-    tie = 0.5 * (key / span + 1) / 2  # in [0, 0.5)
-    return keep_top(counts + tie, n_keep, "signed", valid)
+    return BootstrapSelector(per_example, rank_by, n_resamples, seed, valid)(n_keep)
 
 
 def greedy_heads(evaluate: Callable[[torch.Tensor], float], shape: tuple[int, int], budget: int,

@@ -24,8 +24,8 @@ from rich.progress import Progress
 
 from circuitkit.attribution.eap import (
     AttributionScores,
-    _GradientSums,
     _gradient_run,
+    _GradientSums,
     cached_run,
     deltas,
     graph_of,
