@@ -1,14 +1,14 @@
 """Pruning to a target sparsity, and faithfulness: `prune` is what the pruning stage runs.
 
 `pruning.scope: heads` removes heads, `edges` removes edges (`circuitkit.pruning_edges` runs
-the edge circuits); both select with `keep_top` (`select_heads`, `select_edges`) and both
-evaluators take the kept mask. Heads are removed lowest score first (`rank_by: abs` on
-|score|, `signed` on the score) and ablated through a hook on z, the input of the attention
-output projection:
+the edge circuits); both select with `keep_top` (`select_heads`, `select_edges`), or with
+`pruning.selection: bootstrap` (`circuitkit.selection`), and both evaluators take the kept
+mask. Heads are removed lowest score first (`rank_by: abs` on |score|, `signed` on the score)
+and ablated through a hook on z, the input of the attention output projection:
 
+    corrupted  z from the corrupted prompt of the same example (the default: what the scores measure)
     mean       the mean of z over the task's clean examples at each position
     zero       0
-    corrupted  z from the corrupted prompt of the same example
 
 Faithfulness on held-out examples: f = (m(circuit) - m(empty)) / (m(full) - m(empty)), where
 "empty" ablates every head (MLPs and embeddings always stay).
