@@ -17,7 +17,6 @@ Faithfulness on held-out examples: f = (m(circuit) - m(empty)) / (m(full) - m(em
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,6 +30,8 @@ from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet
 from circuitkit.models.placement import input_device
 from circuitkit.pruning_edges import EdgeEvaluator, fit_positions, mean_writes
+from circuitkit.selection import BootstrapSelector, keep_top  # noqa: F401  (keep_top: re-exported)
+from circuitkit.stability import stability
 from circuitkit.tasks.base import TaskData
 
 log = logging.getLogger(__name__)
@@ -69,19 +70,6 @@ def select_edges(edge_scores: torch.Tensor, valid: torch.Tensor, target_sparsity
     n_total = int(valid.sum())
     n_removed = round(target_sparsity * n_total)
     return Selection(keep_top(edge_scores, n_total - n_removed, rank_by, valid), n_removed, n_removed / n_total)
-
-
-def keep_top(scores: torch.Tensor, n_keep: int, rank_by: str = "abs", valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool mask (shape of `scores`) keeping the `n_keep` best entries among `valid` ones."""
-    key = (scores.abs() if rank_by == "abs" else scores).float().flatten().clone()
-    if valid is not None:
-        key[~valid.flatten()] = -math.inf
-    mask = torch.zeros(key.numel(), dtype=torch.bool)
-    if n_keep > 0:
-        mask[key.argsort(descending=True, stable=True)[:n_keep]] = True
-    if valid is not None:
-        mask &= valid.flatten()
-    return mask.view(scores.shape)
 
 
 @torch.no_grad()
@@ -266,9 +254,6 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     kept. With per-example scores (`scores.per_example`) the stability of the kept set is
     measured over `p.bootstrap_resamples` resamples, and `p.selection=bootstrap` can run.
     """
-    from circuitkit.selection import BootstrapSelector
-    from circuitkit.stability import stability
-
     g = scores.graph
     per_example = (scores.per_example or {}).get("head" if p.scope == "heads" else "edges")
     selection_rule = p.selection

@@ -20,7 +20,19 @@ from collections.abc import Callable
 
 import torch
 
-from circuitkit.pruning import keep_top
+
+def keep_top(scores: torch.Tensor, n_keep: int, rank_by: str = "abs", valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool mask (shape of `scores`) keeping the `n_keep` best entries among `valid` ones."""
+    key = (scores.abs() if rank_by == "abs" else scores).float().flatten().clone()
+    if valid is not None:
+        key[~valid.flatten()] = -math.inf
+    mask = torch.zeros(key.numel(), dtype=torch.bool)
+    if n_keep > 0:
+        mask[key.argsort(descending=True, stable=True)[:n_keep]] = True
+    if valid is not None:
+        mask &= valid.flatten()
+    return mask.view(scores.shape)
+
 
 
 def bootstrap_weights(n_examples: int, n_resamples: int, seed: int = 0) -> torch.Tensor:

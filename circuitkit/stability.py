@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from circuitkit.pruning import keep_top
-from circuitkit.selection import bootstrap_weights, resampled_scores
+from circuitkit.selection import bootstrap_weights, keep_top, resampled_scores
 
 DEFAULT_RESAMPLES = 100
 
