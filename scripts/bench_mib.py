@@ -32,6 +32,20 @@ from circuitkit.stability import stability
 from circuitkit.tasks import build_task
 
 
+def render(paths: list[str]) -> str:
+    """The markdown table of one or more output JSONs."""
+    lines = ["| level | method | selection | passes / batch | attribution s | curve s | CPR | CMD |"
+             " f at 10 % | Jaccard mean / 5th pct (n kept) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for path in paths:
+        for r in json.load(open(path))["rows"]:
+            stab = ("–" if r["jaccard_mean"] is None
+                    else f"{r['jaccard_mean']:.2f} / {r['jaccard_p5']:.2f} ({r['stability_n']})")
+            lines.append(f"| {r['level']} | {r['method']} | {r['selection']} | {r['passes_per_batch']} |"
+                         f" {r['attribution_s']:.0f} | {r['curve_s']:.0f} | {r['cpr']:.3f} | {r['cmd']:.3f} |"
+                         f" {r['f_at_10pct']:.3f} ({r['n_at_10pct']}) | {stab} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -44,8 +58,12 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--resamples", type=int, default=100)
     ap.add_argument("--runs", default="node:eap,node:eap-ig,edge:eap-ig,node:eap-ig-activations,node:exact,edge:eap")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--render", nargs="+", default=None, help="print the markdown table of these JSONs and exit")
     a = ap.parse_args()
+    if a.render:
+        print(render(a.render))
+        return
     loaded = load_model(ModelConfig(name=a.model, precision="float32"), torch.device("cpu"))
     adapter = loaded.adapter
     data = build_task(a.task, loaded.tokenizer, loaded.path, DataParams(num_examples=a.attr, eval_examples=a.eval),
