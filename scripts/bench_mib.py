@@ -48,7 +48,7 @@ def render(paths: list[str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default=None)
     ap.add_argument("--task", default="ioi")
     ap.add_argument("--attr", type=int, default=16)
     ap.add_argument("--eval", type=int, default=32)
