@@ -61,6 +61,22 @@ def apply_circuit(adapter: ModelAdapter, circuit: Circuit | dict, ablation: str 
         yield
 
 
+def stability_rows(c: dict[str, Any]) -> list[tuple[str, str]]:
+    """`show` rows for the fields of `circuitkit.pruning.circuit_fields` (selection, curve, stability)."""
+    rows = []
+    if c.get("selection"):
+        rows.append(("selection", str(c["selection"])))
+    if c.get("curve_definition"):
+        rows.append(("curve", str(c["curve_definition"])))
+    st = c.get("stability")
+    if st:
+        rows.append(("stability (Jaccard)", f"mean {st['jaccard_mean']:.3f}, 5th pct {st['jaccard_p5']:.3f} over"
+                     f" {st['n_resamples']} resamples of {st['n_examples']} examples (bar: 0.8)"))
+    elif "stability" in c:
+        rows.append(("stability (Jaccard)", "not measured (needs per-example scores: discovery.per_example=true)"))
+    return rows
+
+
 def show_circuit(path: Path, console: Console | None = None) -> None:
     """Print a summary table and the kept heads of circuit.pt."""
     c = load_circuit(path)
@@ -82,6 +98,7 @@ def show_circuit(path: Path, console: Console | None = None) -> None:
         ("CPR / CMD", f"{c.get('cpr', float('nan')):.4f} / {c.get('cmd', float('nan')):.4f}"),
         ("edge scores", "yes" if c.get("edge_scores") is not None else "no"),
     ]
+    rows += stability_rows(c)
     for key, value in rows:
         summary.add_row(key, escape(value))
     console.print(summary)

@@ -83,6 +83,9 @@ class Circuit:
     config: dict[str, Any] | None = None
     versions: dict[str, Any] | None = None
     imported_from: dict[str, Any] | None = None
+    curve_definition: str | None = None  # what the faithfulness curve is (MIB's edge grid or the head curve)
+    selection: str | None = None  # pruning.selection: top_k / bootstrap
+    stability: dict[str, Any] | None = None  # Jaccard of the kept set over bootstrap resamples
     format_version: int = FORMAT_VERSION
 
     # Read-only mapping access for callers written against the untyped dict (`c["head_mask"]`,
@@ -105,7 +108,7 @@ _ORDER = ("edge_mask", "mean_z", "upstream_nodes", "downstream_nodes", "graph", 
           "model_name", "model_revision", "scope", "head_mask", "head_scores", "mlp_scores", "embed_score",
           "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity", "n_removed",
           "n_heads_removed", "metrics", "curve", "cpr", "cmd", "n_eval_examples", "config", "versions",
-          "imported_from")
+          "imported_from", "curve_definition", "selection", "stability")
 _FIELD_TYPES: dict[str, Any] = {
     "edge_mask": _TENSOR, "mean_z": _TENSOR, "upstream_nodes": list, "downstream_nodes": list, "graph": dict,
     "mlp_mask": _TENSOR, "prepend_bos": bool, "d_model": int, "model_name": str, "model_revision": str,
@@ -113,7 +116,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "embed_score": (_TENSOR, _NUMBER), "edge_scores": _TENSOR, "ablation": str, "rank_by": str,
     "target_sparsity": _NUMBER, "achieved_sparsity": _NUMBER, "n_removed": int, "n_heads_removed": int,
     "metrics": dict, "curve": list, "cpr": _NUMBER, "cmd": _NUMBER, "n_eval_examples": int, "config": dict,
-    "versions": dict, "imported_from": dict}
+    "versions": dict, "imported_from": dict, "curve_definition": str, "selection": str, "stability": dict}
 # Written as None when unset (readers of format 1 saw the key); the others are left out when unset.
 _STORED_WHEN_NONE = {"mean_z", "graph", "mlp_mask", "prepend_bos", "d_model", "model_revision", "mlp_scores",
                      "embed_score", "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity",

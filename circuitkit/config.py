@@ -106,7 +106,9 @@ class DataParams:
 
 @dataclass
 class DiscoveryConfig:
-    algorithm: str = _f("eap-ig", "attribution method", choices=("eap", "eap-ig", "clean-corrupted", "exact"))
+    algorithm: str = _f("eap-ig", "attribution method (eap-ig = EAP-IG-inputs; eap-ig-activations: IG along each layer's"
+                        " own activations, ig_steps x (2 x layers + 1) passes per batch)",
+                        choices=("eap", "eap-ig", "clean-corrupted", "exact", "eap-ig-activations"))
     level: str = _f("node", "score nodes or edges", choices=("node", "edge"))
     task: str = _f("induction", "task that supplies clean/corrupted pairs",
                    choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
@@ -120,6 +122,8 @@ class DiscoveryConfig:
     shard_index: int = _f(0, "this job's share of the attribution examples, 0 <= shard_index < num_shards", ge=0)
     shard_dir: Optional[str] = _f(None, "where attribution shards meet and are merged; null = <run dir>/../attribution_shards"
                                   " (the sweep dir in a multirun)")
+    per_example: bool = _f(True, "also keep every example's scores in scores.safetensors (N x heads; edge level N x"
+                           " edges), for pruning.selection=bootstrap and the stability report; unsharded runs only")
     data_params: DataParams = field(default_factory=DataParams, metadata={"doc": "task data"})
 
 
@@ -128,11 +132,18 @@ class PruningConfig:
     scope: str = _f("heads", "what is pruned", choices=("heads", "edges"))
     target_sparsity: float = _f(0.5, "fraction of heads (or edges) removed", ge=0.0, lt=1.0)
     rank_by: str = _f("abs", "order of removal: lowest |score| or lowest signed score", choices=("abs", "signed"))
-    ablation: str = _f("mean", "value given to removed heads", choices=("mean", "zero", "corrupted"))
+    ablation: str = _f("corrupted", "value given to removed heads/edges: corrupted = counterfactual patching from the"
+                       " pair's corrupted prompt (what the scores measure; MIB's), mean = position-wise mean over the"
+                       " attribution examples, zero", choices=("mean", "zero", "corrupted"))
     graph: bool = _f(True, "also draw the circuit as a layered graph (circuit_graph.png and .svg)")
     graph_top_edges: int = _f(40, "at most this many edges in the circuit graph, strongest |score| first", ge=1)
     graph_backend: str = _f("auto", "who draws the graph: Graphviz if `dot` is installed (auto), or matplotlib",
                             choices=("auto", "matplotlib", "graphviz"))
+    selection: str = _f("top_k", "how the kept set is chosen from the scores: top_k = the best n by rank_by;"
+                        " bootstrap = the n most often in a bootstrap resample's top n (per-example scores,"
+                        " no model pass; circuitkit.selection)", choices=("top_k", "bootstrap"))
+    bootstrap_resamples: int = _f(100, "resamples of the attribution examples for selection=bootstrap and the"
+                                  " stability report (Jaccard of the kept set); 0 = no stability report", ge=0)
 
 
 @dataclass
@@ -427,7 +438,7 @@ def _check_cross_fields(cfg: AppConfig) -> None:
         raise ConfigError(f"Config key 'discovery.num_shards' = {d.num_shards} exceeds"
                           f" discovery.data_params.num_examples = {d.data_params.num_examples}: every shard needs"
                           " at least one example; use fewer shards.")
-    if d.algorithm == "eap-ig" and d.ig_rule == "trapezoid" and d.ig_steps == 1:
+    if d.algorithm in ("eap-ig", "eap-ig-activations") and d.ig_rule == "trapezoid" and d.ig_steps == 1:
         raise ConfigError("Config key 'discovery.ig_steps' = 1 is too few for discovery.ig_rule=trapezoid (its"
                           " points include both ends, α = 0 and α = 1): set ig_steps >= 2, or ig_rule=right for EAP.")
 

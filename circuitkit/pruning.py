@@ -1,14 +1,14 @@
 """Pruning to a target sparsity, and faithfulness: `prune` is what the pruning stage runs.
 
 `pruning.scope: heads` removes heads, `edges` removes edges (`circuitkit.pruning_edges` runs
-the edge circuits); both select with `keep_top` (`select_heads`, `select_edges`) and both
-evaluators take the kept mask. Heads are removed lowest score first (`rank_by: abs` on
-|score|, `signed` on the score) and ablated through a hook on z, the input of the attention
-output projection:
+the edge circuits); both select with `keep_top` (`select_heads`, `select_edges`), or with
+`pruning.selection: bootstrap` (`circuitkit.selection`), and both evaluators take the kept
+mask. Heads are removed lowest score first (`rank_by: abs` on |score|, `signed` on the score)
+and ablated through a hook on z, the input of the attention output projection:
 
+    corrupted  z from the corrupted prompt of the same example (the default: what the scores measure)
     mean       the mean of z over the task's clean examples at each position
     zero       0
-    corrupted  z from the corrupted prompt of the same example
 
 Faithfulness on held-out examples: f = (m(circuit) - m(empty)) / (m(full) - m(empty)), where
 "empty" ablates every head (MLPs and embeddings always stay).
@@ -17,10 +17,9 @@ Faithfulness on held-out examples: f = (m(circuit) - m(empty)) / (m(full) - m(em
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +30,8 @@ from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet
 from circuitkit.models.placement import input_device
 from circuitkit.pruning_edges import EdgeEvaluator, fit_positions, mean_writes
+from circuitkit.selection import BootstrapSelector, keep_top  # noqa: F401  (keep_top: re-exported)
+from circuitkit.stability import stability
 from circuitkit.tasks.base import TaskData
 
 log = logging.getLogger(__name__)
@@ -69,19 +70,6 @@ def select_edges(edge_scores: torch.Tensor, valid: torch.Tensor, target_sparsity
     n_total = int(valid.sum())
     n_removed = round(target_sparsity * n_total)
     return Selection(keep_top(edge_scores, n_total - n_removed, rank_by, valid), n_removed, n_removed / n_total)
-
-
-def keep_top(scores: torch.Tensor, n_keep: int, rank_by: str = "abs", valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool mask (shape of `scores`) keeping the `n_keep` best entries among `valid` ones."""
-    key = (scores.abs() if rank_by == "abs" else scores).float().flatten().clone()
-    if valid is not None:
-        key[~valid.flatten()] = -math.inf
-    mask = torch.zeros(key.numel(), dtype=torch.bool)
-    if n_keep > 0:
-        mask[key.argsort(descending=True, stable=True)[:n_keep]] = True
-    if valid is not None:
-        mask &= valid.flatten()
-    return mask.view(scores.shape)
 
 
 @torch.no_grad()
@@ -143,6 +131,7 @@ class Evaluator:
                 corrupted_z = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos,
                                        edges=False).z
             self.batches.append((batch, clean.logits.float(), corrupted_z))
+        self.m_clean = sum(compute_metric(metric, c, b, c).sum().item() for b, c, _ in self.batches) / len(data)
         self.mean_values = None if mean_values is None else [v.to(device)[None] for v in mean_values]
         self.n = len(data)
 
@@ -156,15 +145,14 @@ class Evaluator:
     @torch.no_grad()
     def __call__(self, kept: torch.Tensor | None) -> float:
         """kept: (n_layers, n_heads) bool, or None for the full model."""
-        removed = None if kept is None else ~kept
+        if kept is None or bool(kept.all()):
+            return self.m_clean  # every head live: the clean run recorded at setup
+        removed = ~kept
         total = 0.0
         for batch, clean_answer, corrupted_z in self.batches:
             args = (self.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
-            if removed is None or not removed.any():
+            with ablate_heads(self.adapter, removed, self._values(corrupted_z)):
                 logits = answer_forward(*args)
-            else:
-                with ablate_heads(self.adapter, removed, self._values(corrupted_z)):
-                    logits = answer_forward(*args)
             total += compute_metric(self.metric, logits, batch, clean_answer).sum().item()
         return total / self.n
 
@@ -175,26 +163,41 @@ def faithfulness(m_circuit: float, m_full: float, m_empty: float) -> float:
     return (m_circuit - m_empty) / denom if abs(denom) > 1e-12 else float("nan")
 
 
+def curve_count(percent: float, n_total: int) -> int:
+    """Entries kept at `percent` of `n_total`: int(share * n), as MIB's evaluation counts them."""
+    return int(percent / 100 * n_total + 1e-9)
+
+
 def sparsity_curve(evaluate_kept: Callable[[torch.Tensor], float], scores: torch.Tensor, rank_by: str,
-                   m_full: float, m_empty: float, valid: torch.Tensor | None = None) -> list[dict]:
-    """Faithfulness when keeping CURVE_PERCENTS of the heads or edges (rounded to whole ones).
+                   m_full: float, m_empty: float, valid: torch.Tensor | None = None,
+                   choose: Callable[[int], torch.Tensor] | None = None) -> list[dict]:
+    """Faithfulness when keeping CURVE_PERCENTS (MIB's grid of shares) of the heads or edges.
 
     evaluate_kept(mask) -> metric, with mask shaped like `scores` (True = kept); `valid`
-    marks which entries exist (edges), default all.
+    marks which entries exist (edges), default all. `choose(n)` picks the kept mask of size n
+    (default: the top n by `rank_by`, `keep_top`). Counts are whole entries, int(share * n).
     """
     n_total = int(valid.sum()) if valid is not None else scores.numel()
+    if choose is None:
+        def choose(n: int) -> torch.Tensor:
+            return keep_top(scores, n, rank_by, valid)
     rows, cache = [], {}
     for pct in CURVE_PERCENTS:
-        n_keep = round(pct / 100 * n_total)
+        n_keep = curve_count(pct, n_total)
         if n_keep not in cache:
-            cache[n_keep] = evaluate_kept(keep_top(scores, n_keep, rank_by, valid))
+            cache[n_keep] = evaluate_kept(choose(n_keep))
         rows.append({"percent_kept": pct, "n_kept": n_keep, "metric": cache[n_keep],
                      "faithfulness": faithfulness(cache[n_keep], m_full, m_empty)})
     return rows
 
 
 def curve_areas(rows: list[dict]) -> tuple[float, float]:
-    """(CPR, CMD): trapezoid areas of f and of |1 - f| over the fraction kept (0..1)."""
+    """(CPR, CMD): trapezoid areas of f and of |1 - f| over the fraction kept (0.001..1).
+
+    MIB's definitions (its evaluate_area_under_curve): CPR = Σ_i (x_{i+1} - x_i)(f_i + f_{i+1})/2
+    and CMD = Σ_i (x_{i+1} - x_i)(|1 - f_i| + |1 - f_{i+1}|)/2 over the shares x of the grid,
+    on a linear axis; a circuit as faithful as the model at every share has CPR 0.999, CMD 0.
+    """
     xs = [r["percent_kept"] / 100 for r in rows]
     fs = [r["faithfulness"] for r in rows]
     cpr = cmd = 0.0
@@ -218,6 +221,28 @@ class PrunedCircuit:
     cpr: float
     cmd: float
     ablation_values: dict  # stored in circuit.pt: mean_z (heads) or the edge mask and node lists
+    extra: dict = field(default_factory=dict)  # circuit.pt fields of issue 28: see `circuit_fields`
+
+
+def curve_definition(scope: str, ablation: str, rank_by: str, selection: str, metric: str) -> str:
+    """One line saying what the faithfulness curve is, and whether it is MIB's."""
+    unit = "heads (node level)" if scope == "heads" else "edges"
+    mib = scope == "edges" and ablation == "corrupted" and rank_by == "abs" and selection == "top_k"
+    return (f"share of {unit} kept over MIB's grid 0.1%..100%, {ablation} ablation, {selection} by {rank_by} score,"
+            f" {metric}; CPR/CMD trapezoids on a linear axis" + ("; MIB's circuit-track setting" if mib
+                                                                 else "; not MIB's setting (MIB: edges, corrupted"
+                                                                      " ablation, top_k by abs)"))
+
+
+def circuit_fields(found: PrunedCircuit) -> dict:
+    """The circuit.pt fields added by issue 28, in one place (for the typed Circuit artifact):
+
+        curve_definition  str: what the curve is (`curve_definition`)
+        selection         str: pruning.selection (top_k / bootstrap)
+        stability         dict | None: Jaccard of the kept set over bootstrap resamples of the
+                          examples (`circuitkit.stability.stability`), None without per-example scores
+    """
+    return dict(found.extra)
 
 
 def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData, held_out: TaskData,
@@ -225,34 +250,59 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     """Select the circuit at `p.target_sparsity`, and measure it on the held-out pairs.
 
     Mean ablation takes its means over `attr_data` (the attribution examples). Edge scope needs
-    `scores.edges`. The faithfulness curve evaluates the same ranking at CURVE_PERCENTS kept.
+    `scores.edges`. The faithfulness curve evaluates the same selection rule at CURVE_PERCENTS
+    kept. With per-example scores (`scores.per_example`) the stability of the kept set is
+    measured over `p.bootstrap_resamples` resamples, and `p.selection=bootstrap` can run.
     """
     g = scores.graph
+    per_example = (scores.per_example or {}).get("head" if p.scope == "heads" else "edges")
+    selection_rule = p.selection
+    if selection_rule == "bootstrap" and per_example is None:
+        log.warning("pruning.selection=bootstrap needs per-example scores (discovery.per_example=true, an unsharded"
+                    " eap/eap-ig run); selecting top_k instead.")
+        selection_rule = "top_k"
     if p.scope == "heads":
         means = mean_z(adapter, attr_data, batch_size) if p.ablation == "mean" else None
         evaluate = Evaluator(adapter, held_out, metric, p.ablation, means, batch_size)
         selection = select_heads(scores.head, p.target_sparsity, p.rank_by)
         valid, ranked = None, scores.head
-        head_mask = selection.mask
-        mlp_mask = torch.ones(g.n_layers, dtype=torch.bool)  # head pruning never removes an MLP
-        stored = {"mean_z": means}
     else:
         means = mean_writes(adapter, attr_data, batch_size) if p.ablation == "mean" else None
         evaluate = EdgeEvaluator(adapter, held_out, metric, p.ablation, means, batch_size)
         valid, ranked = g.edge_mask(), scores.edges
         selection = select_edges(scores.edges, valid, p.target_sparsity, p.rank_by)
-        kept = selection.mask
+
+    selector = (BootstrapSelector(per_example, p.rank_by, max(p.bootstrap_resamples, 1), 0, valid)
+                if selection_rule == "bootstrap" else None)
+
+    def choose(n_keep: int) -> torch.Tensor:
+        if selector is not None:
+            return selector(n_keep)
+        return keep_top(ranked, n_keep, p.rank_by, valid)
+
+    if selection_rule != "top_k":
+        selection = Selection(choose(int(selection.mask.sum())), selection.n_removed, selection.achieved_sparsity)
+    kept = selection.mask
+    if p.scope == "heads":
+        head_mask = kept
+        mlp_mask = torch.ones(g.n_layers, dtype=torch.bool)  # head pruning never removes an MLP
+        stored = {"mean_z": means}
+    else:
         head_mask = torch.tensor([[bool(kept[g.head_index(layer, h)].any()) for h in range(g.n_heads)]
                                   for layer in range(g.n_layers)])
         mlp_mask = kept[[g.mlp_index(layer) for layer in range(g.n_layers)]].any(dim=1)
         stored = {"edge_mask": kept, "mean_z": None, "upstream_nodes": g.upstream, "downstream_nodes": g.downstream}
-    kept = selection.mask
     m_full = evaluate(torch.ones_like(kept) if valid is None else valid)
     m_empty = evaluate(torch.zeros_like(kept))
     m_circuit = evaluate(kept)
     f = faithfulness(m_circuit, m_full, m_empty)
-    curve = sparsity_curve(evaluate, ranked, p.rank_by, m_full, m_empty, valid)
+    curve = sparsity_curve(evaluate, ranked, p.rank_by, m_full, m_empty, valid, choose)
     cpr, cmd = curve_areas(curve)
+    stable = None
+    if per_example is not None and p.bootstrap_resamples > 0:
+        stable = stability(per_example, int(kept.sum()), p.rank_by, p.bootstrap_resamples, 0, valid, kept)
+    extra = {"curve_definition": curve_definition(p.scope, p.ablation, p.rank_by, selection_rule, metric),
+             "selection": selection_rule, "stability": stable}
     return PrunedCircuit(selection, kept.numel() if valid is None else int(valid.sum()), head_mask, mlp_mask,
                          {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f},
-                         curve, cpr, cmd, stored)
+                         curve, cpr, cmd, stored, extra)

@@ -58,19 +58,40 @@ def mean_writes(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch
     return (total / count.clamp(min=1)).cpu()
 
 
-def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Tensor, ablated: torch.Tensor) -> None:
-    """Hooks that make every downstream input read only its kept edges (see module docstring)."""
+def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, kept: torch.Tensor, ablated: torch.Tensor) -> None:
+    """Hooks that make every downstream input read only its kept edges (see module docstring).
+
+    The shift of input v is Σ_u removed(u, v) d_u with d_u = write_u(live) - write_u(ablated).
+    Every input reads every upstream row written before it (`Graph.edge_mask`), so removed =
+    1 - kept on those rows and the shift is (Σ_u d_u) - Σ_{u kept} d_u: a running sum of the
+    rows written so far minus a contraction over the kept rows only. Small circuits (the
+    curve's first points) cost little more than a plain forward; rows are written into one
+    preallocated buffer (no per-input concatenation).
+    """
     graph = graph_of(adapter)
     H, KV, dh, L = adapter.n_heads, adapter.n_kv_heads, adapter.head_dim, adapter.n_layers
-    live: list[torch.Tensor] = []  # upstream writes of this pass, in graph order
-    state: dict = {}
-    removed = removed.float()
+    kept = kept.float()
+    state: dict = {"n": 0, "diff": None, "cum": {}}  # rows written, their d_u, Σ of the first n rows
+
+    def append(rows: torch.Tensor) -> None:  # rows (k, B, T, d) live writes, in graph order
+        n, k = state["n"], rows.shape[0]
+        if state["diff"] is None:
+            state["diff"] = torch.empty(len(graph.upstream), *rows.shape[1:], dtype=torch.float32, device=rows.device)
+            state["cum"][0] = torch.zeros(rows.shape[1:], dtype=torch.float32, device=rows.device)
+        d = state["diff"][n:n + k]
+        torch.sub(rows, ablated[n:n + k] if ablated.shape[0] > 1 else ablated[0], out=d)
+        state["cum"][n + k] = state["cum"][n] + d.sum(0)
+        state["n"] = n + k
 
     def shift(n_up: int, cols) -> torch.Tensor:
-        diff = torch.cat(live)[:n_up] - ablated[:n_up]  # (n_up, B, T, d): rows written so far
-        return torch.einsum("uv,ubtd->vbtd", removed[:n_up, cols], diff)
+        sub = kept[:n_up, cols]  # (n_up, n_cols)
+        base = state["cum"][n_up]
+        rows = sub.any(1).nonzero().flatten()
+        if rows.numel() == 0:
+            return base.unsqueeze(0).expand(sub.shape[1], *base.shape)
+        return base.unsqueeze(0) - torch.einsum("uv,ubtd->vbtd", sub[rows], state["diff"][rows])
 
-    hk.pre(adapter.blocks[0], lambda m, a, k: live.append(first_input(a, k).float().unsqueeze(0)), with_kwargs=True)
+    hk.pre(adapter.blocks[0], lambda m, a, k: append(first_input(a, k).float().unsqueeze(0)), with_kwargs=True)
     for layer in range(L):
         cols = graph.layer_columns(layer)
         with resident(adapter.blocks[layer]):  # offloaded layers (model.device_map): real weights
@@ -96,11 +117,11 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
         def z_hook(module, args, layer=layer):
             state["z"] = args[0]
             if adapter.post_attn_norm(layer) is None:
-                live.append(head_writes(adapter, layer, args[0].unflatten(-1, (H, dh)), None))
+                append(head_writes(adapter, layer, args[0].unflatten(-1, (H, dh)), None))
         hk.pre(adapter.z_input(layer), z_hook)
         if adapter.post_attn_norm(layer) is not None:
             def total_hook(module, args, layer=layer):
-                live.append(head_writes(adapter, layer, state["z"].unflatten(-1, (H, dh)), args[0]))
+                append(head_writes(adapter, layer, state["z"].unflatten(-1, (H, dh)), args[0]))
             hk.pre(adapter.post_attn_norm(layer), total_hook)
 
         def mlp_in(module, args, out, layer=layer, cols=cols, mlp_spec=mlp_spec):
@@ -109,7 +130,7 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
         hk.post(adapter.mlp_norm(layer), mlp_in)
 
         def mlp_out(module, args, out):
-            live.append(first_output(out).float().unsqueeze(0))
+            append(first_output(out).float().unsqueeze(0))
         hk.post(adapter.mlp_write(layer), mlp_out)
 
     def final(module, args, kwargs):
@@ -119,34 +140,53 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
 
 
 class EdgeEvaluator:
-    """Mean metric on held-out examples when only the kept edges carry live values."""
+    """Mean metric on held-out examples when only the kept edges carry live values.
+
+    The clean and corrupted runs are recorded once; every edge kept is the clean run's metric
+    and, under corrupted ablation, no edge kept is the corrupted run's (no forward for either).
+    """
 
     def __init__(self, adapter: ModelAdapter, data: TaskData, metric: str, ablation: str,
                  mean_values: torch.Tensor | None, batch_size: int) -> None:
-        self.adapter, self.metric = adapter, metric
+        self.adapter, self.metric, self.ablation = adapter, metric, ablation
+        self.valid = graph_of(adapter).edge_mask()
         device = input_device(adapter.model)
         self.batches = []
+        self.m_clean = self.m_corrupted = 0.0
         for batch in data.batches(batch_size):
             batch = batch.to(device)
             clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=True)
             if ablation == "corrupted":
                 corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=True)
                 ablated = upstream_writes(adapter, clean) - deltas(adapter, clean, corrupted, edges=True).up
+                self.m_corrupted += compute_metric(metric, corrupted.logits, batch, clean.logits.float()).sum().item()
             elif ablation == "mean":
                 ablated = fit_positions(mean_values.to(device), batch.clean_ids.shape[1]).unsqueeze(1)
             else:
                 ablated = torch.zeros(1, 1, 1, 1, device=device)
+            self.m_clean += compute_metric(metric, clean.logits, batch, clean.logits.float()).sum().item()
             self.batches.append((batch, clean.logits.float(), ablated))
         self.n = len(data)
+        self.forwards = 0  # circuit forwards run (batches), for cost reports
 
     @torch.no_grad()
     def __call__(self, kept: torch.Tensor | None) -> float:
         """kept: (n_upstream, n_downstream) bool, or None for the full model."""
+        if kept is None or bool((kept | ~self.valid).all()):
+            return self.m_clean / self.n
+        kept = kept & self.valid
+        if self.ablation == "corrupted" and not kept.any():
+            return self.m_corrupted / self.n
+        return self.forward(kept)
+
+    @torch.no_grad()
+    def forward(self, kept: torch.Tensor) -> float:
+        """The metric by circuit forwards, without the shortcuts of `__call__`."""
         total = 0.0
         for batch, clean_answer, ablated in self.batches:
             with HookSet() as hk:
-                if kept is not None:
-                    _install_edge_circuit(self.adapter, hk, ~kept.to(ablated.device), ablated)
+                _install_edge_circuit(self.adapter, hk, kept.to(ablated.device), ablated)
                 logits = answer_forward(self.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
+            self.forwards += 1
             total += compute_metric(self.metric, logits, batch, clean_answer).sum().item()
         return total / self.n

@@ -26,7 +26,7 @@ from circuitkit.io import check_writable
 from circuitkit.models.loading import check_model, context_length, model_context, model_inputs
 from circuitkit.pipeline import RunContext, Stage, StageResult, package_versions
 from circuitkit.plots import faithfulness_curve, head_heatmap
-from circuitkit.pruning import prune
+from circuitkit.pruning import circuit_fields, prune
 from circuitkit.tasks import SAMPLE_FILES, TaskData, build_task
 
 DATA_FILE = "data.safetensors"
@@ -136,7 +136,7 @@ def _attribution(ctx: RunContext) -> StageResult:
         scores = run_attribution(loaded.adapter, data, d)
     ctx.state["scores"] = scores
     path = save_scores(ctx.run_dir / SCORES_FILE, scores, meta)
-    steps = "" if d.algorithm != "eap-ig" else f", ig_steps={scores.info['ig_steps']}, ig_rule={scores.info['ig_rule']}"
+    steps = "" if d.algorithm not in ("eap-ig", "eap-ig-activations") else f", ig_steps={scores.info['ig_steps']}, ig_rule={scores.info['ig_rule']}"
     plot = head_heatmap(scores.head, ctx.run_dir / HEATMAP_FILE,
                         f"{d.algorithm} head scores ({d.task}, {d.metric}{steps})")
     best = top_heads(scores.head, k=min(5, scores.head.numel()))
@@ -151,8 +151,10 @@ def _attribution(ctx: RunContext) -> StageResult:
                "metric_clean": scores.metric_clean, "metric_corrupted": scores.metric_corrupted,
                "embed_score": float(scores.embed), "top_head": f"L{best[0][0]}H{best[0][1]}",
                "top_head_score": best[0][2], **shard_summary}
-    if d.algorithm == "eap-ig":
+    if d.algorithm in ("eap-ig", "eap-ig-activations"):
         summary.update(ig_steps=scores.info["ig_steps"], ig_rule=scores.info["ig_rule"])
+    if "passes" in scores.info:
+        summary["passes_per_batch"] = scores.info["passes"]
     if scores.edges is not None:
         summary["n_edges"] = scores.graph.n_edges
     return StageResult([*shard_files, path, plot], summary, estimated_peak_bytes=estimate)
@@ -219,6 +221,7 @@ def _pruning(ctx: RunContext) -> StageResult:
         "ablation": p.ablation, "rank_by": p.rank_by, "target_sparsity": p.target_sparsity,
         "achieved_sparsity": achieved, "n_removed": found.selection.n_removed,
         "n_heads_removed": int((~head_mask).sum()), "metrics": found.metrics, "curve": curve, "cpr": cpr, "cmd": cmd, "n_eval_examples": len(held_out),
+        **circuit_fields(found),
         "config": to_dict(ctx.cfg), "versions": package_versions(),
     }))
     unit = "heads" if p.scope == "heads" else "edges"
@@ -228,6 +231,10 @@ def _pruning(ctx: RunContext) -> StageResult:
     table.add_row(f"{p.target_sparsity:.3f}", f"{achieved:.3f}", f"{m_full:.4g}", f"{m_empty:.4g}",
                   f"{m_circuit:.4g}", f"{f:.3f}", f"{cpr:.3f}", f"{cmd:.3f}")
     ctx.console.print(table)
+    stable = found.extra.get("stability")
+    if stable:
+        ctx.console.print(f"stability: Jaccard of the kept set {stable['jaccard_mean']:.3f} (5th percentile"
+                          f" {stable['jaccard_p5']:.3f}) over {stable['n_resamples']} resamples of the examples")
     graph_files = []
     if p.graph:
         graph_files = write_circuit_graph(load_circuit(out_path), ctx.run_dir / "circuit_graph.png",
@@ -235,7 +242,10 @@ def _pruning(ctx: RunContext) -> StageResult:
     return StageResult([out_path, *curve_files, circuit_png, *graph_files], {
         "faithfulness": f, "achieved_sparsity": achieved, "scope": p.scope,
         "heads_kept": int(head_mask.sum()), f"{unit}_kept": int(kept.sum()), "metric_full": m_full,
-        "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path)})
+        "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path),
+        "selection": found.extra.get("selection"), "curve_definition": found.extra.get("curve_definition"),
+        **({"stability_jaccard_mean": stable["jaccard_mean"], "stability_jaccard_p5": stable["jaccard_p5"],
+            "stability_resamples": stable["n_resamples"]} if stable else {})})
 
 
 # --------------------------------------------------------------------------- inputs

@@ -88,6 +88,10 @@ LAYERS: dict[str, str] = {
     "circuitkit.attribution.shards": CIRCUIT,  # sharded attribution: partial sums, the merge
     "circuitkit.pruning": CIRCUIT,
     "circuitkit.pruning_edges": CIRCUIT,
+    "circuitkit.selection": CIRCUIT,  # keep_top, bootstrapped selection, the greedy oracle
+    "circuitkit.stability": CIRCUIT,  # Jaccard of the kept set over resamples of the examples
+    "circuitkit.mib": CIRCUIT,  # MIB's metrics, export and folder check
+    "circuitkit.attribution.eap_activations": CIRCUIT,
     "circuitkit.circuit": CIRCUIT,
     "circuitkit.circuit_graph": CIRCUIT,
     "circuitkit.plots": CIRCUIT,

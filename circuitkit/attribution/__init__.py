@@ -25,8 +25,14 @@ def run_attribution(adapter: ModelAdapter, data: TaskData, cfg: DiscoveryConfig,
     (means over the examples; sums with `sums=True`, what a shard writes)."""
     if cfg.algorithm == "exact":
         return exact_patching(adapter, data, cfg.level, cfg.metric, cfg.batch_size, progress, sums=sums)
+    if cfg.algorithm == "eap-ig-activations":
+        from circuitkit.attribution.eap_activations import attribute_activations
+
+        return attribute_activations(adapter, data, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
+                                     ig_rule=cfg.ig_rule, sums=sums,
+                                     per_example=getattr(cfg, "per_example", False) and not sums)
     return attribute(adapter, data, cfg.algorithm, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
-                     ig_rule=cfg.ig_rule, sums=sums)
+                     ig_rule=cfg.ig_rule, sums=sums, per_example=getattr(cfg, "per_example", False) and not sums)
 
 
 def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str, str] | None = None) -> Path:
@@ -44,6 +50,8 @@ def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str,
             "metric_clean": repr(scores.metric_clean), "metric_corrupted": repr(scores.metric_corrupted),
             "n_examples": str(scores.n_examples), "info": json.dumps(scores.info),
             "ig_rule": str(scores.info.get("ig_rule"))}
+    for key, value in (scores.per_example or {}).items():  # circuitkit.stability: (N, ...) per example
+        tensors[f"per_example_{key}"] = value.float().contiguous()
     if scores.edges is not None:
         tensors["edge_scores"] = scores.edges.float()
         meta["upstream_nodes"] = json.dumps(g.upstream)
@@ -86,7 +94,9 @@ def load_scores(path: Path) -> AttributionScores:
         scores = AttributionScores(t["head_scores"], t["mlp_scores"], t["embed_score"].reshape(-1)[0], graph,
                                    t.get("edge_scores"), float(meta["metric_clean"]),
                                    float(meta["metric_corrupted"]), int(meta["n_examples"]),
-                                   json.loads(meta["info"]))
+                                   json.loads(meta["info"]),
+                                   per_example={k[len("per_example_"):]: v for k, v in t.items()
+                                                if k.startswith("per_example_")})
     except (TypeError, ValueError, IndexError, RuntimeError) as err:
         raise ArtifactMismatch(f"{path} has unreadable metadata ({str(err)[:120]}); {fix}") from None
     check_scores_consistent(scores, path)

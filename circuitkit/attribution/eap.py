@@ -51,6 +51,7 @@ class AttributionScores:
     metric_corrupted: float = float("nan")
     n_examples: int = 0
     info: dict = field(default_factory=dict)
+    per_example: dict | None = None  # attribute(per_example=True): head (N, L, H), edges (N, n_up, n_down)
 
 
 def graph_of(adapter: ModelAdapter) -> Graph:
@@ -259,6 +260,8 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _Gradi
         out["head"][layer] += (torch.einsum("bthe,bthe->h", delta.z[layer], gz) / n_points).to(dev)
         out["mlp"][layer] += ((delta.mlp[layer] * sums.mlp[layer]).sum() / n_points).to(dev)
     out["embed"] += ((delta.embed * sums.embed).sum() / n_points).to(dev)
+    if "per_example" in out:  # circuitkit.stability: per-example scores, resampled without a model pass
+        _per_example_scores(adapter, graph, delta, sums, n_points, out["per_example"])
     if sums.edges:
         up = delta.up.flatten(1)  # (n_upstream, B*T*d_model), on the first layer's device
         for layer in range(adapter.n_layers):
@@ -270,10 +273,30 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _Gradi
         out["edges"][:, graph.logits_column] += up @ sums.logits.flatten().to(up.device) / n_points
 
 
+def _per_example_scores(adapter: ModelAdapter, graph: Graph, delta: Deltas, sums: _GradientSums, n_points: int,
+                        rows: dict) -> None:
+    """Append this batch's per-example scores: head (B, L, H) and, at edge level, edges (B, n_up, n_down)."""
+    H = adapter.n_heads
+    rows.setdefault("head", []).append(torch.stack([
+        torch.einsum("bthe,bthe->bh", delta.z[i], sums.z[i].unflatten(-1, (H, adapter.head_dim))).cpu()
+        for i in range(adapter.n_layers)], 1) / n_points)
+    if sums.edges:
+        up = delta.up.flatten(2)  # (n_upstream, B, T*d_model)
+        e = torch.zeros(up.shape[1], len(graph.upstream), len(graph.downstream))
+        for layer in range(adapter.n_layers):
+            cols = graph.layer_columns(layer)
+            g = sums.inputs[layer].flatten(2).to(up.device)
+            n_attn, n_mlp = graph.upstream_before_attn(layer), graph.upstream_before_mlp(layer)
+            e[:, :n_attn, cols.start:cols.stop - 1] = torch.einsum("ubx,vbx->buv", up[:n_attn], g[:-1]).cpu()
+            e[:, :n_mlp, cols.stop - 1] = torch.einsum("ubx,bx->bu", up[:n_mlp], g[-1]).cpu()
+        e[:, :, graph.logits_column] = torch.einsum("ubx,bx->bu", up, sums.logits.flatten(1).to(up.device)).cpu()
+        rows.setdefault("edges", []).append(e / n_points)
+
+
 def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", level: str = "node",
               metric: str = "logit_diff", ig_steps: int | None = 5, batch_size: int = 4,
               progress: bool = True, ig_rule: str = DEFAULT_IG_RULE,
-              group_by_length: bool = True, sums: bool = False) -> AttributionScores:
+              group_by_length: bool = True, sums: bool = False, per_example: bool = False) -> AttributionScores:
     """EAP / EAP-IG / clean-corrupted scores of every node (and edge, if level='edge').
 
     data: TaskData with N pairs; scores are means over the N examples, independent of
@@ -284,6 +307,9 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     trapezoid, gauss_legendre); ig_steps is its number of points = passes.
     `sums=True` returns sums over the examples instead of means (scores and metrics), which
     shards of the examples add exactly (`circuitkit.attribution.shards`).
+    `per_example=True` also keeps every example's scores (`AttributionScores.per_example`:
+    head (N, L, H), and edges (N, n_up, n_down) at edge level; examples in batch order), so
+    resampling the examples needs no model pass (`circuitkit.stability`).
     """
     rule = integration_rule(algorithm, ig_steps, ig_rule)
     divisor = 1 if sums else len(data)
@@ -296,6 +322,8 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
            "embed": torch.zeros((), device=device)}
     if edges:
         out["edges"] = torch.zeros(len(graph.upstream), len(graph.downstream), device=device)
+    if per_example:
+        out["per_example"] = {}
     metric_clean = metric_corrupted = 0.0
     planned = data.length_batches(batch_size, group_by_length)
     with Progress(TextColumn(f"{algorithm} {level}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
@@ -327,4 +355,5 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
         info={"algorithm": algorithm, "level": level, "metric": metric,
               "ig_steps": rule.passes if algorithm == "eap-ig" else None,
               "ig_rule": rule.rule if algorithm == "eap-ig" else None, "passes": rule.passes,
-              "batch_size": batch_size})
+              "batch_size": batch_size},
+        per_example={k: torch.cat(v) for k, v in out["per_example"].items()} if per_example else None)

@@ -90,7 +90,8 @@ def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: in
         terms["delta buffer"] = delta
         terms["forward temporaries"] = int(N * p * (FWD_TMP_D * d + FWD_TMP_F * f))
         return MemoryEstimate(terms, phase="exact: no-grad forward with cached runs and Δ")
-    n_points = integration_rule(algorithm, ig_steps, ig_rule).passes
+    # eap-ig-activations: the same passes one after another (m per interpolated group), one group's sums live
+    n_points = integration_rule("eap-ig" if algorithm == "eap-ig-activations" else algorithm, ig_steps, ig_rule).passes
     acts = N * p * (ACT_BASE * d + L * (c_d * d + c_f * f))
     if attn_implementation == "eager":
         acts += EAGER_ATTN_PER_LAYER * L * B * H * seq_len**2 * p
@@ -163,6 +164,12 @@ def advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
 def ig_advice(cfg: AppConfig) -> str | None:
     """The speed/accuracy line for EAP-IG (None for other algorithms or without a measured table)."""
     d = cfg.discovery
+    if d.algorithm == "eap-ig-activations":  # O(m x layers): one interpolation per group of nodes
+        L = shape_for(cfg.model)["n_layers"]
+        m = integration_rule("eap-ig", d.ig_steps, d.ig_rule).passes
+        return (f"eap-ig-activations runs ig_steps x (2 x layers + 1) = {m} x {2 * L + 1} = {m * (2 * L + 1)}"
+                f" forward+backward passes per batch ({2 * L + 1}x EAP-IG-inputs at the same ig_steps); its peak"
+                " is one such pass's")
     return advice_line(d.algorithm, d.level, d.ig_steps, d.ig_rule, cfg.preflight.ig_error_budget)
 
 
