@@ -52,7 +52,7 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
             state["z"] = args[0]
             if adapter.post_attn_norm(layer) is None:
                 live.append(head_writes(adapter, layer, args[0].unflatten(-1, (H, dh)), None))
-        hk.pre(adapter.o_proj(layer), z_hook)
+        hk.pre(adapter.z_input(layer), z_hook)
         if adapter.post_attn_norm(layer) is not None:
             def total_hook(module, args, layer=layer):
                 live.append(head_writes(adapter, layer, state["z"].unflatten(-1, (H, dh)), args[0]))
@@ -65,7 +65,7 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
 
         def mlp_out(module, args, out):
             live.append(first_output(out).float().unsqueeze(0))
-        hk.post(adapter.post_mlp_norm(layer) or adapter.mlp(layer), mlp_out)
+        hk.post(adapter.mlp_write(layer), mlp_out)
 
     def final(module, args, kwargs):
         x = first_input(args, kwargs)
