@@ -255,7 +255,7 @@ def print_tables(report: dict[str, Any], console: Console) -> None:
         table = Table(title=f"gradient indexing, {precision}, {report['n_rows']} rows of {report['lengths']['min']}.."
                             f"{report['lengths']['max']} tokens (mean {report['lengths']['mean']:.0f}),"
                             f" {report.get('model', 'GPT-2-small shape')}, {report.get('n_modules', 12)} MLP output"
-                            " projections, 18 x 18; batch <= {report['batch_size']} rows,"
+                            f" projections, 18 x 18; batch <= {report['batch_size']} rows,"
                             f" <= {report['batch_tokens']} tokens; grads.activations={report.get('activations', 'auto')};"
                             f" medians of {report['rounds']} interleaved rounds")
         for col in ("tool", "examples/s", "Gradian's speed-up (range)", "peak MiB", "padding share", "s (each round)"):
