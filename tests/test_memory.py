@@ -176,3 +176,31 @@ def test_real_width_llama1b_point_within_the_tight_range(dtype):
     for level in ("node", "edge"):
         row = script.measure_model(model, "llama1b[1L]", level, 2, 32, 3)
         assert lo <= row.ratio <= hi, row
+
+
+@pytest.mark.parametrize("algorithm,level", [("eap-ig", "edge"), ("eap-ig", "node"),
+                                             ("eap-ig-activations", "edge"), ("exact", "node")])
+def test_attribution_peak_does_not_grow_with_the_number_of_batches(algorithm, level):
+    """The estimate is one batch's peak: a second batch must not run while the first batch's Δ,
+    cached runs and gradient sums are still alive (they were: +8 % on SmolLM2 at edge level)."""
+    from circuitkit.attribution import run_attribution
+    from circuitkit.config import DiscoveryConfig
+    from circuitkit.device import measure_peak
+    from circuitkit.models.adapters import get_adapter
+    from circuitkit.tasks.base import random_pairs
+
+    script = _load_script()
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(script._tiny("llama"), attn_implementation="sdpa").float().eval()
+    model.requires_grad_(False)
+    adapter = get_adapter(model)
+    cfg = DiscoveryConfig(algorithm=algorithm, level=level, ig_steps=2, batch_size=4)
+    data = random_pairs(12, 24, model.config.vocab_size)
+    peaks = []
+    for n in (4, 12):  # one batch, three batches of the same shape
+        with measure_peak(torch.device("cpu")) as peak:
+            run_attribution(adapter, data[:n], cfg, progress=False)
+        peaks.append(peak.peak_bytes)
+    assert peaks[1] <= 1.02 * peaks[0], peaks

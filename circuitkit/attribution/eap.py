@@ -346,6 +346,7 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
                 _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k, batch, metric, clean_answer,
                               grad_sums)
             _batch_scores(adapter, graph, delta, grad_sums, rule.passes, out)
+            del delta, grad_sums, e_clean, e_corrupted, e_k  # freed before the next batch's runs, not after
             bar.advance(task)
     n = divisor
     return AttributionScores(

@@ -127,6 +127,8 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
                 for u, v in edge_mask.nonzero().tolist():
                     install = _edge_patch(adapter, graph, v, up[u])
                     edges[u, v] += (m_clean - _metric(adapter, batch, metric, clean_answer, install)).sum().cpu()
+                del up
+            del clean, corrupted, install  # freed before the next batch's runs, not after
             bar.advance(task)
     n = 1 if sums else len(data)
     return AttributionScores(head / n, mlp / n, embed / n, graph, None if edges is None else edges / n,
