@@ -15,19 +15,32 @@ import numpy as np
 # What one more batch costs beyond its tokens, in tokens: the per-layer work that does not grow
 # with a batch (kernel launches, hook calls, the per-batch projections and copies). The length
 # planner weighs it against padding: it splits the length-sorted rows where that saves more
-# than this many padded tokens. A constant, so that the plan depends on the lengths alone.
+# than this many padded tokens. A constant per device type, so that the plan depends on the
+# lengths (and where it runs) alone. On an accelerator a token is cheap and a launch is not, so
+# another batch costs many tokens' worth (256, not measured). On a CPU a token of a real model
+# costs milliseconds and another batch almost nothing: fitting per-batch time = a + b x tokens
+# on SmolLM2-135M (float32, one thread, 1-16 rows x 64-256 tokens) gave a within noise of 0
+# (docs/benchmarks.md), so 256 there made the plan compute padding that cost more than the
+# batches it saved (13.4% padding on the 48-row benchmark against 3.1% at 32).
 BATCH_OVERHEAD_TOKENS = 256
+CPU_BATCH_OVERHEAD_TOKENS = 32
+
+
+def batch_overhead_tokens(device: object = None) -> int:
+    """The planner's per-batch cost in tokens for a device (torch.device, or its type as a string)."""
+    kind = getattr(device, "type", device)
+    return CPU_BATCH_OVERHEAD_TOKENS if kind == "cpu" else BATCH_OVERHEAD_TOKENS
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int | None = None,
-                 group_by_length: bool = True) -> list[list[int]]:
+                 group_by_length: bool = True, overhead_tokens: int = BATCH_OVERHEAD_TOKENS) -> list[list[int]]:
     """Indices into `lengths`, grouped into batches; every index appears exactly once.
 
     Both limits hold for every batch: at most `batch_size` rows, and a padded size (rows x its
     longest row) within `batch_tokens` (a row longer than the budget gets a batch of its own).
 
     With `group_by_length`, rows are sorted longest first (ties: lower index first) and cut into
-    consecutive batches that minimise padded tokens + BATCH_OVERHEAD_TOKENS per batch, exactly
+    consecutive batches that minimise padded tokens + `overhead_tokens` per batch, exactly
     (dynamic programming over the sorted rows): a batch closes early where its next rows would
     be mostly padding, and stays whole where padding is cheaper than another batch. The padding
     is never more than filling each batch greedily gives. Without it, batches are consecutive
@@ -39,7 +52,7 @@ def plan_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int | No
     if batch_tokens is not None and batch_tokens < 1:
         raise ValueError(f"batch_tokens={batch_tokens}; it must be >= 1 (or null).")
     if group_by_length:
-        return _plan_by_length(lengths, batch_size, batch_tokens)
+        return _plan_by_length(lengths, batch_size, batch_tokens, overhead_tokens)
     plan: list[list[int]] = []
     current: list[int] = []
     widest = 0
@@ -64,8 +77,9 @@ def rows_within_budget(batch_size: int, batch_tokens: int | None, row_length: in
     return max(1, min(batch_size, batch_tokens // row_length))
 
 
-def _plan_by_length(lengths: Sequence[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
-    """The length-sorted rows cut at the least padded tokens + BATCH_OVERHEAD_TOKENS per batch.
+def _plan_by_length(lengths: Sequence[int], batch_size: int, batch_tokens: int | None,
+                    overhead_tokens: int) -> list[list[int]]:
+    """The length-sorted rows cut at the least padded tokens + `overhead_tokens` per batch.
 
     Sorted longest first, a batch starting at sorted row i is padded to row i's length, so a
     batch of rows i..j-1 costs (j - i) * s[i] + overhead. best[i], the least cost of rows i.., is
@@ -83,7 +97,7 @@ def _plan_by_length(lengths: Sequence[int], batch_size: int, batch_tokens: int |
     for i in range(n - 1, -1, -1):
         rows = rows_within_budget(min(batch_size, n - i), batch_tokens, int(s[i]))
         sizes = np.arange(1, rows + 1)
-        costs = sizes * s[i] + BATCH_OVERHEAD_TOKENS + best[i + 1:i + rows + 1]
+        costs = sizes * s[i] + overhead_tokens + best[i + 1:i + rows + 1]
         k = rows - int(np.argmin(costs[::-1]))  # the largest size among the cheapest
         best[i], cut[i] = costs[k - 1], i + k
     plan, i = [], 0

@@ -28,7 +28,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from circuitkit.batching import plan_batches, rows_within_budget
+from circuitkit.batching import batch_overhead_tokens, plan_batches, rows_within_budget
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
@@ -329,6 +329,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     lengths = corpus.lengths
     longest = int(lengths.max())
     budget = grads.batch_tokens
+    overhead = batch_overhead_tokens(loaded.device)
     # The largest batch the plan can form: the token budget bounds rows x longest row.
     worst_rows = min(rows_within_budget(grads.batch_size, budget, longest), corpus.n_rows)
     estimate = estimate_grads(
@@ -351,7 +352,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             row_lengths = [len(r.input_ids) for r in rows]
             grads_out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
-            for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length):
+            for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length, overhead):
                 chunk = [rows[i] for i in plan]
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
                 grads_out[plan] = per_example_gradients(model, adapter, modules, projector, batch,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from circuitkit.batching import plan_batches
+from circuitkit.batching import batch_overhead_tokens, plan_batches
 from circuitkit.circuit_file import circuit_sha256
 from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
@@ -298,7 +298,7 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     lengths = [len(r.input_ids) for r in rows]
     out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
     budget = batch_size * max(lengths)
-    for plan in plan_batches(lengths, batch_size, budget):
+    for plan in plan_batches(lengths, batch_size, budget, overhead_tokens=batch_overhead_tokens(loaded.device)):
         batch = {key: t.to(loaded.device) for key, t in collate([rows[i] for i in plan], pad_id).items()}
         out[plan] = per_example_gradients(model, loaded.adapter, modules, projector, batch,
                                           manifest.get("loss_reduction", "sum"),

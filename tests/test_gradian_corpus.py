@@ -111,6 +111,23 @@ def test_plan_splits_where_padding_costs_more_than_a_batch():
         assert cost <= padded_tokens(lengths, greedy) + BATCH_OVERHEAD_TOKENS * len(greedy)
 
 
+def test_cpu_plan_weighs_a_batch_as_a_few_tokens():
+    """On a CPU another batch costs about nothing against a token (measured on SmolLM2), so the
+    plan cuts more batches and computes less padding; the plan still minimises its own cost."""
+    import torch
+
+    from circuitkit.batching import batch_overhead_tokens, padded_tokens
+
+    assert batch_overhead_tokens(torch.device("cpu")) == batch_overhead_tokens("cpu") < batch_overhead_tokens("cuda")
+    rng = random.Random(5)
+    lengths = [min(497, max(29, int(rng.lognormvariate(4.7, 0.7)))) for _ in range(48)]
+    cpu, accel = (plan_batches(lengths, 16, 2048, overhead_tokens=batch_overhead_tokens(k)) for k in ("cpu", "cuda"))
+    assert padded_tokens(lengths, cpu) < padded_tokens(lengths, accel) and len(cpu) > len(accel)
+    over = batch_overhead_tokens("cpu")
+    for other in (accel, _greedy(lengths, 16, 2048)):
+        assert padded_tokens(lengths, cpu) + over * len(cpu) <= padded_tokens(lengths, other) + over * len(other)
+
+
 def test_grouping_cuts_padding():
     from circuitkit.batching import padded_tokens
 

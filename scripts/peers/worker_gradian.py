@@ -47,7 +47,7 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
     import torch
     import torch.nn.functional as F
 
-    from circuitkit.batching import padded_tokens, plan_batches
+    from circuitkit.batching import batch_overhead_tokens, padded_tokens, plan_batches
     from circuitkit.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.capture import ACTIVATION_CONTEXTS, activation_mode, supervised_positions
@@ -60,7 +60,8 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
 
     lengths = [len(r.input_ids) for r in rows]
     # The same batches as the index: Gradian's plan for the spec's batching.
-    plan = plan_batches(lengths, spec["batch_size"], spec.get("batch_tokens"), spec.get("group_by_length", True))
+    plan = plan_batches(lengths, spec["batch_size"], spec.get("batch_tokens"), spec.get("group_by_length", True),
+                        batch_overhead_tokens(loaded.device))
     by_length: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         by_length.setdefault(n, []).append(i)
