@@ -300,8 +300,9 @@ HF_NAMES = ("c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", 
             "wte", "q_norm", "k_norm", "language_model", "final_logit_softcapping", "use_parallel_residual",
             "num_experts", "moe_intermediate_size", "n_embd", "n_inner")
 FAMILY_DIR = REPO / "circuitkit" / "models" / "families"
-# The fixtures build Hugging Face models of named classes, weight by weight for the induction model.
-HF_NAMES_ALLOWED = (FAMILY_DIR, REPO / "circuitkit" / "fixtures")
+# The fixtures build Hugging Face models of named classes, weight by weight for the induction model;
+# `gradian doctor`'s batch-invariance self-test builds a one-block GPT-2 of its own the same way.
+HF_NAMES_ALLOWED = (FAMILY_DIR, REPO / "circuitkit" / "fixtures", REPO / "gradian" / "doctor.py")
 _HF_NAME = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(HF_NAMES) + r")(?![A-Za-z0-9_])")
 
 
@@ -326,6 +327,8 @@ def hf_names_in_code(source: str) -> list[str]:
             text = node.attr
         elif isinstance(node, ast.Name):
             text = node.id
+        elif isinstance(node, ast.keyword) and node.arg:  # GPT2Config(n_embd=...)
+            text = node.arg
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
             text = node.value
         else:
@@ -349,5 +352,6 @@ def test_hf_module_names_live_only_in_the_family_files():
 def test_the_name_checker_sees_names_in_code_not_in_prose():
     src = ('"""Docstring naming c_proj is prose."""\n'
            'def f(block):\n    """o_proj in a docstring too."""\n'
-           '    x = block.attn.c_proj  # comment: down_proj\n    return ["mlp.down_proj", "upper_proj"]\n')
-    assert hf_names_in_code(src) == ["c_proj (line 4)", "down_proj (line 5)"]
+           '    x = block.attn.c_proj  # comment: down_proj\n    return ["mlp.down_proj", "upper_proj"]\n'
+           'cfg = Config(n_embd=8, width=8)\n')
+    assert sorted(hf_names_in_code(src)) == ["c_proj (line 4)", "down_proj (line 5)", "n_embd (line 6)"]
