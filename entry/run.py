@@ -67,7 +67,8 @@ def _run_job(cfg: DictConfig) -> None:
     typed = validate(cfg)
     overrides = OmegaConf.to_container(hc.overrides.task)
     # The console is made here, not at import: launchers (joblib, submitit) pickle this
-    # function with the module's globals when it runs as __main__, and a console holds a lock.
+    # function with the module's globals when it runs as __main__ (`python -m entry.run`), and a
+    # console holds a lock.
     run_pipeline(typed, Path(hc.runtime.output_dir), make_console(), overrides,
                  checked=hc.mode != RunMode.MULTIRUN)
 
