@@ -218,8 +218,8 @@ def check_writable(path: Path, what: str, directory: bool = False) -> None:
         with tempfile.TemporaryFile(dir=ancestor):
             pass
     except OSError as err:
-        raise UserError(f"{what}={str(path)!r}: cannot write into {ancestor} ({err.strerror}; permission denied or"
-                        " read-only); choose a directory you can write to.", 2) from None
+        raise UserError(f"{what}={str(path)!r}: cannot write into {ancestor}, which is not writable ({err.strerror});"
+                        " choose a directory you can write to.", 2) from None
 
 
 def first_non_utf8_line(path: Path) -> int | None:
