@@ -58,8 +58,7 @@ def plan_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int | No
     widest = 0
     for i in range(len(lengths)):
         width = max(widest, lengths[i])
-        if current and (len(current) >= batch_size
-                        or (batch_tokens is not None and (len(current) + 1) * width > batch_tokens)):
+        if current and len(current) + 1 > rows_within_budget(batch_size, batch_tokens, width):
             plan.append(current)
             current, width = [], lengths[i]
         current.append(i)

@@ -104,6 +104,10 @@ class DataParams:
                            " does not add one (as TransformerLens and the EAP-IG reference do)")
 
 
+# The attribution methods that integrate along a path: they read discovery.ig_steps and ig_rule.
+IG_ALGORITHMS = ("eap-ig", "eap-ig-activations")
+
+
 @dataclass
 class DiscoveryConfig:
     algorithm: str = _f("eap-ig", "attribution method (eap-ig = EAP-IG-inputs; eap-ig-activations: IG along each layer's"
@@ -438,7 +442,7 @@ def _check_cross_fields(cfg: AppConfig) -> None:
         raise ConfigError(f"Config key 'discovery.num_shards' = {d.num_shards} exceeds"
                           f" discovery.data_params.num_examples = {d.data_params.num_examples}: every shard needs"
                           " at least one example; use fewer shards.")
-    if d.algorithm in ("eap-ig", "eap-ig-activations") and d.ig_rule == "trapezoid" and d.ig_steps == 1:
+    if d.algorithm in IG_ALGORITHMS and d.ig_rule == "trapezoid" and d.ig_steps == 1:
         raise ConfigError("Config key 'discovery.ig_steps' = 1 is too few for discovery.ig_rule=trapezoid (its"
                           " points include both ends, α = 0 and α = 1): set ig_steps >= 2, or ig_rule=right for EAP.")
 

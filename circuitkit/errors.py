@@ -119,8 +119,3 @@ def quiet_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError, AttributeError):  # no real stdout (captured in tests): nothing to flush
         pass
-
-
-def exit_with(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """`sys.exit(run_entry(fn, ...))`: for `if __name__ == "__main__"` blocks and console scripts."""
-    sys.exit(run_entry(fn, *args, **kwargs))

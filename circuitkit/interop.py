@@ -56,7 +56,6 @@ from circuitkit.memory import shape_for
 
 FORMATS = ("eap-ig-json",)
 _EDGE = re.compile(r"^(?P<parent>input|a\d+\.h\d+|m\d+)->(?P<child>a\d+\.h\d+|m\d+|logits)(?:<(?P<letter>[qkv])>)?$")
-_HEAD = re.compile(r"^a(?P<layer>\d+)\.h(?P<head>\d+)$")
 
 
 class InteropError(ValueError):

@@ -205,7 +205,7 @@ def check_writable(path: Path, what: str, directory: bool = False) -> None:
     path = Path(path).expanduser()
     if path.exists():
         if directory and not path.is_dir():
-            raise UserError(f"{what}={str(path)!r} is a file, but a directory is needed: choose a directory path.", 2)
+            raise UserError(f"{what}={str(path)!r}: {path} is a file, not a directory; choose a directory path.", 2)
         if not directory and path.is_dir():
             raise UserError(f"{what}={str(path)!r} is a directory, but a file is written there: give a file path"
                             f" such as {str(path / 'circuit.pt')!r}.", 2)
@@ -213,13 +213,13 @@ def check_writable(path: Path, what: str, directory: bool = False) -> None:
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise UserError(f"{what}={str(path)!r} cannot be created: {ancestor} is a file, not a directory.", 2)
+        raise UserError(f"{what}={str(path)!r}: {ancestor} is a file, not a directory; choose another place.", 2)
     try:
         with tempfile.TemporaryFile(dir=ancestor):
             pass
     except OSError as err:
-        raise UserError(f"{what}={str(path)!r} cannot be written: {ancestor} is not writable"
-                        f" ({err.strerror}); choose a directory you can write to.", 2) from None
+        raise UserError(f"{what}={str(path)!r}: cannot write into {ancestor}, which is not writable ({err.strerror});"
+                        " choose a directory you can write to.", 2) from None
 
 
 def first_non_utf8_line(path: Path) -> int | None:

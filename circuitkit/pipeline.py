@@ -14,7 +14,7 @@ that read configs only (never weights) and catch what would otherwise fail after
 work, such as a length beyond the model's context or an unwritable output path.
 
 The pipeline knows no stage by name: each domain defines its stages, and the entry layer
-(`circuitkit.stage_list`) assembles the one `Pipeline` of them with the model loader.
+(`entry.stage_list`) assembles the one `Pipeline` of them with the model loader.
 """
 
 from __future__ import annotations
@@ -132,10 +132,6 @@ class RunContext:
         if self._record is None:
             raise PipelineError("record() is only available while a pipeline stage runs.")
         self._record(values)
-
-    @property
-    def model_loaded(self) -> bool:
-        return self._loaded is not None
 
     def model(self):
         """The LoadedModel for `cfg.model`, loaded on first use."""

@@ -20,7 +20,7 @@ from circuitkit.attribution.eap import graph_of
 from circuitkit.attribution.memory import ATTRIBUTION_MEMORY, attribution_estimate
 from circuitkit.circuit import Circuit, load_circuit, run_circuit_path, save_circuit
 from circuitkit.circuit_graph import write_circuit_graph
-from circuitkit.config import AppConfig, ConfigError, to_dict
+from circuitkit.config import IG_ALGORITHMS, AppConfig, ConfigError, to_dict
 from circuitkit.errors import UserError
 from circuitkit.io import check_writable
 from circuitkit.models.loading import check_model, context_length, model_context, model_inputs
@@ -136,7 +136,7 @@ def _attribution(ctx: RunContext) -> StageResult:
         scores = run_attribution(loaded.adapter, data, d)
     ctx.state["scores"] = scores
     path = save_scores(ctx.run_dir / SCORES_FILE, scores, meta)
-    steps = "" if d.algorithm not in ("eap-ig", "eap-ig-activations") else f", ig_steps={scores.info['ig_steps']}, ig_rule={scores.info['ig_rule']}"
+    steps = "" if d.algorithm not in IG_ALGORITHMS else f", ig_steps={scores.info['ig_steps']}, ig_rule={scores.info['ig_rule']}"
     plot = head_heatmap(scores.head, ctx.run_dir / HEATMAP_FILE,
                         f"{d.algorithm} head scores ({d.task}, {d.metric}{steps})")
     best = top_heads(scores.head, k=min(5, scores.head.numel()))
@@ -151,7 +151,7 @@ def _attribution(ctx: RunContext) -> StageResult:
                "metric_clean": scores.metric_clean, "metric_corrupted": scores.metric_corrupted,
                "embed_score": float(scores.embed), "top_head": f"L{best[0][0]}H{best[0][1]}",
                "top_head_score": best[0][2], **shard_summary}
-    if d.algorithm in ("eap-ig", "eap-ig-activations"):
+    if d.algorithm in IG_ALGORITHMS:
         summary.update(ig_steps=scores.info["ig_steps"], ig_rule=scores.info["ig_rule"])
     if "passes" in scores.info:
         summary["passes_per_batch"] = scores.info["passes"]

@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from circuitkit.batching import batch_overhead_tokens, plan_batches, rows_within
 from circuitkit.config import GradsConfig, ModelConfig
 from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.errors import UserError
-from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
+from circuitkit.io import atomic_save_safetensors, atomic_write_json, check_writable, file_lock, sha256_file
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.capture import activation_mode, activation_numerics, per_example_gradients
@@ -105,25 +104,6 @@ def _check_readable(path: Path, what: str) -> None:
                         exit_code=2)
 
 
-def check_writable_dir(path: Path, what: str) -> None:
-    """`path` is, or can be created as, a directory this process can write into (UserError if not)."""
-    path = Path(path)
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise UserError(f"{what}={str(path)!r}: {probe} is a file, not a directory; choose another place.",
-                        exit_code=2)
-    try:  # a file created there, not os.access: permission bits say nothing for root or on read-only mounts
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as err:
-        raise UserError(f"{what}={str(path)!r}: cannot write into {probe} ({err.strerror}; permission denied or"
-                        " read-only); choose a directory you can write to.", exit_code=2) from None
-
-
 def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks: int = 1) -> int:
     """A shard's float32 rows stay in host memory until the shard is written: refuse a shard that
     cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
@@ -169,7 +149,7 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
         check_data_source(grads, grads.data_path)
     target = index_dir if index_dir is not None else grads.index_dir
     if target is not None:
-        check_writable_dir(Path(target), "grads.index_dir")
+        check_writable(Path(target), "grads.index_dir", directory=True)
     context = model_context(model_cfg)
     tokens, limit = length_limit(grads.max_seq_length, context)
     if tokens < grads.max_seq_length:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,13 +31,13 @@ from circuitkit.batching import batch_overhead_tokens, plan_batches
 from circuitkit.circuit_file import circuit_sha256
 from circuitkit.config import ModelConfig
 from circuitkit.errors import UserError
-from circuitkit.io import atomic_write_bytes
+from circuitkit.io import atomic_write_bytes, check_writable
 from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
 from gradian.curvature import KroneckerCurvature, has_kfac
 from gradian.data import _preview, collate, load_rows, policy_of
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
-from gradian.indexer import check_input_file, check_writable_dir, tokenizer_hash
+from gradian.indexer import check_input_file, tokenizer_hash
 from gradian.precondition import DAMPING, Preconditioner
 from gradian.projection import Projector, projection_fingerprint
 from gradian.restrict import site_shapes, sites_from_names
@@ -161,10 +160,6 @@ def _preconditioner(reader: IndexReader, damping: float | None):
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def _module_shapes_from_manifest(projection: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    return {name: tuple(entry["shape"]) for name, entry in projection.get("modules", {}).items()}
 
 
 def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
@@ -315,9 +310,7 @@ def check_output_file(path: Path, what: str) -> None:
     if path.is_dir():
         raise UserError(f"{what} {str(path)!r} is a directory; give a file name (e.g. {path / 'ranked.jsonl'}).",
                         exit_code=2)
-    check_writable_dir(path.parent, what)
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UserError(f"{what} {str(path)!r} exists and is not writable; choose another file.", exit_code=2)
+    check_writable(path, what)  # written atomically (a new file renamed over it): the directory decides
 
 
 def _positions(index_dir: Path, manifest: dict[str, Any], row_ids: set[int]) -> dict[int, int]:

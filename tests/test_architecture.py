@@ -1,4 +1,4 @@
-"""The import graph of `circuitkit/` and `gradian/` forms the stack of docs/architecture.md.
+"""The import graph of `circuitkit/`, `gradian/` and `entry/` forms the stack of docs/architecture.md.
 
 Parsed with `ast` (nothing is imported), every import counts, at module top or inside a
 function: a function-level import is still a dependency, only a later one. Layers, bottom up:
@@ -7,10 +7,15 @@ function: a function-level import is still a dependency, only a later one. Layer
     models   loading, adapters, hooks, fixtures, model shapes; HF module names only in models/families/
     circuit  circuit discovery and pruning: tasks, attribution, pruning, circuit.pt, its stages
     gradian  gradient indexing and ranking, its stage and memory estimate
-    entry    run.py, cli.py, api.py, smart.py, gradian/cli.py and the list of stages
+    entry    the list of stages, run.py, cli.py, api.py, smart.py, merge.py (entry/), gradian/cli.py
 
 Rules: no cycles; imports point down only (the two domains are one level, and may not import
 each other; circuit.pt's format, `circuitkit.circuit_file`, sits in the core, below both).
+The top-level folders stack the same way, bottom up: circuitkit/ (core, models, circuit),
+gradian/ (builds on circuitkit's core and models), entry/ (knows both). A module imports only
+from its own folder and the folders below; the one exception is the names users type
+(`python -m circuitkit.run`, `python -m circuitkit.cli`, `circuitkit.discover_circuit`), shims
+in circuitkit/ that hand over to entry/ and hold nothing else.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("circuitkit", "gradian")
+PACKAGES = ("circuitkit", "gradian", "entry")
 
 CORE, MODELS, CIRCUIT, GRADIAN, ENTRY = "core", "models", "circuit", "gradian", "entry"
 RANK = {CORE: 0, MODELS: 1, CIRCUIT: 2, GRADIAN: 2, ENTRY: 3}
@@ -115,15 +120,19 @@ LAYERS: dict[str, str] = {
     "gradian.precondition": GRADIAN,
     "gradian.curvature": GRADIAN,
     "gradian.tokens": GRADIAN,
-    # entry points
-    "circuitkit": ENTRY,
-    "circuitkit.api": ENTRY,
-    "circuitkit.cli": ENTRY,
-    "circuitkit.run": ENTRY,
-    "circuitkit.smart": ENTRY,
-    "circuitkit.merge": ENTRY,  # `circuitkit merge RUN_DIRS`: merge attribution shards, then prune
+    # entry points: entry/ (above both domains) and gradian's own command
+    "entry": ENTRY,
+    "entry.stage_list": ENTRY,  # the one list of stages: circuit discovery's and gradian's
+    "entry.run": ENTRY,
+    "entry.cli": ENTRY,
+    "entry.api": ENTRY,
+    "entry.smart": ENTRY,
+    "entry.merge": ENTRY,  # `circuitkit merge RUN_DIRS`: merge attribution shards, then prune
     "gradian.cli": ENTRY,
-    "circuitkit.stage_list": ENTRY,
+    # the names users type, kept in circuitkit/ as shims that hand over to entry/ (SHIMS below)
+    "circuitkit": ENTRY,
+    "circuitkit.run": ENTRY,
+    "circuitkit.cli": ENTRY,
 }
 
 # What gradian may import of circuit discovery: nothing (circuit.pt's reader is in the core).
@@ -229,6 +238,59 @@ def test_the_checker_sees_a_circle_and_a_climb():
                                  ("circuitkit.errors", "circuitkit.io")}
 
 
+# The top-level folders, bottom up: a module imports from its own folder and the ones below.
+FOLDERS = ("circuitkit", "gradian", "entry")
+# The names users type (`python -m circuitkit.run`, `python -m circuitkit.cli`,
+# `from circuitkit import discover_circuit`) stay in circuitkit/ as shims: each imports the one
+# entry module it hands over to, and nothing else of the project.
+SHIMS = {"circuitkit.run": "entry.run", "circuitkit.cli": "entry.cli", "circuitkit": "entry.api"}
+
+
+def folder_violations(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Imports from a folder above the importer's (a shim's import of its entry module aside)."""
+    level = {folder: i for i, folder in enumerate(FOLDERS)}
+    bad = set()
+    for src, targets in edges.items():
+        for dst in targets:
+            if SHIMS.get(src) == dst:
+                continue
+            if level[dst.split(".")[0]] > level[src.split(".")[0]]:
+                bad.add((src, dst))
+    return bad
+
+
+def test_the_top_level_folders_stack():
+    edges = import_graph()
+    assert sorted(folder_violations(edges)) == [], "import(s) from a folder above (circuitkit < gradian < entry)"
+    # Below the entry layer, nothing in circuitkit/ knows gradian or the entry package.
+    lower = {name: targets for name, targets in edges.items()
+             if name.split(".")[0] == "circuitkit" and RANK[LAYERS[name]] < RANK[ENTRY]}
+    assert lower and all(not any(t.split(".")[0] in ("gradian", "entry") for t in targets)
+                         for targets in lower.values())
+
+
+def test_the_shims_only_hand_over_to_the_entry_package():
+    edges = import_graph()
+    mods = _modules()
+    for shim, target in SHIMS.items():
+        assert edges[shim] == {target}, f"{shim} imports {sorted(edges[shim])}; a shim imports only {target}"
+        tree = ast.parse(mods[shim].read_text())
+        defs = [node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)]
+        # circuitkit/__init__.py keeps discover_circuit, which calls entry.api's; the others define nothing.
+        assert defs == (["discover_circuit"] if shim == "circuitkit" else []), f"{shim} defines {defs}"
+    # Only the shims (and the entry layer's own modules) sit in the entry layer inside circuitkit/.
+    in_circuitkit = {name for name, layer in LAYERS.items() if layer == ENTRY and name.split(".")[0] == "circuitkit"}
+    assert in_circuitkit == set(SHIMS)
+
+
+def test_the_folder_checker_sees_a_stage_list_below_gradian():
+    # What issue 29 removed: circuitkit's list of stages importing gradian's stage.
+    edges = {"circuitkit.stage_list": {"gradian.stage", "circuitkit.pipeline"}, "gradian.stage": {"circuitkit.pipeline"},
+             "circuitkit.pipeline": set(), "gradian.cli": {"entry.run"}, "entry.run": {"gradian.stage"},
+             "circuitkit.run": {"entry.run"}}
+    assert folder_violations(edges) == {("circuitkit.stage_list", "gradian.stage"), ("gradian.cli", "entry.run")}
+
+
 # Hugging Face module and config names that only the family modules may write
 # (circuitkit/models/families/): each family's facts live in its one file.
 HF_NAMES = ("c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", "query_key_value",
@@ -238,8 +300,9 @@ HF_NAMES = ("c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", 
             "wte", "q_norm", "k_norm", "language_model", "final_logit_softcapping", "use_parallel_residual",
             "num_experts", "moe_intermediate_size", "n_embd", "n_inner")
 FAMILY_DIR = REPO / "circuitkit" / "models" / "families"
-# The fixtures build Hugging Face models of named classes, weight by weight for the induction model.
-HF_NAMES_ALLOWED = (FAMILY_DIR, REPO / "circuitkit" / "fixtures")
+# The fixtures build Hugging Face models of named classes, weight by weight for the induction model;
+# `gradian doctor`'s batch-invariance self-test builds a one-block GPT-2 of its own the same way.
+HF_NAMES_ALLOWED = (FAMILY_DIR, REPO / "circuitkit" / "fixtures", REPO / "gradian" / "doctor.py")
 _HF_NAME = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(HF_NAMES) + r")(?![A-Za-z0-9_])")
 
 
@@ -264,6 +327,8 @@ def hf_names_in_code(source: str) -> list[str]:
             text = node.attr
         elif isinstance(node, ast.Name):
             text = node.id
+        elif isinstance(node, ast.keyword) and node.arg:  # GPT2Config(n_embd=...)
+            text = node.arg
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
             text = node.value
         else:
@@ -287,5 +352,6 @@ def test_hf_module_names_live_only_in_the_family_files():
 def test_the_name_checker_sees_names_in_code_not_in_prose():
     src = ('"""Docstring naming c_proj is prose."""\n'
            'def f(block):\n    """o_proj in a docstring too."""\n'
-           '    x = block.attn.c_proj  # comment: down_proj\n    return ["mlp.down_proj", "upper_proj"]\n')
-    assert hf_names_in_code(src) == ["c_proj (line 4)", "down_proj (line 5)"]
+           '    x = block.attn.c_proj  # comment: down_proj\n    return ["mlp.down_proj", "upper_proj"]\n'
+           'cfg = Config(n_embd=8, width=8)\n')
+    assert sorted(hf_names_in_code(src)) == ["c_proj (line 4)", "down_proj (line 5)", "n_embd (line 6)"]

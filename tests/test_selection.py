@@ -139,7 +139,7 @@ def test_edge_evaluator_matches_the_direct_sum_over_removed_edges(name):
 def test_pipeline_writes_stability_and_selection(tmp_path):
     from circuitkit.circuit import load_circuit, show_circuit
     from circuitkit.config import compose
-    from circuitkit.stage_list import run_pipeline
+    from entry.stage_list import run_pipeline
 
     _, cfg = compose(["model=induction", "stages=[data,attribution,pruning]", "pruning.selection=bootstrap",
                       "pruning.bootstrap_resamples=20", "pruning.graph=false", "pruning.ablation=corrupted",
@@ -162,8 +162,8 @@ def test_mib_export_and_check(tmp_path):
     import json
 
     from circuitkit.attribution import save_scores
-    from circuitkit.cli import main
     from circuitkit.mib import MIB_SHARES, check_mib, share_name
+    from entry.cli import main
 
     lm, data = loaded("tiny-llama"), pairs("tiny-llama")
     s = attribute(lm.adapter, data, "eap-ig", "edge", ig_steps=2, batch_size=3, progress=False)
@@ -198,10 +198,11 @@ def test_mib_export_and_check(tmp_path):
 @pytest.mark.parametrize("rule", ["right", "midpoint", "trapezoid", "gauss_legendre"])
 def test_eap_ig_activations_matches_its_definition(rule):
     """s(u) = Δ_u · Σ_k w_k ∂m/∂a_u with only u's group interpolated, computed here by named hooks."""
+    from named_hooks import hooks, run_with_cache
+
     from circuitkit.attribution.eap_activations import attribute_activations, passes_per_batch
     from circuitkit.attribution.metrics import compute_metric
     from circuitkit.attribution.quadrature import integration_rule
-    from circuitkit.models.hooks import hooks, run_with_cache
 
     lm, data = loaded("tiny-llama"), pairs("tiny-llama", 4)
     a = lm.adapter

@@ -201,10 +201,10 @@ class _GradientSums:
 
 
 def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: TaskData, metric: str,
-                  clean_answer: torch.Tensor, sums: _GradientSums) -> None:
-    """One forward+backward at input embedding e_k, adding the needed gradients to `sums`."""
+                  clean_answer: torch.Tensor, grad_sums: _GradientSums) -> None:
+    """One forward+backward at input embedding e_k, adding the needed gradients to `grad_sums`."""
     L = adapter.n_layers
-    edges = sums.edges
+    edges = grad_sums.edges
     # Edge level: each layer's norm inputs and the gradients of its Q/K/V and MLP-input paths.
     saved: dict = {"x_attn": {}, "x_mlp": {}, "qkv": {layer: {} for layer in range(L)}, "g_mlp_in": {}}
     e_k = e_k.detach().requires_grad_(True)
@@ -212,12 +212,12 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
         hk.pre(adapter.blocks[0], lambda m, args, kwargs: replace_first(args, kwargs, e_k), with_kwargs=True)
         for layer in range(L):
             def z_hook(module, args, layer=layer):
-                args[0].register_hook(lambda g: sums.add("z", g, layer))
+                args[0].register_hook(lambda g: grad_sums.add("z", g, layer))
             hk.pre(adapter.z_input(layer), z_hook)
 
             def mlp_hook(module, args, out, layer=layer):
                 t = first_output(out)
-                t.register_hook(lambda g: sums.add("mlp", g, layer))
+                t.register_hook(lambda g: grad_sums.add("mlp", g, layer))
             hk.post(adapter.mlp_write(layer), mlp_hook)
             if not edges:
                 continue
@@ -236,60 +236,61 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
             hk.post(adapter.mlp_norm(layer), mlp_norm_hook)
         if edges:
             def final_hook(module, args, kwargs):
-                first_input(args, kwargs).register_hook(lambda g: sums.add("logits", g))
+                first_input(args, kwargs).register_hook(lambda g: grad_sums.add("logits", g))
             hk.pre(adapter.final_norm, final_hook, with_kwargs=True)
         logits = answer_forward(adapter.model, ids, mask, batch.answer_pos)
         values = compute_metric(metric, logits, batch, clean_answer)
         (grad_embed,) = torch.autograd.grad(values.sum(), e_k)
-    sums.add("embed", grad_embed)
+    grad_sums.add("embed", grad_embed)
     if edges:
         for layer in range(L):
-            sums.add_layer_inputs(layer, saved["x_attn"][layer], saved["qkv"][layer],
+            grad_sums.add_layer_inputs(layer, saved["x_attn"][layer], saved["qkv"][layer],
                                   saved["x_mlp"][layer], saved["g_mlp_in"][layer])
 
 
-def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, sums: _GradientSums, n_points: int,
+def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, grad_sums: _GradientSums, n_points: int,
                   out: dict) -> None:
-    """Contract Δ with the weighted gradient sums / n_points and add this batch's per-example sums to `out`."""
+    """Contract Δ with the weighted gradient sums / n_points; add this batch's scores (summed over
+    its examples) to `out`."""
     H = adapter.n_heads
     # Under model.device_map each layer's Δ and gradient sums live on that layer's device; the
     # contraction happens there and only the small results move (no-ops on one device).
     dev = out["head"].device
     for layer in range(adapter.n_layers):
-        gz = sums.z[layer].unflatten(-1, (H, adapter.head_dim))
+        gz = grad_sums.z[layer].unflatten(-1, (H, adapter.head_dim))
         out["head"][layer] += (torch.einsum("bthe,bthe->h", delta.z[layer], gz) / n_points).to(dev)
-        out["mlp"][layer] += ((delta.mlp[layer] * sums.mlp[layer]).sum() / n_points).to(dev)
-    out["embed"] += ((delta.embed * sums.embed).sum() / n_points).to(dev)
+        out["mlp"][layer] += ((delta.mlp[layer] * grad_sums.mlp[layer]).sum() / n_points).to(dev)
+    out["embed"] += ((delta.embed * grad_sums.embed).sum() / n_points).to(dev)
     if "per_example" in out:  # circuitkit.stability: per-example scores, resampled without a model pass
-        _per_example_scores(adapter, graph, delta, sums, n_points, out["per_example"])
-    if sums.edges:
+        _per_example_scores(adapter, graph, delta, grad_sums, n_points, out["per_example"])
+    if grad_sums.edges:
         up = delta.up.flatten(1)  # (n_upstream, B*T*d_model), on the first layer's device
         for layer in range(adapter.n_layers):
             cols = graph.layer_columns(layer)
-            g = sums.inputs[layer].flatten(1).to(up.device)  # (per_layer_inputs, B*T*d_model)
+            g = grad_sums.inputs[layer].flatten(1).to(up.device)  # (per_layer_inputs, B*T*d_model)
             n_attn, n_mlp = graph.upstream_before_attn(layer), graph.upstream_before_mlp(layer)
             out["edges"][:n_attn, cols.start:cols.stop - 1] += up[:n_attn] @ g[:-1].T / n_points
             out["edges"][:n_mlp, cols.stop - 1] += up[:n_mlp] @ g[-1] / n_points
-        out["edges"][:, graph.logits_column] += up @ sums.logits.flatten().to(up.device) / n_points
+        out["edges"][:, graph.logits_column] += up @ grad_sums.logits.flatten().to(up.device) / n_points
 
 
-def _per_example_scores(adapter: ModelAdapter, graph: Graph, delta: Deltas, sums: _GradientSums, n_points: int,
+def _per_example_scores(adapter: ModelAdapter, graph: Graph, delta: Deltas, grad_sums: _GradientSums, n_points: int,
                         rows: dict) -> None:
     """Append this batch's per-example scores: head (B, L, H) and, at edge level, edges (B, n_up, n_down)."""
     H = adapter.n_heads
     rows.setdefault("head", []).append(torch.stack([
-        torch.einsum("bthe,bthe->bh", delta.z[i], sums.z[i].unflatten(-1, (H, adapter.head_dim))).cpu()
+        torch.einsum("bthe,bthe->bh", delta.z[i], grad_sums.z[i].unflatten(-1, (H, adapter.head_dim))).cpu()
         for i in range(adapter.n_layers)], 1) / n_points)
-    if sums.edges:
+    if grad_sums.edges:
         up = delta.up.flatten(2)  # (n_upstream, B, T*d_model)
         e = torch.zeros(up.shape[1], len(graph.upstream), len(graph.downstream))
         for layer in range(adapter.n_layers):
             cols = graph.layer_columns(layer)
-            g = sums.inputs[layer].flatten(2).to(up.device)
+            g = grad_sums.inputs[layer].flatten(2).to(up.device)
             n_attn, n_mlp = graph.upstream_before_attn(layer), graph.upstream_before_mlp(layer)
             e[:, :n_attn, cols.start:cols.stop - 1] = torch.einsum("ubx,vbx->buv", up[:n_attn], g[:-1]).cpu()
             e[:, :n_mlp, cols.stop - 1] = torch.einsum("ubx,bx->bu", up[:n_mlp], g[-1]).cpu()
-        e[:, :, graph.logits_column] = torch.einsum("ubx,bx->bu", up, sums.logits.flatten(1).to(up.device)).cpu()
+        e[:, :, graph.logits_column] = torch.einsum("ubx,bx->bu", up, grad_sums.logits.flatten(1).to(up.device)).cpu()
         rows.setdefault("edges", []).append(e / n_points)
 
 

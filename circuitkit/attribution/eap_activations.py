@@ -77,21 +77,21 @@ def _rows(graph, kind: str, layer: int | None) -> list[int]:
     return [graph.mlp_index(layer)]
 
 
-def _contract(adapter, graph, kind, layer, delta, sums, n_points, out, per_example) -> None:
+def _contract(adapter, graph, kind, layer, delta, grad_sums, n_points, out, per_example) -> None:
     """Add group (kind, layer)'s scores (its nodes; at edge level its rows) to `out`."""
     H, dh = adapter.n_heads, adapter.head_dim
     dev = out["head"].device
     if kind == "input":
-        contrib = (delta.embed * sums.embed).flatten(1).sum(1) / n_points  # (B,)
+        contrib = (delta.embed * grad_sums.embed).flatten(1).sum(1) / n_points  # (B,)
         out["embed"] += contrib.sum().to(dev)
     elif kind == "attn":
-        contrib = torch.einsum("bthe,bthe->bh", delta.z[layer], sums.z[layer].unflatten(-1, (H, dh))) / n_points
+        contrib = torch.einsum("bthe,bthe->bh", delta.z[layer], grad_sums.z[layer].unflatten(-1, (H, dh))) / n_points
         out["head"][layer] += contrib.sum(0).to(dev)
         if per_example is not None:
             per_example["head"][:, layer] += contrib.cpu()
     else:
-        out["mlp"][layer] += ((delta.mlp[layer] * sums.mlp[layer]).sum() / n_points).to(dev)
-    if not sums.edges:
+        out["mlp"][layer] += ((delta.mlp[layer] * grad_sums.mlp[layer]).sum() / n_points).to(dev)
+    if not grad_sums.edges:
         return
     rows = _rows(graph, kind, layer)
     up = delta.up[rows].flatten(2)  # (k, B, T*d)
@@ -99,7 +99,7 @@ def _contract(adapter, graph, kind, layer, delta, sums, n_points, out, per_examp
     for j in range(adapter.n_layers):
         cols = graph.layer_columns(j)
         n_attn, n_mlp = graph.upstream_before_attn(j), graph.upstream_before_mlp(j)
-        g = sums.inputs[j].flatten(2).to(up.device)  # (per_layer_inputs, B, T*d)
+        g = grad_sums.inputs[j].flatten(2).to(up.device)  # (per_layer_inputs, B, T*d)
         if first < n_attn:
             e = torch.einsum("ubx,vbx->buv", up, g[:-1]) / n_points
             out["edges"][rows, cols.start:cols.stop - 1] += e.sum(0).to(dev)
@@ -110,7 +110,7 @@ def _contract(adapter, graph, kind, layer, delta, sums, n_points, out, per_examp
             out["edges"][rows, cols.stop - 1] += e.sum(0).to(dev)
             if per_example is not None:
                 per_example["edges"][:, rows, cols.stop - 1] += e.cpu()
-    e = torch.einsum("ubx,bx->bu", up, sums.logits.flatten(1).to(up.device)) / n_points
+    e = torch.einsum("ubx,bx->bu", up, grad_sums.logits.flatten(1).to(up.device)) / n_points
     out["edges"][rows, graph.logits_column] += e.sum(0).to(dev)
     if per_example is not None:
         per_example["edges"][:, rows, graph.logits_column] += e.cpu()
@@ -152,22 +152,22 @@ def attribute_activations(adapter: ModelAdapter, data: TaskData, level: str = "n
                 if edges:
                     pe["edges"] = torch.zeros(B, len(graph.upstream), len(graph.downstream))
             for kind, layer in groups(L):
-                gsums = _GradientSums(adapter, edges)
+                grad_sums = _GradientSums(adapter, edges)
                 for alpha, relative_weight in zip(rule.alphas, rule.relative_weights, strict=True):
-                    gsums.relative_weight = relative_weight
+                    grad_sums.relative_weight = relative_weight
                     if kind == "input":
                         e_k = (corrupted.embed.float() + alpha * (clean.embed.float() - corrupted.embed.float()))
                         with HookSet():
                             _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k.to(dtype), batch,
-                                          metric, clean_answer, gsums)
+                                          metric, clean_answer, grad_sums)
                         continue
                     src = (clean.z[layer], corrupted.z[layer]) if kind == "attn" else (clean.mlp[layer],
                                                                                       corrupted.mlp[layer])
                     with HookSet() as hk:  # registered before _gradient_run's hooks, so they see the leaf
                         _interpolate(adapter, hk, kind, layer, src[0], src[1], alpha)
                         _gradient_run(adapter, batch.clean_ids, batch.attention_mask, clean.embed, batch, metric,
-                                      clean_answer, gsums)
-                _contract(adapter, graph, kind, layer, delta, gsums, rule.passes, out, pe)
+                                      clean_answer, grad_sums)
+                _contract(adapter, graph, kind, layer, delta, grad_sums, rule.passes, out, pe)
                 bar.advance(task)
             if pe is not None:
                 for key, value in pe.items():

@@ -29,10 +29,6 @@ from circuitkit.errors import UserError
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "circuitkit_source.json"  # provenance of a converted directory (part of its fingerprint)
 
-# GGUF `general.architecture` -> the Hugging Face model_type CircuitKit has a family for. transformers
-# also dequantizes others (bloom, falcon, mamba, t5, ...); those are refused with the list below.
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "gpt2",
-                      "gemma3": "gemma3", "qwen3": "qwen3"}
 
 # ggml tensor types by number (ggml.h), for the quantization summary.
 _GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
@@ -141,10 +137,14 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
 
 def check_gguf(path: str | Path) -> GGUFHeader:
     """The header, refusing (one line) an architecture no CircuitKit family or transformers handles."""
+    # A GGUF `general.architecture` is the Hugging Face model_type; each family lists the ones it
+    # loads (transformers also dequantizes others: bloom, falcon, mamba, t5, ...; refused here).
+    from circuitkit.models.families import GGUF_MODEL_TYPES
+
     header = read_gguf_header(path)
-    if header.architecture not in GGUF_ARCHITECTURES:
+    if header.architecture not in GGUF_MODEL_TYPES:
         raise GGUFError(f"{header.path}: GGUF architecture {header.architecture!r} is not supported; CircuitKit"
-                        f" loads GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))} (dequantized by"
+                        f" loads GGUF files of {', '.join(sorted(GGUF_MODEL_TYPES))} (dequantized by"
                         " transformers). Convert the model to a Hugging Face directory of a supported family.")
     return header
 

@@ -25,6 +25,7 @@ from circuitkit.errors import UserError
 from circuitkit.fingerprint import hub_revision
 from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
 from circuitkit.models.adapters import ModelAdapter, get_adapter
+from circuitkit.models.families import IMAGE_TEXT_MODEL_TYPES
 from circuitkit.models.fetch import FETCHED_PREFIX, resolve_fetched
 from circuitkit.models.gguf import GGUFError, check_gguf, gguf_reference, provenance, read_source
 
@@ -211,11 +212,12 @@ def _broken_weight_file(path: str) -> str | None:
 
 
 def _auto_class(path: str, kwargs: dict, revision: str | None, trust_remote_code: bool):
-    """AutoModelForCausalLM, or AutoModelForImageTextToText for Gemma 3's multimodal checkpoints."""
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for the multimodal checkpoints a family
+    names (Gemma 3's: its text path is used)."""
     from transformers import AutoModelForCausalLM
 
     config = auto_config(path, kwargs, revision, trust_remote_code)
-    if getattr(config, "model_type", None) == "gemma3":
+    if getattr(config, "model_type", None) in IMAGE_TEXT_MODEL_TYPES:
         from transformers import AutoModelForImageTextToText
 
         return AutoModelForImageTextToText

@@ -8,9 +8,12 @@
     qwen3_moe  Qwen3-MoE (fused 3-D expert weights)      families/qwen3_moe.py
 
 A family module holds one `ModelAdapter` subclass (`families.base`): the only code in the
-project that knows Hugging Face module names and config fields. A new family is a new module
-here: the registry finds every module of this package (but `base`) and the ModelAdapter
-subclass it defines (listed in `listed` order).
+project with Hugging Face module names and family-specific config fields (checked by
+tests/test_architecture.py; the fixtures and `gradian doctor`'s self-test model, built by hand,
+aside). Fields with one meaning in every family are read generically: `model_type`,
+`vocab_size`, `text_config`, the context length (`loading.context_length`). A new family is a
+new module here: the registry finds every module of this package (but `base`) and the
+ModelAdapter subclass it defines (listed in `listed` order).
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ FAMILIES: dict[str, type[ModelAdapter]] = {cls.family: cls for cls in _FAMILY_CL
 BY_MODEL_TYPE: dict[str, type[ModelAdapter]] = {mt: cls for cls in _FAMILY_CLASSES for mt in cls.model_types}
 # model_type -> display name, for messages.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {mt: name for cls in _FAMILY_CLASSES for mt, name in cls.model_types.items()}
+# What each family declares of its own model_types (a subclass serving other model_types, as
+# Qwen3-MoE does Qwen3, does not inherit them): GGUF files it loads, multimodal checkpoint classes.
+GGUF_MODEL_TYPES: frozenset[str] = frozenset(mt for cls in _FAMILY_CLASSES for mt in cls.gguf_model_types
+                                             if mt in cls.model_types)
+IMAGE_TEXT_MODEL_TYPES: frozenset[str] = frozenset(mt for cls in _FAMILY_CLASSES for mt in cls.image_text_model_types
+                                                   if mt in cls.model_types)
 
 
 def family(name: str) -> type[ModelAdapter]:

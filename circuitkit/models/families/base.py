@@ -17,6 +17,10 @@ the single source of that family's facts, for a loaded model and for an offline 
     recomputed_c_f     c_f when `models.recompute` recomputes or fuses its activation, else None
     softcap_field      the config field of its final logit soft-capping, or None
     fused_experts      True when its MLPs hold expert weights as 3-D parameters (not nn.Linear)
+    gguf_model_types   its model_types that load from a GGUF file (its `general.architecture`),
+                       dequantized by transformers
+    image_text_model_types  its model_types whose checkpoints load as AutoModelForImageTextToText
+                       (a multimodal class whose text path is used)
 
 Everything above `models/` speaks of layers, heads, Q/K/V inputs, `z` (the input of the
 attention output projection, one slice per head) and MLPs, and reaches a module through the
@@ -122,6 +126,8 @@ class ModelAdapter:
     recomputed_c_f: ClassVar[float | None] = None
     softcap_field: ClassVar[str | None] = None
     fused_experts: ClassVar[bool] = False
+    gguf_model_types: ClassVar[tuple[str, ...]] = ()
+    image_text_model_types: ClassVar[tuple[str, ...]] = ()
     has_post_norms: ClassVar[bool] = False
     listed: ClassVar[int] = 100  # place in the lists of supported families (messages, docs)
     parallel_residual: bool = False

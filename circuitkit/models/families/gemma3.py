@@ -19,6 +19,8 @@ class Gemma3(Llama):
     listed = 3
     model_types = {"gemma3_text": "Gemma 3 (text)",
                    "gemma3": "Gemma 3 (text path of Gemma3ForConditionalGeneration)"}
+    gguf_model_types = ("gemma3",)
+    image_text_model_types = ("gemma3",)
     paths = {**LLAMA_PATHS, "mlp_norm": "pre_feedforward_layernorm",
              "post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
     block_prefix = "model.language_model.layers.{l}."

@@ -18,6 +18,7 @@ class GPT2(ModelAdapter):
     family = "gpt2"
     listed = 0
     model_types = {"gpt2": "GPT-2"}
+    gguf_model_types = ("gpt2",)
     paths = {"base": "transformer", "blocks": "h", "embed": "wte", "final_norm": "ln_f", "attn": "attn",
              "attn_norm": "ln_1", "mlp_norm": "ln_2", "mlp": "mlp", "attn_out": "attn.c_proj", "mlp_out": "mlp.c_proj"}
     block_prefix = "transformer.h.{l}."

