@@ -4,10 +4,10 @@ __version__ = "0.1.0"
 
 
 def discover_circuit(cfg, run_dir=None):
-    """Run the circuit stages from a plain dict; see entry.api.discover_circuit."""
+    """Run the circuit stages from a plain dict; see circuitkit_app.api.discover_circuit."""
     # The entry layer stands above this package: imported when called, so that importing any
     # circuitkit module stays light and loads neither the entry layer nor gradian.
-    from entry.api import discover_circuit as _discover
+    from circuitkit_app.api import discover_circuit as _discover
 
     return _discover(cfg, run_dir)
 

@@ -1,8 +1,8 @@
-"""`python -m circuitkit.cli ...`: the `circuitkit` command, whose code is `entry.cli`."""
+"""`python -m circuitkit.cli ...`: the `circuitkit` command, whose code is `circuitkit_app.cli`."""
 
 import sys
 
-from entry.cli import main
+from circuitkit_app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,7 +14,7 @@ that read configs only (never weights) and catch what would otherwise fail after
 work, such as a length beyond the model's context or an unwritable output path.
 
 The pipeline knows no stage by name: each domain defines its stages, and the entry layer
-(`entry.stage_list`) assembles the one `Pipeline` of them with the model loader.
+(`circuitkit_app.stage_list`) assembles the one `Pipeline` of them with the model loader.
 """
 
 from __future__ import annotations

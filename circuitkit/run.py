@@ -1,8 +1,8 @@
-"""`python -m circuitkit.run [overrides]`: the name users type for `entry.run` (the Hydra entry)."""
+"""`python -m circuitkit.run [overrides]`: the name users type for `circuitkit_app.run` (the Hydra entry)."""
 
 import sys
 
-from entry.run import main
+from circuitkit_app.run import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -41,7 +41,7 @@ from rich.table import Table
 from circuitkit.circuit import load_circuit, save_circuit
 from circuitkit.config import GradsConfig, ModelConfig, compose
 from circuitkit.models.loading import load_model
-from entry.stage_list import run_pipeline
+from circuitkit_app.stage_list import run_pipeline
 from gradian.indexer import build_index
 from gradian.rank import rank
 

@@ -80,7 +80,7 @@ def _run(kind: str, workers: int, common: list[str], root: Path) -> dict:
 
     row["stage_s"] = [load_manifest(out / str(i))["stages"][stage]["wall_s"] for i in range(workers)]
     if kind == "attribution":
-        from entry.merge import merge_run_dirs
+        from circuitkit_app.merge import merge_run_dirs
 
         run_dirs = [out / str(i) for i in range(workers)]
         t0 = time.perf_counter()

@@ -80,7 +80,7 @@ def _index_hashes(index_dir: Path) -> dict[str, str]:
 def produce(work: Path) -> dict[str, dict[str, str]]:
     """Run the pipeline on every fixture under `work` and hash what it wrote."""
     from circuitkit.config import compose
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
 
     if work.exists():
         shutil.rmtree(work)

@@ -15,7 +15,7 @@ from scipy.stats import spearmanr
 
 from circuitkit.attribution import load_scores
 from circuitkit.config import compose
-from entry.stage_list import run_pipeline
+from circuitkit_app.stage_list import run_pipeline
 
 
 def main() -> None:

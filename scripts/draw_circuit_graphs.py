@@ -20,7 +20,7 @@ import torch
 
 from circuitkit.config import compose
 from circuitkit.pipeline import make_console
-from entry.stage_list import run_pipeline
+from circuitkit_app.stage_list import run_pipeline
 
 
 def gpt2_small_shape(directory: Path) -> Path:

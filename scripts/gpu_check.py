@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from circuitkit.attribution.memory import attribution_estimate  # noqa: E402
 from circuitkit.config import compose  # noqa: E402
 from circuitkit.device import free_memory_bytes, get_device  # noqa: E402
-from entry.stage_list import run_pipeline  # noqa: E402
+from circuitkit_app.stage_list import run_pipeline  # noqa: E402
 from gradian.memory import grads_estimate  # noqa: E402
 
 GiB = 2**30

@@ -1,4 +1,4 @@
-"""The import graph of `circuitkit/`, `gradian/` and `entry/` forms the stack of docs/architecture.md.
+"""The import graph of `circuitkit/`, `gradian/` and `circuitkit_app/` forms the stack of docs/architecture.md.
 
 Parsed with `ast` (nothing is imported), every import counts, at module top or inside a
 function: a function-level import is still a dependency, only a later one. Layers, bottom up:
@@ -7,15 +7,15 @@ function: a function-level import is still a dependency, only a later one. Layer
     models   loading, adapters, hooks, fixtures, model shapes; HF module names only in models/families/
     circuit  circuit discovery and pruning: tasks, attribution, pruning, circuit.pt, its stages
     gradian  gradient indexing and ranking, its stage and memory estimate
-    entry    the list of stages, run.py, cli.py, api.py, smart.py, merge.py (entry/), gradian/cli.py
+    entry    the list of stages, run.py, cli.py, api.py, smart.py, merge.py (circuitkit_app/), gradian/cli.py
 
 Rules: no cycles; imports point down only (the two domains are one level, and may not import
 each other; circuit.pt's format, `circuitkit.circuit_file`, sits in the core, below both).
 The top-level folders stack the same way, bottom up: circuitkit/ (core, models, circuit),
-gradian/ (builds on circuitkit's core and models), entry/ (knows both). A module imports only
+gradian/ (builds on circuitkit's core and models), circuitkit_app/ (knows both). A module imports only
 from its own folder and the folders below; the one exception is the names users type
 (`python -m circuitkit.run`, `python -m circuitkit.cli`, `circuitkit.discover_circuit`), shims
-in circuitkit/ that hand over to entry/ and hold nothing else.
+in circuitkit/ that hand over to circuitkit_app/ and hold nothing else.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("circuitkit", "gradian", "entry")
+PACKAGES = ("circuitkit", "gradian", "circuitkit_app")
 
 CORE, MODELS, CIRCUIT, GRADIAN, ENTRY = "core", "models", "circuit", "gradian", "entry"
 RANK = {CORE: 0, MODELS: 1, CIRCUIT: 2, GRADIAN: 2, ENTRY: 3}
@@ -120,16 +120,16 @@ LAYERS: dict[str, str] = {
     "gradian.precondition": GRADIAN,
     "gradian.curvature": GRADIAN,
     "gradian.tokens": GRADIAN,
-    # entry points: entry/ (above both domains) and gradian's own command
-    "entry": ENTRY,
-    "entry.stage_list": ENTRY,  # the one list of stages: circuit discovery's and gradian's
-    "entry.run": ENTRY,
-    "entry.cli": ENTRY,
-    "entry.api": ENTRY,
-    "entry.smart": ENTRY,
-    "entry.merge": ENTRY,  # `circuitkit merge RUN_DIRS`: merge attribution shards, then prune
+    # entry points: circuitkit_app/ (above both domains) and gradian's own command
+    "circuitkit_app": ENTRY,
+    "circuitkit_app.stage_list": ENTRY,  # the one list of stages: circuit discovery's and gradian's
+    "circuitkit_app.run": ENTRY,
+    "circuitkit_app.cli": ENTRY,
+    "circuitkit_app.api": ENTRY,
+    "circuitkit_app.smart": ENTRY,
+    "circuitkit_app.merge": ENTRY,  # `circuitkit merge RUN_DIRS`: merge attribution shards, then prune
     "gradian.cli": ENTRY,
-    # the names users type, kept in circuitkit/ as shims that hand over to entry/ (SHIMS below)
+    # the names users type, kept in circuitkit/ as shims that hand over to circuitkit_app/ (SHIMS below)
     "circuitkit": ENTRY,
     "circuitkit.run": ENTRY,
     "circuitkit.cli": ENTRY,
@@ -239,11 +239,11 @@ def test_the_checker_sees_a_circle_and_a_climb():
 
 
 # The top-level folders, bottom up: a module imports from its own folder and the ones below.
-FOLDERS = ("circuitkit", "gradian", "entry")
+FOLDERS = ("circuitkit", "gradian", "circuitkit_app")
 # The names users type (`python -m circuitkit.run`, `python -m circuitkit.cli`,
 # `from circuitkit import discover_circuit`) stay in circuitkit/ as shims: each imports the one
 # entry module it hands over to, and nothing else of the project.
-SHIMS = {"circuitkit.run": "entry.run", "circuitkit.cli": "entry.cli", "circuitkit": "entry.api"}
+SHIMS = {"circuitkit.run": "circuitkit_app.run", "circuitkit.cli": "circuitkit_app.cli", "circuitkit": "circuitkit_app.api"}
 
 
 def folder_violations(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
@@ -261,11 +261,11 @@ def folder_violations(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 def test_the_top_level_folders_stack():
     edges = import_graph()
-    assert sorted(folder_violations(edges)) == [], "import(s) from a folder above (circuitkit < gradian < entry)"
+    assert sorted(folder_violations(edges)) == [], "import(s) from a folder above (circuitkit < gradian < circuitkit_app)"
     # Below the entry layer, nothing in circuitkit/ knows gradian or the entry package.
     lower = {name: targets for name, targets in edges.items()
              if name.split(".")[0] == "circuitkit" and RANK[LAYERS[name]] < RANK[ENTRY]}
-    assert lower and all(not any(t.split(".")[0] in ("gradian", "entry") for t in targets)
+    assert lower and all(not any(t.split(".")[0] in ("gradian", "circuitkit_app") for t in targets)
                          for targets in lower.values())
 
 
@@ -276,7 +276,7 @@ def test_the_shims_only_hand_over_to_the_entry_package():
         assert edges[shim] == {target}, f"{shim} imports {sorted(edges[shim])}; a shim imports only {target}"
         tree = ast.parse(mods[shim].read_text())
         defs = [node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)]
-        # circuitkit/__init__.py keeps discover_circuit, which calls entry.api's; the others define nothing.
+        # circuitkit/__init__.py keeps discover_circuit, which calls circuitkit_app.api's; the others define nothing.
         assert defs == (["discover_circuit"] if shim == "circuitkit" else []), f"{shim} defines {defs}"
     # Only the shims (and the entry layer's own modules) sit in the entry layer inside circuitkit/.
     in_circuitkit = {name for name, layer in LAYERS.items() if layer == ENTRY and name.split(".")[0] == "circuitkit"}
@@ -286,9 +286,9 @@ def test_the_shims_only_hand_over_to_the_entry_package():
 def test_the_folder_checker_sees_a_stage_list_below_gradian():
     # What issue 29 removed: circuitkit's list of stages importing gradian's stage.
     edges = {"circuitkit.stage_list": {"gradian.stage", "circuitkit.pipeline"}, "gradian.stage": {"circuitkit.pipeline"},
-             "circuitkit.pipeline": set(), "gradian.cli": {"entry.run"}, "entry.run": {"gradian.stage"},
-             "circuitkit.run": {"entry.run"}}
-    assert folder_violations(edges) == {("circuitkit.stage_list", "gradian.stage"), ("gradian.cli", "entry.run")}
+             "circuitkit.pipeline": set(), "gradian.cli": {"circuitkit_app.run"}, "circuitkit_app.run": {"gradian.stage"},
+             "circuitkit.run": {"circuitkit_app.run"}}
+    assert folder_violations(edges) == {("circuitkit.stage_list", "gradian.stage"), ("gradian.cli", "circuitkit_app.run")}
 
 
 # Hugging Face module and config names that only the family modules may write

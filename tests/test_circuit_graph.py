@@ -102,7 +102,7 @@ def test_induction_circuit_picture_shows_the_known_circuit(tmp_path, induction_m
     top 3 edges here but the order shifts). And the stage writes the picture."""
     from circuitkit.circuit import load_circuit
     from circuitkit.config import compose
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
 
     info = __import__("json").loads((induction_model_dir / "fixture_info.json").read_text())
     prev, ind = info["prev_token_head"], info["induction_head"]
@@ -119,7 +119,7 @@ def test_induction_circuit_picture_shows_the_known_circuit(tmp_path, induction_m
 
 
 def test_show_graph_cli(tmp_path, capsys) -> None:
-    from entry.cli import main
+    from circuitkit_app.cli import main
 
     c = _circuit(Graph(2, 4, 4, False))
     save_circuit(tmp_path / "c.pt", {**c, "ablation": "zero", "rank_by": "abs", "target_sparsity": 0.6,

@@ -14,7 +14,7 @@ from circuitkit.circuit import circuit_sha256, kept_components, save_circuit
 from circuitkit.config import ModelConfig, compose
 from circuitkit.io import sha256_file
 from circuitkit.models.loading import load_model
-from entry.stage_list import run_pipeline
+from circuitkit_app.stage_list import run_pipeline
 from gradian.capture import per_example_gradients
 from gradian.index import IndexMismatchError, IndexReader
 from gradian.projection import Projector

@@ -40,7 +40,7 @@ def test_shipped_induction_rows_tokenize_to_their_symbols(induction_model_dir) -
 
 @pytest.mark.slow
 def test_demo_finds_the_known_circuit_and_indexes_through_it(tmp_path, induction_model_dir) -> None:
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
     from gradian.index import IndexReader
 
     info = json.loads((induction_model_dir / "fixture_info.json").read_text())

@@ -22,7 +22,7 @@ from circuitkit.attribution import run_attribution  # noqa: E402
 from circuitkit.config import ConfigError, compose  # noqa: E402
 from circuitkit.models.loading import load_model, weights_hash  # noqa: E402
 from circuitkit.tasks.base import random_pairs  # noqa: E402
-from entry.stage_list import run_pipeline  # noqa: E402
+from circuitkit_app.stage_list import run_pipeline  # noqa: E402
 
 SPLITS = {  # every module on the CPU except the last block, offloaded to disk
     "tiny-gpt2": "{transformer.wte: cpu, transformer.wpe: cpu, transformer.h.0: cpu, transformer.h.1: disk,"
@@ -84,7 +84,7 @@ def test_preflight_splits_the_estimate_per_device(tmp_path, capsys):
     from circuitkit.attribution.memory import attribution_estimate
     from circuitkit.models.device_shares import per_device_estimates, planned_weight_bytes
     from circuitkit.preflight import check
-    from entry.stage_list import PIPELINE
+    from circuitkit_app.stage_list import PIPELINE
 
     whole = load_model(compose(_model_overrides("tiny-gpt2", tmp_path, False))[1].model).model
     on_disk = sum(p.numel() * p.element_size() for p in whole.transformer.h[1].parameters())

@@ -1,4 +1,4 @@
-"""The entry layer (entry/): the names users type, and the checks it makes before anything runs."""
+"""The entry layer (circuitkit_app/): the names users type, and the checks it makes before anything runs."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 def test_the_names_users_type_reach_the_entry_package():
     import circuitkit.cli
     import circuitkit.run
-    import entry.cli
-    import entry.run
+    import circuitkit_app.cli
+    import circuitkit_app.run
 
-    assert circuitkit.run.main is entry.run.main  # python -m circuitkit.run
-    assert circuitkit.cli.main is entry.cli.main  # python -m circuitkit.cli
+    assert circuitkit.run.main is circuitkit_app.run.main  # python -m circuitkit.run
+    assert circuitkit.cli.main is circuitkit_app.cli.main  # python -m circuitkit.cli
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     for name, target in scripts.items():
@@ -79,7 +79,7 @@ def read_only_dir(tmp_path) -> Path:
 
 
 def test_gradian_index_and_the_pipeline_probe_the_index_dir_alike(read_only_dir, tmp_path):
-    from entry.stage_list import check_stages
+    from circuitkit_app.stage_list import check_stages
     from gradian.indexer import check_grads_config
 
     data = tmp_path / "train.jsonl"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from circuitkit.config import compose
-from entry.stage_list import run_pipeline
+from circuitkit_app.stage_list import run_pipeline
 from gradian.index import IndexReader
 
 BASE = ["model.precision=float32", "grads.projection_dim=64", "grads.rows_per_shard=10", "grads.batch_size=4"]

@@ -11,7 +11,7 @@ import torch
 
 from circuitkit.config import ModelConfig, compose
 from circuitkit.device import measure_peak
-from entry.stage_list import run_pipeline
+from circuitkit_app.stage_list import run_pipeline
 from gradian.cli import main
 from gradian.index import IndexMismatchError, IndexReader, IndexWriter
 from gradian.rank import rank, stream_topk

@@ -10,7 +10,7 @@ import torch
 from circuitkit.attribution.graph import Graph
 from circuitkit.circuit import kept_components, load_circuit, save_circuit
 from circuitkit.interop import InteropError, export_circuit, export_file, from_eap_ig, import_eap_ig
-from entry.cli import main as cli
+from circuitkit_app.cli import main as cli
 
 
 def _eap_ig_edge_count(n_layers: int, n_heads: int, parallel: bool) -> int:
@@ -143,7 +143,7 @@ def test_bad_graphs_are_one_clear_error(tmp_path, capsys, edge: str, match: str)
 
 def test_pipeline_circuit_exports_with_its_token_policy(tmp_path) -> None:
     from circuitkit.config import compose
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["stages=[data,attribution,pruning]", "model.precision=float32", "discovery.level=edge",
                       "discovery.ig_steps=1", "discovery.data_params.num_examples=4",
@@ -253,7 +253,7 @@ def test_prepend_bos_policy_on_a_tokenizer_without_bos(tiny_model_dir) -> None:
 def test_imported_scores_are_pruned_and_measured_here(tmp_path) -> None:
     """A graph found elsewhere: import its scores into a run dir, then prune and measure it."""
     from circuitkit.config import compose
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
 
     g = Graph(2, 4, 4, False)
     circuit = _random_circuit(g, "edges", seed=5)

@@ -70,7 +70,7 @@ def test_attribution_and_grads_estimates_match_measured_peaks(name):
 
 
 def _index(tmp_path, name: str, *extra: str):
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Mary and John {i}", "completion": " went home."}) + "\n"

@@ -8,7 +8,7 @@ import pytest
 
 from circuitkit.config import compose
 from circuitkit.pipeline import PipelineError, Stage, StageResult
-from entry.stage_list import PIPELINE, run_pipeline
+from circuitkit_app.stage_list import PIPELINE, run_pipeline
 
 
 @pytest.fixture

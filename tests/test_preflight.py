@@ -8,7 +8,7 @@ import sys
 
 from circuitkit.attribution.memory import attribution_estimate, largest_fitting_batch
 from circuitkit.config import compose
-from entry.stage_list import run_pipeline
+from circuitkit_app.stage_list import run_pipeline
 
 
 def test_gemma4b_at_batch_64_stops_in_preflight_fast_and_loads_nothing(tmp_path):

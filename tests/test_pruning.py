@@ -118,7 +118,7 @@ def test_circuit_pt_round_trips_with_weights_only(tmp_path):
 def test_pruning_without_scores_names_the_missing_stage(tmp_path):
     from circuitkit.config import compose
     from circuitkit.pipeline import PipelineError
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["stages=[data,pruning]", "model.precision=float32", "discovery.data_params.num_examples=4",
                       "discovery.data_params.eval_examples=2", "discovery.data_params.seq_len=16"])
@@ -129,7 +129,7 @@ def test_pruning_without_scores_names_the_missing_stage(tmp_path):
 
 def test_edge_scope_pipeline_on_the_induction_model(tmp_path):
     from circuitkit.config import compose
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["model=induction", "stages=[data,attribution,pruning]", "discovery.level=edge",
                       "pruning.scope=edges", "pruning.target_sparsity=0.9", "pruning.ablation=corrupted",

@@ -30,7 +30,7 @@ pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="hydra-ray-launch
 
 from circuitkit.attribution import load_scores  # noqa: E402
 from circuitkit.config import compose  # noqa: E402
-from entry.stage_list import run_pipeline  # noqa: E402
+from circuitkit_app.stage_list import run_pipeline  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

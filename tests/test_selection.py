@@ -139,7 +139,7 @@ def test_edge_evaluator_matches_the_direct_sum_over_removed_edges(name):
 def test_pipeline_writes_stability_and_selection(tmp_path):
     from circuitkit.circuit import load_circuit, show_circuit
     from circuitkit.config import compose
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["model=induction", "stages=[data,attribution,pruning]", "pruning.selection=bootstrap",
                       "pruning.bootstrap_resamples=20", "pruning.graph=false", "pruning.ablation=corrupted",
@@ -163,7 +163,7 @@ def test_mib_export_and_check(tmp_path):
 
     from circuitkit.attribution import save_scores
     from circuitkit.mib import MIB_SHARES, check_mib, share_name
-    from entry.cli import main
+    from circuitkit_app.cli import main
 
     lm, data = loaded("tiny-llama"), pairs("tiny-llama")
     s = attribute(lm.adapter, data, "eap-ig", "edge", ig_steps=2, batch_size=3, progress=False)

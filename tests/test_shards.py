@@ -15,8 +15,8 @@ from circuitkit.attribution.shards import shard_range
 from circuitkit.circuit import load_circuit
 from circuitkit.config import ConfigError, compose
 from circuitkit.pipeline import PipelineError, load_manifest
-from entry.cli import main as cli_main
-from entry.stage_list import run_pipeline
+from circuitkit_app.cli import main as cli_main
+from circuitkit_app.stage_list import run_pipeline
 
 # 11 attribution examples over 4 shards: ranges of 2, 3, 3, 3 examples, batches of 2 (so the
 # shards' batches differ from the single job's and the float sums are added in another order).

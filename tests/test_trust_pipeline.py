@@ -26,9 +26,9 @@ import torch
 from circuitkit import pipeline
 from circuitkit.config import ConfigError, compose
 from circuitkit.errors import UserError
-from entry.cli import main as cli_main
-from entry.run import main as run_main
-from entry.stage_list import PIPELINE, run_pipeline
+from circuitkit_app.cli import main as cli_main
+from circuitkit_app.run import main as run_main
+from circuitkit_app.stage_list import PIPELINE, run_pipeline
 
 SMALL = ["discovery.data_params.num_examples=4", "discovery.data_params.eval_examples=2",
          "discovery.data_params.seq_len=16", "model.precision=float32", "discovery.ig_steps=2"]

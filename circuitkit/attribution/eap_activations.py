@@ -172,7 +172,7 @@ def attribute_activations(adapter: ModelAdapter, data: TaskData, level: str = "n
             if pe is not None:
                 for key, value in pe.items():
                     rows_per_example.setdefault(key, []).append(value)
-            del clean, corrupted, delta, gsums  # freed before the next batch's runs, not after
+            del clean, corrupted, delta, grad_sums  # freed before the next batch's runs, not after
     n = 1 if sums else len(data)
     return AttributionScores(
         head=(out["head"] / n).cpu(), mlp=(out["mlp"] / n).cpu(), embed=(out["embed"] / n).cpu(), graph=graph,

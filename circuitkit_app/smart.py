@@ -23,8 +23,8 @@ from circuitkit.device import free_memory_bytes, get_device
 from circuitkit.errors import EXIT_USAGE, UserError
 from circuitkit.pipeline import make_console
 from circuitkit.preflight import table
-from entry.run import main as run_main
-from entry.stage_list import CIRCUIT_STAGE_NAMES
+from circuitkit_app.run import main as run_main
+from circuitkit_app.stage_list import CIRCUIT_STAGE_NAMES
 
 # The budget table of the memory guide: these models at ig_steps=5, batch_size=4, num_examples=128.
 BUDGET_MODELS = ("gpt2", "llama1b", "llama3b", "gemma4b")

@@ -22,7 +22,7 @@ from typing import Any
 
 from circuitkit.circuit import load_circuit
 from circuitkit.config import validate
-from entry.stage_list import CIRCUIT_STAGE_NAMES, run_pipeline
+from circuitkit_app.stage_list import CIRCUIT_STAGE_NAMES, run_pipeline
 
 
 def discover_circuit(cfg: dict[str, Any], run_dir: str | Path | None = None) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from circuitkit.errors import UserError, debug_enabled, exit_code_and_message, p
 from circuitkit.io import check_writable
 from circuitkit.pipeline import make_console
 from circuitkit.sweep import forget_last_sweep, last_sweep, record_job_failure
-from entry.stage_list import check_stages, run_pipeline
+from circuitkit_app.stage_list import check_stages, run_pipeline
 
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
@@ -67,7 +67,7 @@ def _run_job(cfg: DictConfig) -> None:
     typed = validate(cfg)
     overrides = OmegaConf.to_container(hc.overrides.task)
     # The console is made here, not at import: launchers (joblib, submitit) pickle this
-    # function with the module's globals when it runs as __main__ (`python -m entry.run`), and a
+    # function with the module's globals when it runs as __main__ (`python -m circuitkit_app.run`), and a
     # console holds a lock.
     run_pipeline(typed, Path(hc.runtime.output_dir), make_console(), overrides,
                  checked=hc.mode != RunMode.MULTIRUN)

@@ -47,7 +47,7 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
     from circuitkit.config import validate
     from circuitkit.io import atomic_write_json
     from circuitkit.pipeline import MANIFEST, load_manifest, make_console
-    from entry.stage_list import run_pipeline
+    from circuitkit_app.stage_list import run_pipeline
 
     console = console or make_console()
     partials = []

@@ -81,17 +81,17 @@ def _main(argv: list[str]) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from entry.run import main as run_main
+        from circuitkit_app.run import main as run_main
 
         return run_main(rest)
     if command == "config":
         return _cmd_config(rest)
     if command == "discover-smart":
-        from entry.smart import main as smart_main
+        from circuitkit_app.smart import main as smart_main
 
         return smart_main(rest)
     if command == "merge":
-        from entry.merge import main as merge_main
+        from circuitkit_app.merge import main as merge_main
 
         return merge_main(rest)
     if command == "export" and ("--check-mib" in rest or "--format=mib" in rest
