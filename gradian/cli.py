@@ -242,8 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
     rank.add_argument("--score", choices=("auto", "cosine", "dot", "influence", "whitened", "kfac", "ekfac"),
                       default="auto",
-                      help="auto (default): ekfac if the index holds K-FAC factors (grads.preconditioner=kfac),"
-                           " else cosine. influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
+                      help="auto (default): ekfac if the index holds K-FAC factors (grads.preconditioner=kfac, the"
+                           " default), else cosine. influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
                            " the cosine after whitening with each module's damped second moment A; kfac / ekfac"
                            " need grads.preconditioner=kfac: qᵀ(F + λI)⁻¹g with K-FAC's or EK-FAC's F")
     rank.add_argument("--damping", type=float, default=None,

@@ -71,13 +71,15 @@ def check_kfac(kind: str, factors: dict[str, tuple[int, int]]) -> None:
     kind: the projector's kind; factors: name -> (k_o, k_i) (raw rows: (d_out, d_in)).
     """
     if kind == "dense":
-        raise ValueError("grads.preconditioner=kfac needs the Kronecker structure of the rows: set"
-                         " grads.projection=kronecker or kronecker_orthogonal (or grads.preconditioner=module).")
+        raise ValueError("grads.preconditioner=kfac (the default) needs the Kronecker structure of the rows: set"
+                         " grads.projection=kronecker or kronecker_orthogonal, or grads.preconditioner=none (or"
+                         " module) with grads.projection=dense.")
     wide = [(n, f) for n, f in factors.items() if max(f) > MAX_FACTOR_WIDTH]
     if wide:
         name, (k_o, k_i) = wide[0]
         raise ValueError(f"grads.preconditioner=kfac stores ({k_o}, {k_o}) and ({k_i}, {k_i}) factors for {name};"
-                         f" a side above {MAX_FACTOR_WIDTH} is too large. Set grads.projection_dim (kronecker rows).")
+                         f" a side above {MAX_FACTOR_WIDTH} is too large. Set grads.projection_dim (kronecker rows),"
+                         " or grads.preconditioner=none for raw rows without curvature.")
 
 
 class FactorSums:

@@ -312,3 +312,47 @@ def test_rank_with_kfac_from_the_command_line_and_a_short_summary(index: Path, t
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(results) == 5 * 3
     assert [r["row_id"] for r in results if r["rank"] == 1][:4] == [0, 1, 2, 3]  # each row finds itself first
+
+
+def test_default_index_holds_kfac_and_the_disk_estimate_counts_it(root: Path, index: Path) -> None:
+    """grads.preconditioner defaults to kfac; `estimate_grads`'s index_bytes counts the shards'
+    factor sums and curvature.safetensors (and the module second moments) as they are on disk."""
+    from safetensors import safe_open
+
+    from gradian.curvature import is_factor_tensor
+    from gradian.memory import grads_index_bytes, preconditioner_index_bytes
+
+    assert _cfg(root).grads.preconditioner == "kfac"
+    reader = IndexReader(index)
+    manifest = reader.manifest
+    proj = manifest["projection"]
+    projector = Projector.from_description({n: tuple(e["shape"]) for n, e in proj["modules"].items()}, proj)
+    factor_bytes = moment_bytes = 0
+    for name in manifest["shards"]:
+        with safe_open(str(index / name), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118
+                size = fh.get_tensor(key).nbytes
+                if is_factor_tensor(key):
+                    factor_bytes += size
+                elif key == "second_moment":
+                    moment_bytes += size
+    curvature = (index / CURVATURE_FILE).stat().st_size
+    n_shards = len(manifest["shards"])
+    assert n_shards == 3 and factor_bytes > 0 and moment_bytes > 0
+    kfac = preconditioner_index_bytes(projector, "kfac", n_shards)
+    module = preconditioner_index_bytes(projector, "module", n_shards)
+    assert module == moment_bytes
+    # curvature.safetensors: its tensors + a header (42 tensor names here: under 4 KiB)
+    assert kfac - factor_bytes <= curvature <= kfac - factor_bytes + 4096
+    assert preconditioner_index_bytes(projector, "module+kfac", n_shards) == kfac + module
+    assert preconditioner_index_bytes(projector, "none", n_shards) == 0
+    from circuitkit.memory import shape_for
+    from gradian.memory import estimate_grads
+
+    cfg = _cfg(root)
+    est = estimate_grads(shape_for(cfg.model), 4, 2, 32, 16, projector, 4, 20, preconditioner="kfac", rows_per_shard=7)
+    assert est.index_bytes == grads_index_bytes(20, projector.total_width, 4) + kfac
+    assert est.terms["K-FAC factor scratch"] > 0
+    plain = estimate_grads(shape_for(cfg.model), 4, 2, 32, 16, projector, 4, 20)
+    assert "K-FAC factor scratch" not in plain.terms
+    assert est.total_bytes - plain.total_bytes == est.terms["K-FAC factor scratch"]
