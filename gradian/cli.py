@@ -248,7 +248,7 @@ def _parser() -> argparse.ArgumentParser:
                            " need grads.preconditioner=kfac: qᵀ(F + λI)⁻¹g with K-FAC's or EK-FAC's F")
     rank.add_argument("--damping", type=float, default=None,
                       help="for influence / whitened / kfac / ekfac: λ as a share of each module's mean eigenvalue"
-                           " (default 0.1); refused with cosine and dot")
+                           " (default 0.01 for kfac / ekfac, 0.1 for influence / whitened); refused with cosine and dot")
     rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
                       help="how the per-query scores of a row combine into one ranking")
     rank.add_argument("--out", default=None,

@@ -22,7 +22,7 @@ complete, from the stored rows (one pass), and saved in ``curvature.safetensors`
 the manifest with its sha256; `gradian inspect --verify` recomputes it). Scores:
 
     kfac(q, g)  = Σ_m q_mᵀ (F_m + λ_m I)⁻¹ g_m,   F_m = (Q_S ⊗ Q_A) diag(Λ_m) (Q_S ⊗ Q_A)ᵀ
-    ekfac(q, g) = the same with Λ*_m;             λ_m = damping · mean(Λ_m)   (damping 0.1)
+    ekfac(q, g) = the same with Λ*_m;             λ_m = damping · mean(Λ_m)   (damping 0.01)
 
 Applied to the queries only, in the eigenbasis (two (k_o, k_i) rotations and a division per
 query and module: no inverse, no k x k matrix); the rows are streamed as for `dot`, so ranking
@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 CURVATURE_FILE = "curvature.safetensors"
 TOKENS = "kfac_tokens"
 KINDS = ("kfac", "ekfac")
+# λ_m = CURVATURE_DAMPING x the mean eigenvalue, unless `gradian rank --damping` says otherwise. Chosen
+# on the yardsticks (docs/benchmarks.md, "Damping"): 0.01 beats 0.1 at widths 1024 and 4096 on fact
+# sets A and B and on LDS, ties on the SmolLM2 set; raw rows prefer 0.03-0.1 on B.
+CURVATURE_DAMPING = 0.01
 # Above this many rows or columns per factor the (k, k) factors are not small any more (raw rows of
 # a large model: d_in² floats per module and shard).
 MAX_FACTOR_WIDTH = 4096

@@ -61,6 +61,8 @@ from gradian.indexer import build_index  # noqa: E402
 from gradian.rank import check_compatible, query_gradients, stream_topk  # noqa: E402
 
 MODULES = ["mlp"]
+# The tables' reference damping: a kfac / ekfac row without "λ=" was ranked at 0.1 (the default
+# until issue 30's damping sweep; gradian.curvature.CURVATURE_DAMPING is 0.01 since: the "λ=0.01" rows).
 DAMPING = 0.1
 
 
@@ -292,9 +294,9 @@ def run_peer(ys: Yardstick, tool: str, work: Path, console: Console, timeout: fl
         return []
     out = []
     for key, label in PEER_LABELS[tool].items():
+        if total_dim:
+            label = label.replace(")", f", {total_dim} total)")
         for style, matrix in (result.get(key) or {}).items():
-            if total_dim:
-                label = label.replace(")", f", {total_dim} total)")
             out.append({"yardstick": ys.name, "style": style, "loss": "ce", "width": "full", "seed": 0,
                         "score": label, "stream_s": result.get("query_seconds") or 0.0,
                         "index_s": result.get("index_seconds"), "bytes": {"rows": 0, "second_moment": 0, "kfac": 0},
