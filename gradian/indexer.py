@@ -168,6 +168,8 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
                         f" (workers are numbered 0..{grads.num_shards - 1}).", exit_code=2)
     try:
         check_block_width(grads.projection_dim, grads.preconditioner)
+        if has_kfac(grads.preconditioner) and grads.projection_dim is not None:
+            check_kfac(grads.projection, {})  # dense rows: refused before the model loads
     except ValueError as err:
         raise UserError(str(err), exit_code=2) from None
     if grads.data_path is not None:

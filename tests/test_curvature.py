@@ -267,7 +267,7 @@ def test_inspect_verify_says_what_it_checked(index: Path, capsys) -> None:
     assert "EK-FAC eigenvalues recomputed from the stored rows" in line
 
 
-def test_refusals(root: Path, index: Path, tmp_path: Path, capsys) -> None:
+def test_refusals(root: Path, index: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     from gradian.cli import main
 
     plain = _build(root, "module-only", "grads.preconditioner=module", "grads.rows_per_shard=7")
@@ -282,9 +282,15 @@ def test_refusals(root: Path, index: Path, tmp_path: Path, capsys) -> None:
     assert "--score cosine: cosine uses no curvature" in " ".join(capsys.readouterr().err.split())
     assert main(["rank", "--index", str(plain), "--queries", str(queries), "--damping", "0.1"]) == 2  # auto: cosine
     assert "so --score auto is cosine, which uses no damping" in " ".join(capsys.readouterr().err.split())
-    cfg = _cfg(root, "grads.preconditioner=kfac", "grads.projection=dense")
-    with pytest.raises(ValueError, match="Kronecker structure"):
+    from circuitkit.errors import UserError
+    from gradian import indexer
+
+    # dense rows with the default kfac: one line naming the fix, before the model loads
+    cfg = _cfg(root, "grads.projection=dense")
+    monkeypatch.setattr(indexer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(UserError, match=r"\(the default\) needs the Kronecker structure .* grads.preconditioner=none"):
         build_index(cfg.model, cfg.grads, tmp_path / "dense")
+    assert not (tmp_path / "dense").exists()
 
 
 def test_resume_with_another_preconditioner_is_refused_before_the_model_loads(index: Path, monkeypatch) -> None:
