@@ -171,7 +171,7 @@ class GradsConfig:
                          choices=("kronecker", "kronecker_orthogonal", "dense"))
     projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (the index size, and the peak a little: capture buffers, projection matrices)", ge=1)
     projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)
-    preconditioner: str = _f("none", "curvature stored with the index: each module's second moment of the rows"
+    preconditioner: str = _f("kfac", "curvature stored with the index: each module's second moment of the rows"
                              " (module, for `gradian rank --score influence|whitened`), K-FAC factors of the"
                              " projected activations and output gradients (kfac, for --score kfac|ekfac), or both",
                              choices=("none", "module", "kfac", "module+kfac"))

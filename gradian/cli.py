@@ -242,13 +242,13 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
     rank.add_argument("--score", choices=("auto", "cosine", "dot", "influence", "whitened", "kfac", "ekfac"),
                       default="auto",
-                      help="auto (default): ekfac if the index holds K-FAC factors (grads.preconditioner=kfac),"
-                           " else cosine. influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
+                      help="auto (default): ekfac if the index holds K-FAC factors (grads.preconditioner=kfac, the"
+                           " default), else cosine. influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
                            " the cosine after whitening with each module's damped second moment A; kfac / ekfac"
                            " need grads.preconditioner=kfac: qᵀ(F + λI)⁻¹g with K-FAC's or EK-FAC's F")
     rank.add_argument("--damping", type=float, default=None,
                       help="for influence / whitened / kfac / ekfac: λ as a share of each module's mean eigenvalue"
-                           " (default 0.1); refused with cosine and dot")
+                           " (default 0.01 for kfac / ekfac, 0.1 for influence / whitened); refused with cosine and dot")
     rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
                       help="how the per-query scores of a row combine into one ranking")
     rank.add_argument("--out", default=None,

@@ -22,7 +22,7 @@ complete, from the stored rows (one pass), and saved in ``curvature.safetensors`
 the manifest with its sha256; `gradian inspect --verify` recomputes it). Scores:
 
     kfac(q, g)  = Σ_m q_mᵀ (F_m + λ_m I)⁻¹ g_m,   F_m = (Q_S ⊗ Q_A) diag(Λ_m) (Q_S ⊗ Q_A)ᵀ
-    ekfac(q, g) = the same with Λ*_m;             λ_m = damping · mean(Λ_m)   (damping 0.1)
+    ekfac(q, g) = the same with Λ*_m;             λ_m = damping · mean(Λ_m)   (damping 0.01)
 
 Applied to the queries only, in the eigenbasis (two (k_o, k_i) rotations and a division per
 query and module: no inverse, no k x k matrix); the rows are streamed as for `dot`, so ranking
@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 CURVATURE_FILE = "curvature.safetensors"
 TOKENS = "kfac_tokens"
 KINDS = ("kfac", "ekfac")
+# λ_m = CURVATURE_DAMPING x the mean eigenvalue, unless `gradian rank --damping` says otherwise. Chosen
+# on the yardsticks (docs/benchmarks.md, "Damping"): 0.01 beats 0.1 at widths 1024 and 4096 on fact
+# sets A and B and on LDS, ties on the SmolLM2 set; raw rows prefer 0.03-0.1 on B.
+CURVATURE_DAMPING = 0.01
 # Above this many rows or columns per factor the (k, k) factors are not small any more (raw rows of
 # a large model: d_in² floats per module and shard).
 MAX_FACTOR_WIDTH = 4096
@@ -71,13 +75,15 @@ def check_kfac(kind: str, factors: dict[str, tuple[int, int]]) -> None:
     kind: the projector's kind; factors: name -> (k_o, k_i) (raw rows: (d_out, d_in)).
     """
     if kind == "dense":
-        raise ValueError("grads.preconditioner=kfac needs the Kronecker structure of the rows: set"
-                         " grads.projection=kronecker or kronecker_orthogonal (or grads.preconditioner=module).")
+        raise ValueError("grads.preconditioner=kfac (the default) needs the Kronecker structure of the rows: set"
+                         " grads.projection=kronecker or kronecker_orthogonal, or grads.preconditioner=none (or"
+                         " module) with grads.projection=dense.")
     wide = [(n, f) for n, f in factors.items() if max(f) > MAX_FACTOR_WIDTH]
     if wide:
         name, (k_o, k_i) = wide[0]
         raise ValueError(f"grads.preconditioner=kfac stores ({k_o}, {k_o}) and ({k_i}, {k_i}) factors for {name};"
-                         f" a side above {MAX_FACTOR_WIDTH} is too large. Set grads.projection_dim (kronecker rows).")
+                         f" a side above {MAX_FACTOR_WIDTH} is too large. Set grads.projection_dim (kronecker rows),"
+                         " or grads.preconditioner=none for raw rows without curvature.")
 
 
 class FactorSums:

@@ -49,7 +49,7 @@ from gradian.curvature import (
 from gradian.data import TokenPolicy, collate, length_limit
 from gradian.header import IndexHeader, header_json
 from gradian.index import MANIFEST, IndexMismatchError, IndexReader, IndexWriter, read_manifest
-from gradian.memory import estimate_grads
+from gradian.memory import curvature_sides, estimate_grads
 from gradian.precondition import check_block_width
 from gradian.projection import Projector, projection_fingerprint
 from gradian.restrict import restricted_sites, site_shapes
@@ -104,17 +104,22 @@ def _check_readable(path: Path, what: str) -> None:
                         exit_code=2)
 
 
-def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks: int = 1) -> int:
+def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks: int = 1,
+                       factor_sides: list[tuple[int, int]] | None = None) -> int:
     """A shard's float32 rows stay in host memory until the shard is written: refuse a shard that
     cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
     With grads.preconditioner=module the shard's second moments (`n_blocks` of k x k float32) and
-    one block's float64 scratch (rows x k) come on top; with kfac the float64 factor sums. Returns the buffer's bytes."""
+    one block's float64 scratch (rows x k) come on top; with kfac the float64 factor sums:
+    Σ (k_o² + k_i²) · 8 over `factor_sides` ((k_o, k_i) per module, `gradian.memory.curvature_sides`),
+    else bounded from the width alone. Returns the buffer's bytes."""
     rows = min(grads.rows_per_shard, n_rows)
     need = rows * row_width * 4
     if has_module(grads.preconditioner):
         k = row_width // n_blocks
         need += n_blocks * k * k * 4 + rows * k * 8
-    if has_kfac(grads.preconditioner):  # float64 factor sums; a side is at most k (raw: d <= 4096)
+    if has_kfac(grads.preconditioner) and factor_sides is not None:
+        need += sum((k_o * k_o + k_i * k_i) * 8 for k_o, k_i in factor_sides)
+    elif has_kfac(grads.preconditioner):  # float64 factor sums; a side is at most k (raw: d <= 4096)
         k = row_width // n_blocks
         side = min(k, 4096)
         need += n_blocks * 2 * side * side * 8 if grads.projection_dim is None else n_blocks * 4 * k * 8
@@ -143,6 +148,8 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
                         f" (workers are numbered 0..{grads.num_shards - 1}).", exit_code=2)
     try:
         check_block_width(grads.projection_dim, grads.preconditioner)
+        if has_kfac(grads.preconditioner) and grads.projection_dim is not None:
+            check_kfac(grads.projection, {})  # dense rows: refused before the model loads
     except ValueError as err:
         raise UserError(str(err), exit_code=2) from None
     if grads.data_path is not None:
@@ -315,8 +322,9 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     estimate = estimate_grads(
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,
-        activations=activations)
-    check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes))
+        activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard)
+    check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes),
+                       list(curvature_sides(projector).values()))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -23,6 +23,7 @@ from circuitkit.models.adapters import family
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
 from circuitkit.pipeline import StageMemory
 from gradian.capture import activation_mode, logit_chunk_rows
+from gradian.curvature import has_kfac, has_module
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 
 # Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
@@ -82,9 +83,32 @@ def grads_index_bytes(n_rows: int, width: int, storage_dtype_bytes: int) -> int:
     return int(n_rows * (width * storage_dtype_bytes + INDEX_ROW_EXTRA_BYTES))
 
 
+def curvature_sides(projector: Projector) -> dict[str, tuple[int, int]]:
+    """(k_o, k_i) per module: the sides of its K-FAC factors (kronecker factors; raw rows: the shape)."""
+    return {n: projector.factors.get(n, shape) for n, shape in projector.shapes.items()}
+
+
+def preconditioner_index_bytes(projector: Projector, preconditioner: str, n_shards: int = 1) -> int:
+    """Bytes the preconditioner adds to an index on disk (float32; headers excluded):
+
+        module  per shard   Σ_m width_m² · 4                         (second moments)
+        kfac    per shard   Σ_m (k_i² + k_o²) · 4 + 8               (factor sums, position count)
+                once        Σ_m (k_i² + k_o² + k_i + k_o + k_o·k_i) · 4 + 16   (curvature.safetensors)
+    """
+    total = 0
+    if has_module(preconditioner):
+        total += n_shards * sum(projector.width(n) ** 2 * FP32 for n in projector.shapes)
+    if has_kfac(preconditioner):
+        sides = curvature_sides(projector).values()
+        total += n_shards * (sum((k_i * k_i + k_o * k_o) * FP32 for k_o, k_i in sides) + 8)
+        total += sum((k_i * k_i + k_o * k_o + k_i + k_o + k_o * k_i) * FP32 for k_o, k_i in sides) + 16
+    return int(total)
+
+
 def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
                    supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
-                   n_rows: int = 0, activations: str = "model") -> MemoryEstimate:
+                   n_rows: int = 0, activations: str = "model", preconditioner: str = "none",
+                   rows_per_shard: int | None = None) -> MemoryEstimate:
     """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
@@ -119,8 +143,14 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     Here N_s is one unembedding chunk: min(B·supervised_per_row, `logit_chunk_rows(V)`). Only
     the supervised hidden states reach the unembedding, a chunk at a time, so no term but the
     activations grows with prompt length, and the logit terms stop growing at one chunk.
+        K-FAC factor scratch            with a kfac `preconditioner`, the largest module's float64
+                                        copies of its projected inputs and output gradients and
+                                        their outer-product sums: N·(k_i + k_o)·8 + (k_i² + k_o²)·8
+                                        (raw rows: d_in, d_out), made in the backward hooks
+
     `index_bytes` (attribute, not in the total: it is disk) is
-    `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)`.
+    `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)` plus `preconditioner_index_bytes`
+    for ceil(n_rows / rows_per_shard) shards (one when rows_per_shard is None).
     """
     s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
@@ -160,9 +190,14 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         "cross-entropy buffers": Ns * V * (FP32 * LOGIT_F32_COPIES - FP32 - p),
         "block temporaries": int(max(0.0, tmp_f * N * f * p - logits_f32)),
     }
+    if has_kfac(preconditioner):
+        terms["K-FAC factor scratch"] = max(N * (k_i + k_o) * 8 + (k_i * k_i + k_o * k_o) * 8
+                                            for k_o, k_i in curvature_sides(projector).values())
     est = MemoryEstimate(terms, phase="log-softmax backward" if terms["block temporaries"] == 0
                          else "backward of a recomputed activation" if recomputed else "forward of the last block")
-    est.index_bytes = grads_index_bytes(n_rows, width, storage_dtype_bytes)
+    n_shards = max(1, -(-n_rows // rows_per_shard)) if rows_per_shard else 1
+    est.index_bytes = (grads_index_bytes(n_rows, width, storage_dtype_bytes)
+                       + preconditioner_index_bytes(projector, preconditioner, n_shards))
     return est
 
 
@@ -188,7 +223,8 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     rows = rows_within_budget(batch_size or g.batch_size, g.batch_tokens, seq)
     dtype = DTYPES[cfg.model.precision]
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
-                          DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype))
+                          DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype),
+                          g.preconditioner, g.rows_per_shard)
 
 
 def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:

@@ -34,7 +34,7 @@ from circuitkit.errors import UserError
 from circuitkit.io import atomic_write_bytes, check_writable
 from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
-from gradian.curvature import KroneckerCurvature, has_kfac
+from gradian.curvature import CURVATURE_DAMPING, KroneckerCurvature, has_kfac
 from gradian.data import _preview, collate, load_rows, policy_of
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.indexer import check_input_file, tokenizer_hash
@@ -94,7 +94,8 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     k' = min(top_k, rows in the index). Peak memory is about one shard in float32 plus Q x
     shard rows of scores, whatever the number of rows. `verify`: check each shard's sha256
     against the manifest as it is read (IndexIntegrityError on a mismatch). `damping`: λ_m as a
-    share of module m's mean eigenvalue for the curvature scores (None: 0.1); refused with
+    share of module m's mean eigenvalue for the curvature scores (None: 0.1 for influence /
+    whitened, 0.01 for kfac / ekfac); refused with
     cosine and dot, which use none.
     """
     _check_choice("score", score, SCORES)
@@ -117,7 +118,7 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     precond = _preconditioner(reader, damping) if score in PRECONDITIONED_SCORES else None
     if score in KRONECKER_SCORES:
         _kronecker_check(reader)
-        q = KroneckerCurvature.from_index(reader, score, DAMPING if damping is None else damping).precondition(q)
+        q = KroneckerCurvature.from_index(reader, score, CURVATURE_DAMPING if damping is None else damping).precondition(q)
     elif score == "influence":
         q = precond.precondition(q)  # (A q)ᵀ g = qᵀ A g: the rows need nothing more
     elif score == "whitened":
@@ -439,7 +440,8 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
 
     `score`: cosine, dot, or (an index built with grads.preconditioner=module) influence or
     whitened, or (grads.preconditioner=kfac) kfac or ekfac, with `damping` (share of the mean
-    eigenvalue, default 0.1; `gradian.precondition`, `gradian.curvature`; refused with cosine / dot).
+    eigenvalue, default 0.1 for influence / whitened, 0.01 for kfac / ekfac; `gradian.precondition`,
+    `gradian.curvature`; refused with cosine / dot).
     "auto" (the default): ekfac on an index with K-FAC factors, else cosine (`default_score`).
     Query rows are tokenized with the index's token policy (manifest ``token_policy``);
     `append_eos`, when given, must be that policy's (IndexMismatchError otherwise).

@@ -102,7 +102,8 @@ def main() -> None:
                                                         len(circuit_heads)) if sorted(p) != sorted(circuit_heads)]
         random_sets = random.Random(0).sample(every_pair, min(args.random, len(every_pair)))
         grads = replace(GradsConfig(), data_path=str(work / "train.jsonl"), projection_dim=None,
-                        storage_dtype="float32", batch_size=16, max_seq_length=128, circuit_mlps="none")
+                        storage_dtype="float32", batch_size=16, max_seq_length=128, circuit_mlps="none",
+                        preconditioner="none")  # raw rows ranked with cosine: no curvature
         quiet = Console(file=io.StringIO())
 
         def measure(name: str, circuit: Path | None) -> dict[str, float]:

@@ -217,7 +217,8 @@ def evaluate(loaded: LoadedModel, model_cfg: ModelConfig, corpus: Corpus, work: 
     for projection, dim, dtype in grid:
         grads = GradsConfig(data_path=str(docs_path), batch_size=16, module_filter=None,
                             projection="kronecker" if projection == "raw" else projection,
-                            projection_dim=dim, storage_dtype=dtype, rows_per_shard=4096, append_eos=append_eos)
+                            projection_dim=dim, storage_dtype=dtype, rows_per_shard=4096, append_eos=append_eos,
+                            preconditioner="none")  # cosine / dot only (dense rows cannot hold K-FAC factors)
         index_dir = work / f"index_{tag}_{projection}_{dim}_{dtype}_eos{int(append_eos)}"
         start = time.perf_counter()
         summary = build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)

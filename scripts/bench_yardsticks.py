@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +61,16 @@ from gradian.indexer import build_index  # noqa: E402
 from gradian.rank import check_compatible, query_gradients, stream_topk  # noqa: E402
 
 MODULES = ["mlp"]
+# The tables' reference damping: a kfac / ekfac row without "λ=" was ranked at 0.1 (the default
+# until issue 30's damping sweep; gradian.curvature.CURVATURE_DAMPING is 0.01 since: the "λ=0.01" rows).
 DAMPING = 0.1
 
 
-def score_matrix(index_dir: Path, q: torch.Tensor, score: str, n_docs: int) -> tuple[torch.Tensor, float]:
+def score_matrix(index_dir: Path, q: torch.Tensor, score: str, n_docs: int,
+                 damping: float | None = None) -> tuple[torch.Tensor, float]:
     """(Q, n_docs) scores of every row and the seconds `stream_topk` took."""
     start = time.perf_counter()
-    top = stream_topk(index_dir, q, top_k=n_docs, score=score)
+    top = stream_topk(index_dir, q, top_k=n_docs, score=score, damping=damping)
     seconds = time.perf_counter() - start
     out = torch.zeros(q.shape[0], n_docs, dtype=torch.float64)
     out.scatter_(1, top["query_rows"], top["query_scores"].double())
@@ -143,19 +147,69 @@ class Yardstick:
         return {"lds": mean, "lds_se": se}
 
 
+SCORES = ("cosine", "influence", "whitened", "kfac", "ekfac", "kfac true-F", "ekfac true-F")
+
+
+def damped_label(score: str, damping: float) -> str:
+    """The table's name of a curvature score at a damping other than the default."""
+    return score if damping == DAMPING else f"{score} λ={damping:g}"
+
+
+class sampled_labels:
+    """While active, gradian.capture's loss gradient uses labels sampled from the model's own
+    prediction at each supervised position instead of the data's (the true Fisher, as Kronfluence's
+    default), one draw per position from a seeded generator. Bench-only: an index built under it
+    holds the sampled-label rows and K-FAC factors, whose curvature `fisher_scores` applies to the
+    data-label rows of the ordinary index."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __enter__(self):
+        import gradian.capture as capture
+
+        self.capture, self.original = capture, capture.supervised_loss_grad
+
+        def patched(adapter, h, targets, weights, loss="ce"):
+            with torch.no_grad():
+                probs = torch.softmax(adapter.unembed(h).float(), dim=-1)
+                targets = torch.multinomial(probs.cpu(), 1, generator=self.gen).flatten().to(targets.device)
+            return self.original(adapter, h, targets, weights, loss)
+
+        capture.supervised_loss_grad = patched
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.capture.supervised_loss_grad = self.original
+
+
+def fisher_scores(index_dir: Path, fisher_dir: Path, q: torch.Tensor, kind: str, damping: float,
+                  n_docs: int) -> torch.Tensor:
+    """qᵀ (F + λI)⁻¹ g with F the true-Fisher K-FAC / EK-FAC of fisher_dir, g the rows of index_dir."""
+    from gradian.curvature import KroneckerCurvature
+
+    q_pre = KroneckerCurvature.from_index(IndexReader(fisher_dir), kind, damping).precondition(q)
+    return score_matrix(index_dir, q_pre, "dot", n_docs)[0]
+
+
 def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str], work: Path,
-                  console: Console, batch_size: int = 16) -> list[dict[str, Any]]:
+                  console: Console, batch_size: int = 16, wanted: tuple[str, ...] = SCORES,
+                  dampings: tuple[float, ...] = (DAMPING,), raw_too: bool = True,
+                  true_fisher: bool = False) -> list[dict[str, Any]]:
     from circuitkit.models.loading import load_model
 
     model_cfg = ModelConfig(name=ys.model_dir, precision=ys.precision)
     loaded = load_model(model_cfg, device=torch.device("cpu"))
     quiet = Console(stderr=True, quiet=True)
+    modules = getattr(ys, "modules", MODULES)
     out = []
-    plan = [(loss, None, 0) for loss in losses] + [(loss, w, s) for loss in losses for w in widths for s in range(seeds)]
+    plan = ([(loss, None, 0) for loss in losses] if raw_too else []) + [
+        (loss, w, s) for loss in losses for w in widths for s in range(seeds)]
     for loss, width, seed in plan:
         raw = width is None
-        precond = "kfac" if (raw or width > 4096) else "module+kfac"
-        grads = GradsConfig(data_path=str(ys.docs), batch_size=batch_size, module_filter=MODULES,
+        module = not raw and width <= 4096 and {"influence", "whitened"} & set(wanted)
+        precond = "module+kfac" if module else "kfac"
+        grads = GradsConfig(data_path=str(ys.docs), batch_size=batch_size, module_filter=modules,
                             projection="kronecker", projection_dim=width, projection_seed=seed,
                             storage_dtype="float32", loss=loss, preconditioner=precond)
         index_dir = work / f"{ys.name}_{loss}_{width or 'raw'}_{seed}"
@@ -164,16 +218,29 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
         index_s = time.perf_counter() - start
         manifest = IndexReader(index_dir).manifest
         projector = check_compatible(manifest, loaded)
-        scores = ["cosine", "kfac", "ekfac"] + (["influence", "whitened"] if precond == "module+kfac" else [])
+        scores = [s for s in wanted if s in ("cosine", "kfac", "ekfac") or (module and s in ("influence", "whitened"))]
         sizes = stored_bytes(index_dir)
+        fisher_dir = None
+        if true_fisher and loss == "ce":
+            fisher_dir = index_dir.with_name(index_dir.name + "_fisher")
+            with sampled_labels(seed):
+                build_index(model_cfg, replace(grads, preconditioner="kfac"), fisher_dir, quiet, loaded=loaded)
         for style, path in ys.queries.items():
             q, _ = query_gradients(manifest, loaded, projector, path, batch_size=batch_size)
+            for kind in ("kfac", "ekfac") if fisher_dir else ():
+                for damping in dampings:
+                    matrix = fisher_scores(index_dir, fisher_dir, q, kind, damping, ys.n_docs)
+                    out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": width or "raw",
+                                "seed": seed, "score": damped_label(f"{kind} true-F", damping), "stream_s": 0.0,
+                                "index_s": index_s, "bytes": sizes, **ys.evaluate(style, matrix)})
             for score in scores:
-                matrix, seconds = score_matrix(index_dir, q, score, ys.n_docs)
-                out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": width or "raw",
-                            "seed": seed, "score": score, "stream_s": seconds, "index_s": index_s, "bytes": sizes,
-                            **ys.evaluate(style, matrix)})
-            if raw:
+                for damping in (dampings if score in ("kfac", "ekfac") else (None,)):
+                    matrix, seconds = score_matrix(index_dir, q, score, ys.n_docs, damping)
+                    out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": width or "raw",
+                                "seed": seed, "score": score if damping is None else damped_label(score, damping),
+                                "stream_s": seconds, "index_s": index_s, "bytes": sizes,
+                                **ys.evaluate(style, matrix)})
+            if raw and "influence" in wanted:
                 start = time.perf_counter()
                 matrix = exact_influence(index_dir, q)
                 out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": "raw", "seed": seed,
@@ -185,14 +252,27 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
             import shutil
 
             shutil.rmtree(index_dir, ignore_errors=True)  # disk: keep only the raw references
+        if fisher_dir is not None:
+            import shutil
+
+            shutil.rmtree(fisher_dir, ignore_errors=True)
     return out
 
 
-PEER_SCORES = {"scores": "ekfac (Kronfluence)", "scores_default_damping": "ekfac, damping 1e-8 (Kronfluence)"}
+PEER_LABELS = {
+    "kronfluence": {"scores": "ekfac (Kronfluence)", "scores_default_damping": "ekfac, damping 1e-8 (Kronfluence)",
+                    "scores_empirical": "ekfac, empirical Fisher (Kronfluence)"},
+    "traker": {"scores": "TRAK score (traker)", "scores_cosine": "feature cosine (traker)"},
+}
+PEER_ORDER = [v for labels in PEER_LABELS.values() for v in labels.values()]
 
 
-def run_peer(ys: Yardstick, tool: str, work: Path, console: Console, timeout: float = 3000) -> list[dict[str, Any]]:
-    """A peer's worker (scripts/peers/) on the yardstick's model, documents, queries and modules."""
+def run_peer(ys: Yardstick, tool: str, work: Path, console: Console, timeout: float = 3000,
+             total_dim: int = 0, empirical: bool = False) -> list[dict[str, Any]]:
+    """A peer's worker (scripts/peers/) on the yardstick's model, documents, queries and modules.
+
+    total_dim: the projected width of a projecting peer (traker); empirical: Kronfluence also fits
+    its factors with the empirical Fisher (the data's labels, as Gradian)."""
     from bench_peers import run_worker
 
     from circuitkit.models.linear_modules import select_modules
@@ -204,8 +284,8 @@ def run_peer(ys: Yardstick, tool: str, work: Path, console: Console, timeout: fl
     tool_work = work / f"{tool}_{ys.name}"
     tool_work.mkdir(parents=True, exist_ok=True)
     spec = {"model_dir": ys.model_dir, "docs": str(ys.docs), "queries": {s: str(p) for s, p in ys.queries.items()},
-            "modules": modules, "per_module_dim": 0, "total_dim": 0, "batch_size": 8, "max_length": 256, "seed": 0,
-            "work_dir": str(tool_work)}
+            "modules": modules, "per_module_dim": 0, "total_dim": total_dim, "batch_size": 8, "max_length": 256,
+            "seed": 0, "work_dir": str(tool_work), "empirical_fisher": empirical}
     start = time.perf_counter()
     result = run_worker(tool, spec, tool_work, timeout)
     console.print(f"[dim]{tool} on {ys.name}: {time.perf_counter() - start:.0f} s[/dim]")
@@ -213,7 +293,9 @@ def run_peer(ys: Yardstick, tool: str, work: Path, console: Console, timeout: fl
         console.print(f"{tool} on {ys.name} failed: {str(result['error']).splitlines()[0]}")
         return []
     out = []
-    for key, label in PEER_SCORES.items():
+    for key, label in PEER_LABELS[tool].items():
+        if total_dim:
+            label = label.replace(")", f", {total_dim} total)")
         for style, matrix in (result.get(key) or {}).items():
             out.append({"yardstick": ys.name, "style": style, "loss": "ce", "width": "full", "seed": 0,
                         "score": label, "stream_s": result.get("query_seconds") or 0.0,
@@ -259,51 +341,73 @@ def lds_yardstick(work: Path, subsets: int, console: Console) -> Yardstick:
     return ys
 
 
-def smollm2_yardstick(work: Path, model_dir: str, n_facts: int, steps: int, console: Console) -> Yardstick:
-    """Fine-tune SmolLM2 on B-style facts, only the MLP down projections of the last layers."""
-    import random
+SMOLLM2_FORMAT = 2  # bump when the fact set, the trained modules or the training changes
+
+
+def smollm2_yardstick(work: Path, model_dir: str, n_facts: int, epochs: int, console: Console) -> Yardstick:
+    """Fine-tune SmolLM2 on B-style facts (ceil(n_facts / 5) entities x 5 kinds + n_facts / 2
+    distractors), only the MLP down projections of the last 4 layers (the backward stops there),
+    `epochs` epochs of AdamW (batch 8, lr 1e-3); queries ``para`` and ``answer`` of every fact.
+
+    Cached under $CIRCUITKIT_CACHE/yardsticks/smollm2-<key>/, the key a sha256 of the base model's
+    config and weights, the documents and the training settings: a rerun reuses the model (the
+    fine-tuning is deterministic on the CPU: seeded order, one thread)."""
+    import hashlib
+    import shutil
 
     from bench_planted_facts import fine_tune
 
+    from circuitkit.fixtures.cache import cache_root
     from circuitkit.models.loading import load_model
 
-    corpus = make_corpus_b(max(1, n_facts // 5 + 1), n_generic=n_facts // 2, seed=3)
-    keep = [i for i, d in enumerate(corpus.docs)]
-    docs = write_jsonl(work / "s_docs.jsonl", [corpus.docs[i] for i in keep])
-    rng = random.Random(0)
-    pick = sorted(rng.sample(range(corpus.n_facts), min(n_facts, corpus.n_facts)))
-    queries = {"para": write_jsonl(work / "s_queries_para.jsonl", [corpus.queries["para"][i] for i in pick])}
-    targets = [corpus.targets[i] for i in pick]
-    loaded = load_model(ModelConfig(name=model_dir, precision="float32"), device=torch.device("cpu"))
-    model = loaded.model
-    n_layers = model.config.num_hidden_layers
-    trained = [f"model.layers.{i}.mlp.down_proj" for i in range(n_layers - 4, n_layers)]
-    # Only the trained modules' weights get gradients (fine_tune unfreezes everything: wrap it).
-    start = time.perf_counter()
-    original = model.requires_grad_
+    corpus = make_corpus_b(-(-n_facts // 5), n_generic=n_facts // 2, seed=3)
+    lr, batch = 1e-3, 8
+    key = hashlib.sha256()
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith((".json", ".safetensors")):
+            key.update(name.encode())
+            key.update(hashlib.sha256((Path(model_dir) / name).read_bytes()).digest())
+    key.update(json.dumps({"docs": corpus.docs, "epochs": epochs, "lr": lr, "batch": batch,
+                           "format": SMOLLM2_FORMAT}, sort_keys=True).encode())
+    cached = cache_root() / "yardsticks" / f"smollm2-{key.hexdigest()[:16]}"
+    if not (cached / "info.json").is_file():
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        docs = write_jsonl(tmp / "s_docs.jsonl", corpus.docs)
+        loaded = load_model(ModelConfig(name=model_dir, precision="float32"), device=torch.device("cpu"))
+        model = loaded.model
+        n_layers = model.config.num_hidden_layers
+        trained = [f"model.layers.{i}.mlp.down_proj" for i in range(n_layers - 4, n_layers)]
+        # Only the trained modules' weights get gradients (fine_tune unfreezes everything: wrap it).
+        start = time.perf_counter()
+        original = model.requires_grad_
 
-    def restricted(flag: bool = True):
-        original(False)
-        if flag:
-            for name in trained:
-                model.get_submodule(name).weight.requires_grad_(True)
-        return model
+        def restricted(flag: bool = True):
+            original(False)
+            if flag:
+                for name in trained:
+                    model.get_submodule(name).weight.requires_grad_(True)
+            return model
 
-    model.requires_grad_ = restricted
-    n_docs = sum(1 for _ in docs.read_text().splitlines())
-    epochs = max(1, steps * 8 // n_docs)
-    info = fine_tune(loaded, docs, epochs=epochs, lr=1e-3, batch_size=8, seed=0)
-    model.requires_grad_ = original
-    model.requires_grad_(False)
-    out = work / "s_model"
-    model.save_pretrained(out)
-    loaded.tokenizer.save_pretrained(out)
-    info["trained_modules"] = trained
-    info["wall_s"] = time.perf_counter() - start
-    console.print(f"SmolLM2 fine-tune: {info}")
-    ys = Yardstick("S", str(out), docs, queries, targets)
+        model.requires_grad_ = restricted
+        info = fine_tune(loaded, docs, epochs=epochs, lr=lr, batch_size=batch, seed=0)
+        model.requires_grad_ = original
+        model.requires_grad_(False)
+        model.save_pretrained(tmp / "model")
+        loaded.tokenizer.save_pretrained(tmp / "model")
+        info |= {"trained_modules": trained, "wall_s": time.perf_counter() - start, "docs": len(corpus.docs),
+                 "facts": corpus.n_facts, "threads": torch.get_num_threads()}
+        (tmp / "info.json").write_text(json.dumps(info, indent=1))
+        shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)
+        console.print(f"SmolLM2 fine-tune (cached in {cached}): {info}")
+    info = json.loads((cached / "info.json").read_text())
+    docs = write_jsonl(work / "s_docs.jsonl", corpus.docs)
+    queries = {style: write_jsonl(work / f"s_queries_{style}.jsonl", q) for style, q in corpus.queries.items()}
+    ys = Yardstick("S", str(cached / "model"), docs, queries, corpus.targets)
     ys.fine_tune = info
-    ys.modules = trained
+    ys.modules = info["trained_modules"]
     return ys
 
 
@@ -325,6 +429,19 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _row_key(k: tuple[str, str, str]) -> tuple:
+    """Rows by loss, width (exact and the peers last), score (SCORES order, then each score's
+    dampings in increasing order, then the peers)."""
+    loss, width, score = k
+    base, _, damp = score.partition(" λ=")
+    if base in SCORES:
+        rank = (SCORES.index(base), 1 if damp else 0, float(damp or 0), "")
+    else:
+        peer = next((i for i, p in enumerate(PEER_ORDER) if score.startswith(p.split(" (")[0])), len(PEER_ORDER))
+        rank = (len(SCORES) + peer, 0, 0.0, score)
+    return (loss, {"raw": 10**9, "full": 10**10}.get(width) or int(width), rank)
+
+
 def print_table(summary: list[dict[str, Any]], console: Console) -> None:
     columns = sorted({(s["yardstick"], s["style"]) for s in summary},
                      key=lambda c: (["A", "B", "S", "LDS"].index(c[0]), c[1]))
@@ -333,9 +450,7 @@ def print_table(summary: list[dict[str, Any]], console: Console) -> None:
     for col in ("loss", "width", "score", *[f"{y} {s}" for y, s in columns]):
         table.add_column(col, justify="left" if col in ("loss", "score") else "right")
     by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"]): s for s in summary}
-    order = ["cosine", "influence", "whitened", "kfac", "ekfac", *PEER_SCORES.values()]
-    keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary},
-                  key=lambda k: (k[0], {"raw": 10**9, "full": 10**10}.get(k[1]) or int(k[1]), order.index(k[2])))
+    keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary}, key=_row_key)
     for loss, width, score in keys:
         cells = []
         for y, s in columns:
@@ -355,9 +470,7 @@ def markdown(summary: list[dict[str, Any]]) -> str:
     columns = sorted({(s["yardstick"], s["style"]) for s in summary},
                      key=lambda c: (["A", "B", "S", "LDS"].index(c[0]), c[1]))
     by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"]): s for s in summary}
-    order = ["cosine", "influence", "whitened", "kfac", "ekfac", *PEER_SCORES.values()]
-    keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary},
-                  key=lambda k: (k[0], {"raw": 10**9, "full": 10**10}.get(k[1]) or int(k[1]), order.index(k[2])))
+    keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary}, key=_row_key)
     lines = ["| loss | width | score | " + " | ".join(f"{y} {s}" for y, s in columns) + " |",
              "|---|---:|---|" + "---:|" * len(columns)]
     for loss, width, score in keys:
@@ -402,10 +515,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lds-subsets", type=int, default=16)
     p.add_argument("--smollm2", default=None, help="SmolLM2 HF directory: add the real-model yardstick S")
-    p.add_argument("--smollm2-facts", type=int, default=10)
-    p.add_argument("--smollm2-steps", type=int, default=8)
-    p.add_argument("--smollm2-widths", default="1024")
-    p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence)")
+    p.add_argument("--smollm2-facts", type=int, default=60)
+    p.add_argument("--smollm2-epochs", type=int, default=2)
+    p.add_argument("--smollm2-widths", default="1024,4096")
+    p.add_argument("--smollm2-raw", action="store_true", help="S: also the unprojected references (slow)")
+    p.add_argument("--scores", default=",".join(SCORES), help="Gradian scores to rank with")
+    p.add_argument("--dampings", default=str(DAMPING),
+                   help="kfac / ekfac dampings (shares of each module's mean eigenvalue); 0.1 is the default's row")
+    p.add_argument("--modules", default="mlp", help="module_filter patterns (comma list), or 'all' (every linear)")
+    p.add_argument("--no-raw", action="store_true", help="skip the unprojected references")
+    p.add_argument("--true-fisher", action="store_true",
+                   help="also kfac / ekfac with true-Fisher curvature (labels sampled from the model; loss ce)")
+    p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence, traker)")
+    p.add_argument("--peer-dim", type=int, default=4096, help="traker's projected width (all modules together)")
+    p.add_argument("--kronfluence-empirical", action="store_true",
+                   help="Kronfluence also with the empirical Fisher (the data's labels, as Gradian)")
     p.add_argument("--no-gradian", action="store_true", help="only the peers (e.g. after a run with the same --work)")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -420,6 +544,18 @@ def main(argv: list[str] | None = None) -> int:
             print_costs(summary, Console(width=200))
         print(markdown(summary))
         return 0
+    global MODULES
+    MODULES = None if args.modules == "all" else [m for m in args.modules.split(",") if m]
+    wanted_scores = tuple(x for x in args.scores.split(",") if x)
+    dampings = tuple(float(d) for d in args.dampings.split(",") if d)
+    gradian_kw = {"wanted": wanted_scores, "dampings": dampings, "raw_too": not args.no_raw,
+                  "true_fisher": args.true_fisher}
+
+    def peers_on(ys: Yardstick) -> list[dict[str, Any]]:
+        return [r for tool in args.peers.split(",") if tool
+                for r in run_peer(ys, tool, work, console, total_dim=args.peer_dim if tool == "traker" else 0,
+                                  empirical=args.kronfluence_empirical and tool == "kronfluence")]
+
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)
     logging.getLogger("gradian.curvature").setLevel(logging.ERROR)
     console = Console(width=200)
@@ -444,24 +580,22 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"--yardsticks: unknown {name!r} (A, B, LDS)")
             fine_tunes[name] = ys.fine_tune
             if not args.no_gradian:
-                rows += run_yardstick(ys, widths, args.seeds, losses, work, console)
-            for tool in (t for t in args.peers.split(",") if t):
-                rows += run_peer(ys, tool, work, console)
+                rows += run_yardstick(ys, widths, args.seeds, losses, work, console, **gradian_kw)
+            rows += peers_on(ys)
             console.print(f"yardstick {name}: {time.perf_counter() - t0:.0f} s")
             if args.json:  # partial results survive a later failure
                 args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
         if args.smollm2:
             t0 = time.perf_counter()
-            ys = smollm2_yardstick(work, args.smollm2, args.smollm2_facts, args.smollm2_steps, console)
+            ys = smollm2_yardstick(work, args.smollm2, args.smollm2_facts, args.smollm2_epochs, console)
             fine_tunes["S"] = ys.fine_tune
-            global MODULES
-            MODULES = ys.modules
             if not args.no_gradian:
                 rows += run_yardstick(ys, [int(w) for w in args.smollm2_widths.split(",")], 1, losses, work, console,
-                                      batch_size=4)
-            for tool in (t for t in args.peers.split(",") if t):
-                rows += run_peer(ys, tool, work, console)
+                                      batch_size=4, **(gradian_kw | {"raw_too": args.smollm2_raw}))
+            rows += peers_on(ys)
             console.print(f"yardstick S: {time.perf_counter() - t0:.0f} s")
+            if args.json:
+                args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
     summary = summarize(rows)
     print_table(summary, console)
     if any(s["yardstick"] == "B" for s in summary):

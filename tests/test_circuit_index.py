@@ -152,8 +152,10 @@ def test_manifest_records_the_circuit_and_rank_refuses_another(restricted_index)
     queries.write_text(json.dumps(ROWS[3]) + "\n")
     # The right circuit (and no circuit: the manifest's own sites) ranks the duplicate first.
     for circuit in (root / "a.pt", None):
-        top = rank(root / "restricted", queries, top_k=3, circuit=circuit)
+        top = rank(root / "restricted", queries, top_k=3, circuit=circuit, score="cosine")
         assert top[0]["row_id"] == 3 and top[0]["score"] == pytest.approx(1.0, abs=1e-3)
+    # the default score (ekfac: the default index holds K-FAC factors of the head blocks) agrees
+    assert rank(root / "restricted", queries, top_k=3)[0]["row_id"] == 3
     with pytest.raises(IndexMismatchError, match="another circuit"):
         rank(root / "restricted", queries, circuit=root / "b.pt")
     with pytest.raises(IndexMismatchError, match="unrestricted"):
@@ -173,7 +175,7 @@ def test_gradian_rank_cli_refuses_in_one_line(restricted_index, capsys) -> None:
 
 
 def test_preflight_estimate_follows_the_restricted_set(restricted_index) -> None:
-    from gradian.memory import grads_estimate
+    from gradian.memory import grads_estimate, grads_projector, preconditioner_index_bytes
 
     root = restricted_index
     base = ["model.precision=float32", "grads.projection_dim=16", "grads.batch_size=2", "grads.max_seq_length=32"]
@@ -181,8 +183,11 @@ def test_preflight_estimate_follows_the_restricted_set(restricted_index) -> None
     _, two_heads = compose([*base, f"grads.circuit={root / 'a.pt'}", "grads.circuit_mlps=none"])
     _, every_head = compose([*base, "grads.circuit=run"])  # before pruning: the upper bound
     e_full, e_two, e_all = (grads_estimate(c, n_rows=100) for c in (full, two_heads, every_head))
-    assert e_two.index_bytes == 100 * (2 * 16 * 2 + 12)  # 2 heads x dim 16, float16, + norm + row id
-    assert e_all.index_bytes == 100 * ((2 * 4 + 2) * 16 * 2 + 12)  # 8 heads + 2 MLPs
+    # rows, + the default kfac's factors of the same blocks (one shard)
+    kfac_two, kfac_all = (preconditioner_index_bytes(grads_projector(c), "kfac", 1) for c in (two_heads, every_head))
+    assert 0 < kfac_two < kfac_all
+    assert e_two.index_bytes == 100 * (2 * 16 * 2 + 12) + kfac_two  # 2 heads x dim 16, float16, + norm + row id
+    assert e_all.index_bytes == 100 * ((2 * 4 + 2) * 16 * 2 + 12) + kfac_all  # 8 heads + 2 MLPs
     assert e_two.terms["capture buffers"] < e_full.terms["capture buffers"]
 
 

@@ -152,12 +152,12 @@ def test_factors_and_rows_equal_a_brute_force_computation(index: Path, brute: di
 
 
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
-@pytest.mark.parametrize("damping", [None, 0.01])
+@pytest.mark.parametrize("damping", [None, 0.1])
 def test_kfac_scores_equal_a_dense_computation(index: Path, brute: dict, kind: str, damping: float | None) -> None:
     stored = torch.cat([g for _, g, _ in IndexReader(index).shards()]).double()
     gen = torch.Generator().manual_seed(0)
     q = torch.cat([stored[:3], torch.randn(2, stored.shape[1], generator=gen, dtype=torch.float64) * stored.std()])
-    want = _dense_kfac_scores(brute, q, kind, 0.1 if damping is None else damping)
+    want = _dense_kfac_scores(brute, q, kind, 0.01 if damping is None else damping)  # None: the default 0.01
     top = stream_topk(index, q.float(), top_k=len(ROWS), score=kind, damping=damping)
     got = torch.zeros_like(want).scatter_(1, top["query_rows"], top["query_scores"].double())
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-4 * want.abs().max().item())
@@ -267,7 +267,7 @@ def test_inspect_verify_says_what_it_checked(index: Path, capsys) -> None:
     assert "EK-FAC eigenvalues recomputed from the stored rows" in line
 
 
-def test_refusals(root: Path, index: Path, tmp_path: Path, capsys) -> None:
+def test_refusals(root: Path, index: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     from gradian.cli import main
 
     plain = _build(root, "module-only", "grads.preconditioner=module", "grads.rows_per_shard=7")
@@ -282,9 +282,15 @@ def test_refusals(root: Path, index: Path, tmp_path: Path, capsys) -> None:
     assert "--score cosine: cosine uses no curvature" in " ".join(capsys.readouterr().err.split())
     assert main(["rank", "--index", str(plain), "--queries", str(queries), "--damping", "0.1"]) == 2  # auto: cosine
     assert "so --score auto is cosine, which uses no damping" in " ".join(capsys.readouterr().err.split())
-    cfg = _cfg(root, "grads.preconditioner=kfac", "grads.projection=dense")
-    with pytest.raises(ValueError, match="Kronecker structure"):
+    from circuitkit.errors import UserError
+    from gradian import indexer
+
+    # dense rows with the default kfac: one line naming the fix, before the model loads
+    cfg = _cfg(root, "grads.projection=dense")
+    monkeypatch.setattr(indexer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(UserError, match=r"\(the default\) needs the Kronecker structure .* grads.preconditioner=none"):
         build_index(cfg.model, cfg.grads, tmp_path / "dense")
+    assert not (tmp_path / "dense").exists()
 
 
 def test_resume_with_another_preconditioner_is_refused_before_the_model_loads(index: Path, monkeypatch) -> None:
@@ -312,3 +318,47 @@ def test_rank_with_kfac_from_the_command_line_and_a_short_summary(index: Path, t
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(results) == 5 * 3
     assert [r["row_id"] for r in results if r["rank"] == 1][:4] == [0, 1, 2, 3]  # each row finds itself first
+
+
+def test_default_index_holds_kfac_and_the_disk_estimate_counts_it(root: Path, index: Path) -> None:
+    """grads.preconditioner defaults to kfac; `estimate_grads`'s index_bytes counts the shards'
+    factor sums and curvature.safetensors (and the module second moments) as they are on disk."""
+    from safetensors import safe_open
+
+    from gradian.curvature import is_factor_tensor
+    from gradian.memory import grads_index_bytes, preconditioner_index_bytes
+
+    assert _cfg(root).grads.preconditioner == "kfac"
+    reader = IndexReader(index)
+    manifest = reader.manifest
+    proj = manifest["projection"]
+    projector = Projector.from_description({n: tuple(e["shape"]) for n, e in proj["modules"].items()}, proj)
+    factor_bytes = moment_bytes = 0
+    for name in manifest["shards"]:
+        with safe_open(str(index / name), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118
+                size = fh.get_tensor(key).nbytes
+                if is_factor_tensor(key):
+                    factor_bytes += size
+                elif key == "second_moment":
+                    moment_bytes += size
+    curvature = (index / CURVATURE_FILE).stat().st_size
+    n_shards = len(manifest["shards"])
+    assert n_shards == 3 and factor_bytes > 0 and moment_bytes > 0
+    kfac = preconditioner_index_bytes(projector, "kfac", n_shards)
+    module = preconditioner_index_bytes(projector, "module", n_shards)
+    assert module == moment_bytes
+    # curvature.safetensors: its tensors + a header (42 tensor names here: under 4 KiB)
+    assert kfac - factor_bytes <= curvature <= kfac - factor_bytes + 4096
+    assert preconditioner_index_bytes(projector, "module+kfac", n_shards) == kfac + module
+    assert preconditioner_index_bytes(projector, "none", n_shards) == 0
+    from circuitkit.memory import shape_for
+    from gradian.memory import estimate_grads
+
+    cfg = _cfg(root)
+    est = estimate_grads(shape_for(cfg.model), 4, 2, 32, 16, projector, 4, 20, preconditioner="kfac", rows_per_shard=7)
+    assert est.index_bytes == grads_index_bytes(20, projector.total_width, 4) + kfac
+    assert est.terms["K-FAC factor scratch"] > 0
+    plain = estimate_grads(shape_for(cfg.model), 4, 2, 32, 16, projector, 4, 20)
+    assert "K-FAC factor scratch" not in plain.terms
+    assert est.total_bytes - plain.total_bytes == est.terms["K-FAC factor scratch"]

@@ -25,8 +25,12 @@ def test_grads_stage_indexes_the_sample_and_records_it(tmp_path):
     assert "index/manifest.json" in entry["artifacts"] and "index/shard-00002.safetensors" in entry["artifacts"]
     rows = torch.cat([r for r, _, _ in reader.shards()])
     assert rows.tolist() == list(range(24))
-    # size on disk: rows x width x 2 bytes (float16) + norms + row ids + headers and manifest
-    payload = 24 * 8 * 64 * 2 + 24 * 12
+    # size on disk: rows x width x 2 bytes (float16) + norms + row ids, and (grads.preconditioner=kfac,
+    # the default) per shard 8 modules' 8 x 8 factor pair + a position count, and curvature.safetensors
+    # (8 x (two 8 x 8 bases, two 8-vectors of eigenvalues, 8 x 8 EK-FAC eigenvalues) + two counts),
+    # + headers and manifest
+    assert reader.manifest["preconditioner"] == "kfac"
+    payload = 24 * 8 * 64 * 2 + 24 * 12 + 3 * (8 * 2 * 64 * 4 + 8) + 8 * (3 * 64 + 2 * 8) * 4 + 16
     assert payload <= reader.summary()["bytes"] <= payload + 20_000
 
 
@@ -34,7 +38,8 @@ def test_module_filter_and_storage_dtype_shrink_the_index(tmp_path):
     sizes = {}
     for name, extra in (("all_fp32", ["grads.storage_dtype=float32"]), ("all_fp16", []),
                         ("cproj_fp16", ["grads.module_filter=[mlp.c_proj]"])):
-        _, cfg = compose(["stages=[grads]", *BASE, *extra])
+        # the rows alone (no K-FAC factors, which are float32 whatever storage_dtype is)
+        _, cfg = compose(["stages=[grads]", *BASE, "grads.preconditioner=none", *extra])
         run_pipeline(cfg, tmp_path / name)
         sizes[name] = sum(p.stat().st_size for p in (tmp_path / name / "index").glob("shard-*"))
     assert sizes["all_fp16"] < 0.6 * sizes["all_fp32"]
@@ -79,8 +84,13 @@ def test_a_shard_that_cannot_fit_in_host_memory_is_refused_before_anything_is_wr
     # Raw gradients of the tiny GPT-2's two mlp.c_proj: 2 x 64 x 256 float32 values per row.
     grads = GradsConfig(projection_dim=None, module_filter=["mlp.c_proj"], rows_per_shard=4096)
     width = 2 * 64 * 256
+    # + the default kfac's float64 factor sums: (64 x 64 and 256 x 256) per module
+    monkeypatch.setattr(indexer, "free_memory_bytes", lambda device=None: 20 * width * 4)
+    sides = [(64, 256), (64, 256)]
+    assert indexer.check_shard_buffer(grads, 5, width, 2, sides) == 5 * width * 4 + 2 * (64**2 + 256**2) * 8
     monkeypatch.setattr(indexer, "free_memory_bytes", lambda device=None: 10 * width * 4)
-    assert indexer.check_shard_buffer(grads, n_rows=5, row_width=width) == 5 * width * 4  # 5 rows fit
+    plain = GradsConfig(projection_dim=None, module_filter=["mlp.c_proj"], rows_per_shard=4096, preconditioner="none")
+    assert indexer.check_shard_buffer(plain, n_rows=5, row_width=width) == 5 * width * 4  # 5 rows fit
     with pytest.raises(UserError, match=r"grads.rows_per_shard=4096: a shard holds 24 rows .* Lower"
                                         r" grads.rows_per_shard \(e.g. 5\)"):
         indexer.build_index(ModelConfig(name="builtin:tiny-gpt2", precision="float32"), grads, tmp_path / "idx")

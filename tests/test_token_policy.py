@@ -187,7 +187,7 @@ def test_queries_follow_the_index_policy(indexes: dict[bool, Path], tmp_path: Pa
     from gradian.rank import rank
 
     queries = _jsonl(tmp_path / "q.jsonl", [ROWS[5]])
-    results = rank(indexes[eos], queries, top_k=2)
+    results = rank(indexes[eos], queries, top_k=2, score="cosine")
     # A training row as query finds itself at cosine 1 only if it is tokenized as it was indexed.
     assert results[0]["row_id"] == 5 and results[0]["score"] == pytest.approx(1.0, abs=1e-5)
 

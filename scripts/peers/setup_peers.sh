@@ -44,7 +44,9 @@ if fresh .venv-peers; then
   pip=(.venv-peers/bin/python -m pip install --quiet -c "$CONSTRAINT")
   "${pip[@]}" --no-deps bergson
   mapfile -t bergson_deps < <(.venv-peers/bin/python "$HERE/requirements_without.py" bergson torchvision torchaudio)
-  "${pip[@]}" "${bergson_deps[@]}" traker dattri
+  # hydra-core, rich: the workers' shared tokenization (scripts/peers/lmdata.py) imports gradian.data,
+  # which imports circuitkit.config (without them the traker worker fails: "No module named 'hydra'").
+  "${pip[@]}" "${bergson_deps[@]}" traker dattri hydra-core rich
   touch ".venv-peers/.peers-$STAMP"
 fi
 

@@ -16,6 +16,8 @@ What runs (the contract is in scripts/peers/lmdata.py):
   separate bias (as worker_dattri.py does), tracked as `<module>.linear`.
 * `scores`: damping `ScoreArguments.damping_factor=None` (Kronfluence's heuristic, 0.1 x the mean
   eigenvalue: Gradian's rule); `scores_default_damping`: Kronfluence's default damping 1e-8.
+* `spec["empirical_fisher"]` (optional): also fit the factors with `use_empirical_fisher=True`
+  (the data's labels, as Gradian's factors) and score with the heuristic damping: `scores_empirical`.
 """
 
 from __future__ import annotations
@@ -143,6 +145,18 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             result["query_seconds"] = time.perf_counter() - t0
     result["scores"] = scores["heuristic"]
     result["scores_default_damping"] = scores["default"]
+    if spec.get("empirical_fisher"):
+        analyzer.fit_all_factors(factors_name="ekfac_emp", dataset=docs, per_device_batch_size=spec["batch_size"],
+                                 factor_args=FactorArguments(strategy="ekfac", use_empirical_fisher=True),
+                                 overwrite_output_dir=True)
+        result["scores_empirical"] = {}
+        for style, rows in queries.items():
+            name = f"scores_emp_{style}"
+            analyzer.compute_pairwise_scores(scores_name=name, factors_name="ekfac_emp", query_dataset=rows,
+                                             train_dataset=docs, per_device_query_batch_size=spec["batch_size"],
+                                             per_device_train_batch_size=spec["batch_size"],
+                                             score_args=ScoreArguments(damping_factor=None), overwrite_output_dir=True)
+            result["scores_empirical"][style] = analyzer.load_pairwise_scores(name)["all_modules"].double().tolist()
     result["scoring"] = "Kronfluence pairwise influence, EK-FAC, damping 0.1 x mean eigenvalue (damping_factor=None)"
     result["notes"] = [f"tracked modules: {', '.join(tracked)}",
                        "scores_default_damping: the same factors with Kronfluence's default damping_factor 1e-8"]
