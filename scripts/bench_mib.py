@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -50,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--task", default="ioi")
+    ap.add_argument("--seq-len", type=int, default=24, help="induction prompt length (tokens, BOS included)")
     ap.add_argument("--attr", type=int, default=16)
     ap.add_argument("--eval", type=int, default=32)
     ap.add_argument("--ig-steps", type=int, default=5)
@@ -59,6 +61,8 @@ def main() -> None:
     ap.add_argument("--resamples", type=int, default=100)
     ap.add_argument("--runs", default="node:eap,node:eap-ig,edge:eap-ig,node:eap-ig-activations,node:exact,edge:eap")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--save-scores", default=None, help="torch.save each run's scores here (reused by --load-scores)")
+    ap.add_argument("--load-scores", default=None, help="reuse these saved scores instead of attributing again")
     ap.add_argument("--render", nargs="+", default=None, help="print the markdown table of these JSONs and exit")
     a = ap.parse_args()
     if a.render:
@@ -66,38 +70,53 @@ def main() -> None:
         return
     loaded = load_model(ModelConfig(name=a.model, precision="float32"), torch.device("cpu"))
     adapter = loaded.adapter
-    data = build_task(a.task, loaded.tokenizer, loaded.path, DataParams(num_examples=a.attr, eval_examples=a.eval),
+    data = build_task(a.task, loaded.tokenizer, loaded.path, DataParams(num_examples=a.attr, eval_examples=a.eval,
+                                                                   seq_len=a.seq_len),
                       a.attr + a.eval, 0, max_tokens=context_length(loaded.model.config))
     attr, held = data[:a.attr], data[a.attr:]
-    res: dict = {"model": a.model, "task": a.task, "n_attr": a.attr, "n_eval": a.eval, "rows": []}
+    res: dict = {"model": a.model, "task": a.task, "n_attr": a.attr, "n_eval": a.eval, "rows": [],
+                 "seq_len": a.seq_len if a.task == "induction" else None}
     evaluators: dict = {}
+    saved = torch.load(a.load_scores, weights_only=True) if a.load_scores else {}
+    to_save: dict = {}
 
     for run in a.runs.split(","):
         level, method = run.split(":")
-        t = time.time()
-        if method == "exact":
-            scores = exact_patching(adapter, attr, level, "logit_diff", a.batch_size, progress=False)
-        elif method == "eap-ig-activations":
-            scores = attribute_activations(adapter, attr, level, "logit_diff", a.act_steps, a.batch_size, False,
-                                           ig_rule=a.act_rule, per_example=True)
+        if run in saved:  # a former run's scores (--save-scores): same pairs, no new attribution
+            got = saved[run]
         else:
-            steps = 1 if method == "eap" else a.ig_steps
-            scores = attribute(adapter, attr, "eap-ig" if method == "eap-ig" else "eap", level, "logit_diff", steps,
-                               a.batch_size, progress=False, per_example=True)
-        attr_s = time.time() - t
-        passes = scores.info.get("passes", "exact")
+            t = time.time()
+            if method == "exact":
+                scores = exact_patching(adapter, attr, level, "logit_diff", a.batch_size, progress=False,
+                                        per_example=level == "node")
+                scores.info["passes"] = f"{1 + scores.head.numel() + scores.mlp.numel() + 2} fwd"
+            elif method == "eap-ig-activations":
+                scores = attribute_activations(adapter, attr, level, "logit_diff", a.act_steps, a.batch_size, False,
+                                               ig_rule=a.act_rule, per_example=True)
+            else:
+                steps = 1 if method == "eap" else a.ig_steps
+                scores = attribute(adapter, attr, "eap-ig" if method == "eap-ig" else "eap", level, "logit_diff",
+                                   steps, a.batch_size, progress=False, per_example=True)
+            key = "head" if level == "node" else "edges"
+            got = {"ranked": scores.head if level == "node" else scores.edges,
+                   "per_ex": (scores.per_example or {}).get(key),
+                   "valid": None if level == "node" else scores.graph.edge_mask(),
+                   "passes": scores.info.get("passes", "exact"), "attribution_s": time.time() - t}
+        if a.save_scores:  # plain tensors and numbers: torch.load(weights_only=True) reads them back
+            to_save[run] = got
+            torch.save(to_save, a.save_scores + ".tmp")
+            os.replace(a.save_scores + ".tmp", a.save_scores)
+        ranked, per_ex, valid, passes, attr_s = (got[k] for k in ("ranked", "per_ex", "valid", "passes",
+                                                                  "attribution_s"))
         if level == "node":
-            key, ranked, valid = "head", scores.head, None
             if "heads" not in evaluators:
                 evaluators["heads"] = Evaluator(adapter, held, "logit_diff", "corrupted", None, a.batch_size)
             ev = evaluators["heads"]
         else:
-            key, ranked, valid = "edges", scores.edges, scores.graph.edge_mask()
             if "edges" not in evaluators:
                 evaluators["edges"] = EdgeEvaluator(adapter, held, "logit_diff", "corrupted", None, a.batch_size)
             ev = evaluators["edges"]
         n_total = ranked.numel() if valid is None else int(valid.sum())
-        per_ex = (scores.per_example or {}).get(key)
         full = torch.ones_like(ranked, dtype=torch.bool) if valid is None else valid
         m_full, m_empty = ev(full), ev(torch.zeros_like(full))
         selections = ["top_k"] + (["bootstrap"] if per_ex is not None else [])
