@@ -15,6 +15,7 @@ Runs are "node:eap", "node:eap-ig", "edge:eap-ig", ... (--runs); eap-ig-activati
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -28,6 +29,7 @@ from circuitkit.config import DataParams, ModelConfig
 from circuitkit.models.loading import context_length, load_model
 from circuitkit.pruning import Evaluator, curve_areas, curve_count, keep_top, sparsity_curve
 from circuitkit.pruning_edges import EdgeEvaluator
+from circuitkit.pruning_optimize import learn_edge_mask
 from circuitkit.selection import BootstrapSelector
 from circuitkit.stability import stability
 from circuitkit.tasks import build_task
@@ -35,14 +37,14 @@ from circuitkit.tasks import build_task
 
 def render(paths: list[str]) -> str:
     """The markdown table of one or more output JSONs."""
-    lines = ["| level | method | selection | passes / batch | attribution s | curve s | CPR | CMD |"
-             " f at 10 % | Jaccard mean / 5th pct (n kept) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| level | method | selection | passes / batch | attribution s | selection s | curve s | CPR | CMD |"
+             " f at 10 % | Jaccard mean / 5th pct (n kept) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for path in paths:
         for r in json.load(open(path))["rows"]:
             stab = ("–" if r["jaccard_mean"] is None
                     else f"{r['jaccard_mean']:.2f} / {r['jaccard_p5']:.2f} ({r['stability_n']})")
             lines.append(f"| {r['level']} | {r['method']} | {r['selection']} | {r['passes_per_batch']} |"
-                         f" {r['attribution_s']:.0f} | {r['curve_s']:.0f} | {r['cpr']:.3f} | {r['cmd']:.3f} |"
+                         f" {r['attribution_s']:.0f} | {r.get('selection_s', 0):.0f} | {r['curve_s']:.0f} | {r['cpr']:.3f} | {r['cmd']:.3f} |"
                          f" {r['f_at_10pct']:.3f} ({r['n_at_10pct']}) | {stab} |")
     return "\n".join(lines)
 
@@ -61,6 +63,12 @@ def main() -> None:
     ap.add_argument("--resamples", type=int, default=100)
     ap.add_argument("--runs", default="node:eap,node:eap-ig,edge:eap-ig,node:eap-ig-activations,node:exact,edge:eap")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--selections", default="top_k,bootstrap",
+                    help="top_k, bootstrap, edge_pruning (edge rows only: a mask warm-started from the scores)")
+    ap.add_argument("--mask-steps", type=int, default=40)
+    ap.add_argument("--mask-lr", type=float, default=0.05)
+    ap.add_argument("--mask-penalty", type=float, default=1.0)
+    ap.add_argument("--mask-pairs", type=int, default=8, help="attribution pairs the edge mask is optimized on")
     ap.add_argument("--save-scores", default=None, help="torch.save each run's scores here (reused by --load-scores)")
     ap.add_argument("--load-scores", default=None, help="reuse these saved scores instead of attributing again")
     ap.add_argument("--render", nargs="+", default=None, help="print the markdown table of these JSONs and exit")
@@ -119,9 +127,19 @@ def main() -> None:
         n_total = ranked.numel() if valid is None else int(valid.sum())
         full = torch.ones_like(ranked, dtype=torch.bool) if valid is None else valid
         m_full, m_empty = ev(full), ev(torch.zeros_like(full))
-        selections = ["top_k"] + (["bootstrap"] if per_ex is not None else [])
+        selections = [sel for sel in a.selections.split(",")
+                      if (sel != "bootstrap" or per_ex is not None) and (sel != "edge_pruning" or level == "edge")]
         for sel in selections:
+            t = time.time()
             selector = BootstrapSelector(per_ex, "abs", a.resamples, 0, valid) if sel == "bootstrap" else None
+            if sel == "edge_pruning":
+                theta = learn_edge_mask(adapter, attr[:a.mask_pairs], ranked, valid, "logit_diff", a.mask_steps,
+                                        a.mask_lr, a.mask_penalty, a.batch_size,
+                                        progress=lambda st, lo, fa, de: print(f"mask step {st}: loss {lo:.4f}"
+                                                                              f" faith {fa:.4f} density {de:.4f}",
+                                                                              flush=True))
+                selector = functools.partial(keep_top, theta, rank_by="signed", valid=valid)
+            select_s = time.time() - t
 
             def choose(n, selector=selector, ranked=ranked, valid=valid):
                 return selector(n) if selector is not None else keep_top(ranked, n, "abs", valid)
@@ -137,7 +155,8 @@ def main() -> None:
                    "f_at_10pct": at10["faithfulness"], "n_at_10pct": at10["n_kept"],
                    "stability_n": n_stab, "jaccard_mean": stab and stab["jaccard_mean"],
                    "jaccard_p5": stab and stab["jaccard_p5"], "passes_per_batch": passes,
-                   "attribution_s": attr_s, "curve_s": curve_s, "m_full": m_full, "m_empty": m_empty,
+                   "attribution_s": attr_s, "curve_s": curve_s,
+                   "selection_s": select_s, "m_full": m_full, "m_empty": m_empty,
                    "curve": [(r["n_kept"], r["faithfulness"]) for r in curve]}
             if level == "node":
                 row["ig_steps"] = None if method in ("exact", "eap") else (a.act_steps if "activations" in method
