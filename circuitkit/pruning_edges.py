@@ -108,6 +108,9 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, kept: torch.Tensor
         rows = sub.any(1).nonzero().flatten()
         if rows.numel() == 0:
             return base.unsqueeze(0).expand(sub.shape[1], *base.shape)
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        if 2 * rows.numel() >= hi - lo:  # mostly kept rows: a view of the span, no gathered copy
+            return base.unsqueeze(0) - torch.einsum("uv,ubtd->vbtd", sub[lo:hi], state["diff"][lo:hi])
         return base.unsqueeze(0) - torch.einsum("uv,ubtd->vbtd", sub[rows], state["diff"][rows])
 
     hk.pre(adapter.blocks[0], lambda m, a, k: append(first_input(a, k).float().unsqueeze(0)), with_kwargs=True)
