@@ -8,8 +8,12 @@ Each method runs once (per-example scores kept), then each selection reuses its 
     OMP_NUM_THREADS=1 python scripts/bench_mib.py --model /work/models/smollm2-135m-instruct \\
         --attr 16 --eval 32 --out .cache/exp/bench_mib.json
 
-Runs are "node:eap", "node:eap-ig", "edge:eap-ig", ... (--runs); eap-ig-activations uses
---act-steps points of --act-rule.
+Runs are "node:eap", "node:eap-ig", "edge:eap-ig", "node:exact", ... (--runs); eap-ig-activations
+uses --act-steps points of --act-rule. --task induction builds --seq-len token prompts.
+Selections (--selections): top_k, bootstrap, edge_pruning (edge rows; `circuitkit.pruning_optimize`,
+--mask-steps steps on the first --mask-pairs attribution pairs). --save-scores keeps each run's
+scores (plain tensors) so a later process reruns selections on the same scores (--load-scores)
+without attributing again; its rows then carry the first process's attribution time.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def render(paths: list[str]) -> str:
             stab = ("–" if r["jaccard_mean"] is None
                     else f"{r['jaccard_mean']:.2f} / {r['jaccard_p5']:.2f} ({r['stability_n']})")
             lines.append(f"| {r['level']} | {r['method']} | {r['selection']} | {r['passes_per_batch']} |"
-                         f" {r['attribution_s']:.0f} | {r.get('selection_s', 0):.0f} | {r['curve_s']:.0f} | {r['cpr']:.3f} | {r['cmd']:.3f} |"
+                         f" {r['attribution_s']:.0f} | {'–' if 'selection_s' not in r else format(r['selection_s'], '.0f')} | {r['curve_s']:.0f} | {r['cpr']:.3f} | {r['cmd']:.3f} |"
                          f" {r['f_at_10pct']:.3f} ({r['n_at_10pct']}) | {stab} |")
     return "\n".join(lines)
 
