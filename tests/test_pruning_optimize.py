@@ -85,3 +85,16 @@ def test_prune_with_edge_pruning_selects_by_the_learned_mask(caplog):
     heads = prune(lm.adapter, scores, data[:6], data[6:], PruningConfig(selection="edge_pruning", graph=False,
                                                                          bootstrap_resamples=0), "logit_diff", 3)
     assert heads.extra["selection"] == "top_k" and "needs pruning.scope=edges" in caplog.text
+
+
+def test_edge_pruning_keys_compose_and_are_checked():
+    from circuitkit.config import ConfigError, compose
+
+    _, cfg = compose(["pruning.scope=edges", "pruning.selection=edge_pruning", "pruning.mask_steps=7",
+                      "pruning.mask_lr=0.3", "pruning.mask_penalty=0"])
+    p = cfg.pruning
+    assert (p.selection, p.mask_steps, p.mask_lr, p.mask_penalty) == ("edge_pruning", 7, 0.3, 0.0)
+    for bad, key in (("pruning.mask_steps=0", "pruning.mask_steps"), ("pruning.mask_lr=0", "pruning.mask_lr"),
+                     ("pruning.mask_penalty=-1", "pruning.mask_penalty")):
+        with pytest.raises(ConfigError, match=key):
+            compose([bad])
