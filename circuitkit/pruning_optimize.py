@@ -13,7 +13,8 @@ mask's density, and initialised from EAP / EAP-IG scores instead of from scratch
     start     θ_uv = init_scale x (logit(q_uv) - logit(1 - init_density)), q_uv the rank quantile
               of |s_uv|: the top init_density of the edges by |score| start above 0.5
 
-Adam on θ for `steps` steps over the attribution pairs (one batch per step, cycling). The
+Adam on θ for `steps` steps over the attribution pairs (one batch per step, cycling; only the
+first steps x batch_size pairs are used, and their runs recorded). The
 trained θ ranks the edges: the circuit at any size n keeps the n edges of highest θ, so one
 optimization serves every point of the faithfulness curve. Cost: `steps` forward and backward
 passes of one batch through the masked model (plus one clean and one corrupted forward per
@@ -65,6 +66,7 @@ def learn_edge_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor,
     """
     if steps < 1:
         raise ValueError(f"pruning.mask_steps={steps} must be at least 1")
+    data = data[:steps * batch_size]  # the batches the steps reach: only those are recorded
     ev = EdgeEvaluator(adapter, data, metric, "corrupted", None, batch_size)  # clean, corrupted, ablated writes
     gap = (ev.m_clean - ev.m_corrupted) / ev.n
     if abs(gap) < 1e-6:
