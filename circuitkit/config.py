@@ -145,9 +145,16 @@ class PruningConfig:
                             choices=("auto", "matplotlib", "graphviz"))
     selection: str = _f("top_k", "how the kept set is chosen from the scores: top_k = the best n by rank_by;"
                         " bootstrap = the n most often in a bootstrap resample's top n (per-example scores,"
-                        " no model pass; circuitkit.selection)", choices=("top_k", "bootstrap"))
+                        " no model pass; circuitkit.selection); edge_pruning = edges ranked by a mask optimized on"
+                        " the attribution pairs, warm-started from the scores (scope=edges only;"
+                        " circuitkit.pruning_optimize)", choices=("top_k", "bootstrap", "edge_pruning"))
     bootstrap_resamples: int = _f(100, "resamples of the attribution examples for selection=bootstrap and the"
                                   " stability report (Jaccard of the kept set); 0 = no stability report", ge=0)
+    mask_steps: int = _f(20, "selection=edge_pruning: optimizer steps on the edge mask (one forward and backward"
+                         " of one attribution batch each)", ge=1)
+    mask_lr: float = _f(0.1, "selection=edge_pruning: Adam learning rate on the mask logits", gt=0.0)
+    mask_penalty: float = _f(1.0, "selection=edge_pruning: weight of the mask's mean density in the loss (the"
+                             " faithfulness term is normalized by the clean-corrupted gap)", ge=0.0)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 `pruning.scope: heads` removes heads, `edges` removes edges (`circuitkit.pruning_edges` runs
 the edge circuits); both select with `keep_top` (`select_heads`, `select_edges`), or with
-`pruning.selection: bootstrap` (`circuitkit.selection`), and both evaluators take the kept
+`pruning.selection: bootstrap` (`circuitkit.selection`) or, for edges, `edge_pruning`
+(`circuitkit.pruning_optimize`), and both evaluators take the kept
 mask. Heads are removed lowest score first (`rank_by: abs` on |score|, `signed` on the score)
 and ablated through a hook on z, the input of the attention output projection:
 
@@ -16,6 +17,7 @@ Faithfulness on held-out examples: f = (m(circuit) - m(empty)) / (m(full) - m(em
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +32,7 @@ from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet
 from circuitkit.models.placement import input_device
 from circuitkit.pruning_edges import EdgeEvaluator, fit_positions, mean_writes
+from circuitkit.pruning_optimize import learn_edge_mask
 from circuitkit.selection import BootstrapSelector, keep_top  # noqa: F401  (keep_top: re-exported)
 from circuitkit.stability import stability
 from circuitkit.tasks.base import TaskData
@@ -238,7 +241,7 @@ def circuit_fields(found: PrunedCircuit) -> dict:
     """The circuit.pt fields added by issue 28, in one place (for the typed Circuit artifact):
 
         curve_definition  str: what the curve is (`curve_definition`)
-        selection         str: pruning.selection (top_k / bootstrap)
+        selection         str: pruning.selection (top_k / bootstrap / edge_pruning)
         stability         dict | None: Jaccard of the kept set over bootstrap resamples of the
                           examples (`circuitkit.stability.stability`), None without per-example scores
     """
@@ -261,6 +264,13 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
         log.warning("pruning.selection=bootstrap needs per-example scores (discovery.per_example=true, an unsharded"
                     " eap/eap-ig run); selecting top_k instead.")
         selection_rule = "top_k"
+    if selection_rule == "edge_pruning" and p.scope != "edges":
+        log.warning("pruning.selection=edge_pruning optimizes a mask over edges and needs pruning.scope=edges;"
+                    " selecting top_k heads instead.")
+        selection_rule = "top_k"
+    if selection_rule == "edge_pruning" and p.ablation != "corrupted":
+        log.warning("pruning.selection=edge_pruning optimizes its mask under corrupted ablation (MIB's); the curve"
+                    " is measured under pruning.ablation=%s.", p.ablation)
     if p.scope == "heads":
         means = mean_z(adapter, attr_data, batch_size) if p.ablation == "mean" else None
         evaluate = Evaluator(adapter, held_out, metric, p.ablation, means, batch_size)
@@ -274,6 +284,10 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
 
     selector = (BootstrapSelector(per_example, p.rank_by, max(p.bootstrap_resamples, 1), 0, valid)
                 if selection_rule == "bootstrap" else None)
+    if selection_rule == "edge_pruning":
+        theta = learn_edge_mask(adapter, attr_data, scores.edges, valid, metric, p.mask_steps, p.mask_lr,
+                                p.mask_penalty, batch_size)
+        selector = functools.partial(keep_top, theta, rank_by="signed", valid=valid)
 
     def choose(n_keep: int) -> torch.Tensor:
         if selector is not None:

@@ -58,8 +58,14 @@ def mean_writes(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch
     return (total / count.clamp(min=1)).cpu()
 
 
-def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, kept: torch.Tensor, ablated: torch.Tensor) -> None:
+def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, kept: torch.Tensor, ablated: torch.Tensor,
+                          soft: bool = False) -> None:
     """Hooks that make every downstream input read only its kept edges (see module docstring).
+
+    `soft=True` takes `kept` as a float mask in [0, 1] (the edge-pruning mask of
+    `circuitkit.pruning_optimize`) and stays differentiable in it: the shift of input v is
+    Σ_u (1 - kept[u, v]) d_u over every row written before v, one contraction per group of
+    rows written together (the groups are kept as written, not copied into one buffer).
 
     The shift of input v is Σ_u removed(u, v) d_u with d_u = write_u(live) - write_u(ablated).
     Every input reads every upstream row written before it (`Graph.edge_mask`), so removed =
@@ -71,10 +77,14 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, kept: torch.Tensor
     graph = graph_of(adapter)
     H, KV, dh, L = adapter.n_heads, adapter.n_kv_heads, adapter.head_dim, adapter.n_layers
     kept = kept.float()
-    state: dict = {"n": 0, "diff": None, "cum": {}}  # rows written, their d_u, Σ of the first n rows
+    state: dict = {"n": 0, "diff": None, "cum": {}, "groups": []}  # rows written, their d_u, Σ of the first n rows
 
     def append(rows: torch.Tensor) -> None:  # rows (k, B, T, d) live writes, in graph order
         n, k = state["n"], rows.shape[0]
+        if soft:
+            state["groups"].append((n, rows.float() - (ablated[n:n + k] if ablated.shape[0] > 1 else ablated[0])))
+            state["n"] = n + k
+            return
         if state["diff"] is None:
             state["diff"] = torch.empty(len(graph.upstream), *rows.shape[1:], dtype=torch.float32, device=rows.device)
             state["cum"][0] = torch.zeros(rows.shape[1:], dtype=torch.float32, device=rows.device)
@@ -84,11 +94,23 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, kept: torch.Tensor
         state["n"] = n + k
 
     def shift(n_up: int, cols) -> torch.Tensor:
+        if soft:
+            total = None
+            for start, d in state["groups"]:
+                if start >= n_up:
+                    break
+                d = d[:n_up - start]
+                part = torch.einsum("uv,ubtd->vbtd", 1 - kept[start:start + d.shape[0], cols], d)
+                total = part if total is None else total + part
+            return total
         sub = kept[:n_up, cols]  # (n_up, n_cols)
         base = state["cum"][n_up]
         rows = sub.any(1).nonzero().flatten()
         if rows.numel() == 0:
             return base.unsqueeze(0).expand(sub.shape[1], *base.shape)
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        if 2 * rows.numel() >= hi - lo:  # mostly kept rows: a view of the span, no gathered copy
+            return base.unsqueeze(0) - torch.einsum("uv,ubtd->vbtd", sub[lo:hi], state["diff"][lo:hi])
         return base.unsqueeze(0) - torch.einsum("uv,ubtd->vbtd", sub[rows], state["diff"][rows])
 
     hk.pre(adapter.blocks[0], lambda m, a, k: append(first_input(a, k).float().unsqueeze(0)), with_kwargs=True)

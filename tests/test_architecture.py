@@ -94,6 +94,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.pruning": CIRCUIT,
     "circuitkit.pruning_edges": CIRCUIT,
     "circuitkit.selection": CIRCUIT,  # keep_top, bootstrapped selection, the greedy oracle
+    "circuitkit.pruning_optimize": CIRCUIT,  # selection=edge_pruning: a mask warm-started from the scores
     "circuitkit.stability": CIRCUIT,  # Jaccard of the kept set over resamples of the examples
     "circuitkit.mib": CIRCUIT,  # MIB's metrics, export and folder check
     "circuitkit.attribution.eap_activations": CIRCUIT,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from reference_edges import reference_metric
 
-from circuitkit.attribution import attribute, graph_of
+from circuitkit.attribution import attribute, exact_patching, graph_of
 from circuitkit.config import DataParams, ModelConfig
 from circuitkit.models.loading import load_model
 from circuitkit.pruning import CURVE_PERCENTS, curve_areas, curve_count, keep_top
@@ -246,3 +246,14 @@ def test_eap_ig_activations_edges_sum_to_the_node_scores():
     assert torch.allclose(s.edges[mlp_rows].sum(1), s.mlp, atol=1e-4, rtol=1e-3)
     inputs = attribute(a, data, "eap-ig", "edge", ig_steps=2, batch_size=2, progress=False, ig_rule="midpoint")
     assert not torch.allclose(inputs.edges, s.edges, atol=1e-4)
+
+
+def test_exact_patching_per_example_rows_average_to_the_scores_and_match_single_examples():
+    lm, data = loaded("tiny-llama"), pairs("tiny-llama")
+    x = exact_patching(lm.adapter, data, "node", batch_size=4, progress=False, per_example=True)
+    rows = x.per_example["head"]
+    assert rows.shape == (len(data), *x.head.shape)
+    torch.testing.assert_close(rows.mean(0), x.head, atol=1e-5, rtol=1e-5)
+    one = exact_patching(lm.adapter, data[2:3], "node", batch_size=1, progress=False)
+    torch.testing.assert_close(rows[2], one.head, atol=1e-4, rtol=1e-4)
+    assert rows.abs().max() > 1e-3  # the patches move the metric

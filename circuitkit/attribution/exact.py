@@ -93,9 +93,11 @@ def _edge_patch(adapter: ModelAdapter, graph, column: int, delta_u: torch.Tensor
 
 
 def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", metric: str = "logit_diff",
-                   batch_size: int = 4, progress: bool = True, sums: bool = False) -> AttributionScores:
+                   batch_size: int = 4, progress: bool = True, sums: bool = False,
+                   per_example: bool = False) -> AttributionScores:
     """Exact patching scores, in the same layout as `attribute` (means over examples; sums
-    over them with `sums=True`)."""
+    over them with `sums=True`; `per_example=True` also keeps every example's head scores,
+    `per_example["head"]` (N, L, H), for stability and bootstrapped selection)."""
     graph = graph_of(adapter)
     device = input_device(adapter.model)
     L, H = adapter.n_layers, adapter.n_heads
@@ -103,6 +105,7 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
     edge_mask = graph.edge_mask()
     edges = torch.zeros(edge_mask.shape) if level == "edge" else None
     m_clean_total = m_corrupted_total = 0.0
+    head_rows: list[torch.Tensor] = []
     n_batches = (len(data) + batch_size - 1) // batch_size
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"exact {level}", total=n_batches)
@@ -114,14 +117,19 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
             m_clean = compute_metric(metric, clean.logits, batch, clean_answer)
             m_clean_total += m_clean.sum().item()
             m_corrupted_total += compute_metric(metric, corrupted.logits, batch, clean_answer).sum().item()
+            rows = torch.zeros(batch.clean_ids.shape[0], L, H)
             for kind, idx, install in _node_patches(adapter, corrupted):
-                s = (m_clean - _metric(adapter, batch, metric, clean_answer, install)).sum().cpu()
+                per = (m_clean - _metric(adapter, batch, metric, clean_answer, install)).float().cpu()
+                s = per.sum()
                 if kind == "embed":
                     embed += s
                 elif kind == "head":
                     head[idx] += s
+                    rows[:, idx[0], idx[1]] = per
                 else:
                     mlp[idx] += s
+            if per_example:
+                head_rows.append(rows)
             if edges is not None:
                 up = deltas(adapter, clean, corrupted, edges=True).up
                 for u, v in edge_mask.nonzero().tolist():
@@ -133,4 +141,5 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
     n = 1 if sums else len(data)
     return AttributionScores(head / n, mlp / n, embed / n, graph, None if edges is None else edges / n,
                              m_clean_total / n, m_corrupted_total / n, len(data),
-                             {"algorithm": "exact", "level": level, "metric": metric, "batch_size": batch_size})
+                             {"algorithm": "exact", "level": level, "metric": metric, "batch_size": batch_size},
+                             per_example={"head": torch.cat(head_rows)} if per_example else None)
