@@ -84,7 +84,7 @@ class Circuit:
     versions: dict[str, Any] | None = None
     imported_from: dict[str, Any] | None = None
     curve_definition: str | None = None  # what the faithfulness curve is (MIB's edge grid or the head curve)
-    selection: str | None = None  # pruning.selection: top_k / bootstrap
+    selection: str | None = None  # pruning.selection: top_k / bootstrap / edge_pruning
     stability: dict[str, Any] | None = None  # Jaccard of the kept set over bootstrap resamples
     format_version: int = FORMAT_VERSION
 
