@@ -49,7 +49,14 @@ from gradian.curvature import (
 )
 from gradian.data import TokenPolicy, collate, length_limit
 from gradian.header import IndexHeader, header_json
-from gradian.index import MANIFEST, IndexMismatchError, IndexReader, IndexWriter, StorageOverflowError, read_manifest
+from gradian.index import (
+    MANIFEST,
+    IndexMismatchError,
+    IndexReader,
+    IndexWriter,
+    StorageOverflowError,
+    read_manifest,
+)
 from gradian.memory import curvature_sides, estimate_grads
 from gradian.precondition import check_block_width
 from gradian.projection import Projector, projection_fingerprint
