@@ -53,7 +53,7 @@ class PerExampleGradients(dict):
 
     Attributes: `losses` (B,) float32 per-example loss (sum or mean over its targets, as
     requested), `n_supervised` (B,) long number of supervised targets per example,
-    `fisher_rows` (B, Σ widths) float32 rows of the sampled labels (fisher="true"), else None.
+    `fisher_rows` (B, Σ widths) float32 rows of the sampled labels (fisher="sampled"), else None.
     """
 
     losses: torch.Tensor
@@ -246,9 +246,9 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
         raise ValueError(f"grads.loss={loss!r}; valid: {', '.join(LOSSES)}.")
     if fisher not in choices(GradsConfig, "fisher"):
         raise ValueError(f"grads.fisher={fisher!r}; valid: {', '.join(choices(GradsConfig, 'fisher'))}.")
-    true_fisher = factors is not None and fisher == "true"
+    true_fisher = factors is not None and fisher == "sampled"
     if true_fisher and (row_ids is None or len(row_ids) != batch["input_ids"].shape[0]):
-        raise ValueError("fisher='true' needs row_ids, one per example: each row's labels are drawn from its own seed.")
+        raise ValueError("fisher='sampled' needs row_ids, one per example: each row's labels come from its own seed.")
     dtype = next(model.parameters()).dtype
     mode = activation_mode(activations, dtype)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -283,7 +283,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     x_proj: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}
     fisher_rows: dict[str, torch.Tensor] = {}
-    second_pass = [False]  # true while the sampled-label backward runs (fisher="true")
+    second_pass = [False]  # true while the sampled-label backward runs (fisher="sampled")
     handles = []
 
     def make_hooks(group: list[tuple[str, slice | None]]):

@@ -112,7 +112,7 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
         if has_kfac(precond):
             checked.append("K-FAC factors (symmetric, finite)")
             if summary.get("curvature"):
-                rows_of = ("the sampled-label rows" if summary.get("fisher") == "true" else "the stored rows")
+                rows_of = ("the sampled-label rows" if summary.get("fisher") == "sampled" else "the stored rows")
                 checked.append("curvature.safetensors (eigenbases of the summed factors; EK-FAC eigenvalues"
                                f" recomputed from {rows_of})")
         console.print(Text(f"verified {index_dir}: {summary['n_shard_files']} shards; {', '.join(checked)} all"

@@ -53,10 +53,10 @@ CURVATURE_DAMPING = 0.01
 MAX_FACTOR_WIDTH = 4096
 
 
-# With grads.fisher=true: the shard's rows of the sampled labels (n, width) in the storage dtype,
+# With grads.fisher=sampled: the shard's rows of the sampled labels (n, width) in the storage dtype,
 # from which the EK-FAC eigenvalues are computed (the stored rows keep the data's labels).
 FISHER_ROWS = "kfac_rows"
-FISHERS = ("empirical", "true")
+FISHERS = ("empirical", "sampled")
 
 
 def factor_names(m: int) -> tuple[str, str]:
@@ -137,7 +137,7 @@ def shard_factor_problems(name: str, tensors: dict[str, torch.Tensor], shapes: l
                           n_rows: int, fisher_rows: tuple[int, torch.dtype] | None = None) -> list[str]:
     """What is wrong with a shard's K-FAC tensors: presence, shapes, dtypes, symmetry, a
     non-negative diagonal, and at least one position per row. fisher_rows: (row width, storage
-    dtype) when the index's fisher is "true" (the shard then holds `FISHER_ROWS`), else None."""
+    dtype) when the index's fisher is "sampled" (the shard then holds `FISHER_ROWS`), else None."""
     problems = []
     rows_t = tensors.get(FISHER_ROWS)
     if fisher_rows is None and rows_t is not None:
@@ -146,7 +146,7 @@ def shard_factor_problems(name: str, tensors: dict[str, torch.Tensor], shapes: l
         want = ((n_rows, fisher_rows[0]), fisher_rows[1])
         if rows_t is None or (tuple(rows_t.shape), rows_t.dtype) != want:
             problems.append(f"{name} {FISHER_ROWS} is {None if rows_t is None else (rows_t.dtype, tuple(rows_t.shape))},"
-                            f" expected {want[1]} {want[0]} (the manifest's fisher is 'true')")
+                            f" expected {want[1]} {want[0]} (the manifest's fisher is 'sampled')")
         elif not torch.isfinite(rows_t).all():
             problems.append(f"{name} {FISHER_ROWS} is not finite")
     tokens = tensors.get(TOKENS)
@@ -197,21 +197,21 @@ def _basis(a_sum: torch.Tensor, s_sum: torch.Tensor, n_rows: int, tokens: int):
 
 
 def _fisher_rows(reader):
-    """The sampled-label rows of each shard (float32), in row order (grads.fisher=true)."""
+    """The sampled-label rows of each shard (float32), in row order (grads.fisher=sampled)."""
     for name in sorted(reader.manifest["shards"]):
-        yield reader.read_tensors(name, [FISHER_ROWS], "grads.fisher=true")[FISHER_ROWS].float()
+        yield reader.read_tensors(name, [FISHER_ROWS], "grads.fisher=sampled")[FISHER_ROWS].float()
 
 
 def ekfac_eigenvalues(reader, q_in: list[torch.Tensor], q_out: list[torch.Tensor]) -> list[torch.Tensor]:
     """Λ*_m = Σ_rows (Q_outᵀ G Q_in)² / n per module (k_o, k_i) float64, from the stored rows, or,
-    for an index with fisher "true", from the shards' rows of the sampled labels."""
+    for an index with fisher "sampled", from the shards' rows of the sampled labels."""
     shapes = factor_shapes(reader.manifest)
     sums = [torch.zeros(k_o, k_i, dtype=torch.float64) for k_o, k_i in shapes]
     n = 0
     offsets = [0]
     for k_o, k_i in shapes:
         offsets.append(offsets[-1] + k_o * k_i)
-    if reader.manifest.get("fisher", "empirical") == "true":
+    if reader.manifest.get("fisher", "empirical") == "sampled":
         blocks = _fisher_rows(reader)
     else:
         blocks = (grads for _rows, grads, _norms in reader.shards(verify=False))

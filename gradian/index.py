@@ -444,7 +444,7 @@ class IndexReader:
             return [f"{name} {'lacks' if kfac else 'holds'} K-FAC factors, but the manifest's preconditioner is"
                     f" {self.manifest.get('preconditioner', 'none')!r}"]
         if kfac:
-            fisher = self.manifest.get("fisher", "empirical") == "true"
+            fisher = self.manifest.get("fisher", "empirical") == "sampled"
             problems += shard_factor_problems(name, tensors, factor_shapes(self.manifest), end - start,
                                               (self.manifest.get("row_width"), DTYPES[self.manifest["storage_dtype"]])
                                               if fisher else None)

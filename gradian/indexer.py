@@ -122,7 +122,7 @@ def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks
     else bounded from the width alone. Returns the buffer's bytes."""
     rows = min(grads.rows_per_shard, n_rows)
     need = rows * row_width * 4
-    if has_kfac(grads.preconditioner) and grads.fisher == "true":
+    if has_kfac(grads.preconditioner) and grads.fisher == "sampled":
         need += rows * row_width * 4  # the sampled-label rows, for the EK-FAC eigenvalues
     if has_module(grads.preconditioner):
         k = row_width // n_blocks
@@ -175,7 +175,7 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
 
 
 def fisher_tensors(fisher_rows: torch.Tensor | None, storage_dtype: str, first_row: int) -> dict[str, torch.Tensor]:
-    """The shard's sampled-label rows (grads.fisher=true) in the storage dtype, or nothing;
+    """The shard's sampled-label rows (grads.fisher=sampled) in the storage dtype, or nothing;
     StorageOverflowError if float16 cannot hold them."""
     if fisher_rows is None:
         return {}
@@ -183,7 +183,7 @@ def fisher_tensors(fisher_rows: torch.Tensor | None, storage_dtype: str, first_r
     bad = ~torch.isfinite(stored).all(dim=1)
     if bad.any():
         which = (bad.nonzero().flatten() + first_row).tolist()[:10]
-        raise StorageOverflowError(f"the sampled-label rows (grads.fisher=true) of rows {which} are not finite in"
+        raise StorageOverflowError(f"the sampled-label rows (grads.fisher=sampled) of rows {which} are not finite in"
                                    f" {storage_dtype}; nothing of this shard was written. Set"
                                    " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
     return {FISHER_ROWS: stored}
@@ -373,7 +373,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             grads_out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
             fisher = recorded_fisher(grads)
-            fisher_out = torch.empty_like(grads_out) if fisher == "true" else None
+            fisher_out = torch.empty_like(grads_out) if fisher == "sampled" else None
             for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length, overhead):
                 chunk = [rows[i] for i in plan]
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
