@@ -154,13 +154,15 @@ def fisher_uniforms(row_ids: Sequence[int], n_supervised: Sequence[int], seed: i
     return torch.cat(out) if out else torch.empty(0, dtype=torch.float64)
 
 
-def sample_labels(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Labels y ~ probs (rows, V) by the inverse CDF of `uniforms` (rows,): y is the first index
-    whose float64 cumulative probability exceeds u · (the row's total). A draw moves only if u
-    falls within rounding of a class boundary, so rows computed in other batches draw alike."""
-    cdf = probs.double().cumsum(dim=1)
-    u = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max(probs.shape[1] - 1)
+def sample_labels(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Labels y ~ softmax(logits (rows, V)) by the inverse CDF of `uniforms` (rows,): y is the first
+    index whose cumulative probability exceeds u · (the row's total). One float32 (rows, V) buffer
+    (the softmax, summed in place), fewer than the cross-entropy's backward keeps, so the draw adds
+    nothing to the peak. A draw moves only if u falls within rounding of a class boundary, so rows
+    computed in other batches draw alike."""
+    cdf = torch.softmax(logits.float(), dim=-1).cumsum_(dim=1)
+    u = (uniforms.to(cdf.device, torch.float32) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max(logits.shape[1] - 1)
 
 
 def sampled_loss_grad(adapter, h: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +177,7 @@ def sampled_loss_grad(adapter, h: torch.Tensor, uniforms: torch.Tensor) -> tuple
         h_chunk = h[chunk].detach().requires_grad_(True)
         logits = _softcap(adapter.unembed(h_chunk).float(), adapter.logit_softcap)
         with torch.no_grad():
-            labels[chunk] = sample_labels(torch.softmax(logits, dim=-1), uniforms[chunk]).to(h.device)
+            labels[chunk] = sample_labels(logits, uniforms[chunk]).to(h.device)
         (grad_h[chunk],) = torch.autograd.grad(F.cross_entropy(logits, labels[chunk], reduction="sum"), h_chunk)
     return labels, grad_h
 

@@ -354,7 +354,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     estimate = estimate_grads(
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,
-        activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard)
+        activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
+        fisher=recorded_fisher(grads))
     check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes),
                        list(curvature_sides(projector).values()))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
