@@ -171,3 +171,37 @@ def test_an_index_without_fisher_reads_as_empirical_and_inspect_shows_it(empiric
     assert main(["inspect", str(empirical.parent / "sampled")]) == 0
     out = " ".join(w for w in capsys.readouterr().out.replace("│", " ").split())
     assert "sampled Fisher" in out
+
+
+def test_memory_estimate_bounds_the_sampled_label_pass() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from circuitkit.device import measure_peak
+    from circuitkit.memory import shape_from_config
+    from circuitkit.models.adapters import get_adapter
+    from circuitkit.models.linear_modules import module_shapes, select_modules
+    from gradian.capture import per_example_gradients
+    from gradian.curvature import FactorSums
+    from gradian.memory import estimate_grads
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=128)).eval()
+    model.requires_grad_(False)
+    adapter = get_adapter(model)
+    modules = select_modules(model, adapter, ["mlp.c_proj"])
+    projector = Projector(module_shapes(modules), "kronecker", 64, seed=0)
+    ids = torch.randint(0, 50257, (4, 64), generator=torch.Generator().manual_seed(0))
+    sup = torch.zeros_like(ids, dtype=torch.bool)
+    sup[:, 48:] = True
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "supervised": sup}
+    peaks, est = {}, {}
+    for fisher in ("empirical", "sampled"):
+        est[fisher] = estimate_grads(shape_from_config(model.config), 4, 4, 64, 16, projector, 4, 4,
+                                     preconditioner="kfac", fisher=fisher).total_bytes
+        with measure_peak(torch.device("cpu")) as peak:
+            per_example_gradients(model, adapter, modules, projector, batch, factors=FactorSums(projector.names),
+                                  fisher=fisher, row_ids=[0, 1, 2, 3])
+        peaks[fisher] = peak.peak_bytes
+    assert peaks["sampled"] > peaks["empirical"]  # the second pass costs something
+    for fisher in peaks:
+        assert peaks[fisher] <= est[fisher], (peaks, est)
