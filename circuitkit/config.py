@@ -182,6 +182,11 @@ class GradsConfig:
                              " (module, for `gradian rank --score influence|whitened`), K-FAC factors of the"
                              " projected activations and output gradients (kfac, for --score kfac|ekfac), or both",
                              choices=("none", "module", "kfac", "module+kfac"))
+    fisher: str = _f("empirical", "the Fisher whose K-FAC factors and EK-FAC eigenvalues kfac stores: empirical ="
+                     " output gradients of the data's own labels; sampled = the true Fisher, of labels sampled"
+                     " from the model's own prediction at each supervised position (Kronfluence's default; one"
+                     " more backward per batch and the sampled rows stored beside the rows; the stored rows keep"
+                     " the data's labels)", choices=("empirical", "sampled"))
     storage_dtype: str = _f("float16", "dtype of stored rows (on-disk index size only, not the peak)",
                           choices=("float16", "bfloat16", "float32"))
     batch_tokens: Optional[int] = _f(None, "token budget of one batch: rows x longest row (padding included);"

@@ -52,11 +52,13 @@ class PerExampleGradients(dict):
     """name -> (B, width) float32 rows, in module order, plus per-example facts.
 
     Attributes: `losses` (B,) float32 per-example loss (sum or mean over its targets, as
-    requested), `n_supervised` (B,) long number of supervised targets per example.
+    requested), `n_supervised` (B,) long number of supervised targets per example,
+    `fisher_rows` (B, Σ widths) float32 rows of the sampled labels (fisher="sampled"), else None.
     """
 
     losses: torch.Tensor
     n_supervised: torch.Tensor
+    fisher_rows: torch.Tensor | None
 
     def row(self) -> torch.Tensor:
         """The stored rows: the modules' blocks side by side, (B, Σ widths) float32."""
@@ -138,6 +140,48 @@ def supervised_loss_grad(adapter, h: torch.Tensor, targets: torch.Tensor, weight
     return token_loss, grad_h
 
 
+def sampling_seed(seed: int, row_id: int) -> int:
+    """The seed of row `row_id`'s label draws (`fisher_uniforms`): one generator per row, so any
+    batching, sharding or resume draws the same labels for it."""
+    return (int(seed) * 1_000_003 + int(row_id)) % (2**63 - 1)
+
+
+def fisher_uniforms(row_ids: Sequence[int], n_supervised: Sequence[int], seed: int) -> torch.Tensor:
+    """(N,) float64 uniforms in [0, 1), one per supervised position, row by row in position order
+    (the order of `supervised_positions`), each row's drawn from its own seeded generator."""
+    out = [torch.rand(int(n), dtype=torch.float64, generator=torch.Generator().manual_seed(sampling_seed(seed, r)))
+           for r, n in zip(row_ids, n_supervised, strict=True)]
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.float64)
+
+
+def sample_labels(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Labels y ~ softmax(logits (rows, V)) by the inverse CDF of `uniforms` (rows,): y is the first
+    index whose cumulative probability exceeds u · (the row's total). One float32 (rows, V) buffer
+    (the softmax, summed in place), fewer than the cross-entropy's backward keeps, so the draw adds
+    nothing to the peak. A draw moves only if u falls within rounding of a class boundary, so rows
+    computed in other batches draw alike."""
+    cdf = torch.softmax(logits.float(), dim=-1).cumsum_(dim=1)
+    u = (uniforms.to(cdf.device, torch.float32) * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max(logits.shape[1] - 1)
+
+
+def sampled_loss_grad(adapter, h: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The true Fisher's output gradient: sampled labels (N,) and d(Σ_t CE(z_t, y_t))/dh (N, d),
+    y_t ~ softmax(z_t) drawn with `uniforms` (`sample_labels`), z_t = softcap(U h_t) as
+    `supervised_loss_grad` computes it (the same chunks; the draw itself carries no gradient)."""
+    rows = logit_chunk_rows(int(adapter.config.vocab_size))
+    labels = torch.empty(len(h), dtype=torch.long, device=h.device)
+    grad_h = torch.empty_like(h)
+    for start in range(0, len(h), rows):
+        chunk = slice(start, start + rows)
+        h_chunk = h[chunk].detach().requires_grad_(True)
+        logits = _softcap(adapter.unembed(h_chunk).float(), adapter.logit_softcap)
+        with torch.no_grad():
+            labels[chunk] = sample_labels(logits, uniforms[chunk]).to(h.device)
+        (grad_h[chunk],) = torch.autograd.grad(F.cross_entropy(logits, labels[chunk], reduction="sum"), h_chunk)
+    return labels, grad_h
+
+
 def _output_tensor(output):
     if isinstance(output, torch.Tensor):
         return output
@@ -173,7 +217,8 @@ def activation_numerics(mode: str) -> str:
 def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
                           projector: Projector, batch: Mapping[str, torch.Tensor],
                           loss_reduction: str = "sum", loss: str = "ce",
-                          activations: str = "auto", factors=None) -> PerExampleGradients:
+                          activations: str = "auto", factors=None, fisher: str = "empirical",
+                          row_ids: Sequence[int] | None = None, fisher_seed: int = 0) -> PerExampleGradients:
     """Projected per-example gradients of `modules` for one batch, from one forward+backward.
 
     batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
@@ -185,6 +230,13 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     `activations`: `grads.activations` (`activation_mode`): model and recompute give the same bits.
     `factors`: a `gradian.curvature.FactorSums` that also sums the projected inputs' and output
     gradients' outer products over the batch's positions (K-FAC factors), or None.
+    `fisher` (with `factors` only): "empirical" sums the factors from the output gradients of the
+    data's labels; "true" from a second backward of the same forward with the loss
+    Σ_t CE(z_t, y_t), y_t ~ softmax(z_t) sampled at each supervised position (`sampled_loss_grad`;
+    always summed cross-entropy, whatever `loss` and `loss_reduction`), each row's labels drawn
+    from a generator seeded by `fisher_seed` and its id in `row_ids` (B,), so the factors do not
+    depend on the batching. The returned rows keep the data's labels either way; the sampled
+    rows come as ``.fisher_rows`` (name -> (B, width)), for the EK-FAC eigenvalues.
 
     Parameters must be frozen (requires_grad False): the backward computes activation
     gradients only. An example's row does not depend on the rest of its batch: padding
@@ -194,6 +246,11 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
         raise ValueError(f"grads.loss_reduction={loss_reduction!r}; valid: sum, mean.")
     if loss not in LOSSES:
         raise ValueError(f"grads.loss={loss!r}; valid: {', '.join(LOSSES)}.")
+    if fisher not in choices(GradsConfig, "fisher"):
+        raise ValueError(f"grads.fisher={fisher!r}; valid: {', '.join(choices(GradsConfig, 'fisher'))}.")
+    true_fisher = factors is not None and fisher == "sampled"
+    if true_fisher and (row_ids is None or len(row_ids) != batch["input_ids"].shape[0]):
+        raise ValueError("fisher='sampled' needs row_ids, one per example: each row's labels come from its own seed.")
     dtype = next(model.parameters()).dtype
     mode = activation_mode(activations, dtype)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -227,6 +284,8 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
 
     x_proj: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}
+    fisher_rows: dict[str, torch.Tensor] = {}
+    second_pass = [False]  # true while the sampled-label backward runs (fisher="sampled")
     handles = []
 
     def make_hooks(group: list[tuple[str, slice | None]]):
@@ -255,8 +314,15 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             def grad_hook(delta: torch.Tensor) -> None:
                 for name, _ in group:
                     dp = projector.project_output(name, delta)  # (B, T, k_o); masked like x above
-                    dp, xp = torch.where(keep, dp, torch.zeros_like(dp)), x_proj.pop(name)
-                    if factors is not None:
+                    dp = torch.where(keep, dp, torch.zeros_like(dp))
+                    if second_pass[0]:  # sampled labels: the factors and the sampled rows only
+                        xp = x_proj.pop(name)
+                        factors.add(name, xp, dp)
+                        fisher_rows[name] = projector.combine(name, xp, dp)
+                        continue
+                    # The true Fisher's backward still needs xp: keep it for the second pass.
+                    xp = x_proj[name] if true_fisher else x_proj.pop(name)
+                    if factors is not None and not true_fisher:
                         factors.add(name, xp, dp)
                     rows[name] = projector.combine(name, xp, dp)
 
@@ -275,7 +341,13 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             h_sup = hidden[ex, pos]  # (N, d)
             del hidden
             token_loss, grad_h = supervised_loss_grad(adapter, h_sup.detach(), targets, weights, loss)
-            h_sup.backward(grad_h)
+            h_sup.backward(grad_h, retain_graph=true_fisher)
+            if true_fisher:
+                del grad_h
+                uniforms = fisher_uniforms(row_ids, n_sup.tolist(), fisher_seed)
+                _labels, grad_h = sampled_loss_grad(adapter, h_sup.detach(), uniforms)
+                second_pass[0] = True
+                h_sup.backward(grad_h)
     finally:
         for h in handles:
             h.remove()
@@ -291,4 +363,10 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     out = PerExampleGradients((n, rows[n]) for n, _, _ in sites)
     out.losses = losses
     out.n_supervised = n_sup
+    out.fisher_rows = None
+    if true_fisher:
+        absent = [n for n, _, _ in sites if n not in fisher_rows]
+        if absent:
+            raise RuntimeError(f"the sampled-label backward reached no modules {absent[:3]}.")
+        out.fisher_rows = torch.cat([fisher_rows[n] for n, _, _ in sites], dim=1)
     return out

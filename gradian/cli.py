@@ -45,6 +45,7 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
 
     Returns 0, or 1 when `verify` finds a problem (each printed on its own line).
     """
+    from gradian.curvature import has_kfac
     from gradian.data import policy_line
     from gradian.index import IndexReader
 
@@ -77,7 +78,8 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
          f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
          f" MLPs {summary['circuit']['mlps']}"),
         ("loss", f"{summary.get('loss', 'ce')}, {summary.get('loss_reduction')} over supervised tokens;"
-                 f" preconditioner {summary.get('preconditioner', 'none')}"),
+                 f" preconditioner {summary.get('preconditioner', 'none')}"
+                 + (f", {summary.get('fisher', 'empirical')} Fisher" if has_kfac(summary.get("preconditioner")) else "")),
         ("data", f"{summary.get('data_file')} (sha256 {str(summary.get('data_sha256'))[:12]}…)"),
         ("rows", f"{report.get('rows_read')} read, {report.get('kept')} kept, {report.get('truncated')} truncated,"
                  f" {dropped} dropped"),
@@ -101,7 +103,7 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
     problems = reader.verify()
     console = error_console()
     if not problems:
-        from gradian.curvature import has_kfac, has_module
+        from gradian.curvature import has_module
 
         checked = ["sha256", "row ranges", "shapes", "dtypes", "norms of the stored rows", "projection fingerprint"]
         precond = summary.get("preconditioner", "none")
@@ -110,8 +112,9 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
         if has_kfac(precond):
             checked.append("K-FAC factors (symmetric, finite)")
             if summary.get("curvature"):
+                rows_of = ("the sampled-label rows" if summary.get("fisher") == "sampled" else "the stored rows")
                 checked.append("curvature.safetensors (eigenbases of the summed factors; EK-FAC eigenvalues"
-                               " recomputed from the stored rows)")
+                               f" recomputed from {rows_of})")
         console.print(Text(f"verified {index_dir}: {summary['n_shard_files']} shards; {', '.join(checked)} all"
                            " match the manifest"))
         return 0

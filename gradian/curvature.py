@@ -53,12 +53,18 @@ CURVATURE_DAMPING = 0.01
 MAX_FACTOR_WIDTH = 4096
 
 
+# With grads.fisher=sampled: the shard's rows of the sampled labels (n, width) in the storage dtype,
+# from which the EK-FAC eigenvalues are computed (the stored rows keep the data's labels).
+FISHER_ROWS = "kfac_rows"
+FISHERS = ("empirical", "sampled")
+
+
 def factor_names(m: int) -> tuple[str, str]:
     return f"kfac_in.{m}", f"kfac_out.{m}"
 
 
 def is_factor_tensor(name: str) -> bool:
-    return name == TOKENS or name.startswith(("kfac_in.", "kfac_out."))
+    return name in (TOKENS, FISHER_ROWS) or name.startswith(("kfac_in.", "kfac_out."))
 
 
 def has_kfac(preconditioner: str | None) -> bool:
@@ -128,10 +134,21 @@ def factor_shapes(manifest: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 def shard_factor_problems(name: str, tensors: dict[str, torch.Tensor], shapes: list[tuple[int, int]],
-                          n_rows: int) -> list[str]:
+                          n_rows: int, fisher_rows: tuple[int, torch.dtype] | None = None) -> list[str]:
     """What is wrong with a shard's K-FAC tensors: presence, shapes, dtypes, symmetry, a
-    non-negative diagonal, and at least one position per row."""
+    non-negative diagonal, and at least one position per row. fisher_rows: (row width, storage
+    dtype) when the index's fisher is "sampled" (the shard then holds `FISHER_ROWS`), else None."""
     problems = []
+    rows_t = tensors.get(FISHER_ROWS)
+    if fisher_rows is None and rows_t is not None:
+        problems.append(f"{name} holds {FISHER_ROWS}, but the manifest's fisher is 'empirical'")
+    elif fisher_rows is not None:
+        want = ((n_rows, fisher_rows[0]), fisher_rows[1])
+        if rows_t is None or (tuple(rows_t.shape), rows_t.dtype) != want:
+            problems.append(f"{name} {FISHER_ROWS} is {None if rows_t is None else (rows_t.dtype, tuple(rows_t.shape))},"
+                            f" expected {want[1]} {want[0]} (the manifest's fisher is 'sampled')")
+        elif not torch.isfinite(rows_t).all():
+            problems.append(f"{name} {FISHER_ROWS} is not finite")
     tokens = tensors.get(TOKENS)
     if tokens is None or tokens.dtype != torch.int64 or tokens.shape != (1,) or int(tokens[0]) < n_rows:
         problems.append(f"{name} kfac_tokens is {None if tokens is None else tokens.tolist()}, expected one int64"
@@ -145,7 +162,7 @@ def shard_factor_problems(name: str, tensors: dict[str, torch.Tensor], shapes: l
             elif not torch.isfinite(t).all() or not torch.equal(t, t.T) or (torch.diagonal(t) < 0).any():
                 problems.append(f"{name} {key} is not a sum of outer products (not finite, not symmetric or a"
                                 " negative diagonal)")
-    extra = sorted(k for k in tensors if is_factor_tensor(k) and k != TOKENS
+    extra = sorted(k for k in tensors if is_factor_tensor(k) and k not in (TOKENS, FISHER_ROWS)
                    and int(k.rsplit(".", 1)[1]) >= len(shapes))
     if extra:
         problems.append(f"{name} holds K-FAC factors {extra[:3]} for modules the manifest does not list")
@@ -179,15 +196,26 @@ def _basis(a_sum: torch.Tensor, s_sum: torch.Tensor, n_rows: int, tokens: int):
     return q_a, e_a.clamp_min(0), q_s, e_s.clamp_min(0)
 
 
+def _fisher_rows(reader):
+    """The sampled-label rows of each shard (float32), in row order (grads.fisher=sampled)."""
+    for name in sorted(reader.manifest["shards"]):
+        yield reader.read_tensors(name, [FISHER_ROWS], "grads.fisher=sampled")[FISHER_ROWS].float()
+
+
 def ekfac_eigenvalues(reader, q_in: list[torch.Tensor], q_out: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Λ*_m = Σ_rows (Q_outᵀ G Q_in)² / n per module (k_o, k_i) float64, from the stored rows."""
+    """Λ*_m = Σ_rows (Q_outᵀ G Q_in)² / n per module (k_o, k_i) float64, from the stored rows, or,
+    for an index with fisher "sampled", from the shards' rows of the sampled labels."""
     shapes = factor_shapes(reader.manifest)
     sums = [torch.zeros(k_o, k_i, dtype=torch.float64) for k_o, k_i in shapes]
     n = 0
     offsets = [0]
     for k_o, k_i in shapes:
         offsets.append(offsets[-1] + k_o * k_i)
-    for _rows, grads, _norms in reader.shards(verify=False):
+    if reader.manifest.get("fisher", "empirical") == "sampled":
+        blocks = _fisher_rows(reader)
+    else:
+        blocks = (grads for _rows, grads, _norms in reader.shards(verify=False))
+    for grads in blocks:
         n += grads.shape[0]
         for m, (k_o, k_i) in enumerate(shapes):
             block = grads[:, offsets[m]:offsets[m + 1]].double().reshape(-1, k_o, k_i)

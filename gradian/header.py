@@ -46,6 +46,7 @@ class IndexHeader:
     activations: str
     parameter_share: float  # share of the model's parameters (elements) the index covers
     gguf_file: str | None = None  # model.gguf_file, when the model is a GGUF inside model.name
+    fisher: str = "empirical"  # grads.fisher: the labels of the K-FAC / EK-FAC curvature's output gradients
 
     def to_json(self) -> dict[str, Any]:
         """The header's JSON fields, in the order manifest.json stores them."""
@@ -60,15 +61,16 @@ TYPES: dict[str, tuple[type, ...]] = {
     "data_sha256": (str, _NONE), "max_seq_length": (int,), "truncation_side": (str,), "on_truncation": (str,),
     "data_report": (dict, _NONE), "token_policy": (dict, _NONE), "row_width": (int,), "circuit": (dict, _NONE),
     "projection_sha256": (str, _NONE), "activations": (str,), "parameter_share": (float, int, _NONE),
-    "gguf_file": (str, _NONE)}
+    "gguf_file": (str, _NONE), "fisher": (str,)}
 assert list(TYPES) == [f.name for f in fields(IndexHeader)]
 
 # What a manifest of an older format version lacks, and what that version meant. Format
 # versions: 2 projection_sha256; 3 token_policy, loss, preconditioner; 4 activations;
-# 5 parameter_share, gguf_file. (Before 2, the header was as it is in version 2 without its hash.)
+# 5 parameter_share, gguf_file; 6 fisher. (Before 2, the header was as it is in version 2 without its hash.)
 DEFAULTS_BEFORE: dict[str, tuple[int, Any]] = {
     "projection_sha256": (2, None), "token_policy": (3, None), "loss": (3, "ce"), "preconditioner": (3, "none"),
     "activations": (4, "model"), "parameter_share": (5, None), "gguf_file": (5, None),
+    "fisher": (6, "empirical"),
 }
 
 

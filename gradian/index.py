@@ -48,7 +48,7 @@ from gradian.projection import Projector, projection_fingerprint
 # 4: the header records `activations` ("model" or "fused", gradian.capture.activation_numerics).
 # 5: the header is `gradian.header.IndexHeader`, checked field by field, and records
 #    `parameter_share` (the share of the model's parameters the index covers).
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # Optional shard tensors besides grads, norms and rows.
 OPTIONAL_TENSORS = ("sources", "second_moment")
 MANIFEST = "manifest.json"
@@ -444,7 +444,10 @@ class IndexReader:
             return [f"{name} {'lacks' if kfac else 'holds'} K-FAC factors, but the manifest's preconditioner is"
                     f" {self.manifest.get('preconditioner', 'none')!r}"]
         if kfac:
-            problems += shard_factor_problems(name, tensors, factor_shapes(self.manifest), end - start)
+            fisher = self.manifest.get("fisher", "empirical") == "sampled"
+            problems += shard_factor_problems(name, tensors, factor_shapes(self.manifest), end - start,
+                                              (self.manifest.get("row_width"), DTYPES[self.manifest["storage_dtype"]])
+                                              if fisher else None)
         rows, grads, norms = tensors["rows"], tensors["grads"], tensors["norms"]
         if rows.dtype != torch.int64 or rows.shape != (end - start,) or not torch.equal(rows, torch.arange(start, end)):
             problems.append(f"{name} holds row ids {rows.tolist()[:3]}… ({rows.dtype}), the manifest says rows"

@@ -38,6 +38,7 @@ from gradian.capture import activation_mode, activation_numerics, per_example_gr
 from gradian.corpus import TokenizedCorpus
 from gradian.curvature import (
     CURVATURE_FILE,
+    FISHER_ROWS,
     FactorSums,
     check_kfac,
     compute_curvature,
@@ -48,7 +49,14 @@ from gradian.curvature import (
 )
 from gradian.data import TokenPolicy, collate, length_limit
 from gradian.header import IndexHeader, header_json
-from gradian.index import MANIFEST, IndexMismatchError, IndexReader, IndexWriter, read_manifest
+from gradian.index import (
+    MANIFEST,
+    IndexMismatchError,
+    IndexReader,
+    IndexWriter,
+    StorageOverflowError,
+    read_manifest,
+)
 from gradian.memory import curvature_sides, estimate_grads
 from gradian.precondition import check_block_width
 from gradian.projection import Projector, projection_fingerprint
@@ -114,6 +122,8 @@ def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks
     else bounded from the width alone. Returns the buffer's bytes."""
     rows = min(grads.rows_per_shard, n_rows)
     need = rows * row_width * 4
+    if has_kfac(grads.preconditioner) and grads.fisher == "sampled":
+        need += rows * row_width * 4  # the sampled-label rows, for the EK-FAC eigenvalues
     if has_module(grads.preconditioner):
         k = row_width // n_blocks
         need += n_blocks * k * k * 4 + rows * k * 8
@@ -164,6 +174,21 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     return tokens
 
 
+def fisher_tensors(fisher_rows: torch.Tensor | None, storage_dtype: str, first_row: int) -> dict[str, torch.Tensor]:
+    """The shard's sampled-label rows (grads.fisher=sampled) in the storage dtype, or nothing;
+    StorageOverflowError if float16 cannot hold them."""
+    if fisher_rows is None:
+        return {}
+    stored = fisher_rows.to(DTYPES[storage_dtype])
+    bad = ~torch.isfinite(stored).all(dim=1)
+    if bad.any():
+        which = (bad.nonzero().flatten() + first_row).tolist()[:10]
+        raise StorageOverflowError(f"the sampled-label rows (grads.fisher=sampled) of rows {which} are not finite in"
+                                   f" {storage_dtype}; nothing of this shard was written. Set"
+                                   " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
+    return {FISHER_ROWS: stored}
+
+
 def finalize_curvature(index_dir: Path) -> Path | None:
     """Write ``curvature.safetensors`` (`gradian.curvature`: eigenbases of the summed K-FAC factors
     and the EK-FAC eigenvalues of the stored rows) for a complete index whose shards hold K-FAC
@@ -189,11 +214,18 @@ def finalize_curvature(index_dir: Path) -> Path | None:
     return path
 
 
+def recorded_fisher(grads: GradsConfig) -> str:
+    """What the header records of grads.fisher: as asked with K-FAC factors, else "empirical"
+    (no curvature depends on it)."""
+    return grads.fisher if has_kfac(grads.preconditioner) else "empirical"
+
+
 def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_dir: Path) -> None:
     """Refuse to resume an index whose manifest records other grads settings than asked, for the
     settings known before the model loads (IndexMismatchError naming each, as IndexWriter would)."""
     asked = {"preconditioner": grads.preconditioner, "loss": grads.loss, "loss_reduction": grads.loss_reduction,
-             "storage_dtype": grads.storage_dtype, "rows_per_shard": grads.rows_per_shard}
+             "storage_dtype": grads.storage_dtype, "rows_per_shard": grads.rows_per_shard,
+             "fisher": recorded_fisher(grads)}
     diffs = [f"{k}: index has {manifest.get(k)!r}, asked {v!r}" for k, v in asked.items()
              if k in manifest and manifest[k] != v]
     if diffs:
@@ -309,7 +341,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         circuit=circuit,
         projection_sha256=projection_fingerprint(projector),
         activations=activation_numerics(activations),
-        parameter_share=covered / n_params, gguf_file=model_cfg.gguf_file,
+        parameter_share=covered / n_params, gguf_file=model_cfg.gguf_file, fisher=recorded_fisher(grads),
     ))
     console.print(f"the index covers {covered / n_params:.1%} of the model's parameters ({covered:,} of"
                   f" {n_params:,} weight elements)")
@@ -322,7 +354,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     estimate = estimate_grads(
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,
-        activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard)
+        activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
+        fisher=recorded_fisher(grads))
     check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes),
                        list(curvature_sides(projector).values()))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
@@ -340,18 +373,24 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             row_lengths = [len(r.input_ids) for r in rows]
             grads_out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
+            fisher = recorded_fisher(grads)
+            fisher_out = torch.empty_like(grads_out) if fisher == "sampled" else None
             for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length, overhead):
                 chunk = [rows[i] for i in plan]
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
-                grads_out[plan] = per_example_gradients(model, adapter, modules, projector, batch,
-                                                        grads.loss_reduction, grads.loss,
-                                                        activations, factors).row().cpu()
+                got = per_example_gradients(model, adapter, modules, projector, batch, grads.loss_reduction,
+                                            grads.loss, activations, factors, fisher=fisher,
+                                            row_ids=[start + i for i in plan], fisher_seed=grads.projection_seed)
+                grads_out[plan] = got.row().cpu()
+                if fisher_out is not None:
+                    fisher_out[plan] = got.fisher_rows.cpu()
                 stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())
                 bar.update(task, advance=len(chunk), rates=stats.text())
             writer.write_shard(k, grads_out, torch.arange(start, end),
                                sources=torch.from_numpy(corpus.positions[start:end].copy()),
                                second_moment_blocks=len(shapes) if has_module(grads.preconditioner) else None,
-                               extra_tensors=factors.tensors() if factors is not None else None)
+                               extra_tensors=None if factors is None else
+                               {**factors.tensors(), **fisher_tensors(fisher_out, grads.storage_dtype, start)})
     if has_kfac(grads.preconditioner):
         finalize_curvature(index_dir)  # the EK-FAC eigenvalues, once every shard is written
     if stats.rows:

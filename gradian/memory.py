@@ -108,7 +108,7 @@ def preconditioner_index_bytes(projector: Projector, preconditioner: str, n_shar
 def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
                    supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
                    n_rows: int = 0, activations: str = "model", preconditioner: str = "none",
-                   rows_per_shard: int | None = None) -> MemoryEstimate:
+                   rows_per_shard: int | None = None, fisher: str = "empirical") -> MemoryEstimate:
     """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
@@ -147,6 +147,10 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                         copies of its projected inputs and output gradients and
                                         their outer-product sums: N·(k_i + k_o)·8 + (k_i² + k_o²)·8
                                         (raw rows: d_in, d_out), made in the backward hooks
+        sampled-label pass              with kfac and `fisher` "sampled" (grads.fisher): the second
+                                        backward's float32 logits kept beside its cross-entropy
+                                        buffers, N_s·V·4 (measured: +12.3 MiB at N_s = 64, V = 50257,
+                                        the whole difference), and its (B, Σ width) float32 rows
 
     `index_bytes` (attribute, not in the total: it is disk) is
     `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)` plus `preconditioner_index_bytes`
@@ -193,11 +197,15 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     if has_kfac(preconditioner):
         terms["K-FAC factor scratch"] = max(N * (k_i + k_o) * 8 + (k_i * k_i + k_o * k_o) * 8
                                             for k_o, k_i in curvature_sides(projector).values())
+    if has_kfac(preconditioner) and fisher == "sampled":
+        terms["sampled-label pass"] = Ns * V * FP32 + B * width * FP32
     est = MemoryEstimate(terms, phase="log-softmax backward" if terms["block temporaries"] == 0
                          else "backward of a recomputed activation" if recomputed else "forward of the last block")
     n_shards = max(1, -(-n_rows // rows_per_shard)) if rows_per_shard else 1
     est.index_bytes = (grads_index_bytes(n_rows, width, storage_dtype_bytes)
                        + preconditioner_index_bytes(projector, preconditioner, n_shards))
+    if has_kfac(preconditioner) and fisher == "sampled":  # the sampled-label rows, beside the rows
+        est.index_bytes += grads_index_bytes(n_rows, width, storage_dtype_bytes)
     return est
 
 
@@ -224,7 +232,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     dtype = DTYPES[cfg.model.precision]
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
                           DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype),
-                          g.preconditioner, g.rows_per_shard)
+                          g.preconditioner, g.rows_per_shard, g.fisher)
 
 
 def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:
