@@ -231,7 +231,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     `factors`: a `gradian.curvature.FactorSums` that also sums the projected inputs' and output
     gradients' outer products over the batch's positions (K-FAC factors), or None.
     `fisher` (with `factors` only): "empirical" sums the factors from the output gradients of the
-    data's labels; "true" from a second backward of the same forward with the loss
+    data's labels; "sampled" (the true Fisher) from a second backward of the same forward with the loss
     Σ_t CE(z_t, y_t), y_t ~ softmax(z_t) sampled at each supervised position (`sampled_loss_grad`;
     always summed cross-entropy, whatever `loss` and `loss_reduction`), each row's labels drawn
     from a generator seeded by `fisher_seed` and its id in `row_ids` (B,), so the factors do not
