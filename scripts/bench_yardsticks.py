@@ -195,7 +195,7 @@ def fisher_scores(index_dir: Path, fisher_dir: Path, q: torch.Tensor, kind: str,
 def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str], work: Path,
                   console: Console, batch_size: int = 16, wanted: tuple[str, ...] = SCORES,
                   dampings: tuple[float, ...] = (DAMPING,), raw_too: bool = True,
-                  true_fisher: bool = False) -> list[dict[str, Any]]:
+                  true_fisher: bool = False, fisher: str = "empirical") -> list[dict[str, Any]]:
     from circuitkit.models.loading import load_model
 
     model_cfg = ModelConfig(name=ys.model_dir, precision=ys.precision)
@@ -211,7 +211,7 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
         precond = "module+kfac" if module else "kfac"
         grads = GradsConfig(data_path=str(ys.docs), batch_size=batch_size, module_filter=modules,
                             projection="kronecker", projection_dim=width, projection_seed=seed,
-                            storage_dtype="float32", loss=loss, preconditioner=precond)
+                            storage_dtype="float32", loss=loss, preconditioner=precond, fisher=fisher)
         index_dir = work / f"{ys.name}_{loss}_{width or 'raw'}_{seed}"
         start = time.perf_counter()
         build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)
@@ -526,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-raw", action="store_true", help="skip the unprojected references")
     p.add_argument("--true-fisher", action="store_true",
                    help="also kfac / ekfac with true-Fisher curvature (labels sampled from the model; loss ce)")
+    p.add_argument("--fisher", default="empirical", choices=("empirical", "sampled"),
+                   help="grads.fisher of every Gradian index (the library's own sampled-label curvature)")
     p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence, traker)")
     p.add_argument("--peer-dim", type=int, default=4096, help="traker's projected width (all modules together)")
     p.add_argument("--kronfluence-empirical", action="store_true",
@@ -549,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted_scores = tuple(x for x in args.scores.split(",") if x)
     dampings = tuple(float(d) for d in args.dampings.split(",") if d)
     gradian_kw = {"wanted": wanted_scores, "dampings": dampings, "raw_too": not args.no_raw,
-                  "true_fisher": args.true_fisher}
+                  "true_fisher": args.true_fisher, "fisher": args.fisher}
 
     def peers_on(ys: Yardstick) -> list[dict[str, Any]]:
         return [r for tool in args.peers.split(",") if tool
