@@ -40,7 +40,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +146,7 @@ class Yardstick:
         return {"lds": mean, "lds_se": se}
 
 
-SCORES = ("cosine", "influence", "whitened", "kfac", "ekfac", "kfac true-F", "ekfac true-F")
+SCORES = ("cosine", "influence", "whitened", "kfac", "ekfac")
 
 
 def damped_label(score: str, damping: float) -> str:
@@ -155,47 +154,10 @@ def damped_label(score: str, damping: float) -> str:
     return score if damping == DAMPING else f"{score} λ={damping:g}"
 
 
-class sampled_labels:
-    """While active, gradian.capture's loss gradient uses labels sampled from the model's own
-    prediction at each supervised position instead of the data's (the true Fisher, as Kronfluence's
-    default), one draw per position from a seeded generator. Bench-only: an index built under it
-    holds the sampled-label rows and K-FAC factors, whose curvature `fisher_scores` applies to the
-    data-label rows of the ordinary index."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def __enter__(self):
-        import gradian.capture as capture
-
-        self.capture, self.original = capture, capture.supervised_loss_grad
-
-        def patched(adapter, h, targets, weights, loss="ce"):
-            with torch.no_grad():
-                probs = torch.softmax(adapter.unembed(h).float(), dim=-1)
-                targets = torch.multinomial(probs.cpu(), 1, generator=self.gen).flatten().to(targets.device)
-            return self.original(adapter, h, targets, weights, loss)
-
-        capture.supervised_loss_grad = patched
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.capture.supervised_loss_grad = self.original
-
-
-def fisher_scores(index_dir: Path, fisher_dir: Path, q: torch.Tensor, kind: str, damping: float,
-                  n_docs: int) -> torch.Tensor:
-    """qᵀ (F + λI)⁻¹ g with F the true-Fisher K-FAC / EK-FAC of fisher_dir, g the rows of index_dir."""
-    from gradian.curvature import KroneckerCurvature
-
-    q_pre = KroneckerCurvature.from_index(IndexReader(fisher_dir), kind, damping).precondition(q)
-    return score_matrix(index_dir, q_pre, "dot", n_docs)[0]
-
-
 def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str], work: Path,
                   console: Console, batch_size: int = 16, wanted: tuple[str, ...] = SCORES,
                   dampings: tuple[float, ...] = (DAMPING,), raw_too: bool = True,
-                  true_fisher: bool = False, fisher: str = "empirical") -> list[dict[str, Any]]:
+                  fisher: str = "empirical") -> list[dict[str, Any]]:
     from circuitkit.models.loading import load_model
 
     model_cfg = ModelConfig(name=ys.model_dir, precision=ys.precision)
@@ -220,19 +182,8 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
         projector = check_compatible(manifest, loaded)
         scores = [s for s in wanted if s in ("cosine", "kfac", "ekfac") or (module and s in ("influence", "whitened"))]
         sizes = stored_bytes(index_dir)
-        fisher_dir = None
-        if true_fisher and loss == "ce":
-            fisher_dir = index_dir.with_name(index_dir.name + "_fisher")
-            with sampled_labels(seed):
-                build_index(model_cfg, replace(grads, preconditioner="kfac"), fisher_dir, quiet, loaded=loaded)
         for style, path in ys.queries.items():
             q, _ = query_gradients(manifest, loaded, projector, path, batch_size=batch_size)
-            for kind in ("kfac", "ekfac") if fisher_dir else ():
-                for damping in dampings:
-                    matrix = fisher_scores(index_dir, fisher_dir, q, kind, damping, ys.n_docs)
-                    out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": width or "raw",
-                                "seed": seed, "score": damped_label(f"{kind} true-F", damping), "stream_s": 0.0,
-                                "index_s": index_s, "bytes": sizes, **ys.evaluate(style, matrix)})
             for score in scores:
                 for damping in (dampings if score in ("kfac", "ekfac") else (None,)):
                     matrix, seconds = score_matrix(index_dir, q, score, ys.n_docs, damping)
@@ -252,10 +203,6 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
             import shutil
 
             shutil.rmtree(index_dir, ignore_errors=True)  # disk: keep only the raw references
-        if fisher_dir is not None:
-            import shutil
-
-            shutil.rmtree(fisher_dir, ignore_errors=True)
     return out
 
 
@@ -524,10 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="kfac / ekfac dampings (shares of each module's mean eigenvalue); 0.1 is the default's row")
     p.add_argument("--modules", default="mlp", help="module_filter patterns (comma list), or 'all' (every linear)")
     p.add_argument("--no-raw", action="store_true", help="skip the unprojected references")
-    p.add_argument("--true-fisher", action="store_true",
-                   help="also kfac / ekfac with true-Fisher curvature (labels sampled from the model; loss ce)")
     p.add_argument("--fisher", default="empirical", choices=("empirical", "sampled"),
-                   help="grads.fisher of every Gradian index (the library's own sampled-label curvature)")
+                   help="grads.fisher of every Gradian index (sampled: the true Fisher, labels drawn from the model;"
+                        " replaces the earlier bench-only --true-fisher)")
     p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence, traker)")
     p.add_argument("--peer-dim", type=int, default=4096, help="traker's projected width (all modules together)")
     p.add_argument("--kronfluence-empirical", action="store_true",
@@ -551,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted_scores = tuple(x for x in args.scores.split(",") if x)
     dampings = tuple(float(d) for d in args.dampings.split(",") if d)
     gradian_kw = {"wanted": wanted_scores, "dampings": dampings, "raw_too": not args.no_raw,
-                  "true_fisher": args.true_fisher, "fisher": args.fisher}
+                  "fisher": args.fisher}
 
     def peers_on(ys: Yardstick) -> list[dict[str, Any]]:
         return [r for tool in args.peers.split(",") if tool
