@@ -294,6 +294,17 @@ def _per_example_scores(adapter: ModelAdapter, graph: Graph, delta: Deltas, grad
         rows.setdefault("edges", []).append(e / n_points)
 
 
+def score_accumulators(adapter: ModelAdapter, graph: Graph, edges: bool, device: torch.device) -> dict:
+    """Zeroed sums of the scores over the examples: head (L, H), mlp (L,), embed () and, at edge
+    level, edges (n_upstream, n_downstream)."""
+    L, H = adapter.n_layers, adapter.n_heads
+    out = {"head": torch.zeros(L, H, device=device), "mlp": torch.zeros(L, device=device),
+           "embed": torch.zeros((), device=device)}
+    if edges:
+        out["edges"] = torch.zeros(len(graph.upstream), len(graph.downstream), device=device)
+    return out
+
+
 def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", level: str = "node",
               metric: str = "logit_diff", ig_steps: int | None = 5, batch_size: int = 4,
               progress: bool = True, ig_rule: str = DEFAULT_IG_RULE,
@@ -318,11 +329,7 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     graph = graph_of(adapter)
     device = input_device(adapter.model)
     dtype = adapter.embed.weight.dtype
-    L, H = adapter.n_layers, adapter.n_heads
-    out = {"head": torch.zeros(L, H, device=device), "mlp": torch.zeros(L, device=device),
-           "embed": torch.zeros((), device=device)}
-    if edges:
-        out["edges"] = torch.zeros(len(graph.upstream), len(graph.downstream), device=device)
+    out = score_accumulators(adapter, graph, edges, device)
     if per_example:
         out["per_example"] = {}
     metric_clean = metric_corrupted = 0.0

@@ -30,6 +30,7 @@ from circuitkit.attribution.eap import (
     deltas,
     graph_of,
     integration_rule,
+    score_accumulators,
 )
 from circuitkit.attribution.metrics import compute_metric
 from circuitkit.models.adapters import ModelAdapter
@@ -128,10 +129,7 @@ def attribute_activations(adapter: ModelAdapter, data: TaskData, level: str = "n
     device = input_device(adapter.model)
     dtype = adapter.embed.weight.dtype
     L, H = adapter.n_layers, adapter.n_heads
-    out = {"head": torch.zeros(L, H, device=device), "mlp": torch.zeros(L, device=device),
-           "embed": torch.zeros((), device=device)}
-    if edges:
-        out["edges"] = torch.zeros(len(graph.upstream), len(graph.downstream), device=device)
+    out = score_accumulators(adapter, graph, edges, device)
     rows_per_example: dict[str, list] = {}
     metric_clean = metric_corrupted = 0.0
     planned = data.length_batches(batch_size, group_by_length)
