@@ -167,14 +167,15 @@ class GradsConfig:
     on_truncation: str = _f("warn", "when a completion is cut", choices=("warn", "error", "drop"))
     truncation_side: str = _f("right", "what truncation removes", choices=("right", "prompt_left"))
     loss_reduction: str = _f("sum", "per-example loss over supervised tokens", choices=("sum", "mean"))
-    loss: str = _f("ce", "per-token function whose gradient is indexed: ce = cross-entropy, margin = TRAK's"
-                   " negated log-odds -log(p/(1-p)) of the correct token", choices=("ce", "margin"))
+    loss: str = _f("margin", "per-token function whose gradient is indexed: margin = TRAK's negated log-odds"
+                   " -log(p/(1-p)) of the correct token, ce = cross-entropy", choices=("ce", "margin"))
     append_eos: bool = _f(False, "prompt/completion rows end with the tokenizer's EOS, supervised; chat rows also"
                           " supervise the template's end-of-turn tokens (false: only what the rows wrote)")
     prepend_bos: Optional[bool] = _f(None, "prompt/completion rows start with BOS: true, false, or null = as the"
                                      " tokenizer does by itself (chat rows: as the template writes)")
     module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (the index size, and the peak a little: activations kept from the first selected module on, capture buffers)")
-    projection: str = _f("kronecker", "random projection kind (kronecker_orthogonal: orthonormal Kronecker factors)",
+    projection: str = _f("kronecker_orthogonal", "random projection kind: kronecker_orthogonal = Kronecker factors with"
+                         " orthonormal rows, kronecker = Rademacher (±1) factors, dense = one Gaussian matrix",
                          choices=("kronecker", "kronecker_orthogonal", "dense"))
     projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (the index size, and the peak a little: capture buffers, projection matrices)", ge=1)
     projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)

@@ -228,6 +228,13 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
              "fisher": recorded_fisher(grads)}
     diffs = [f"{k}: index has {manifest.get(k)!r}, asked {v!r}" for k, v in asked.items()
              if k in manifest and manifest[k] != v]
+    recorded = manifest.get("projection")
+    if isinstance(recorded, dict):  # the projection's kind, width and seed (its matrices: once the model is loaded)
+        kind = "raw" if grads.projection_dim is None else grads.projection
+        for key, name, value in (("kind", "projection", kind), ("projection_dim", "projection_dim", grads.projection_dim),
+                                 ("seed", "projection_seed", grads.projection_seed)):
+            if key in recorded and recorded[key] != value and not (key == "seed" and kind == "raw"):
+                diffs.append(f"{name}: index has {recorded[key]!r}, asked {value!r}")
     if diffs:
         raise IndexMismatchError(f"{index_dir} holds an index made differently: {'; '.join(diffs)}. Use another"
                                  " grads.index_dir, or delete this one to rebuild it.")

@@ -154,10 +154,18 @@ def damped_label(score: str, damping: float) -> str:
     return score if damping == DAMPING else f"{score} λ={damping:g}"
 
 
+def setup_label(projection: str, fisher: str) -> str:
+    """The tables' name of an index's projection kind and Fisher (the first is the old default)."""
+    return f"{'orthogonal' if projection == 'kronecker_orthogonal' else projection}, {fisher}"
+
+
+DEFAULT_SETUP = setup_label("kronecker", "empirical")  # rows of JSON files written before --projections
+
+
 def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str], work: Path,
                   console: Console, batch_size: int = 16, wanted: tuple[str, ...] = SCORES,
                   dampings: tuple[float, ...] = (DAMPING,), raw_too: bool = True,
-                  fisher: str = "empirical") -> list[dict[str, Any]]:
+                  fisher: str = "empirical", projection: str = "kronecker") -> list[dict[str, Any]]:
     from circuitkit.models.loading import load_model
 
     model_cfg = ModelConfig(name=ys.model_dir, precision=ys.precision)
@@ -172,9 +180,9 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
         module = not raw and width <= 4096 and {"influence", "whitened"} & set(wanted)
         precond = "module+kfac" if module else "kfac"
         grads = GradsConfig(data_path=str(ys.docs), batch_size=batch_size, module_filter=modules,
-                            projection="kronecker", projection_dim=width, projection_seed=seed,
+                            projection=projection, projection_dim=width, projection_seed=seed,
                             storage_dtype="float32", loss=loss, preconditioner=precond, fisher=fisher)
-        index_dir = work / f"{ys.name}_{loss}_{width or 'raw'}_{seed}"
+        index_dir = work / f"{ys.name}_{loss}_{width or 'raw'}_{seed}_{projection}_{fisher}"
         start = time.perf_counter()
         build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)
         index_s = time.perf_counter() - start
@@ -188,6 +196,7 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
                 for damping in (dampings if score in ("kfac", "ekfac") else (None,)):
                     matrix, seconds = score_matrix(index_dir, q, score, ys.n_docs, damping)
                     out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": width or "raw",
+                                "setup": setup_label(projection if width else "kronecker", fisher),
                                 "seed": seed, "score": score if damping is None else damped_label(score, damping),
                                 "stream_s": seconds, "index_s": index_s, "bytes": sizes,
                                 **ys.evaluate(style, matrix)})
@@ -195,6 +204,7 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
                 start = time.perf_counter()
                 matrix = exact_influence(index_dir, q)
                 out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": "raw", "seed": seed,
+                            "setup": setup_label("kronecker", fisher),
                             "score": "influence", "stream_s": time.perf_counter() - start, "index_s": index_s,
                             "bytes": sizes, **ys.evaluate(style, matrix)})
         console.print(f"[dim]{ys.name}: loss {loss}, width {width or 'raw'}, seed {seed} done"
@@ -362,10 +372,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean over seeds (and styles kept apart) per (yardstick, style, loss, width, score)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["yardstick"], r["style"], r["loss"], str(r["width"]), r["score"]), []).append(r)
+        groups.setdefault((r["yardstick"], r["style"], r["loss"], str(r["width"]), r["score"],
+                           r.get("setup", DEFAULT_SETUP)), []).append(r)
     out = []
-    for (ys, style, loss, width, score), runs in groups.items():
-        entry = {"yardstick": ys, "style": style, "loss": loss, "width": width, "score": score, "seeds": len(runs),
+    for (ys, style, loss, width, score, setup), runs in groups.items():
+        entry = {"yardstick": ys, "style": style, "loss": loss, "width": width, "score": score, "setup": setup,
+                 "seeds": len(runs),
                  "stream_s": statistics.mean(r["stream_s"] for r in runs), "bytes": runs[0]["bytes"]}
         for key in ("r1", "r10", "mrr", "lds"):
             if key in runs[0]:
@@ -376,17 +388,17 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _row_key(k: tuple[str, str, str]) -> tuple:
+def _row_key(k: tuple[str, str, str, str]) -> tuple:
     """Rows by loss, width (exact and the peers last), score (SCORES order, then each score's
-    dampings in increasing order, then the peers)."""
-    loss, width, score = k
+    dampings in increasing order, then the peers), then setup."""
+    loss, width, score, setup = k
     base, _, damp = score.partition(" λ=")
     if base in SCORES:
         rank = (SCORES.index(base), 1 if damp else 0, float(damp or 0), "")
     else:
         peer = next((i for i, p in enumerate(PEER_ORDER) if score.startswith(p.split(" (")[0])), len(PEER_ORDER))
         rank = (len(SCORES) + peer, 0, 0.0, score)
-    return (loss, {"raw": 10**9, "full": 10**10}.get(width) or int(width), rank)
+    return (loss, {"raw": 10**9, "full": 10**10}.get(width) or int(width), rank, setup)
 
 
 def print_table(summary: list[dict[str, Any]], console: Console) -> None:
@@ -394,21 +406,23 @@ def print_table(summary: list[dict[str, Any]], console: Console) -> None:
                      key=lambda c: (["A", "B", "S", "LDS"].index(c[0]), c[1]))
     table = Table(title="Gradian score options on every yardstick (mean over projection seeds; recall@1 / recall@10,"
                         " LDS)")
-    for col in ("loss", "width", "score", *[f"{y} {s}" for y, s in columns]):
-        table.add_column(col, justify="left" if col in ("loss", "score") else "right")
-    by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"]): s for s in summary}
-    keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary}, key=_row_key)
-    for loss, width, score in keys:
+    for col in ("loss", "width", "score", "projection, fisher", *[f"{y} {s}" for y, s in columns]):
+        table.add_column(col, justify="left" if col in ("loss", "score", "projection, fisher") else "right")
+    by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"], s.get("setup", DEFAULT_SETUP)): s
+          for s in summary}
+    keys = sorted({(s["loss"], s["width"], s["score"], s.get("setup", DEFAULT_SETUP)) for s in summary}, key=_row_key)
+    for loss, width, score, setup in keys:
         cells = []
         for y, s in columns:
-            e = by.get((y, s, loss, width, score))
+            e = by.get((y, s, loss, width, score, setup))
             if e is None:
                 cells.append("-")
             elif "lds" in e:
                 cells.append(f"{e['lds']:.3f}")
             else:
                 cells.append(f"{e['r1']:.3f} / {e['r10']:.3f}")
-        table.add_row(loss, {"raw": "exact", "full": "peer"}.get(width, width), score, *cells)
+        table.add_row(loss, {"raw": "exact", "full": "peer"}.get(width, width), score,
+                      "-" if width == "full" else setup, *cells)
     console.print(table)
 
 
@@ -416,16 +430,18 @@ def markdown(summary: list[dict[str, Any]]) -> str:
     """The table of `print_table` as Markdown (docs/benchmarks.md)."""
     columns = sorted({(s["yardstick"], s["style"]) for s in summary},
                      key=lambda c: (["A", "B", "S", "LDS"].index(c[0]), c[1]))
-    by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"]): s for s in summary}
-    keys = sorted({(s["loss"], s["width"], s["score"]) for s in summary}, key=_row_key)
-    lines = ["| loss | width | score | " + " | ".join(f"{y} {s}" for y, s in columns) + " |",
-             "|---|---:|---|" + "---:|" * len(columns)]
-    for loss, width, score in keys:
+    by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"], s.get("setup", DEFAULT_SETUP)): s
+          for s in summary}
+    keys = sorted({(s["loss"], s["width"], s["score"], s.get("setup", DEFAULT_SETUP)) for s in summary}, key=_row_key)
+    lines = ["| loss | width | score | projection, fisher | " + " | ".join(f"{y} {s}" for y, s in columns) + " |",
+             "|---|---:|---|---|" + "---:|" * len(columns)]
+    for loss, width, score, setup in keys:
         cells = []
         for y, st in columns:
-            e = by.get((y, st, loss, width, score))
+            e = by.get((y, st, loss, width, score, setup))
             cells.append("-" if e is None else f"{e['lds']:.3f}" if "lds" in e else f"{e['r1']:.3f} / {e['r10']:.3f}")
-        lines.append(f"| {loss} | {({'raw': 'exact', 'full': 'peer'}).get(width, width)} | {score} | "
+        lines.append(f"| {loss} | {({'raw': 'exact', 'full': 'peer'}).get(width, width)} | {score} |"
+                     f" {'-' if width == 'full' else setup} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -436,11 +452,12 @@ def print_costs(summary: list[dict[str, Any]], console: Console) -> None:
     for col in ("width", "cosine s", "influence", "whitened", "kfac", "ekfac", "rows MiB", "second moments MiB",
                 "K-FAC MiB"):
         table.add_column(col, justify="right")
+    costs_setup = next((s.get("setup", DEFAULT_SETUP) for s in summary if s["yardstick"] == "B"), DEFAULT_SETUP)
     widths = sorted({s["width"] for s in summary if s["yardstick"] == "B" and s["loss"] == "ce" and s["width"] != "full"},
                     key=lambda w: 10**9 if w == "raw" else int(w))
     for w in widths:
         e = {s["score"]: s for s in summary if s["yardstick"] == "B" and s["loss"] == "ce" and s["width"] == w
-             and s["style"] == "para"}
+             and s["style"] == "para" and s.get("setup", DEFAULT_SETUP) == costs_setup}
         if "cosine" not in e:
             continue
         base = e["cosine"]["stream_s"]
@@ -466,14 +483,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smollm2-epochs", type=int, default=2)
     p.add_argument("--smollm2-widths", default="1024,4096")
     p.add_argument("--smollm2-raw", action="store_true", help="S: also the unprojected references (slow)")
+    p.add_argument("--smollm2-seeds", type=int, default=1, help="S: projection seeds (one index of SmolLM2 each)")
     p.add_argument("--scores", default=",".join(SCORES), help="Gradian scores to rank with")
     p.add_argument("--dampings", default=str(DAMPING),
                    help="kfac / ekfac dampings (shares of each module's mean eigenvalue); 0.1 is the default's row")
     p.add_argument("--modules", default="mlp", help="module_filter patterns (comma list), or 'all' (every linear)")
     p.add_argument("--no-raw", action="store_true", help="skip the unprojected references")
-    p.add_argument("--fisher", default="empirical", choices=("empirical", "sampled"),
-                   help="grads.fisher of every Gradian index (sampled: the true Fisher, labels drawn from the model;"
-                        " replaces the earlier bench-only --true-fisher)")
+    p.add_argument("--fisher", default="empirical",
+                   help="grads.fisher of the Gradian indexes, a comma list of empirical, sampled (sampled: the true"
+                        " Fisher, labels drawn from the model; replaces the earlier bench-only --true-fisher)")
+    p.add_argument("--projections", default="kronecker",
+                   help="grads.projection of the projected indexes, a comma list of kronecker, kronecker_orthogonal")
     p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence, traker)")
     p.add_argument("--peer-dim", type=int, default=4096, help="traker's projected width (all modules together)")
     p.add_argument("--kronfluence-empirical", action="store_true",
@@ -496,8 +516,20 @@ def main(argv: list[str] | None = None) -> int:
     MODULES = None if args.modules == "all" else [m for m in args.modules.split(",") if m]
     wanted_scores = tuple(x for x in args.scores.split(",") if x)
     dampings = tuple(float(d) for d in args.dampings.split(",") if d)
-    gradian_kw = {"wanted": wanted_scores, "dampings": dampings, "raw_too": not args.no_raw,
-                  "fisher": args.fisher}
+    gradian_kw = {"wanted": wanted_scores, "dampings": dampings, "raw_too": not args.no_raw}
+    fishers = [f for f in args.fisher.split(",") if f]
+    projections = [x for x in args.projections.split(",") if x]
+    bad = [x for x in fishers if x not in ("empirical", "sampled")] + [
+        x for x in projections if x not in ("kronecker", "kronecker_orthogonal")]
+    if bad:
+        raise SystemExit(f"--fisher / --projections: unknown {bad} (empirical, sampled; kronecker, kronecker_orthogonal)")
+
+    def gradian_on(ys: Yardstick, widths: list[int], seeds: int, **kw: Any) -> list[dict[str, Any]]:
+        """Every (fisher, projection): the unprojected references once per fisher (they have no projection)."""
+        return [r for fisher in fishers for i, projection in enumerate(projections)
+                for r in run_yardstick(ys, widths, seeds, losses, work, console,
+                                       **(gradian_kw | kw | {"fisher": fisher, "projection": projection}
+                                          | ({"raw_too": False} if i else {})))]
 
     def peers_on(ys: Yardstick) -> list[dict[str, Any]]:
         return [r for tool in args.peers.split(",") if tool
@@ -528,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"--yardsticks: unknown {name!r} (A, B, LDS)")
             fine_tunes[name] = ys.fine_tune
             if not args.no_gradian:
-                rows += run_yardstick(ys, widths, args.seeds, losses, work, console, **gradian_kw)
+                rows += gradian_on(ys, widths, args.seeds)
             rows += peers_on(ys)
             console.print(f"yardstick {name}: {time.perf_counter() - t0:.0f} s")
             if args.json:  # partial results survive a later failure
@@ -538,8 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             ys = smollm2_yardstick(work, args.smollm2, args.smollm2_facts, args.smollm2_epochs, console)
             fine_tunes["S"] = ys.fine_tune
             if not args.no_gradian:
-                rows += run_yardstick(ys, [int(w) for w in args.smollm2_widths.split(",")], 1, losses, work, console,
-                                      batch_size=4, **(gradian_kw | {"raw_too": args.smollm2_raw}))
+                rows += gradian_on(ys, [int(w) for w in args.smollm2_widths.split(",")], args.smollm2_seeds, batch_size=4,
+                                   raw_too=args.smollm2_raw)
             rows += peers_on(ys)
             console.print(f"yardstick S: {time.perf_counter() - t0:.0f} s")
             if args.json:

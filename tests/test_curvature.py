@@ -13,6 +13,7 @@ import torch
 
 from circuitkit.config import compose
 from circuitkit.models.loading import load_model
+from gradian.capture import token_losses
 from gradian.curvature import CURVATURE_FILE, factor_names
 from gradian.data import load_rows, policy_of
 from gradian.index import IndexMismatchError, IndexReader
@@ -53,8 +54,8 @@ def index(root: Path) -> Path:
 
 def _brute_force(index_dir: Path) -> dict[str, list[torch.Tensor]]:
     """Per module, by the definitions and one example at a time: the projected inputs a_t and
-    output gradients s_t of every position (autograd of the summed cross-entropy of the
-    supervised tokens), their factor sums, and each example's projected gradient Σ_t s_t a_tᵀ."""
+    output gradients s_t of every position (autograd of the summed loss of the supervised
+    tokens, the index's `loss`), their factor sums, and each example's projected gradient Σ_t s_t a_tᵀ."""
     manifest = IndexReader(index_dir).manifest
     cfg = _cfg(index_dir.parent)
     loaded = load_model(cfg.model)
@@ -90,7 +91,7 @@ def _brute_force(index_dir: Path) -> dict[str, list[torch.Tensor]]:
             with torch.enable_grad():
                 logits = model(input_ids=ids).logits[0].float()
                 targets = ids[0, 1:][sup[0, 1:]]
-                loss = torch.nn.functional.cross_entropy(logits[:-1][sup[0, 1:]], targets, reduction="sum")
+                loss = token_losses(logits[:-1][sup[0, 1:]], targets, manifest["loss"]).sum()
                 loss.backward()
         finally:
             for handle in [*handles, h]:
@@ -303,6 +304,21 @@ def test_resume_with_another_preconditioner_is_refused_before_the_model_loads(in
     cfg = _cfg(index.parent, "grads.preconditioner=module", "grads.rows_per_shard=7")
     with pytest.raises(IndexMismatchError, match="preconditioner: index has 'module\\+kfac', asked 'module'"):
         build_index(cfg.model, cfg.grads, index)
+
+
+def test_resume_with_another_projection_is_refused_before_the_model_loads(index: Path, monkeypatch) -> None:
+    # The default projection changed (kronecker -> kronecker_orthogonal): an index built with the
+    # old one is refused at once, naming the key, not after the model has loaded.
+    import gradian.indexer as indexer
+
+    monkeypatch.setattr(indexer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    built = json.loads((index / "manifest.json").read_text())["projection"]
+    other = "kronecker" if built["kind"] == "kronecker_orthogonal" else "kronecker_orthogonal"
+    for override, message in ((f"grads.projection={other}", f"projection: index has '{built['kind']}', asked '{other}'"),
+                              ("grads.projection_seed=5", "projection_seed: index has 0, asked 5")):
+        cfg = _cfg(index.parent, "grads.preconditioner=module+kfac", "grads.rows_per_shard=7", override)
+        with pytest.raises(IndexMismatchError, match=message):
+            build_index(cfg.model, cfg.grads, index)
 
 
 def test_rank_with_kfac_from_the_command_line_and_a_short_summary(index: Path, tmp_path: Path, capsys) -> None:

@@ -159,10 +159,10 @@ def test_rows_keep_source_order_ids_and_positions_and_do_not_depend_on_their_bat
     # each stored row equals the row computed alone (batch of one, no padding)
     loaded_rows, _ = load_rows(data, lm.tokenizer, g.max_seq_length)
     modules = select_modules(lm.model, lm.adapter, None)
-    projector = Projector(module_shapes(modules), "kronecker", 16, 0)
+    projector = Projector(module_shapes(modules), g.projection, g.projection_dim, 0)
     for r in (0, 3, 17, 38):
         alone = per_example_gradients(lm.model, lm.adapter, modules, projector,
-                                      collate([loaded_rows[r]], 0)).row()[0]
+                                      collate([loaded_rows[r]], 0), loss=g.loss).row()[0]
         rel = (stored[r] - alone).norm() / alone.norm()
         assert rel < 1e-5, (r, rel)
 

@@ -198,7 +198,7 @@ def test_margin_index_records_its_loss_and_queries_use_it(root: Path, tmp_path: 
     from gradian.rank import rank
 
     margin = _build(root, "margin", "grads.loss=margin")
-    ce = _build(root, "ce")
+    ce = _build(root, "ce", "grads.loss=ce")
     assert IndexReader(margin).manifest["loss"] == "margin"
     a, b = _stored(margin), _stored(ce)
     # Each token's logit gradient is cross-entropy's divided by 1 - p (test below): on this

@@ -146,7 +146,7 @@ def run(spec: dict, result: dict) -> None:
                         module_filter=spec["modules"], projection="kronecker", projection_dim=spec["per_module_dim"],
                         projection_seed=spec["seed"], storage_dtype=storage,
                         group_by_length=spec.get("group_by_length", True), batch_tokens=spec.get("batch_tokens"),
-                        activations=spec.get("activations", "auto"),
+                        activations=spec.get("activations", "auto"), loss="ce",  # the peers' cross-entropy
                         preconditioner="none")  # ranked with cosine, like the peers' cosine: no curvature to store
     index_dir = work / f"gradian_{storage}"
     quiet = Console(stderr=True, quiet=True)
