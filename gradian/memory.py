@@ -37,7 +37,10 @@ from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 # * The (N_s, V) tensors: the forward holds the (upcast) logits and the saved float32
 #   log-softmax; the peak is inside the log-softmax backward, with three float32 (N_s, V) tensors
 #   live (saved log-softmax, its gradient, the logits' gradient): measured 3.03-3.07·N_s·V·4 over
-#   the activations on the 50257-vocabulary tiny models. LOGIT_F32_COPIES = 3.
+#   the activations on the 50257-vocabulary tiny models. LOGIT_F32_COPIES = 3. grads.loss=margin
+#   (`gradian.capture._Margin`) keeps one fewer: its backward holds the saved softmax over the
+#   other classes and the logits' gradient; measured 1.0 MiB under ce at N_s = 256, V = 1024 and
+#   the same peak as ce wherever the block temporaries dominate: LOGIT_F32_COPIES_BY_LOSS.
 # * Forward temporaries of one block (GELU / SiLU intermediates) above the saved activations:
 #   measured 15-17·N·d for GPT-2 (f = 4d) and 7.9-8.9·N·d for Llama (f = 2d): GRADS_FWD_TMP_F = 4
 #   (units N·f·p). Alive only while no (N_s, V) tensor is, so the peak takes the larger of the two.
@@ -51,6 +54,7 @@ from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
 # * Supervised positions reach the unembedding `logit_chunk_rows(V)` at a time, so the (N_s, V)
 #   terms are (min(N_s, chunk rows), V).
 LOGIT_F32_COPIES = 3
+LOGIT_F32_COPIES_BY_LOSS = {"ce": LOGIT_F32_COPIES, "margin": 2}
 RECOMPUTE_TMP_F = 5.5
 GRADS_FWD_TMP_F = 4.0
 # Index: per row float32 norm + int64 row id next to the stored gradient row.
@@ -108,7 +112,8 @@ def preconditioner_index_bytes(projector: Projector, preconditioner: str, n_shar
 def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
                    supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
                    n_rows: int = 0, activations: str = "model", preconditioner: str = "none",
-                   rows_per_shard: int | None = None, fisher: str = "empirical") -> MemoryEstimate:
+                   rows_per_shard: int | None = None, fisher: str = "empirical",
+                   loss: str = "ce") -> MemoryEstimate:
     """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
@@ -132,9 +137,11 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                         cache) or one 4096-column chunk; raw 0
         logits (model dtype)            N_s·V·p
         fp32 logit upcast               N_s·V·4       (the allocation the OOM page is about)
-        cross-entropy buffers           N_s·V·(4·LOGIT_F32_COPIES − 4 − p): with the two above, the
-                                        three float32 (N_s, V) tensors of the log-softmax backward
-        block temporaries               max(0, F·N·f·p − LOGIT_F32_COPIES·N_s·V·4): one block's
+        loss buffers                    N_s·V·(4·C − 4 − p): with the two above, the C float32
+                                        (N_s, V) tensors of the loss's backward, C =
+                                        LOGIT_F32_COPIES_BY_LOSS[loss] (ce: 3, the log-softmax
+                                        backward; margin: 2)
+        block temporaries               max(0, F·N·f·p − C·N_s·V·4): one block's
                                         transients (F = GRADS_FWD_TMP_F in the forward, or
                                         RECOMPUTE_TMP_F in the backward of a recomputed
                                         activation), which peak when the vocabulary-sized
@@ -183,7 +190,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                 matrices += full if full <= _DENSE_CACHE_BYTES else projection_dim * _DENSE_CHUNK_COLS * FP32
                 max_g = max(max_g, B * d_out * d_in * FP32)
     capture += max_g  # the (B, width) rows appear after the peak (module grad hooks run later)
-    logits_f32 = LOGIT_F32_COPIES * Ns * V * FP32
+    copies = LOGIT_F32_COPIES_BY_LOSS[loss]
+    logits_f32 = copies * Ns * V * FP32
     terms = {
         "weights": s["n_params"] * p,
         "activations saved for backward": int(acts),
@@ -191,7 +199,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         "projection matrices": int(matrices),
         "logits (model dtype)": Ns * V * p,
         "fp32 logit upcast": Ns * V * FP32,
-        "cross-entropy buffers": Ns * V * (FP32 * LOGIT_F32_COPIES - FP32 - p),
+        "loss buffers": Ns * V * (FP32 * copies - FP32 - p),
         "block temporaries": int(max(0.0, tmp_f * N * f * p - logits_f32)),
     }
     if has_kfac(preconditioner):
@@ -199,7 +207,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                             for k_o, k_i in curvature_sides(projector).values())
     if has_kfac(preconditioner) and fisher == "sampled":
         terms["sampled-label pass"] = Ns * V * FP32 + B * width * FP32
-    est = MemoryEstimate(terms, phase="log-softmax backward" if terms["block temporaries"] == 0
+    est = MemoryEstimate(terms, phase=f"{loss} loss backward" if terms["block temporaries"] == 0
                          else "backward of a recomputed activation" if recomputed else "forward of the last block")
     n_shards = max(1, -(-n_rows // rows_per_shard)) if rows_per_shard else 1
     est.index_bytes = (grads_index_bytes(n_rows, width, storage_dtype_bytes)
@@ -232,7 +240,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     dtype = DTYPES[cfg.model.precision]
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
                           DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype),
-                          g.preconditioner, g.rows_per_shard, g.fisher)
+                          g.preconditioner, g.rows_per_shard, g.fisher, g.loss)
 
 
 def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:

@@ -6,7 +6,7 @@ GPT-2-small shapes), runs `attribute` on one batch of random TaskData inside `me
 (live tensor bytes + resident weights) and compares with the closed-form estimate. Exits 1
 if any ratio estimate / measured is outside [0.75, 1.25]. The grads sweep runs
 `gradian.capture.per_example_gradients` (mlp.c_proj / down_proj, rows of prompt + supervised
-tokens, kronecker projection_dim 64, raw on tiny shapes) the same way.
+tokens, the default projection kind and loss at projection_dim 64, raw on tiny shapes) the same way.
 
     python scripts/check_memory_estimates.py [--quick] [--json rows.json]
 
@@ -37,6 +37,7 @@ from rich.table import Table
 
 from circuitkit.attribution.eap import attribute
 from circuitkit.attribution.memory import estimate_attribution
+from circuitkit.config import GradsConfig
 from circuitkit.device import measure_peak, module_bytes
 from circuitkit.memory import MiB, shape_from_config
 from circuitkit.models.adapters import get_adapter
@@ -242,13 +243,14 @@ def measure_grads_model(model: torch.nn.Module, name: str, projection_dim: int |
     shape = shape_from_config(model.config)
     modules = select_modules(model, adapter, GRADS_FILTER[shape["family"]])
     shapes = module_shapes(modules)
-    projector = Projector(shapes, "kronecker", projection_dim, seed=0)  # fresh: matrices counted
+    defaults = GradsConfig()  # the product's projection kind and loss
+    projector = Projector(shapes, defaults.projection, projection_dim, seed=0)  # fresh: matrices counted
     data = grads_batch(batch, prompt, supervised, model.config.vocab_size)
     with measure_peak(torch.device("cpu"), resident_bytes=lambda: module_bytes(model)) as peak:
-        per_example_gradients(model, adapter, modules, projector, data)
+        per_example_gradients(model, adapter, modules, projector, data, loss=defaults.loss)
     dtype = next(model.parameters()).dtype
     est = estimate_grads(shape, dtype.itemsize, batch, prompt + supervised, supervised, projector, 2, 0,
-                         activations=activation_mode("auto", dtype))
+                         activations=activation_mode("auto", dtype), loss=defaults.loss)
     return GradsRow(name, projector.kind, batch, prompt, supervised, est.total_bytes / MiB, peak.peak_bytes / MiB,
                     est.total_bytes / peak.peak_bytes, est.phase)
 

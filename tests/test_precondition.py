@@ -194,6 +194,27 @@ def test_margin_gradient_is_cross_entropys_over_one_minus_p() -> None:
     torch.testing.assert_close(g_margin, g_ce / (1 - p))
 
 
+def test_margin_function_equals_its_autograd_composition_and_keeps_one_vocabulary_tensor() -> None:
+    from gradian.capture import _Margin, token_losses
+
+    logits = (torch.randn(7, 13, generator=torch.Generator().manual_seed(4)) * 5).double().requires_grad_(True)
+    targets = torch.tensor([0, 12, 3, 3, 7, 1, 9])
+    assert torch.autograd.gradcheck(lambda z: _Margin.apply(z, targets), (logits,))
+    weights = torch.rand(7, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    others = logits.scatter(1, targets[:, None], float("-inf"))
+    plain = torch.logsumexp(others, 1) - logits.gather(1, targets[:, None])[:, 0]
+    got = token_losses(logits, targets, "margin")
+    torch.testing.assert_close(got, plain, rtol=0, atol=0)
+    (g_plain,) = torch.autograd.grad((plain * weights).sum(), logits)
+    (g_got,) = torch.autograd.grad((got * weights).sum(), logits)
+    torch.testing.assert_close(g_got, g_plain, rtol=1e-12, atol=1e-12)
+    # What the graph keeps: one (N, V) tensor (the softmax over the other classes) and the targets.
+    z = torch.randn(64, 4096, requires_grad=True)
+    out = _Margin.apply(z * 1.0, torch.zeros(64, dtype=torch.long))
+    kept = [t for t in out.grad_fn.saved_tensors if t.numel() == 64 * 4096]
+    assert len(kept) == 1
+
+
 def test_margin_index_records_its_loss_and_queries_use_it(root: Path, tmp_path: Path) -> None:
     from gradian.rank import rank
 
