@@ -16,6 +16,7 @@ import torch
 
 from circuitkit.attribution.eap import cached_run, deltas, graph_of, head_writes
 from circuitkit.attribution.metrics import answer_forward, compute_metric
+from circuitkit.device import free_memory_bytes
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
 from circuitkit.models.placement import input_device, resident
@@ -161,35 +162,71 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, kept: torch.Tensor
     hk.pre(adapter.final_norm, final, with_kwargs=True)
 
 
+# Share of the device memory free when an EdgeEvaluator is built that its recorded ablated writes
+# may take. Under corrupted ablation they are (n_upstream, B, T, d_model) float32 per batch, kept
+# for every evaluation batch: 1 + 32 x 33 upstream nodes of a Llama-8B shape, 100 pairs of 32
+# tokens, make 55 GB. Batches past the share are recomputed (two recorded runs) at every use.
+RECORD_SHARE = 0.5
+
+
 class EdgeEvaluator:
     """Mean metric on held-out examples when only the kept edges carry live values.
 
     The clean and corrupted runs are recorded once; every edge kept is the clean run's metric
     and, under corrupted ablation, no edge kept is the corrupted run's (no forward for either).
+    The ablated writes of each batch are kept while they fit in `record_budget_bytes` (default
+    RECORD_SHARE of the free device memory); the batches beyond it recompute theirs from two
+    recorded runs whenever a circuit forward needs them (`ablated(i)`): the same values, the peak
+    bounded, about three times the forward cost for those batches. `recomputed` counts them.
     """
 
     def __init__(self, adapter: ModelAdapter, data: TaskData, metric: str, ablation: str,
-                 mean_values: torch.Tensor | None, batch_size: int) -> None:
-        self.adapter, self.metric, self.ablation = adapter, metric, ablation
+                 mean_values: torch.Tensor | None, batch_size: int, record_budget_bytes: int | None = None) -> None:
+        self.adapter, self.metric, self.ablation, self.mean_values = adapter, metric, ablation, mean_values
         self.valid = graph_of(adapter).edge_mask()
         device = input_device(adapter.model)
+        budget = int(RECORD_SHARE * free_memory_bytes(device)) if record_budget_bytes is None else record_budget_bytes
+        kept_bytes = 0
         self.batches = []
         self.m_clean = self.m_corrupted = 0.0
         for batch in data.batches(batch_size):
             batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=True)
-            if ablation == "corrupted":
-                corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=True)
-                ablated = upstream_writes(adapter, clean) - deltas(adapter, clean, corrupted, edges=True).up
-                self.m_corrupted += compute_metric(metric, corrupted.logits, batch, clean.logits.float()).sum().item()
-            elif ablation == "mean":
-                ablated = fit_positions(mean_values.to(device), batch.clean_ids.shape[1]).unsqueeze(1)
+            clean_raw, ablated, corrupted_logits = self._record(batch)
+            clean_logits = clean_raw.float()
+            if corrupted_logits is not None:
+                self.m_corrupted += compute_metric(metric, corrupted_logits, batch, clean_logits).sum().item()
+            self.m_clean += compute_metric(metric, clean_raw, batch, clean_logits).sum().item()
+            size = ablated.numel() * ablated.element_size()
+            if kept_bytes + size > budget and ablated.numel() > 1:
+                ablated = None  # recomputed at every use (`ablated`)
             else:
-                ablated = torch.zeros(1, 1, 1, 1, device=device)
-            self.m_clean += compute_metric(metric, clean.logits, batch, clean.logits.float()).sum().item()
-            self.batches.append((batch, clean.logits.float(), ablated))
+                kept_bytes += size
+            self.batches.append((batch, clean_logits, ablated))
+        self.recomputed = sum(a is None for _, _, a in self.batches)
         self.n = len(data)
         self.forwards = 0  # circuit forwards run (batches), for cost reports
+
+    @torch.no_grad()
+    def _record(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A batch's clean logits (the model's dtype), its ablated writes, and the corrupted run's
+        logits (corrupted ablation only, else None)."""
+        adapter, device = self.adapter, batch.clean_ids.device
+        clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=True)
+        corrupted_logits = None
+        if self.ablation == "corrupted":
+            corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=True)
+            ablated = upstream_writes(adapter, clean) - deltas(adapter, clean, corrupted, edges=True).up
+            corrupted_logits = corrupted.logits
+        elif self.ablation == "mean":
+            ablated = fit_positions(self.mean_values.to(device), batch.clean_ids.shape[1]).unsqueeze(1)
+        else:
+            ablated = torch.zeros(1, 1, 1, 1, device=device)
+        return clean.logits, ablated, corrupted_logits
+
+    def ablated(self, i: int) -> torch.Tensor:
+        """Batch i's ablated writes: recorded, or recomputed now when they did not fit the budget."""
+        batch, _, ablated = self.batches[i]
+        return ablated if ablated is not None else self._record(batch)[1]
 
     @torch.no_grad()
     def __call__(self, kept: torch.Tensor | None) -> float:
@@ -205,7 +242,8 @@ class EdgeEvaluator:
     def forward(self, kept: torch.Tensor) -> float:
         """The metric by circuit forwards, without the shortcuts of `__call__`."""
         total = 0.0
-        for batch, clean_answer, ablated in self.batches:
+        for i, (batch, clean_answer, _) in enumerate(self.batches):
+            ablated = self.ablated(i)
             with HookSet() as hk:
                 _install_edge_circuit(self.adapter, hk, kept.to(ablated.device), ablated)
                 logits = answer_forward(self.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)

@@ -72,7 +72,7 @@ def learn_edge_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor,
     if abs(gap) < 1e-6:
         raise ValueError("edge pruning needs the clean and corrupted runs to differ on the metric (their mean"
                          f" {metric} gap is {gap:.2e}); use pairs whose corruption changes the answer.")
-    theta = warm_start(scores, valid, init_density).to(ev.batches[0][2].device).requires_grad_(True)
+    theta = warm_start(scores, valid, init_density).to(ev.batches[0][0].clean_ids.device).requires_grad_(True)
     valid_f = valid.to(theta.device).float()
     n_valid = valid_f.sum()
     opt = torch.optim.Adam([theta], lr=lr)
@@ -83,7 +83,8 @@ def learn_edge_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor,
     try:
         for step in range(steps):
             i = step % len(ev.batches)
-            batch, clean_answer, ablated = ev.batches[i]
+            batch, clean_answer, _ = ev.batches[i]
+            ablated = ev.ablated(i)
             mask = torch.sigmoid(theta) * valid_f
             with HookSet() as hk:
                 _install_edge_circuit(adapter, hk, mask, ablated, soft=True)

@@ -77,7 +77,8 @@ def _install_edge_circuit(adapter: ModelAdapter, hk: HookSet, removed: torch.Ten
 def reference_metric(evaluator, kept: torch.Tensor) -> float:
     """The mean metric of `evaluator`'s batches (an EdgeEvaluator) with only `kept` edges live, the direct way."""
     total = 0.0
-    for batch, clean_answer, ablated in evaluator.batches:
+    for i, (batch, clean_answer, _) in enumerate(evaluator.batches):
+        ablated = evaluator.ablated(i)  # recorded, or recomputed past the evaluator's memory budget
         with HookSet() as hk:
             _install_edge_circuit(evaluator.adapter, hk, ~kept.to(ablated.device), ablated)
             logits = answer_forward(evaluator.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)

@@ -95,6 +95,25 @@ def test_edge_circuit_identities(name):
     assert ev_mean(valid) == pytest.approx(ev(None), abs=1e-6)
 
 
+def test_edge_evaluator_past_its_memory_budget_recomputes_the_same_values(monkeypatch):
+    """Ablated writes that do not fit the budget are recomputed per use: the same metric, bit for bit."""
+    from circuitkit import pruning_edges
+
+    lm, data = loaded("tiny-llama"), pairs("tiny-llama")
+    valid = graph_of(lm.adapter).edge_mask()
+    kept = valid & (torch.rand(valid.shape, generator=torch.Generator().manual_seed(0)) < 0.3)
+    recorded = EdgeEvaluator(lm.adapter, data, "logit_diff", "corrupted", None, 3)
+    one = recorded.batches[0][2].numel() * 4
+    assert recorded.recomputed == 0
+    for budget, expect in ((0, len(recorded.batches)), (one, len(recorded.batches) - 1)):
+        ev = EdgeEvaluator(lm.adapter, data, "logit_diff", "corrupted", None, 3, record_budget_bytes=budget)
+        assert ev.recomputed == expect and ev.m_clean == recorded.m_clean and ev.m_corrupted == recorded.m_corrupted
+        assert ev(kept) == recorded(kept)
+    # The default budget is a share of the free device memory.
+    monkeypatch.setattr(pruning_edges, "free_memory_bytes", lambda device=None: int(one / pruning_edges.RECORD_SHARE))
+    assert EdgeEvaluator(lm.adapter, data, "logit_diff", "corrupted", None, 3).recomputed == len(recorded.batches) - 1
+
+
 def test_keep_top_respects_valid_entries():
     scores = torch.tensor([[5.0, 1.0], [9.0, 2.0]])
     valid = torch.tensor([[True, True], [False, True]])

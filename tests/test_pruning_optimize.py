@@ -45,7 +45,8 @@ def test_soft_circuit_with_a_binary_mask_is_the_edge_circuit():
     for n in (5, 40, 300):
         kept = keep_top(scores.edges, n, "abs", valid)
         total = 0.0
-        for batch, clean_answer, ablated in ev.batches:
+        for i, (batch, clean_answer, _) in enumerate(ev.batches):
+            ablated = ev.ablated(i)
             with torch.no_grad(), HookSet() as hk:
                 _install_edge_circuit(lm.adapter, hk, kept.float(), ablated, soft=True)
                 logits = answer_forward(lm.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
@@ -69,6 +70,18 @@ def test_learning_the_mask_lowers_its_loss_and_the_penalty_its_density():
     assert runs[50.0][-1][3] < runs[0.0][-1][3] - 0.01  # a heavy penalty leaves a sparser mask
     with pytest.raises(ValueError, match="mask_steps"):
         learn_edge_mask(lm.adapter, data[:6], scores.edges, valid, "kl", steps=0)
+
+
+def test_the_mask_learned_with_recomputed_ablations_is_the_same(monkeypatch):
+    """Past the evaluator's memory budget every step recomputes its batch's ablated writes: same θ."""
+    from circuitkit import pruning_edges
+
+    lm, data, scores, valid = setup()
+    kw = dict(metric="kl", steps=4, lr=0.2, batch_size=3)
+    recorded = learn_edge_mask(lm.adapter, data[:6], scores.edges, valid, **kw)
+    monkeypatch.setattr(pruning_edges, "free_memory_bytes", lambda device=None: 0)
+    assert EdgeEvaluator(lm.adapter, data[:6], "kl", "corrupted", None, 3).recomputed == 2
+    assert torch.equal(learn_edge_mask(lm.adapter, data[:6], scores.edges, valid, **kw), recorded)
 
 
 def test_prune_with_edge_pruning_selects_by_the_learned_mask(caplog):
