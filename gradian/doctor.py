@@ -320,13 +320,15 @@ def backends_info() -> dict[str, dict[str, Any]]:
 
 # -- self-tests ---------------------------------------------------------------------------------
 def _test_projection() -> dict[str, Any]:
-    """Same seed -> same kronecker matrices; project(x, δ) == project_gradient(Σ_t δ_t x_tᵀ)."""
+    """Same seed -> same Kronecker matrices; project(x, δ) == project_gradient(Σ_t δ_t x_tᵀ); with the
+    default projection kind (grads.projection)."""
     import torch
 
+    from circuitkit.config import GradsConfig
     from gradian.projection import Projector
 
-    shapes = {"probe": (12, 10)}
-    p1, p2 = Projector(shapes, "kronecker", 16, seed=0), Projector(shapes, "kronecker", 16, seed=0)
+    shapes, kind = {"probe": (12, 10)}, GradsConfig().projection
+    p1, p2 = Projector(shapes, kind, 16, seed=0), Projector(shapes, kind, 16, seed=0)
     same = all(torch.equal(a, b) for a, b in zip(p1.kronecker_matrices("probe"), p2.kronecker_matrices("probe"),
                                                   strict=True))
     g = torch.Generator().manual_seed(0)
@@ -335,7 +337,7 @@ def _test_projection() -> dict[str, Any]:
     a, b = p1.project("probe", x, delta), p1.project_gradient("probe", grad)
     rel = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
     return {"passed": bool(same and rel < _PROJECTION_TOL), "value": rel,
-            "detail": f"kronecker dim 16 on (12, 10): matrices identical across constructions: {same};"
+            "detail": f"{kind} dim 16 on (12, 10): matrices identical across constructions: {same};"
                       f" max relative error project vs project_gradient {rel:.2e} (tol {_PROJECTION_TOL:g})"}
 
 
@@ -356,6 +358,7 @@ def _test_batch_invariance() -> dict[str, Any]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from circuitkit.config import GradsConfig
     from circuitkit.models.adapters import get_adapter
     from circuitkit.models.linear_modules import module_shapes
     from gradian.capture import per_example_gradients
@@ -369,7 +372,8 @@ def _test_batch_invariance() -> dict[str, Any]:
     adapter = get_adapter(model)
     mlp_out = adapter.mlp_output_linear(0)
     modules = [(name, m) for name, m in model.named_modules() if m is mlp_out]
-    projector = Projector(module_shapes(modules), "kronecker", 16, seed=0)
+    defaults = GradsConfig()  # the default projection kind and loss
+    projector = Projector(module_shapes(modules), defaults.projection, 16, seed=0)
 
     g = torch.Generator().manual_seed(1)
     lengths, probe, width = [8, 5, 3], 1, 8
@@ -383,11 +387,12 @@ def _test_batch_invariance() -> dict[str, Any]:
     n = lengths[probe]
     alone = {"input_ids": ids[probe:probe + 1, :n], "attention_mask": mask[probe:probe + 1, :n],
              "supervised": supervised[probe:probe + 1, :n]}
-    row_batch = per_example_gradients(model, adapter, modules, projector, batch).row()[probe]
-    row_alone = per_example_gradients(model, adapter, modules, projector, alone).row()[0]
+    row_batch = per_example_gradients(model, adapter, modules, projector, batch, loss=defaults.loss).row()[probe]
+    row_alone = per_example_gradients(model, adapter, modules, projector, alone, loss=defaults.loss).row()[0]
     rel = ((row_batch - row_alone).abs().max() / row_alone.abs().max().clamp_min(1e-30)).item()
     return {"passed": bool(rel < _BATCH_TOL), "value": rel,
-            "detail": f"random 1-layer GPT-2 (d=32), its MLP output linear, kronecker 16: example of {n} tokens alone vs"
+            "detail": f"random 1-layer GPT-2 (d=32), its MLP output linear, {defaults.projection} 16, loss"
+                      f" {defaults.loss}: example of {n} tokens alone vs"
                       f" row {probe} of a batch padded to {width}; max relative difference {rel:.2e}"
                       f" (tol {_BATCH_TOL:g})"}
 
