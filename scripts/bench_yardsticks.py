@@ -27,7 +27,11 @@ Also measured on the widest index that has every score: the seconds of `stream_t
 (ratios to cosine in the same process) and the bytes of each stored part.
 
     python scripts/bench_yardsticks.py [--widths 256,1024,4096,16384] [--seeds 3] [--losses ce,margin]
-        [--yardsticks A,B,LDS] [--lds-subsets 16] [--smollm2 DIR] [--work DIR] [--json out.json]
+        [--yardsticks A,B,LDS] [--lds-subsets 16] [--smollm2 DIR] [--smollm2-seeds 1] [--work DIR]
+        [--fisher empirical,sampled] [--projections kronecker,kronecker_orthogonal] [--json out.json]
+
+Every (fisher, projection) pair builds its own indexes; the tables show them as a "projection,
+fisher" column (rows of JSON files from before these options read as "kronecker, empirical").
 """
 
 from __future__ import annotations
