@@ -497,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="grads.fisher of the Gradian indexes, a comma list of empirical, sampled (sampled: the true"
                         " Fisher, labels drawn from the model; replaces the earlier bench-only --true-fisher)")
     p.add_argument("--projections", default="kronecker",
-                   help="grads.projection of the projected indexes, a comma list of kronecker, kronecker_orthogonal")
+                   help="grads.projection of the projected indexes, a comma list of kronecker, kronecker_orthogonal"
+                        " (default kronecker, as every table before the fourth round: the product's default is"
+                        " kronecker_orthogonal since)")
     p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence, traker)")
     p.add_argument("--peer-dim", type=int, default=4096, help="traker's projected width (all modules together)")
     p.add_argument("--kronfluence-empirical", action="store_true",
