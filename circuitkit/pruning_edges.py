@@ -202,7 +202,6 @@ class EdgeEvaluator:
             else:
                 kept_bytes += size
             self.batches.append((batch, clean_logits, ablated))
-        self.recomputed = sum(a is None for _, _, a in self.batches)
         self.n = len(data)
         self.forwards = 0  # circuit forwards run (batches), for cost reports
 
@@ -222,6 +221,11 @@ class EdgeEvaluator:
         else:
             ablated = torch.zeros(1, 1, 1, 1, device=device)
         return clean.logits, ablated, corrupted_logits
+
+    @property
+    def recomputed(self) -> int:
+        """Batches whose ablated writes did not fit the budget (recomputed at every use)."""
+        return sum(a is None for _, _, a in self.batches)
 
     def ablated(self, i: int) -> torch.Tensor:
         """Batch i's ablated writes: recorded, or recomputed now when they did not fit the budget."""

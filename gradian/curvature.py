@@ -56,7 +56,6 @@ MAX_FACTOR_WIDTH = 4096
 # With grads.fisher=sampled: the shard's rows of the sampled labels (n, width) in the storage dtype,
 # from which the EK-FAC eigenvalues are computed (the stored rows keep the data's labels).
 FISHER_ROWS = "kfac_rows"
-FISHERS = ("empirical", "sampled")
 
 
 def factor_names(m: int) -> tuple[str, str]:

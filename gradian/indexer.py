@@ -335,6 +335,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     data_file = str(local.resolve()) if local.exists() else source.name
     n_params = sum(p.numel() for p in model.parameters())
     covered = sum(d_out * d_in for d_out, d_in in shapes.values())  # weight elements whose gradient is projected
+    fisher = recorded_fisher(grads)
     header = header_json(IndexHeader(
         model=model_cfg.name, revision=model_cfg.revision, precision=model_cfg.precision,
         weights_sha256=weights_hash(model), tokenizer_sha256=tokenizer_hash(tokenizer),
@@ -348,7 +349,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         circuit=circuit,
         projection_sha256=projection_fingerprint(projector),
         activations=activation_numerics(activations),
-        parameter_share=covered / n_params, gguf_file=model_cfg.gguf_file, fisher=recorded_fisher(grads),
+        parameter_share=covered / n_params, gguf_file=model_cfg.gguf_file, fisher=fisher,
     ))
     console.print(f"the index covers {covered / n_params:.1%} of the model's parameters ({covered:,} of"
                   f" {n_params:,} weight elements)")
@@ -362,7 +363,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,
         activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
-        fisher=recorded_fisher(grads))
+        fisher=fisher)
     check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes),
                        list(curvature_sides(projector).values()))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
@@ -380,7 +381,6 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             row_lengths = [len(r.input_ids) for r in rows]
             grads_out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
-            fisher = recorded_fisher(grads)
             fisher_out = torch.empty_like(grads_out) if fisher == "sampled" else None
             for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length, overhead):
                 chunk = [rows[i] for i in plan]
