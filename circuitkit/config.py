@@ -102,6 +102,15 @@ class DataParams:
     seq_len: int = _f(128, "sequence length of synthetic tasks (induction)", ge=8)
     prepend_bos: bool = _f(True, "every prompt starts with the tokenizer's BOS token, added when the tokenizer"
                            " does not add one (as TransformerLens and the EAP-IG reference do)")
+    ioi_corruption: str = _f("s2", "ioi task: what the corrupted prompt replaces. s2 (the default) = the second"
+                             " mention of the subject only, by a third name (one token differs); abc = all three"
+                             " name positions by three other names (the ABC corruption of the IOI paper and"
+                             " MIB). Recorded in the manifest and circuit.pt", choices=("s2", "abc"))
+    heldout_template_examples: Optional[int] = _f(None, "pairs from the task's held-out templates (sentences"
+                                                  " attribution never saw; ioi has them), on which pruning also"
+                                                  " measures faithfulness, with the same ablation, beside the"
+                                                  " in-distribution figure; null = eval_examples for a task with"
+                                                  " held-out templates (ioi), off for the others; 0 = off", ge=0)
 
 
 # The attribution methods that integrate along a path: they read discovery.ig_steps and ig_rule.

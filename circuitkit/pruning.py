@@ -244,18 +244,22 @@ def circuit_fields(found: PrunedCircuit) -> dict:
         selection         str: pruning.selection (top_k / bootstrap / edge_pruning)
         stability         dict | None: Jaccard of the kept set over bootstrap resamples of the
                           examples (`circuitkit.stability.stability`), None without per-example scores
+        heldout_templates dict | None: {n_examples, full, empty, circuit, faithfulness} of the same
+                          circuit and ablation on the task's held-out templates (`prune(heldout=...)`)
     """
     return dict(found.extra)
 
 
 def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData, held_out: TaskData,
-          p: PruningConfig, metric: str, batch_size: int) -> PrunedCircuit:
+          p: PruningConfig, metric: str, batch_size: int, heldout: TaskData | None = None) -> PrunedCircuit:
     """Select the circuit at `p.target_sparsity`, and measure it on the held-out pairs.
 
     Mean ablation takes its means over `attr_data` (the attribution examples). Edge scope needs
     `scores.edges`. The faithfulness curve evaluates the same selection rule at CURVE_PERCENTS
     kept. With per-example scores (`scores.per_example`) the stability of the kept set is
     measured over `p.bootstrap_resamples` resamples, and `p.selection=bootstrap` can run.
+    `heldout`: pairs from templates attribution never saw; the circuit's faithfulness on them
+    (same kept set, ablation and means) goes to `extra["heldout_templates"]`.
     """
     g = scores.graph
     per_example = (scores.per_example or {}).get("head" if p.scope == "heads" else "edges")
@@ -316,7 +320,14 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     if per_example is not None and p.bootstrap_resamples > 0:
         stable = stability(per_example, int(kept.sum()), p.rank_by, p.bootstrap_resamples, 0, valid, kept)
     extra = {"curve_definition": curve_definition(p.scope, p.ablation, p.rank_by, selection_rule, metric),
-             "selection": selection_rule, "stability": stable}
+             "selection": selection_rule, "stability": stable, "heldout_templates": None}
+    if heldout is not None and len(heldout) > 0:
+        other = (Evaluator if p.scope == "heads" else EdgeEvaluator)(adapter, heldout, metric, p.ablation, means,
+                                                                     batch_size)
+        h_full, h_empty = other(torch.ones_like(kept) if valid is None else valid), other(torch.zeros_like(kept))
+        h_circuit = other(kept)
+        extra["heldout_templates"] = {"n_examples": len(heldout), "full": h_full, "empty": h_empty,
+                                      "circuit": h_circuit, "faithfulness": faithfulness(h_circuit, h_full, h_empty)}
     return PrunedCircuit(selection, kept.numel() if valid is None else int(valid.sum()), head_mask, mlp_mask,
                          {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f},
                          curve, cpr, cmd, stored, extra)

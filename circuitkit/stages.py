@@ -27,9 +27,18 @@ from circuitkit.models.loading import check_model, context_length, model_context
 from circuitkit.pipeline import RunContext, Stage, StageResult, package_versions
 from circuitkit.plots import faithfulness_curve, head_heatmap
 from circuitkit.pruning import circuit_fields, prune
-from circuitkit.tasks import SAMPLE_FILES, TaskData, build_task
+from circuitkit.tasks import (
+    SAMPLE_FILES,
+    TaskData,
+    TaskError,
+    build_heldout_templates,
+    build_task,
+    corruption_of,
+    heldout_template_count,
+)
 
 DATA_FILE = "data.safetensors"
+HELDOUT_TEMPLATES_FILE = "data_heldout_templates.safetensors"  # pairs from templates attribution never saw
 SCORES_FILE = "scores.safetensors"
 HEATMAP_FILE = "head_scores.png"
 
@@ -56,13 +65,38 @@ def _data(ctx: RunContext) -> StageResult:
     if (attr, held_out) != (n_attr, n_eval):
         ctx.console.print(f"[yellow]warning:[/yellow] {d.task} has {len(data)} rows, fewer than the"
                           f" {n_attr} + {n_eval} asked for: using {attr} for attribution and {held_out} held out.")
+    corruption = corruption_of(d.task, d.data_params)
+    task_meta = {"task": d.task, "model": ctx.cfg.model.name, **({"corruption": corruption} if corruption else {})}
     path = data.save(ctx.run_dir / DATA_FILE, metadata={
-        "task": d.task, "num_examples": str(attr), "eval_examples": str(held_out), "model": ctx.cfg.model.name})
+        **task_meta, "num_examples": str(attr), "eval_examples": str(held_out)})
     ctx.state["data"], ctx.state["n_attr"] = data, attr
-    ctx.console.print(f"{d.task}: {attr} attribution + {held_out} held-out pairs,"
-                      f" {data.clean_ids.shape[1]} tokens (padded)")
-    return StageResult([path], {"task": d.task, "num_examples": attr, "eval_examples": held_out,
-                                "seq_len": int(data.clean_ids.shape[1])})
+    files, n_templates = [path], heldout_template_count(d.task, d.data_params)
+    if n_templates:
+        other = build_heldout_templates(d.task, loaded.tokenizer, d.data_params, n_templates, ctx.cfg.seed,
+                                        max_tokens=context_length(loaded.model.config))
+        files.append(other.save(ctx.run_dir / HELDOUT_TEMPLATES_FILE, metadata=task_meta))
+        ctx.state["heldout_templates"] = other
+    ctx.console.print(f"{d.task}{f' ({corruption} corruption)' if corruption else ''}: {attr} attribution +"
+                      f" {held_out} held-out pairs, {data.clean_ids.shape[1]} tokens (padded)"
+                      + (f"; {n_templates} pairs from held-out templates" if n_templates else ""))
+    return StageResult(files, {"task": d.task, "num_examples": attr, "eval_examples": held_out,
+                               "seq_len": int(data.clean_ids.shape[1]), "heldout_template_examples": n_templates,
+                               **({"corruption": corruption} if corruption else {})})
+
+
+def heldout_template_data(ctx: RunContext) -> TaskData | None:
+    """Pairs from the task's held-out templates (None when discovery.data_params.heldout_template_examples
+    is off for this task): from this run, or from the data stage's file in the run dir."""
+    d = ctx.cfg.discovery
+    if not heldout_template_count(d.task, d.data_params):
+        return None
+    if "heldout_templates" not in ctx.state:
+        path = ctx.run_dir / HELDOUT_TEMPLATES_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: run the data stage again (add 'data' to stages), or"
+                                    " set discovery.data_params.heldout_template_examples=0.")
+        ctx.state["heldout_templates"] = TaskData.load(path)
+    return ctx.state["heldout_templates"]
 
 
 def task_data(ctx: RunContext):
@@ -200,7 +234,10 @@ def _pruning(ctx: RunContext) -> StageResult:
     if len(held_out) == 0:
         raise ValueError("no held-out examples for faithfulness: set discovery.data_params.eval_examples >= 1.")
 
-    found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size)
+    heldout = heldout_template_data(ctx)
+    found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size, heldout=heldout)
+    other = found.extra.get("heldout_templates")
+    corruption = corruption_of(d.task, d.data_params)
     kept, head_mask, achieved = found.selection.mask, found.head_mask, found.selection.achieved_sparsity
     m_full, m_empty, m_circuit, f = (found.metrics[k] for k in ("full", "empty", "circuit", "faithfulness"))
     curve, cpr, cmd = found.curve, found.cpr, found.cmd
@@ -221,15 +258,20 @@ def _pruning(ctx: RunContext) -> StageResult:
         "ablation": p.ablation, "rank_by": p.rank_by, "target_sparsity": p.target_sparsity,
         "achieved_sparsity": achieved, "n_removed": found.selection.n_removed,
         "n_heads_removed": int((~head_mask).sum()), "metrics": found.metrics, "curve": curve, "cpr": cpr, "cmd": cmd, "n_eval_examples": len(held_out),
-        **circuit_fields(found),
+        **circuit_fields(found), "task": d.task, "corruption": corruption,
         "config": to_dict(ctx.cfg), "versions": package_versions(),
     }))
     unit = "heads" if p.scope == "heads" else "edges"
-    table = Table(title=f"circuit: {int(kept.sum())} of {found.n_total} {unit} kept")
-    for col in ("target sparsity", "achieved", "m(full)", "m(empty)", "m(circuit)", "faithfulness", "CPR", "CMD"):
+    table = Table(title=f"circuit: {int(kept.sum())} of {found.n_total} {unit} kept"
+                  + (f" ({d.task}, {corruption} corruption)" if corruption else ""))
+    for col in ("pairs", "target sparsity", "achieved", "m(full)", "m(empty)", "m(circuit)", "faithfulness",
+                "CPR", "CMD"):
         table.add_column(col, justify="right")
-    table.add_row(f"{p.target_sparsity:.3f}", f"{achieved:.3f}", f"{m_full:.4g}", f"{m_empty:.4g}",
-                  f"{m_circuit:.4g}", f"{f:.3f}", f"{cpr:.3f}", f"{cmd:.3f}")
+    table.add_row(f"same templates ({len(held_out)})", f"{p.target_sparsity:.3f}", f"{achieved:.3f}", f"{m_full:.4g}",
+                  f"{m_empty:.4g}", f"{m_circuit:.4g}", f"{f:.3f}", f"{cpr:.3f}", f"{cmd:.3f}")
+    if other:
+        table.add_row(f"held-out templates ({other['n_examples']})", "", "", f"{other['full']:.4g}",
+                      f"{other['empty']:.4g}", f"{other['circuit']:.4g}", f"{other['faithfulness']:.3f}", "-", "-")
     ctx.console.print(table)
     stable = found.extra.get("stability")
     if stable:
@@ -244,6 +286,8 @@ def _pruning(ctx: RunContext) -> StageResult:
         "heads_kept": int(head_mask.sum()), f"{unit}_kept": int(kept.sum()), "metric_full": m_full,
         "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path),
         "selection": found.extra.get("selection"), "curve_definition": found.extra.get("curve_definition"),
+        **({"corruption": corruption} if corruption else {}),
+        **({"faithfulness_heldout_templates": other["faithfulness"], "heldout_templates": other} if other else {}),
         **({"stability_jaccard_mean": stable["jaccard_mean"], "stability_jaccard_p5": stable["jaccard_p5"],
             "stability_resamples": stable["n_resamples"]} if stable else {})})
 
@@ -268,7 +312,12 @@ def _attribution_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
 
 
 def _pruning_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
-    return {**model_inputs(cfg.model), DATA_FILE: run_dir / DATA_FILE, SCORES_FILE: run_dir / SCORES_FILE}
+    try:
+        n_templates = heldout_template_count(cfg.discovery.task, cfg.discovery.data_params)
+    except TaskError:  # reported by the data stage's check
+        n_templates = 0
+    return {**model_inputs(cfg.model), DATA_FILE: run_dir / DATA_FILE, SCORES_FILE: run_dir / SCORES_FILE,
+            **({HELDOUT_TEMPLATES_FILE: run_dir / HELDOUT_TEMPLATES_FILE} if n_templates else {})}
 
 
 # --------------------------------------------------------------------------- pre-run checks
@@ -285,6 +334,10 @@ def _check_data(cfg: AppConfig) -> None:
     """The model reference, the task's data file, and synthetic lengths within the context."""
     check_model(cfg.model)
     d = cfg.discovery
+    try:
+        heldout_template_count(d.task, d.data_params)
+    except TaskError as err:
+        raise ConfigError(str(err)) from None
     data_file = task_data_file(cfg)
     if data_file is not None and d.data_params.data_path:
         _check_input_file(data_file, "discovery.data_params.data_path", allow_dir=d.task == "mmlu")

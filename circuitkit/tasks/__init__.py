@@ -1,7 +1,8 @@
 """Tasks that supply clean / corrupted pairs for attribution and faithfulness.
 
 * ``induction``: synthetic repeated symbols (``tasks/induction.py``).
-* ``ioi``: indirect object identification, ABC corruption (``tasks/ioi.py``).
+* ``ioi``: indirect object identification; ``data_params.ioi_corruption``: s2 (second subject
+  mention only, the default) or abc (all three names); held-out templates (``tasks/ioi.py``).
 * ``greater_than``: "from the year 17YY to the year 17", YY -> 01 (``tasks/greater_than.py``).
 * ``mmlu``: multiple choice from ``data_path`` (MMLU CSV or JSONL), options swapped (``tasks/mmlu.py``).
 * ``jsonl``: the user's own pairs from ``data_path`` (``tasks/jsonl.py``).
@@ -21,13 +22,48 @@ from circuitkit.config import DataParams, DiscoveryConfig, choices
 from circuitkit.tasks import greater_than, induction, ioi, jsonl, mmlu
 from circuitkit.tasks.base import TaskData, TaskError
 
-__all__ = ["TaskData", "TaskError", "apply_bos_policy", "build_task", "BUILT_TASKS", "SAMPLE_FILES"]
+__all__ = ["TaskData", "TaskError", "apply_bos_policy", "build_task", "build_heldout_templates", "corruption_of",
+           "heldout_template_count", "BUILT_TASKS", "SAMPLE_FILES", "HELDOUT_TEMPLATE_TASKS"]
 
 log = logging.getLogger(__name__)
 
 BUILT_TASKS = choices(DiscoveryConfig, "task")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SAMPLE_FILES = {"mmlu": DATA_DIR / "mmlu_sample.csv", "jsonl": DATA_DIR / "jsonl_sample.jsonl"}
+HELDOUT_TEMPLATE_TASKS = ("ioi",)  # tasks with templates attribution never sees (data_params.heldout_template_examples)
+
+
+def corruption_of(task: str, dp: DataParams) -> str | None:
+    """The configured corruption of `task` when it has a choice of them (ioi: s2 or abc), else None."""
+    return dp.ioi_corruption if task == "ioi" else None
+
+
+def heldout_template_count(task: str, dp: DataParams) -> int:
+    """Pairs from `task`'s held-out templates: `dp.heldout_template_examples`, or when null eval_examples
+    for a task that has held-out templates and 0 otherwise. An explicit count > 0 for a task without
+    them is a TaskError naming the key."""
+    n = dp.heldout_template_examples
+    if n is None:
+        return dp.eval_examples if task in HELDOUT_TEMPLATE_TASKS else 0
+    if n > 0 and task not in HELDOUT_TEMPLATE_TASKS:
+        raise TaskError(f"discovery.data_params.heldout_template_examples={n}, but the {task} task has no held-out"
+                        f" templates (tasks that have them: {', '.join(HELDOUT_TEMPLATE_TASKS)}); set it to null or 0.")
+    return n
+
+
+def build_heldout_templates(task: str, tokenizer, dp: DataParams, n: int, seed: int,
+                            max_tokens: int | None = None) -> TaskData:
+    """`n` pairs of `task` from its held-out templates (sentences attribution never sees), with the
+    configured corruption and BOS policy; same layout as `build_task`."""
+    if task != "ioi":
+        raise TaskError(f"the {task} task has no held-out templates; tasks that have them:"
+                        f" {', '.join(HELDOUT_TEMPLATE_TASKS)}.")
+    data = apply_bos_policy(ioi.build(tokenizer, n, seed, dp.ioi_corruption, templates="heldout"), tokenizer,
+                            dp.prepend_bos)
+    if max_tokens is not None and data.clean_ids.shape[1] > max_tokens:
+        raise TaskError(f"the longest held-out-template prompt is {data.clean_ids.shape[1]} tokens, beyond the"
+                        f" model's context of {max_tokens}; set discovery.data_params.heldout_template_examples=0.")
+    return data
 
 
 def data_path_for(task: str, data_path: str | None) -> Path:
@@ -91,6 +127,9 @@ def build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: i
 
 def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: int, seed: int,
                 max_tokens: int | None) -> TaskData:
+    if task != "ioi" and dp.ioi_corruption != DataParams.ioi_corruption:
+        log.warning("discovery.data_params.ioi_corruption=%r is not used: the %s task has its own corruption"
+                    " (ioi_corruption is read by the ioi task only).", dp.ioi_corruption, task)
     if task not in SAMPLE_FILES and task in BUILT_TASKS and dp.data_path is not None:
         log.warning("discovery.data_params.data_path=%r is not used: the %s task generates its examples"
                     " (data_path is read by the mmlu and jsonl tasks only).", dp.data_path, task)
@@ -100,7 +139,7 @@ def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: 
     if task == "induction":
         return induction.build(tokenizer, model_dir, n, dp.seq_len, seed)
     if task == "ioi":
-        return ioi.build(tokenizer, n, seed)
+        return ioi.build(tokenizer, n, seed, dp.ioi_corruption)
     if task == "greater_than":
         return greater_than.build(tokenizer, n, seed)
     if task == "mmlu":
