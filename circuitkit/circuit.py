@@ -96,6 +96,9 @@ def show_circuit(path: Path, console: Console | None = None) -> None:
         ("metric full / empty / circuit", " / ".join(f"{metrics.get(k, float('nan')):.4g}"
                                                      for k in ("full", "empty", "circuit"))),
         ("faithfulness", f"{metrics.get('faithfulness', float('nan')):.4f}"),
+        *([("task, corruption", f"{c.get('task', '?')}, {c['corruption']}")] if c.get("corruption") else []),
+        *([("faithfulness, held-out templates", f"{c['heldout_templates']['faithfulness']:.4f} on"
+            f" {c['heldout_templates']['n_examples']} pairs")] if c.get("heldout_templates") else []),
         ("CPR / CMD", f"{c.get('cpr', float('nan')):.4f} / {c.get('cmd', float('nan')):.4f}"),
         ("edge scores", "yes" if c.get("edge_scores") is not None else "no"),
     ]

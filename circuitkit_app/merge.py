@@ -49,6 +49,7 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
     from circuitkit.pipeline import MANIFEST, load_manifest, make_console
     from circuitkit_app.stage_list import run_pipeline
 
+    from circuitkit.stages import HELDOUT_TEMPLATES_FILE
     console = console or make_console()
     partials = []
     for run_dir in run_dirs:
@@ -70,6 +71,8 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
     shutil.copyfile(first / "data.safetensors", out / "data.safetensors")
     records = shard_records(partials)
     record = {"merged_by": "circuitkit merge", "n_examples": merged.n_examples, "shards": records}
+    if (first / HELDOUT_TEMPLATES_FILE).is_file():  # the pairs from held-out templates pruning also measures
+        shutil.copyfile(first / HELDOUT_TEMPLATES_FILE, out / HELDOUT_TEMPLATES_FILE)
     atomic_write_json(out / MERGE_RECORD, record)
     console.print(f"merged {len(partials)} shards ({merged.n_examples} examples) into {out / 'scores.safetensors'}",
                   markup=False)
