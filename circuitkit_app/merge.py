@@ -47,9 +47,9 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
     from circuitkit.config import validate
     from circuitkit.io import atomic_write_json
     from circuitkit.pipeline import MANIFEST, load_manifest, make_console
+    from circuitkit.stages import HELDOUT_TEMPLATES_FILE
     from circuitkit_app.stage_list import run_pipeline
 
-    from circuitkit.stages import HELDOUT_TEMPLATES_FILE
     console = console or make_console()
     partials = []
     for run_dir in run_dirs:
