@@ -69,10 +69,10 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
     save_scores(out / "scores.safetensors", merged, {"model": cfg.model.name, "task": d.task,
                                                      "prepend_bos": str(d.data_params.prepend_bos).lower()})
     shutil.copyfile(first / "data.safetensors", out / "data.safetensors")
-    records = shard_records(partials)
-    record = {"merged_by": "circuitkit merge", "n_examples": merged.n_examples, "shards": records}
     if (first / HELDOUT_TEMPLATES_FILE).is_file():  # the pairs from held-out templates pruning also measures
         shutil.copyfile(first / HELDOUT_TEMPLATES_FILE, out / HELDOUT_TEMPLATES_FILE)
+    records = shard_records(partials)
+    record = {"merged_by": "circuitkit merge", "n_examples": merged.n_examples, "shards": records}
     atomic_write_json(out / MERGE_RECORD, record)
     console.print(f"merged {len(partials)} shards ({merged.n_examples} examples) into {out / 'scores.safetensors'}",
                   markup=False)
