@@ -136,7 +136,8 @@ class DiscoveryConfig:
     shard_dir: Optional[str] = _f(None, "where attribution shards meet and are merged; null = <run dir>/../attribution_shards"
                                   " (the sweep dir in a multirun)")
     per_example: bool = _f(True, "also keep every example's scores in scores.safetensors (N x heads; edge level N x"
-                           " edges), for pruning.selection=bootstrap and the stability report; unsharded runs only")
+                           " edges), for pruning.selection=bootstrap and the stability report; shards keep theirs and the merge"
+                           " concatenates them")
     data_params: DataParams = field(default_factory=DataParams, metadata={"doc": "task data"})
 
 

@@ -265,8 +265,8 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     per_example = (scores.per_example or {}).get("head" if p.scope == "heads" else "edges")
     selection_rule = p.selection
     if selection_rule == "bootstrap" and per_example is None:
-        log.warning("pruning.selection=bootstrap needs per-example scores (discovery.per_example=true, an unsharded"
-                    " eap/eap-ig run); selecting top_k instead.")
+        log.warning("pruning.selection=bootstrap needs per-example scores (discovery.per_example=true, not exact"
+                    " patching; shards written by this version); selecting top_k instead.")
         selection_rule = "top_k"
     if selection_rule == "edge_pruning" and p.scope != "edges":
         log.warning("pruning.selection=edge_pruning optimizes a mask over edges and needs pruning.scope=edges;"

@@ -4,7 +4,8 @@ The last shard of a sweep merges on its own (circuitkit.attribution.shards); thi
 for shards that ran where they cannot meet (different machines, different sweep dirs) or when
 the automatic merge was refused. It reads each run dir's `attribution_shard.safetensors`,
 refuses shards of different configs, models or data naming the key, writes the merged
-`scores.safetensors`, `data.safetensors` and `merge.json` into DIR (each shard verified against
+`scores.safetensors` (with the shards' per-example scores in example order, as one job's),
+`data.safetensors` and `merge.json` into DIR (each shard verified against
 the sha256 its run dir's manifest.json recorded for it), and runs the pruning stage
 there on the merged scores with the shards' config (skip with --no-prune).
 """
@@ -42,6 +43,7 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
         PARTIAL_FILE,
         load_partial,
         merge_partials,
+        per_example_record,
         shard_records,
     )
     from circuitkit.config import validate
@@ -72,10 +74,13 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
     if (first / HELDOUT_TEMPLATES_FILE).is_file():  # the pairs from held-out templates pruning also measures
         shutil.copyfile(first / HELDOUT_TEMPLATES_FILE, out / HELDOUT_TEMPLATES_FILE)
     records = shard_records(partials)
-    record = {"merged_by": "circuitkit merge", "n_examples": merged.n_examples, "shards": records}
+    per_example = per_example_record(partials, merged)
+    record = {"merged_by": "circuitkit merge", "n_examples": merged.n_examples, "shards": records, **per_example}
     atomic_write_json(out / MERGE_RECORD, record)
     console.print(f"merged {len(partials)} shards ({merged.n_examples} examples) into {out / 'scores.safetensors'}",
                   markup=False)
+    if "per_example_missing" in per_example:
+        console.print(f"note: {per_example['per_example_missing']}", markup=False)
     if not prune:
         return record
     manifest = load_manifest(out)

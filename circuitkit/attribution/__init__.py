@@ -22,17 +22,35 @@ __all__ = ["AttributionScores", "Graph", "attribute", "exact_patching", "run_att
 def run_attribution(adapter: ModelAdapter, data: TaskData, cfg: DiscoveryConfig,
                     progress: bool = True, sums: bool = False) -> AttributionScores:
     """Scores for `cfg.algorithm` at `cfg.level` over `data` in batches of `cfg.batch_size`
-    (means over the examples; sums with `sums=True`, what a shard writes)."""
+    (means over the examples; sums with `sums=True`, what a shard writes). With
+    `cfg.per_example`, `per_example` rows are in data order (row i = example i), so that the
+    rows of shards of the examples concatenate to one job's (`circuitkit.attribution.shards`)."""
+    per_example = getattr(cfg, "per_example", False)
     if cfg.algorithm == "exact":
         return exact_patching(adapter, data, cfg.level, cfg.metric, cfg.batch_size, progress, sums=sums)
     if cfg.algorithm == "eap-ig-activations":
         from circuitkit.attribution.eap_activations import attribute_activations
 
-        return attribute_activations(adapter, data, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
-                                     ig_rule=cfg.ig_rule, sums=sums,
-                                     per_example=getattr(cfg, "per_example", False) and not sums)
-    return attribute(adapter, data, cfg.algorithm, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
-                     ig_rule=cfg.ig_rule, sums=sums, per_example=getattr(cfg, "per_example", False) and not sums)
+        scores = attribute_activations(adapter, data, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
+                                       ig_rule=cfg.ig_rule, sums=sums, per_example=per_example)
+    else:
+        scores = attribute(adapter, data, cfg.algorithm, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size,
+                           progress, ig_rule=cfg.ig_rule, sums=sums, per_example=per_example)
+    return _per_example_in_data_order(scores, data, cfg.batch_size)
+
+
+def _per_example_in_data_order(scores: AttributionScores, data: TaskData, batch_size: int) -> AttributionScores:
+    """`attribute` keeps per-example rows in batch order (`TaskData.length_batches`, pairs grouped
+    by length); put row i back to example i."""
+    if not scores.per_example:
+        return scores
+    from circuitkit.batching import plan_batches
+
+    batch_order = torch.tensor([i for batch in plan_batches(data.lengths(), batch_size) for i in batch])
+    data_order = torch.empty_like(batch_order)
+    data_order[batch_order] = torch.arange(len(batch_order))
+    scores.per_example = {key: rows[data_order] for key, rows in scores.per_example.items()}
+    return scores
 
 
 def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str, str] | None = None) -> Path:

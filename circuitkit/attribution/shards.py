@@ -2,9 +2,13 @@
 
 With `discovery.num_shards = N`, job `shard_index = i` scores the contiguous range of the
 attribution examples [⌊n·i/N⌋, ⌊n·(i+1)/N⌋) and writes the float32 *sums* over its range
-(scores and metrics) and its example count, never a mean. The merge adds the N sums in shard
-order and divides by the total count, so it equals one job over all examples up to the order
-of float32 additions.
+(scores and metrics) and its example count, never a mean, and (with `discovery.per_example`)
+every example's scores `per_example_head` (n_i, L, H) and at edge level `per_example_edges`. The
+merge adds the N sums in shard order and divides by the total count, so it equals one job over
+all examples up to the order of float32 additions; it concatenates the per-example rows in
+shard order, which is example order, so stability and `pruning.selection=bootstrap` work on
+the merged scores as on one job's. Shards written before per-example rows were kept merge as
+before, without them (`missing_per_example` says so).
 
 Shards meet in a shared directory (`discovery.shard_dir`, default `<run dir>/../attribution_shards`,
 the sweep dir of a Hydra multirun): `shard-IIIII-of-NNNNN.safetensors` per job; the job that
@@ -23,6 +27,7 @@ metadata; `circuitkit merge RUN_DIRS` checks against the run dirs it is given.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +39,10 @@ from circuitkit.attribution.graph import Graph
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 
+log = logging.getLogger(__name__)
+
 PARTIAL_FILE = "attribution_shard.safetensors"  # a shard's sums, in its own run dir
+PER_EXAMPLE_PREFIX = "per_example_"  # the same tensor names as scores.safetensors
 MERGE_RECORD = "merge.json"
 LOCK_FILE = ".merge.lock"
 # Keys that may differ between shards of one merge: which shard, where they meet, where the
@@ -88,24 +96,30 @@ class Partial:
     identity: dict[str, Any]
     model_sha256: str
     data_sha256: str
+    # False for a shard written before shards kept per-example rows (no 'per_example' metadata)
+    per_example_known: bool = True
 
 
 def save_partial(path: Path, sums: AttributionScores, shard_index: int, num_shards: int,
                  example_range: tuple[int, int], identity: dict[str, Any], model_sha256: str,
                  data_sha256: str, run_dir: Path | None = None) -> Path:
     """A shard file: float32 sums `head_sums` (L, H), `mlp_sums` (L,), `embed_sum` (1,),
-    `edge_sums` (n_up, n_down) when computed, `metric_sums` (2,) clean/corrupted; the count
-    and what it was made from in the metadata."""
+    `edge_sums` (n_up, n_down) when computed, `metric_sums` (2,) clean/corrupted, the
+    per-example rows `per_example_<key>` (n, ...) when kept; the count and what it was made
+    from in the metadata."""
     g = sums.graph
     tensors = {"head_sums": sums.head.float(), "mlp_sums": sums.mlp.float(),
                "embed_sum": sums.embed.float().reshape(1),
                "metric_sums": torch.tensor([sums.metric_clean, sums.metric_corrupted], dtype=torch.float64)}
     if sums.edges is not None:
         tensors["edge_sums"] = sums.edges.float()
+    for key, rows in (sums.per_example or {}).items():  # in example order (run_attribution)
+        tensors[f"{PER_EXAMPLE_PREFIX}{key}"] = rows.float().contiguous()
     meta = {"format": "circuitkit-attribution-shard-1", "n_examples": str(sums.n_examples),
             "shard_index": str(shard_index), "num_shards": str(num_shards),
             "example_range": json.dumps(list(example_range)), "identity": json.dumps(identity, sort_keys=True),
             "model_sha256": model_sha256, "data_sha256": data_sha256, "info": json.dumps(sums.info),
+            "per_example": json.dumps(sorted(sums.per_example or {})),
             "graph": json.dumps({"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
                                  "parallel_residual": g.parallel_residual})}
     if run_dir is not None:
@@ -160,22 +174,53 @@ def load_partial(path: Path, run_dir: Path | None = None, verify: bool = True) -
         raise ShardMergeError(f"{path} is not a complete attribution shard: missing {', '.join(missing)}; rerun"
                               " that shard.")
     try:
+        per_example = {k[len(PER_EXAMPLE_PREFIX):]: v for k, v in t.items() if k.startswith(PER_EXAMPLE_PREFIX)}
         sums = AttributionScores(t["head_sums"], t["mlp_sums"], t["embed_sum"].reshape(-1)[0],
                                  Graph(**json.loads(meta["graph"])), t.get("edge_sums"), float(t["metric_sums"][0]),
-                                 float(t["metric_sums"][1]), int(meta["n_examples"]), json.loads(meta["info"]))
+                                 float(t["metric_sums"][1]), int(meta["n_examples"]), json.loads(meta["info"]),
+                                 per_example=per_example or None)
         start, stop = json.loads(meta["example_range"])
         partial = Partial(Path(path), sums, int(meta["shard_index"]), int(meta["num_shards"]), (int(start), int(stop)),
-                          json.loads(meta["identity"]), meta["model_sha256"], meta["data_sha256"])
+                          json.loads(meta["identity"]), meta["model_sha256"], meta["data_sha256"],
+                          per_example_known="per_example" in meta)
     except (TypeError, ValueError, IndexError, RuntimeError) as err:
         raise ShardMergeError(f"{path} has unreadable shard metadata ({str(err)[:120]}); rerun that shard.") from None
     try:
         check_scores_consistent(sums, path)
+        _check_per_example(sums, path)
     except ArtifactMismatch as err:
         raise ShardMergeError(str(err)) from None
     if verify:
         where = run_dir if run_dir is not None else (Path(meta["run_dir"]) if meta.get("run_dir") else None)
         verify_shard_checksum(Path(path), where, partial.shard_index)
     return partial
+
+
+def _check_per_example(sums: AttributionScores, path: Path) -> None:
+    """Per-example rows of a shard: one per example, each of its graph's shape, finite."""
+    from circuitkit.attribution.checks import ArtifactMismatch, check_finite, expected_score_shapes
+
+    want = expected_score_shapes(sums.graph)
+    for key, rows in (sums.per_example or {}).items():
+        shape = (sums.n_examples, *want[key]) if key in ("head", "edges") else None
+        if shape is None or tuple(rows.shape) != shape:
+            raise ArtifactMismatch(f"{path}: tensor '{PER_EXAMPLE_PREFIX}{key}' has shape {list(rows.shape)}, but"
+                                   f" {sums.n_examples} examples of its graph need {list(shape or [])}; the file"
+                                   " was changed or made by hand: rerun that shard.")
+        check_finite(rows, f"{path}: per-example {key} scores", "rerun that shard.")
+
+
+def missing_per_example(partials: list[Partial]) -> str | None:
+    """Why the merge of `partials` holds no per-example scores although its config keeps them
+    (`discovery.per_example`): shards written before shards kept them. None when none is missing."""
+    if not partials or not partials[0].identity.get("discovery.per_example", True):
+        return None
+    without = sorted(p.shard_index for p in partials if not p.per_example_known)
+    if not without:
+        return None
+    return (f"shard(s) {without} hold no per-example scores (written by an older CircuitKit), so the merged"
+            " scores have none: the stability report and pruning.selection=bootstrap need shards written by"
+            f" this version; rerun shard(s) {without} to get them.")
 
 
 def check_compatible(partials: list[Partial]) -> None:
@@ -200,6 +245,10 @@ def check_compatible(partials: list[Partial]) -> None:
         if other.num_shards != first.num_shards:
             raise ShardMergeError(f"cannot merge {first.path} and {other.path}: config key 'discovery.num_shards'"
                                   f" differs ({first.num_shards} vs {other.num_shards}).")
+    kinds = {tuple(sorted(p.sums.per_example)) for p in partials if p.sums.per_example}
+    if len(kinds) > 1:
+        raise ShardMergeError(f"cannot merge: the shards hold different per-example scores ({sorted(kinds)});"
+                              " rerun the shards with one config.")
     indices = sorted(p.shard_index for p in partials)
     expected = list(range(first.num_shards))
     if indices != expected:
@@ -210,7 +259,9 @@ def check_compatible(partials: list[Partial]) -> None:
 
 
 def merge_partials(partials: list[Partial]) -> AttributionScores:
-    """Means over all examples: Σ_shards sums / Σ_shards counts, added in shard order (float32)."""
+    """Means over all examples: Σ_shards sums / Σ_shards counts, added in shard order (float32);
+    the per-example rows concatenated in shard order = example order, when every shard has them
+    (else none: `missing_per_example` says why)."""
     check_compatible(partials)
     ordered = sorted(partials, key=lambda p: p.shard_index)
     n = sum(p.sums.n_examples for p in ordered)
@@ -226,14 +277,23 @@ def merge_partials(partials: list[Partial]) -> AttributionScores:
             edges += p.sums.edges
         metric_clean += p.sums.metric_clean
         metric_corrupted += p.sums.metric_corrupted
+    per_example = None
+    if all(p.sums.per_example for p in ordered):
+        per_example = {key: torch.cat([p.sums.per_example[key] for p in ordered]) for key in total.per_example}
     return AttributionScores(head / n, mlp / n, embed / n, total.graph, None if edges is None else edges / n,
-                             metric_clean / n, metric_corrupted / n, n, dict(total.info))
+                             metric_clean / n, metric_corrupted / n, n, dict(total.info), per_example)
 
 
 def shard_records(partials: list[Partial]) -> list[dict[str, Any]]:
     """What went into a merge, for merge.json and the manifest: one row per shard."""
     return [{"shard_index": p.shard_index, "example_range": list(p.example_range), "n_examples": p.sums.n_examples,
              "path": str(p.path), "sha256": sha256_file(p.path)} for p in sorted(partials, key=lambda p: p.shard_index)]
+
+
+def per_example_record(partials: list[Partial], merged: AttributionScores) -> dict[str, Any]:
+    """For merge.json: whether the merged scores hold per-example rows, and why not if they should."""
+    note = missing_per_example(partials)
+    return {"per_example": sorted(merged.per_example or {}), **({"per_example_missing": note} if note else {})}
 
 
 def shard_lock(shard_dir: Path):
@@ -247,7 +307,8 @@ def publish_and_try_merge(partial_path: Path, shard_dir: Path, shard_index: int,
 
     Returns (merged scores or None, the merged shards' records, the shard indices still
     missing). The merge is refused (ShardMergeError naming the key) when a present shard was
-    made differently. `merge.json` records the shards and the run dir that merged them.
+    made differently. `merge.json` records the shards, the run dir that merged them, and the
+    per-example scores kept (`per_example`; `per_example_missing` says why none were).
     """
     import shutil
 
@@ -263,8 +324,11 @@ def publish_and_try_merge(partial_path: Path, shard_dir: Path, shard_index: int,
         partials = [load_partial(path) for path in present.values()]
         merged = merge_partials(partials)
         records = shard_records(partials)
+        record = per_example_record(partials, merged)
+        if "per_example_missing" in record:
+            log.warning(record["per_example_missing"])
         atomic_write_json(shard_dir / MERGE_RECORD, {"merged_by": str(Path(run_dir).resolve()),
-                                                     "n_examples": merged.n_examples, "shards": records})
+                                                     "n_examples": merged.n_examples, "shards": records, **record})
         return merged, records, []
 
 
