@@ -640,10 +640,32 @@ def _hydra_compose(overrides: list[str], config_name: str, with_hydra: bool, kee
             raise _missing_config(config_name, config_dir) from None
         raise ConfigError(" ".join(str(err).split())) from None
     except HydraException as err:  # e.g. a group option that does not exist (model=nope)
-        raise ConfigError(" ".join(str(err).split())) from None
+        raise _unknown_key_in_file(err, [primary, str(CONF_DIR)]) or ConfigError(" ".join(str(err).split())) from None
     finally:
         if not keep:
             GlobalHydra.instance().clear()
+
+
+def _unknown_key_in_file(err: Exception, dirs: list[str]) -> ConfigError | None:
+    """Hydra's "In 'X': ConfigKeyError raised while composing config" (a config file sets a key the
+    schema lacks) as the sentence of `unknown_key_error`, after the file's path; None otherwise."""
+    import re
+
+    from omegaconf.errors import ConfigKeyError
+
+    cause = err.__cause__ or err.__context__
+    key = getattr(cause, "full_key", None)
+    if not isinstance(cause, ConfigKeyError) or not key:
+        return None
+    try:
+        _schema_at(str(key).split("."))
+    except ConfigError as unknown:
+        found = re.match(r"In '([^']+)'", str(err))
+        name = found.group(1) if found else None
+        files = [Path(d) / f"{name}.yaml" for d in dirs] if name else []
+        where = next((str(f) for f in files if f.is_file()), f"{name}.yaml" if name else "a config file")
+        return ConfigError(f"{where}: {unknown}")
+    return None
 
 
 def compose(overrides: Iterable[str] = (), config_name: str = "config") -> tuple[DictConfig, AppConfig]:

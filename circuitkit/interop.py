@@ -62,6 +62,12 @@ class InteropError(ValueError):
     """A file that cannot be converted; the message names what is wrong."""
 
 
+class InteropArgumentError(UserError, InteropError):
+    """A command-line value of export/import that is not allowed (exit 2: nothing was read or written)."""
+
+    exit_code = 2
+
+
 def _children(g: Graph) -> list[list[tuple[str, str]]]:
     """Per downstream column of our graph: the EAP-IG (child node, q|k|v|"") it stands for."""
     group = g.n_heads // g.n_kv_heads
@@ -297,9 +303,10 @@ def read_json(path: Path) -> Any:
 
 def _check_sign_scale(sign: float, scale: float) -> None:
     if sign not in (1, -1):
-        raise InteropError(f"--sign {sign}: it must be 1 or -1.")
+        raise InteropArgumentError(f"--sign {sign}: it must be 1 or -1.")
     if not (math.isfinite(scale) and scale > 0):
-        raise InteropError(f"--scale {scale}: it must be a finite number > 0.")
+        raise InteropArgumentError(f"--scale {scale}: it must be a finite number > 0 (e.g. --scale 1, or the"
+                                   " batch size B of a batch-mean metric).")
 
 
 def import_eap_ig(json_path: Path, out_path: Path, model_name: str | None = None,
@@ -387,7 +394,11 @@ def export_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         path = export_file(Path(args.src), Path(args.out), args.d_model, node_scores=not args.no_node_scores)
-    except (InteropError, FileNotFoundError, ValueError) as err:
+    except UserError:
+        raise
+    except FileNotFoundError as err:  # SRC names no file: the command is wrong
+        raise UserError(str(err), exit_code=2) from err
+    except (InteropError, ValueError) as err:  # the file's content is bad
         raise UserError(str(err)) from err
     obj = json.loads(Path(path).read_text())
     kept = sum(e["in_graph"] for e in obj["edges"].values())
@@ -415,7 +426,11 @@ def import_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         path = import_eap_ig(Path(args.src), Path(args.out), args.model, args.n_kv_heads, args.sign, args.scale)
-    except (InteropError, FileNotFoundError, ValueError) as err:
+    except UserError:
+        raise
+    except FileNotFoundError as err:  # SRC names no file: the command is wrong
+        raise UserError(str(err), exit_code=2) from err
+    except (InteropError, ValueError) as err:  # the file's content is bad
         raise UserError(str(err)) from err
     print(f"wrote {path}" + (f" (scores x {args.sign * args.scale:g})" if args.sign * args.scale != 1 else ""))
     return 0

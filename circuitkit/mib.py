@@ -46,7 +46,7 @@ from circuitkit.attribution import load_scores
 from circuitkit.attribution.graph import Graph
 from circuitkit.circuit import load_circuit
 from circuitkit.errors import UserError
-from circuitkit.io import atomic_write_bytes
+from circuitkit.io import atomic_write_bytes, check_writable
 from circuitkit.pruning import CURVE_PERCENTS, curve_count
 
 MIB_SHARES = tuple(p / 100 for p in CURVE_PERCENTS)  # 0.001 .. 1
@@ -208,13 +208,16 @@ def export_main(argv: list[str]) -> int:
             print(f"problem: {p}")
         print(f"{args.check_mib}: " + ("ready for MIB" if not problems else f"{len(problems)} problem(s)"))
         return 0 if not problems else 1
+    # The command's arguments are checked before anything is read or written (exit 2).
     if not args.src or not args.out or not args.model:
         raise MIBError("circuitkit export --format mib needs SRC OUT --model NAME (e.g. --model gpt2), or"
-                       " --check-mib DIR.")
+                       " --check-mib DIR.", exit_code=2)
     if args.task not in MIB_TASKS:
-        raise MIBError(f"--task {args.task!r} is not a MIB task; use one of {', '.join(MIB_TASKS)}.")
+        raise MIBError(f"--task {args.task!r} is not a MIB task; use one of {', '.join(MIB_TASKS)}.", exit_code=2)
     if not Path(args.src).is_file():
-        raise MIBError(f"{args.src} does not exist; give a scores.safetensors (edge level) or an edge circuit.pt.")
+        raise MIBError(f"{args.src} {'is a directory' if Path(args.src).is_dir() else 'does not exist'}; give a"
+                       " scores.safetensors (edge level) or an edge circuit.pt.", exit_code=2)
+    check_writable(Path(args.out) / f"{args.task}_{args.model}", "the output folder", directory=True)
     written = export_mib(Path(args.src), Path(args.out), args.task, args.model, args.mib_mode, args.d_model)
     problems = check_mib(Path(args.out))
     print(f"wrote {len(written)} file(s) under {Path(args.out) / f'{args.task}_{args.model}'}"

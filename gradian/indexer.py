@@ -220,9 +220,17 @@ def recorded_fisher(grads: GradsConfig) -> str:
     return grads.fisher if has_kfac(grads.preconditioner) else "empirical"
 
 
+class ResumeMismatchError(UserError, IndexMismatchError):
+    """The config asks for other settings than the index it would resume was made with (exit 2:
+    the config is wrong, nothing was written)."""
+
+    exit_code = 2
+
+
 def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_dir: Path) -> None:
     """Refuse to resume an index whose manifest records other grads settings than asked, for the
-    settings known before the model loads (IndexMismatchError naming each, as IndexWriter would)."""
+    settings known before the model loads (ResumeMismatchError, an IndexMismatchError, naming
+    each, as IndexWriter would)."""
     asked = {"preconditioner": grads.preconditioner, "loss": grads.loss, "loss_reduction": grads.loss_reduction,
              "storage_dtype": grads.storage_dtype, "rows_per_shard": grads.rows_per_shard,
              "fisher": recorded_fisher(grads)}
@@ -236,8 +244,8 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
             if key in recorded and recorded[key] != value and not (key == "seed" and kind == "raw"):
                 diffs.append(f"{name}: index has {recorded[key]!r}, asked {value!r}")
     if diffs:
-        raise IndexMismatchError(f"{index_dir} holds an index made differently: {'; '.join(diffs)}. Use another"
-                                 " grads.index_dir, or delete this one to rebuild it.")
+        raise ResumeMismatchError(f"{index_dir} holds an index made differently: {'; '.join(diffs)}. Use another"
+                                  " grads.index_dir, or delete this one to rebuild it.")
 
 
 def token_policy(grads: GradsConfig) -> TokenPolicy:

@@ -270,7 +270,7 @@ CASES = [
          setup=lambda tmp, mp: _graph_json(tmp, n_layers=-2)),
     Case("import-not-utf8", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt"), 1, "g.json is not UTF-8",
          setup=lambda tmp, mp: _write(tmp / "g.json", '{"cfg": "caf\xe9"}'.encode("latin-1"))),
-    Case("import-bad-scale", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt", "--scale", "0"), 1, "--scale 0",
+    Case("import-bad-scale", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt", "--scale", "0"), 2, "--scale 0",
          setup=lambda tmp, mp: _graph_json(tmp)),
     Case("import-parent-is-a-file", "cli", _r("import", "{tmp}/g.json", "{tmp}/prior/keep.txt/out.pt"), 2,
          "keep.txt", extra=["is a file"], setup=lambda tmp, mp: _graph_json(tmp)),

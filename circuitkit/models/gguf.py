@@ -43,9 +43,16 @@ _STRING, _ARRAY = 8, 9
 
 
 class GGUFError(UserError, ValueError):
-    """A GGUF file that cannot be used (not GGUF, truncated, an unsupported architecture)."""
+    """A GGUF file that cannot be used (not GGUF, truncated, an unsupported architecture).
+
+    Exit 2 (the config names a model CircuitKit does not load: change model.name) by default;
+    a file whose bytes are bad (not GGUF, cut short, unreadable) is `GGUFError(..., exit_code=1)`.
+    """
 
     exit_code = 2
+
+
+_ALIGNMENT = 32  # GGUF's default `general.alignment` of the tensor data
 
 
 @dataclass(frozen=True)
@@ -68,10 +75,47 @@ class GGUFHeader:
 
 
 def _read(fh: BinaryIO, n: int) -> bytes:
+    if n > _remaining(fh):  # a length from a cut or garbled header: refuse it before allocating it
+        raise EOFError(f"unexpected end of file at byte {fh.tell()}, reading {n} more")
     data = fh.read(n)
     if len(data) != n:
-        raise EOFError
+        raise EOFError(f"unexpected end of file at byte {fh.tell()}")
     return data
+
+
+def _remaining(fh: BinaryIO) -> int:
+    import os
+
+    return os.fstat(fh.fileno()).st_size - fh.tell()
+
+
+def _tensor_bytes(dims: list[int], ggml_type: int) -> int | None:
+    """Bytes of one tensor's data (ggml blocks of its type; the gguf package knows the sizes);
+    None when the type or the package is unknown here (then transformers decides)."""
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ImportError, ValueError, KeyError):
+        return None
+    n = 1
+    for d in dims:
+        n *= d
+    return n // block * block_bytes
+
+
+def _check_length(fh: BinaryIO, path: Path, meta: dict[str, Any], tensors: list[tuple[str, int, int | None]]) -> None:
+    """GGUFError (exit 1) when the file ends before its last tensor's data does (a cut download)."""
+    align = meta.get("general.alignment")
+    align = align if isinstance(align, int) and align > 0 else _ALIGNMENT
+    data_start = -(-fh.tell() // align) * align
+    size = fh.tell() + _remaining(fh)
+    ends = [(data_start + offset + n, name) for name, offset, n in tensors if n is not None]
+    if ends and max(ends)[0] > size:
+        end, name = max(ends)
+        raise GGUFError(f"{path} is cut short: it has {size} bytes but its tensor data ends at byte {end}"
+                        f" (tensor {name!r}); the download or write stopped early: download or write it again.",
+                        exit_code=1)
 
 
 def _unpack(fh: BinaryIO, fmt: str) -> Any:
@@ -105,7 +149,7 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
         with path.open("rb") as fh:
             if _read(fh, 4) != b"GGUF":
                 raise GGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes);"
-                                " give a .gguf file written by llama.cpp or the gguf package.")
+                                " give a .gguf file written by llama.cpp or the gguf package.", exit_code=1)
             version = _unpack(fh, "<I")
             if version < 2:
                 raise GGUFError(f"{path} is GGUF version {version}; transformers reads versions 2 and 3.")
@@ -115,20 +159,22 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
                 key = _string(fh)
                 meta[key] = _value(fh, _unpack(fh, "<I"), keep=False)
             types: Counter[str] = Counter()
+            tensors = []  # (name, data offset, bytes)
             for _ in range(n_tensors):
-                _string(fh)
-                n_dims = _unpack(fh, "<I")
-                fh.seek(8 * n_dims, 1)
+                name = _string(fh)
+                dims = [_unpack(fh, "<Q") for _ in range(_unpack(fh, "<I"))]
                 ggml_type = _unpack(fh, "<I")
-                fh.seek(8, 1)  # data offset
+                tensors.append((name, _unpack(fh, "<Q"), _tensor_bytes(dims, ggml_type)))
                 types[_GGML_TYPES.get(ggml_type, f"type {ggml_type}")] += 1
-    except (EOFError, ValueError, struct.error) as err:
+            _check_length(fh, path, meta, tensors)
+    except (EOFError, ValueError, struct.error, OverflowError, MemoryError) as err:
         if isinstance(err, GGUFError):
             raise
-        raise GGUFError(f"{path} is truncated or not a valid GGUF file ({err or 'unexpected end of file'});"
-                        " download or write it again.") from None
+        reason = str(err).strip() or "unexpected end of file"
+        raise GGUFError(f"{path} is truncated or not a valid GGUF file ({reason}); download or write it again.",
+                        exit_code=1) from None
     except OSError as err:
-        raise GGUFError(f"cannot read the GGUF file {path} ({err.strerror or err}).") from None
+        raise GGUFError(f"cannot read the GGUF file {path} ({err.strerror or err}).", exit_code=1) from None
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{path} has no general.architecture in its metadata; it is not a model file.")
