@@ -1,13 +1,15 @@
 """Memory preflight: will the selected stages fit on this device? Decided before loading weights.
 
 Each stage declares its estimate (`Stage.memory`: `circuitkit.attribution.memory` for
-attribution, `gradian.memory` for the grads stage), computed from the model's shape
+attribution, `circuitkit.pruning_memory` for pruning, `gradian.memory` for the grads stage),
+computed from the model's shape
 (`conf/model/*.yaml` or its config.json, never its weights); this module imports no domain.
 When one exceeds `preflight.headroom` × the device's free
 memory, the stage stops with a table of the terms and the knobs that lower the peak, in the
 order worth trying (the stage's `advice`: for attribution `discovery.batch_size` with the
-largest value that fits, then the sequence length; keys that do not change the peak, such as
-num_examples or ig_steps, are never suggested for memory). A stage may add a line (`note`):
+largest value that fits, then the sequence length; for pruning the evaluation batch, the
+held-out pairs it records, then the selection and scope; keys that do not change the peak, such
+as num_examples or ig_steps, are never suggested for memory). A stage may add a line (`note`):
 EAP-IG's time/accuracy from the measured table (`circuitkit.attribution.tradeoffs`).
 """
 
@@ -145,7 +147,7 @@ def _preflight(ctx: RunContext) -> StageResult:
         ctx.console.print(table(estimate, free, ctx.cfg.preflight.headroom, f"estimated {stage} peak"))
         plots.append(memory_plot(estimate, ctx.run_dir / f"memory_estimate_{stage}.png", budget))
     if not estimates:
-        ctx.console.print("no stage with a memory estimate selected (attribution, grads)")
+        ctx.console.print("no stage with a memory estimate selected (attribution, pruning, grads)")
     out = summary(estimates, free, budget)
     if ctx.cfg.model.device_map is not None:
         from circuitkit.models.device_shares import per_device_estimates

@@ -27,6 +27,7 @@ from circuitkit.models.loading import check_model, context_length, model_context
 from circuitkit.pipeline import RunContext, Stage, StageResult, package_versions
 from circuitkit.plots import faithfulness_curve, head_heatmap
 from circuitkit.pruning import circuit_fields, prune
+from circuitkit.pruning_memory import PRUNING_MEMORY, pruning_estimate
 from circuitkit.tasks import (
     SAMPLE_FILES,
     TaskData,
@@ -235,6 +236,8 @@ def _pruning(ctx: RunContext) -> StageResult:
         raise ValueError("no held-out examples for faithfulness: set discovery.data_params.eval_examples >= 1.")
 
     heldout = heldout_template_data(ctx)
+    estimate = pruning_estimate(ctx.cfg, batch_size=min(d.batch_size, len(held_out)), seq_len=int(data.clean_ids.shape[1]),
+                                n_eval=len(held_out), n_attr=n_attr, n_templates=len(heldout or ())).total_bytes
     found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size, heldout=heldout)
     other = found.extra.get("heldout_templates")
     corruption = corruption_of(d.task, d.data_params)
@@ -289,7 +292,7 @@ def _pruning(ctx: RunContext) -> StageResult:
         **({"corruption": corruption} if corruption else {}),
         **({"faithfulness_heldout_templates": other["faithfulness"], "heldout_templates": other} if other else {}),
         **({"stability_jaccard_mean": stable["jaccard_mean"], "stability_jaccard_p5": stable["jaccard_p5"],
-            "stability_resamples": stable["n_resamples"]} if stable else {})})
+            "stability_resamples": stable["n_resamples"]} if stable else {})}, estimated_peak_bytes=estimate)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -366,5 +369,6 @@ CIRCUIT_STAGES = (
           check=_check_data),
     Stage("attribution", ("model", "discovery"), _attribution, inputs=_attribution_inputs,
           check=_check_attribution, memory=ATTRIBUTION_MEMORY),
-    Stage("pruning", ("pruning", "output_path"), _pruning, inputs=_pruning_inputs, check=_check_pruning),
+    Stage("pruning", ("pruning", "output_path"), _pruning, inputs=_pruning_inputs, check=_check_pruning,
+          memory=PRUNING_MEMORY),
 )

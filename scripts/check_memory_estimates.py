@@ -18,6 +18,13 @@ builds N layers of the real width instead of the full depth (every term is linea
 depth but the score matrix, which is small).
 
     python scripts/check_memory_estimates.py --real [--real-models gpt2 pythia70m llama1b] [--layers N]
+
+`--pruning` measures the pruning stage (`circuitkit.pruning.prune`: head scope, edge scope with
+top_k, edge scope with edge_pruning; corrupted ablation) against `circuitkit.pruning_memory`:
+SmolLM2 with its pretrained weights (`circuitkit fetch smollm2`) and real shapes with random
+weights (NAME:L builds L layers of NAME's width), against [0.95, 1.10].
+
+    python scripts/check_memory_estimates.py --pruning [--pruning-models smollm2 gpt2 llama1b:4]
 """
 
 from __future__ import annotations
@@ -392,6 +399,105 @@ def grid_table(rows: list[GridRow]) -> Table:
     return table
 
 
+# --------------------------------------------------------------------------- the pruning stage
+
+PRUNING_CASES = (("heads", "top_k"), ("edges", "top_k"), ("edges", "edge_pruning"))
+PRETRAINED = {"smollm2": "fetched:smollm2"}  # loaded with their real weights
+
+
+@dataclass
+class PruneRow:
+    model: str
+    scope: str
+    selection: str
+    batch: int
+    seq_len: int
+    n_eval: int
+    estimate_mib: float
+    measured_mib: float
+    ratio: float  # estimate / measured
+    phase: str
+
+
+def random_scores(adapter, seed: int = 0):
+    """AttributionScores of random values on the adapter's graph (the peak does not depend on them)."""
+    from circuitkit.attribution.eap import AttributionScores, graph_of
+
+    g = graph_of(adapter)
+    gen = torch.Generator().manual_seed(seed)
+    valid = g.edge_mask()
+    return AttributionScores(torch.randn(g.n_layers, g.n_heads, generator=gen), torch.randn(g.n_layers, generator=gen),
+                             torch.tensor(0.0), g, torch.randn(valid.shape, generator=gen) * valid)
+
+
+def measure_pruning(model: torch.nn.Module, name: str, scope: str, selection: str, batch: int, seq_len: int,
+                    n_eval: int, n_attr: int, mask_steps: int = 2, ablation: str = "corrupted") -> PruneRow:
+    """`prune` on random pairs (n_attr attribution + n_eval held out) inside measure_peak (weights
+    resident) against `estimate_pruning`, with the edge record budget the evaluator reads."""
+    from circuitkit.config import PruningConfig
+    from circuitkit.device import free_memory_bytes
+    from circuitkit.pruning import prune
+    from circuitkit.pruning_edges import RECORD_SHARE
+    from circuitkit.pruning_memory import estimate_pruning
+
+    adapter = get_adapter(model)
+    shape = shape_from_config(model.config)
+    data = random_pairs(n_attr + n_eval, seq_len, model.config.vocab_size)
+    p = PruningConfig(scope=scope, selection=selection, ablation=ablation, mask_steps=mask_steps,
+                      bootstrap_resamples=0, graph=False)
+    budget = int(RECORD_SHARE * free_memory_bytes(torch.device("cpu")))
+    with measure_peak(torch.device("cpu"), resident_bytes=lambda: module_bytes(model)) as peak:
+        prune(adapter, random_scores(adapter), data[:n_attr], data[n_attr:], p, "logit_diff", batch)
+    est = estimate_pruning(shape, next(model.parameters()).element_size(), batch, seq_len, n_eval, scope, ablation,
+                           selection, n_attr, mask_steps, budget)
+    return PruneRow(name, scope, selection, batch, seq_len, n_eval, est.total_bytes / MiB, peak.peak_bytes / MiB,
+                    est.total_bytes / peak.peak_bytes, est.phase)
+
+
+def pruning_model(spec: str, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
+    """'smollm2' (pretrained), 'gpt2' (conf/model shape, random weights) or 'llama1b:4' (4 layers)."""
+    name, _, layers = spec.partition(":")
+    label = f"{name}{f'[{layers}L]' if layers else ''} {str(dtype).removeprefix('torch.')}"
+    if name in PRETRAINED and not layers:
+        from circuitkit.config import ModelConfig
+        from circuitkit.models.loading import load_model
+
+        precision = str(dtype).removeprefix("torch.")
+        return load_model(ModelConfig(name=PRETRAINED[name], precision=precision), torch.device("cpu")).model, \
+            f"{label} (pretrained)"
+    return build_real_fast(name, dtype, int(layers) if layers else None), f"{label} (random)"
+
+
+def run_pruning_sweep(specs: Iterable[str], dtypes: Iterable[torch.dtype], batch: int = 4, seq_len: int = 32,
+                      n_eval: int = 8, n_attr: int = 8, mask_steps: int = 2) -> list[PruneRow]:
+    """PRUNING_CASES for each model spec and dtype; one model in memory at a time."""
+    rows = []
+    for spec in specs:
+        for dtype in dtypes:
+            model, label = pruning_model(spec, dtype)
+            for scope, selection in PRUNING_CASES:
+                rows.append(measure_pruning(model, label, scope, selection, batch, seq_len, n_eval, n_attr,
+                                            mask_steps))
+                r = rows[-1]
+                print(f"{r.model} {scope} {selection}: estimate {r.estimate_mib:.1f} MiB, measured"
+                      f" {r.measured_mib:.1f} MiB, ratio {r.ratio:.3f}", flush=True)
+            del model
+    return rows
+
+
+def pruning_table(rows: list[PruneRow]) -> Table:
+    table = Table(title="pruning stage peak: estimate vs measured (CPU dispatch tracker + weights)")
+    for col in ("model", "scope", "selection", "batch", "seq", "held-out", "estimate MiB", "measured MiB", "ratio",
+                "phase"):
+        table.add_column(col, justify="right")
+    lo, hi = REAL_RANGE
+    for r in rows:
+        table.add_row(r.model, r.scope, r.selection, str(r.batch), str(r.seq_len), str(r.n_eval),
+                      f"{r.estimate_mib:.1f}", f"{r.measured_mib:.1f}", f"{r.ratio:.3f}", r.phase,
+                      style=None if lo <= r.ratio <= hi else "red")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (~30 s)")
@@ -409,8 +515,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid-max-mib", type=float, default=6000.0)
     parser.add_argument("--grid-seqs", nargs="+", type=int, default=list(GRID_SEQS))
     parser.add_argument("--grid-batches", nargs="+", type=int, default=list(GRID_BATCHES))
+    parser.add_argument("--pruning", action="store_true", help="the pruning stage (see the module docstring)")
+    parser.add_argument("--pruning-models", nargs="+", default=["smollm2", "gpt2", "llama1b:4"])
+    parser.add_argument("--pruning-shape", nargs=4, type=int, default=[4, 32, 8, 8],
+                        metavar=("BATCH", "SEQ", "HELD_OUT", "ATTR"))
     args = parser.parse_args(argv)
     console = Console()
+    if args.pruning:
+        batch, seq, n_eval, n_attr = args.pruning_shape
+        prows = run_pruning_sweep(args.pruning_models, [getattr(torch, d) for d in args.real_dtypes], batch, seq,
+                                  n_eval, n_attr)
+        console.print(pruning_table(prows))
+        lo, hi = REAL_RANGE
+        bad = [r for r in prows if not lo <= r.ratio <= hi]
+        console.print(f"{len(prows) - len(bad)}/{len(prows)} within [{lo}, {hi}]"
+                      f"; ratios {min(r.ratio for r in prows):.3f}..{max(r.ratio for r in prows):.3f}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"pruning": [asdict(r) for r in prows]}, fh, indent=2)
+        return 0 if not bad else 1
     if args.grid:
         grid = run_grid("llama1b", dtypes=[getattr(torch, d) for d in args.real_dtypes], seqs=args.grid_seqs,
                         batches=args.grid_batches, layers=tuple(args.grid_layers), max_measured_mib=args.grid_max_mib)
