@@ -71,7 +71,7 @@ def graph_shape(circuit: dict[str, Any]) -> Graph:
     return Graph(int(n_layers), int(n_heads), int(n_kv), False)
 
 
-def _child(name: str, g: Graph) -> list[tuple[str, str]]:
+def edge_children(name: str, g: Graph) -> list[tuple[str, str]]:
     """Downstream input name -> [(node, letter)]: a KV group's input feeds every head of the group."""
     if name == "logits":
         return [("logits", "")]
@@ -85,36 +85,56 @@ def _child(name: str, g: Graph) -> list[tuple[str, str]]:
     return [(f"a{layer}.h{h}", letter) for h in range(idx * group, (idx + 1) * group)]
 
 
+def kept_node_names(circuit: dict[str, Any]) -> set[str]:
+    """The circuit's kept nodes by EAP-IG name: input, logits, kept heads (`a3.h1`) and MLPs (`m3`)."""
+    heads, mlps = kept_components(circuit)
+    return ({"input", "logits"} | {f"a{layer}.h{h}" for layer, h in heads.nonzero().tolist()}
+            | {f"m{layer}" for layer in mlps.nonzero().flatten().tolist()})
+
+
+def ranked_edges(circuit: dict[str, Any], limit: int) -> tuple[list[tuple[int, int, float]], int]:
+    """The `limit` strongest candidate edges as (upstream index, downstream index, score), by |score|,
+    and how many candidates there were.
+
+    Candidates: an edge-scope circuit's kept edges; otherwise the edges between kept nodes (a
+    downstream input counts when any node it feeds is kept). Edges under MIN_RELATIVE of the
+    strongest are left out: invisible at any width, they would put untouched parts (an
+    attention-only model's zero MLPs) on the picture. Empty without edge scores.
+    """
+    scores = circuit.get("edge_scores")
+    if scores is None:
+        return [], 0
+    g = graph_shape(circuit)
+    scores = scores.float()
+    if circuit.get("scope") == "edges" and circuit.get("edge_mask") is not None:
+        candidates = circuit["edge_mask"].bool()
+    else:
+        kept = kept_node_names(circuit)
+        up_kept = torch.tensor([u in kept for u in g.upstream])
+        down_kept = torch.tensor([any(c in kept for c, _ in edge_children(v, g)) for v in g.downstream])
+        candidates = g.edge_mask() & up_kept[:, None] & down_kept[None, :]
+    flat = torch.where(candidates, scores.abs(), torch.full_like(scores, -1.0)).flatten()
+    floor = MIN_RELATIVE * float(flat.max().clamp_min(0))
+    n_candidates = int((flat > floor).sum())
+    order = flat.argsort(descending=True)[:min(limit, n_candidates)].tolist()
+    return [(*divmod(i, scores.shape[1]), float(scores.flatten()[i])) for i in order], n_candidates
+
+
 def build_picture(circuit: dict[str, Any], top_edges: int = 40) -> CircuitPicture:
     """Nodes and the `top_edges` strongest edges among the circuit's kept nodes."""
     g = graph_shape(circuit)
-    heads, mlps = kept_components(circuit)
+    heads, _ = kept_components(circuit)
     head_scores = circuit.get("head_scores")
     mlp_scores = circuit.get("mlp_scores")
-    kept_nodes = {"input", "logits"} | {f"a{layer}.h{h}" for layer, h in heads.nonzero().tolist()} \
-        | {f"m{layer}" for layer in mlps.nonzero().flatten().tolist()}
+    kept_nodes = kept_node_names(circuit)
     pic = CircuitPicture(g.n_layers, g.n_heads)
-    edges = circuit.get("edge_scores")
-    if edges is not None:
-        upstream, downstream = g.upstream, g.downstream
-        scores = edges.float()
+    if circuit.get("edge_scores") is not None:
         edge_scope = circuit.get("scope") == "edges" and circuit.get("edge_mask") is not None
-        if edge_scope:  # every kept edge, whatever its endpoints keep
-            candidates = circuit["edge_mask"].bool()
-        else:
-            up_kept = torch.tensor([u in kept_nodes for u in upstream])
-            down_kept = torch.tensor([any(c in kept_nodes for c, _ in _child(v, g)) for v in downstream])
-            candidates = g.edge_mask() & up_kept[:, None] & down_kept[None, :]
-        flat = torch.where(candidates, scores.abs(), torch.full_like(scores, -1.0)).flatten()
-        # Edges under MIN_RELATIVE of the strongest are invisible at any width: leaving them out
-        # keeps untouched parts (an attention-only model's zero MLPs) off the picture.
-        floor = MIN_RELATIVE * float(flat.max().clamp_min(0))
-        n = min(top_edges, int((flat > floor).sum()))
-        for i in flat.argsort(descending=True)[:n].tolist():
-            u, v = divmod(i, scores.shape[1])
-            for child, letter in _child(downstream[v], g):
+        ranked, _ = ranked_edges(circuit, top_edges)
+        for u, v, score in ranked:
+            for child, letter in edge_children(g.downstream[v], g):
                 if edge_scope or child in kept_nodes:
-                    pic.edges.append((upstream[u], child, letter, float(scores[u, v])))
+                    pic.edges.append((g.upstream[u], child, letter, score))
     else:
         pic.note = "node-level scores: no edges (set discovery.level=edge to draw them)"
     shown = {"input", "logits"} | {n for n in kept_nodes if n.startswith("a")} \

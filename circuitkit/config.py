@@ -234,12 +234,22 @@ class PreflightConfig:
 
 
 @dataclass
+class ReportConfig:
+    enabled: bool = _f(True, "write report.html (the run as one self-contained page: circuitkit_app.report) in the"
+                       " run dir at the end of every run, and one comparing the jobs in a multirun's sweep dir")
+    top_edges: int = _f(2000, "the strongest edges of the circuit embedded in the report's graph (its edge"
+                        " control ranges over them); every other edge is counted in per-layer totals", ge=1,
+                        le=20000)
+
+
+@dataclass
 class AppConfig:
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "model group"})
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig, metadata={"doc": "discovery group"})
     pruning: PruningConfig = field(default_factory=PruningConfig, metadata={"doc": "pruning group"})
     grads: GradsConfig = field(default_factory=GradsConfig, metadata={"doc": "grads group"})
     preflight: PreflightConfig = field(default_factory=PreflightConfig, metadata={"doc": "preflight group"})
+    report: ReportConfig = field(default_factory=ReportConfig, metadata={"doc": "report group"})
     stages: list[str] = _f(list(ALL_STAGES), "stages to run, in pipeline order", choices=ALL_STAGES)
     output_path: Optional[str] = _f(None, "where circuit.pt is written; null = <run dir>/circuit.pt")
     seed: int = _f(0, "seed for data sampling and anything random", ge=0, le=MAX_SEED)
@@ -247,7 +257,7 @@ class AppConfig:
 
 
 GROUPS = {"model": ModelConfig, "discovery": DiscoveryConfig, "pruning": PruningConfig,
-          "grads": GradsConfig, "preflight": PreflightConfig}
+          "grads": GradsConfig, "preflight": PreflightConfig, "report": ReportConfig}
 
 
 def register_configs() -> None:

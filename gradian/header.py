@@ -98,3 +98,51 @@ def check_header(manifest: dict[str, Any], where: str) -> list[str]:
             expected = " or ".join("null" if k is _NONE else k.__name__ for k in kinds)
             problems.append(f"{where}: {name} is {str(value)[:60]!r}, expected {expected}")
     return problems
+
+
+def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """How an index was made, as (key, value) lines: what `gradian inspect` prints and the report shows.
+
+    `summary`: `gradian.index.IndexReader.summary()` (the manifest plus what is on disk).
+    """
+    from gradian.curvature import has_kfac
+    from gradian.data import policy_line
+
+    proj, report = summary.get("projection", {}), summary.get("data_report") or {}
+    if not isinstance(proj, dict):  # a bare kind, as in hand-made headers
+        proj = {"kind": proj, "projection_dim": summary.get("projection_dim"), "seed": summary.get("projection_seed")}
+    if not isinstance(report, dict):
+        report = {}
+    modules = list(proj.get("modules") or {})
+    if summary["complete"]:
+        state = "complete"
+    elif summary["manifest_complete"]:
+        state = f"NOT complete although the manifest says so: {'; '.join(summary['missing'])}"
+    else:
+        state = f"incomplete ({'; '.join(summary['missing'])}): resume with the same command"
+    dropped = (report.get("dropped_truncated") or 0) + (report.get("dropped_unsupervised") or 0)
+    rows = [
+        ("model", f"{summary.get('model')} ({summary.get('precision')}), weights sha256 "
+                  f"{str(summary.get('weights_sha256'))[:12]}…"),
+        ("projection", f"{proj.get('kind')}, dim {proj.get('projection_dim')} per module, seed {proj.get('seed')}"
+                       f", matrices sha256 {str(summary.get('projection_sha256'))[:12]}…"),
+        ("modules", f"{len(modules)}: {', '.join(modules[:4])}{' …' if len(modules) > 4 else ''}"),
+        ("row width", f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
+        ("circuit", "none (unrestricted)" if not summary.get("circuit") else
+         f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
+         f" MLPs {summary['circuit']['mlps']}"),
+        ("loss", f"{summary.get('loss', 'ce')}, {summary.get('loss_reduction')} over supervised tokens;"
+                 f" preconditioner {summary.get('preconditioner', 'none')}"
+                 + (f", {summary.get('fisher', 'empirical')} Fisher" if has_kfac(summary.get("preconditioner")) else "")),
+        ("data", f"{summary.get('data_file')} (sha256 {str(summary.get('data_sha256'))[:12]}…)"),
+        ("rows", f"{report.get('rows_read')} read, {report.get('kept')} kept, {report.get('truncated')} truncated,"
+                 f" {dropped} dropped"),
+        ("tokens", policy_line(report)),
+        ("stored", f"{summary['rows_stored']} of {summary.get('n_rows')} rows in {summary['n_shard_files']} shards"
+                   f" ({state})"),
+        ("size on disk", f"{summary['bytes'] / 2**20:.2f} MiB ({summary['bytes']} bytes)"),
+    ]
+    share = summary.get("parameter_share")
+    if isinstance(share, (int, float)):
+        rows.insert(3, ("parameter share", f"{100 * share:.2f}% of the model's parameters"))
+    return rows

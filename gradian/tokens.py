@@ -9,6 +9,7 @@ tokenizer hash) and the data must be unchanged (its sha256).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,22 @@ def indexed_row(index_dir: str | Path, row_id: int, tokenizer: Any | None = None
     Returns a `gradian.data.Row` (``input_ids`` and ``supervised``, both length T). Raises
     UserError (exit code 2) for a row id out of range or data that is gone or changed.
     """
+    return indexed_rows(index_dir, [row_id], tokenizer)[row_id]
+
+
+def indexed_rows(index_dir: str | Path, row_ids: Iterable[int], tokenizer: Any | None = None) -> dict[int, Row]:
+    """Training rows `row_ids` of the index, tokenized as they were indexed, in one pass over the data.
+
+    Returns {row id: `gradian.data.Row`}. Raises UserError (exit code 2) for a row id out of
+    range or data that is gone or changed.
+    """
     from gradian.rank import training_source
 
     manifest = IndexReader(index_dir).manifest
-    n_rows = manifest["n_rows"]
-    if not 0 <= row_id < n_rows:
-        raise UserError(f"--row {row_id}: the index has rows 0..{n_rows - 1}.", exit_code=2)
+    n_rows, wanted = manifest["n_rows"], set(row_ids)
+    for row_id in sorted(wanted):
+        if not 0 <= row_id < n_rows:
+            raise UserError(f"--row {row_id}: the index has rows 0..{n_rows - 1}.", exit_code=2)
     source = training_source(manifest)
     if source is None:
         raise UserError(f"the training data {manifest.get('data_file')} is missing or changed since indexing"
@@ -57,11 +68,14 @@ def indexed_row(index_dir: str | Path, row_id: int, tokenizer: Any | None = None
     tokenizer = tokenizer if tokenizer is not None else load_index_tokenizer(manifest)
     report = new_report(source, manifest.get("max_seq_length", 512), manifest.get("on_truncation", "warn"),
                         manifest.get("truncation_side", "right"), policy=policy_of(manifest))
+    found: dict[int, Row] = {}
     for row in iter_rows(source, tokenizer, report):
-        if row.row_id == row_id:
-            return row
-    raise UserError(f"the data now yields {report.kept} rows, fewer than row {row_id}; rebuild the index.",
-                    exit_code=2)
+        if row.row_id in wanted:
+            found[row.row_id] = row
+            if len(found) == len(wanted):
+                return found
+    raise UserError(f"the data now yields {report.kept} rows, fewer than row {max(wanted - set(found))};"
+                    " rebuild the index.", exit_code=2)
 
 
 def row_table(row: Row, tokenizer: Any, title: str) -> Table:

@@ -130,6 +130,13 @@ LAYERS: dict[str, str] = {
     "circuitkit_app.smart": ENTRY,
     "circuitkit_app.merge": ENTRY,  # `circuitkit merge RUN_DIRS`: merge attribution shards, then prune
     "gradian.cli": ENTRY,
+    "circuitkit_app.gradian_cli": ENTRY,  # the installed `gradian`: gradian.cli plus the report's pages
+    # report.html: reads both domains' artifacts through their readers; no stage imports it
+    "circuitkit_app.report": ENTRY,
+    "circuitkit_app.report.collect": ENTRY,
+    "circuitkit_app.report.ranked": ENTRY,
+    "circuitkit_app.report.sweep": ENTRY,
+    "circuitkit_app.report.page": ENTRY,
     # the names users type, kept in circuitkit/ as shims that hand over to circuitkit_app/ (SHIMS below)
     "circuitkit": ENTRY,
     "circuitkit.run": ENTRY,

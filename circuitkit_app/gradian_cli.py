@@ -1,0 +1,67 @@
+"""The installed `gradian` command: gradian's own commands (`gradian.cli`) plus the pages the
+report draws, which need the entry layer (`gradian report RANK.jsonl`, `gradian rank ... --report`).
+
+`gradian.cli` sits below the entry layer and cannot import the report; this shim parses with
+its parser, hands every other command over unchanged and writes the page after a ranking.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from circuitkit.errors import UserError, run_entry
+from gradian import cli as gradian_cli
+
+
+def _strip_report(argv: list[str]) -> list[str]:
+    """`argv` without `--report [FILE]` / `--report=FILE` (what gradian.cli's rank then runs)."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == "--report":
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            skip = nxt is not None and not nxt.startswith("-")
+            continue
+        if arg.startswith("--report="):
+            continue
+        out.append(arg)
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    from circuitkit_app.report import write_rank_report
+
+    if argv and argv[0] == "report":
+        args = gradian_cli.parse(argv)
+        path = write_rank_report(Path(args.rank), Path(args.index), Path(args.queries) if args.queries else None,
+                                 Path(args.out) if args.out else None)
+        print(f"report: {path}")
+        return 0
+    if argv and argv[0] == "rank" and any(a == "--report" or a.startswith("--report=") for a in argv):
+        args = gradian_cli.parse(argv)
+        if not args.out:
+            raise UserError("--report needs --out RANK.jsonl: the page is drawn from the ranked rows written there.",
+                            exit_code=2)
+        page = Path(args.report) if args.report else Path(args.out).with_suffix(".html")
+        from circuitkit.io import check_writable
+
+        check_writable(page, "--report")
+        code = gradian_cli.main(_strip_report(argv))
+        if code:
+            return code
+        path = write_rank_report(Path(args.out), Path(args.index), Path(args.queries), page)
+        print(f"report: {path}")
+        return 0
+    return gradian_cli.main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the installed `gradian` command; returns the exit status."""
+    return run_entry(_main, sys.argv[1:] if argv is None else list(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""What a run's report shows, read from its typed artifacts: one JSON-able dict per section.
+
+    collect_run(run_dir) -> {"run": ..., "attribution": ..., "circuit": ..., "gradian": ...}
+
+Every artifact is read through its own reader (`load_manifest`, `load_scores`, `load_circuit`,
+`IndexReader`) and checked against the sha256 the manifest recorded for it; one that changed
+since its stage wrote it is left out, with a note the page shows. A section appears only where
+the run has what it needs. Nothing here computes anything a stage computes, except views of
+stored numbers (a head's spread over examples, per-layer totals of the edge scores, how often a
+head is kept over the bootstrap resamples that the stability figure already draws).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuitkit.circuit_file import load_circuit, run_circuit_path
+from circuitkit.circuit_graph import edge_children, graph_shape, kept_node_names, ranked_edges
+from circuitkit.config import AppConfig, to_dict
+from circuitkit.io import sha256_file
+from circuitkit.pipeline import load_manifest
+
+MAX_PER_EXAMPLE = 256  # examples whose per-head scores are embedded (clicking a head shows them)
+TOP_LIST = 25  # rows of the node and edge top lists
+_LAYER = re.compile(r"^[am](\d+)")
+
+
+def _finite(value: Any) -> float | None:
+    """A float for JSON (NaN and inf become None), rounded to 6 significant digits."""
+    if value is None:
+        return None
+    value = float(value)
+    return float(f"{value:.6g}") if math.isfinite(value) else None
+
+
+def _rounded(t: torch.Tensor) -> list:
+    """A tensor as nested lists of 5-significant-digit floats (NaN/inf as None)."""
+    return [_rounded(x) for x in t] if t.dim() > 0 else (None if not math.isfinite(float(t)) else
+                                                          float(f"{float(t):.5g}"))
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), sub, out)
+    else:
+        out[prefix] = value
+
+
+def config_rows(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every key of the run's config with its value and the schema's default (`changed` where they differ)."""
+    ran, default = {}, {}
+    _flatten("", config, ran)
+    _flatten("", to_dict(AppConfig()), default)
+    return [{"key": key, "value": value, "default": default.get(key), "changed": key not in default or
+             default[key] != value} for key, value in ran.items()]
+
+
+class _Artifacts:
+    """The files a run's manifest records, each checked against its recorded sha256 when read."""
+
+    def __init__(self, run_dir: Path, manifest: dict[str, Any]) -> None:
+        self.run_dir = run_dir
+        self.recorded: dict[str, str] = {}
+        for entry in manifest.get("stages", {}).values():
+            for rel, info in (entry.get("artifacts") or {}).items():
+                path = Path(rel) if Path(rel).is_absolute() else run_dir / rel
+                self.recorded[str(path.resolve())] = info.get("sha256")
+        self.notes: list[str] = []
+
+    def usable(self, path: Path) -> bool:
+        """True if `path` exists and, when the manifest records it, still has its recorded sha256."""
+        if not path.is_file():
+            return False
+        expected = self.recorded.get(str(path.resolve()))
+        if expected is not None and sha256_file(path) != expected:
+            self.notes.append(f"{path.name} changed since its stage wrote it (sha256 differs from manifest.json);"
+                              " left out of this report. Rerun the stage to refresh it.")
+            return False
+        return True
+
+
+def _run_section(run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    stages = []
+    for name, entry in manifest.get("stages", {}).items():
+        stages.append({"name": name, "status": entry.get("status"), "cached": bool(entry.get("skipped_on_rerun")),
+                       "wall_s": entry.get("wall_s"), "estimated_peak_bytes": entry.get("estimated_peak_bytes"),
+                       "measured_peak_bytes": entry.get("measured_peak_bytes"),
+                       "peak_method": entry.get("peak_method"), "error": entry.get("error"),
+                       "artifacts": list(entry.get("artifacts") or {})})
+    return {"run_dir": str(run_dir), "model": (manifest.get("config") or {}).get("model", {}).get("name"),
+            "model_source": manifest.get("model_source"), "device": manifest.get("device"),
+            "command": manifest.get("command"), "overrides": manifest.get("overrides") or [],
+            "versions": manifest.get("versions") or {}, "config": config_rows(manifest.get("config") or {}),
+            "stages": stages, "status": manifest.get("status"), "error": manifest.get("error")}
+
+
+def _spread(values: torch.Tensor) -> list[float | None]:
+    """[mean, sd, 5th, 95th percentile] over the first dim: (N, ...) -> per entry, as lists."""
+    v = values.float()
+    q = torch.quantile(v, torch.tensor([0.05, 0.95]), dim=0) if v.shape[0] > 1 else torch.stack([v[0], v[0]])
+    sd = v.std(0) if v.shape[0] > 1 else torch.zeros_like(v[0])
+    return [v.mean(0), sd, q[0], q[1]]
+
+
+def _attribution_section(scores) -> dict[str, Any]:
+    g = scores.graph
+    head = scores.head.float()
+    nodes = [(f"a{layer}.h{h}", float(head[layer, h])) for layer in range(g.n_layers) for h in range(g.n_heads)]
+    nodes += [(f"m{layer}", float(scores.mlp[layer])) for layer in range(g.n_layers)]
+    nodes.sort(key=lambda item: -abs(item[1]))
+    out: dict[str, Any] = {
+        "info": scores.info, "n_examples": scores.n_examples, "metric_clean": _finite(scores.metric_clean),
+        "metric_corrupted": _finite(scores.metric_corrupted), "embed_score": _finite(scores.embed),
+        "n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads,
+        "head_scores": _rounded(head), "mlp_scores": _rounded(scores.mlp.float()),
+        "top_nodes": [{"name": n, "score": _finite(s)} for n, s in nodes[:TOP_LIST]], "top_edges": [],
+        "n_edges": None, "per_example_head": None}
+    if scores.edges is not None:
+        edges = torch.where(g.edge_mask(), scores.edges.float(), torch.zeros_like(scores.edges.float()))
+        order = edges.abs().flatten().argsort(descending=True)[:TOP_LIST].tolist()
+        out["top_edges"] = [{"from": g.upstream[i // edges.shape[1]], "to": g.downstream[i % edges.shape[1]],
+                             "score": _finite(edges.flatten()[i])} for i in order]
+        out["n_edges"] = int(g.edge_mask().sum())
+    per_head = (scores.per_example or {}).get("head")
+    if per_head is not None:
+        out["per_example_head"] = _rounded(per_head[:MAX_PER_EXAMPLE].float())
+        out["per_example_shown"] = min(int(per_head.shape[0]), MAX_PER_EXAMPLE)
+        out["per_example_total"] = int(per_head.shape[0])
+    return out
+
+
+def _layer_of(name: str) -> int | None:
+    found = _LAYER.match(name)
+    return int(found.group(1)) if found else None
+
+
+def _layer_totals(circuit, g) -> dict[str, Any]:
+    """Sum of |score| of every edge between two layers: rows upstream (input, L0..), columns downstream
+    (L0.., logits). What the embedded top edges leave out is still visible here."""
+    scores = circuit["edge_scores"].float().abs() * g.edge_mask()
+    up = torch.tensor([0 if n == "input" else _layer_of(n) + 1 for n in g.upstream])
+    down = torch.tensor([g.n_layers if n == "logits" else _layer_of(n) for n in g.downstream])
+    totals = torch.zeros(g.n_layers + 1, g.n_layers + 1)
+    by_up = torch.zeros(g.n_layers + 1, scores.shape[1]).index_add_(0, up, scores)
+    totals = totals.index_add_(1, down, by_up)
+    return {"z": _rounded(totals), "rows": ["input", *[f"L{i}" for i in range(g.n_layers)]],
+            "cols": [*[f"L{i}" for i in range(g.n_layers)], "logits"]}
+
+
+def _circuit_graph(circuit, per_example: dict[str, torch.Tensor], top_edges: int, default_edges: int) -> dict:
+    g = graph_shape(circuit)
+    kept = kept_node_names(circuit)
+    ranked, n_candidates = ranked_edges(circuit, top_edges)
+    edge_scope = circuit.get("scope") == "edges" and circuit.get("edge_mask") is not None
+    per_edge = per_example.get("edges")
+    spreads = None
+    if per_edge is not None and ranked and per_edge.shape[1:] == circuit["edge_scores"].shape:
+        idx_u = torch.tensor([u for u, _, _ in ranked])
+        idx_v = torch.tensor([v for _, v, _ in ranked])
+        spreads = [_rounded(t) for t in _spread(per_edge[:, idx_u, idx_v])]
+    edges = []
+    for rank, (u, v, score) in enumerate(ranked):
+        for child, letter in edge_children(g.downstream[v], g):
+            if edge_scope or child in kept:
+                edges.append([g.upstream[u], child, letter, _finite(score), rank])
+    head_scores, mlp_scores = circuit.get("head_scores"), circuit.get("mlp_scores")
+    node_scores: dict[str, float | None] = {"input": _finite(circuit.get("embed_score"))}
+    for layer in range(g.n_layers):
+        for h in range(g.n_heads):
+            node_scores[f"a{layer}.h{h}"] = _finite(head_scores[layer, h]) if head_scores is not None else None
+        node_scores[f"m{layer}"] = _finite(mlp_scores[layer]) if mlp_scores is not None else None
+    node_spread = {}
+    per_head = per_example.get("head")
+    if per_head is not None and tuple(per_head.shape[1:]) == (g.n_layers, g.n_heads):
+        mean, sd, lo, hi = _spread(per_head)
+        for layer in range(g.n_layers):
+            for h in range(g.n_heads):
+                node_spread[f"a{layer}.h{h}"] = [_finite(t[layer, h]) for t in (mean, sd, lo, hi)]
+    return {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads, "scope": circuit.get("scope"),
+            "kept": sorted(kept), "node_scores": node_scores, "node_spread": node_spread, "edges": edges,
+            "edge_spread": spreads, "n_ranked": len(ranked), "n_candidates": n_candidates,
+            "n_edges_total": int(g.edge_mask().sum()) if circuit.get("edge_scores") is not None else 0,
+            "default_edges": min(default_edges, len(ranked)), "top_edges": top_edges,
+            "layer_totals": _layer_totals(circuit, g) if circuit.get("edge_scores") is not None else None}
+
+
+def _circuit_section(circuit, per_example: dict[str, torch.Tensor], top_edges: int, default_edges: int) -> dict:
+    heads = circuit["head_mask"].bool()
+    out: dict[str, Any] = {
+        "model_name": circuit.get("model_name"), "scope": circuit.get("scope"), "selection": circuit.get("selection"),
+        "ablation": circuit.get("ablation"), "rank_by": circuit.get("rank_by"),
+        "target_sparsity": _finite(circuit.get("target_sparsity")),
+        "achieved_sparsity": _finite(circuit.get("achieved_sparsity")),
+        "heads_kept": int(heads.sum()), "heads_total": heads.numel(),
+        "kept_heads": [f"a{layer}.h{h}" for layer, h in heads.nonzero().tolist()],
+        "metrics": {k: _finite(v) for k, v in (circuit.get("metrics") or {}).items()},
+        "cpr": _finite(circuit.get("cpr")), "cmd": _finite(circuit.get("cmd")),
+        "curve": [{k: (_finite(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                   for k, v in row.items()} for row in (circuit.get("curve") or [])],
+        "curve_definition": circuit.get("curve_definition"), "n_eval_examples": circuit.get("n_eval_examples"),
+        "stability": circuit.get("stability"), "kept_frequency": None,
+        "corruption": circuit.get("corruption"), "heldout_templates": circuit.get("heldout_templates"),
+        "graph": _circuit_graph(circuit, per_example, top_edges, default_edges)}
+    stable, per_head = circuit.get("stability"), per_example.get("head")
+    if stable and per_head is not None and circuit.get("scope") != "edges" and tuple(per_head.shape[1:]) == tuple(
+            heads.shape):
+        from circuitkit.stability import kept_frequency
+
+        freq = kept_frequency(per_head, int(heads.sum()), circuit.get("rank_by") or "abs",
+                              int(stable.get("n_resamples") or 100))
+        out["kept_frequency"] = _rounded(freq)
+    return out
+
+
+def _index_section(index_dir: Path) -> dict[str, Any]:
+    from gradian.header import describe_index
+    from gradian.index import IndexReader
+
+    summary = IndexReader(index_dir).summary()
+    return {"index_dir": str(index_dir), "rows": [[k, v] for k, v in describe_index(summary)]}
+
+
+def collect_run(run_dir: Path, top_edges: int | None = None) -> dict[str, Any]:
+    """Everything the report shows of the run in `run_dir` (see the module docstring).
+
+    `top_edges`: strongest circuit edges embedded (default: the run's `report.top_edges`).
+    Raises UserError (exit 2) when `run_dir` holds no manifest.json.
+    """
+    from circuitkit.attribution import load_scores
+    from circuitkit.errors import UserError
+
+    run_dir = Path(run_dir)
+    manifest = load_manifest(run_dir)
+    if not manifest:
+        raise UserError(f"{run_dir} holds no manifest.json: give the run directory of a pipeline run (or a"
+                        " multirun's sweep directory).", exit_code=2)
+    config = manifest.get("config") or {}
+    files = _Artifacts(run_dir, manifest)
+    view: dict[str, Any] = {"kind": "run", "run": _run_section(run_dir, manifest)}
+    limit = top_edges or int((config.get("report") or {}).get("top_edges", 2000))
+    default_edges = int((config.get("pruning") or {}).get("graph_top_edges", 40))
+
+    per_example: dict[str, torch.Tensor] = {}
+    scores_path = run_dir / "scores.safetensors"
+    if files.usable(scores_path):
+        scores = load_scores(scores_path)
+        per_example = scores.per_example or {}
+        view["attribution"] = _attribution_section(scores)
+    circuit_path = run_circuit_path(config.get("output_path"), run_dir)
+    if files.usable(circuit_path):
+        view["circuit"] = _circuit_section(load_circuit(circuit_path), per_example, limit, default_edges)
+    grads = (manifest.get("stages", {}).get("grads") or {}).get("summary") or {}
+    index_dir = run_dir / "index"
+    if grads.get("index_dir") and Path(grads["index_dir"]).resolve() != index_dir.resolve():
+        index_dir = Path(grads["index_dir"])
+    if (index_dir / "manifest.json").is_file():
+        view["gradian"] = {"index": _index_section(index_dir)}
+    view["notes"] = files.notes
+    return view

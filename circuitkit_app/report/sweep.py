@@ -1,0 +1,48 @@
+"""A multirun's report: one row per job (`circuitkit.sweep.summarize_sweep`), the swept keys
+against wall time, peak memory and the headline result, and a link to each job's own report."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from circuitkit.sweep import HEADLINE_KEYS, summarize_sweep
+
+REPORT = "report.html"
+
+
+def _values(overrides: str) -> dict[str, str]:
+    out = {}
+    for item in shlex.split(overrides or ""):
+        if "=" in item:
+            key, value = item.split("=", 1)
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def collect_sweep(sweep_dir: Path) -> dict[str, Any]:
+    """{"sweep": {jobs, swept, failed, result_label}} for the page; UserError (exit 2) if `sweep_dir`
+    has no job directories."""
+    from circuitkit.errors import UserError
+
+    rows = summarize_sweep(Path(sweep_dir))
+    if not rows:
+        raise UserError(f"{sweep_dir} holds no multirun jobs (no N/.hydra/overrides.yaml): give a run directory or"
+                        " a multirun's sweep directory.", exit_code=2)
+    values = [_values(r.get("overrides", "")) for r in rows]
+    keys = [k for k in dict.fromkeys(k for v in values for k in v)]
+    swept = [k for k in keys if len({v.get(k) for v in values}) > 1]
+    result_key = next((k for k in HEADLINE_KEYS if any(r.get(k) is not None for r in rows)), None)
+    jobs = []
+    for row, vals in zip(rows, values, strict=True):
+        report = Path(sweep_dir) / str(row["job"]) / REPORT
+        result = row.get(result_key) if result_key else None
+        jobs.append({"job": row["job"], "overrides": row.get("overrides", ""), "status": row.get("status"),
+                     "wall_s": row.get("wall_s"), "peak_mib": row.get("peak_mib"),
+                     "result": result if isinstance(result, (int, float)) and not isinstance(result, bool) else None,
+                     "error": row.get("error"), "values": vals,
+                     "report": f"{row['job']}/{REPORT}" if report.is_file() else None})
+    return {"kind": "sweep", "sweep": {"jobs": jobs, "swept": swept, "result_label": result_key or "(no result)",
+                                       "failed": sum(j["status"] == "failed" for j in jobs),
+                                       "sweep_dir": str(sweep_dir)}}
