@@ -44,9 +44,11 @@ test: setup
 
 # The slow suite includes a real local Ray cluster (tests/test_ray.py): Ray and the Hydra Ray
 # launcher are installed here, then cloudpickle is put back to >= 3 (the launcher pins < 3 but
-# never imports it locally; joblib needs >= 3). About 100 MB.
+# never imports it locally; joblib needs >= 3). About 100 MB. The report's browser tests drive
+# Debian's Chromium (scripts/ensure_chromium.sh installs it) through playwright (the browser extra).
 test-slow: setup
-	$(BIN)/python -m pip install --quiet -e '.[ray]'
+	$(BIN)/python -m pip install --quiet -e '.[ray,browser]'
+	bash scripts/ensure_chromium.sh
 	$(BIN)/python -m pip install --quiet 'cloudpickle>=3'
 	$(BIN)/python -m pytest -q -m slow
 

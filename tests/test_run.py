@@ -65,6 +65,10 @@ def test_multirun_sweep_writes_summary(tmp_path):
     # scores are means over examples: the batch size does not change them
     a, b = (float(r["attribution.top_head_score"]) for r in rows)
     assert a == pytest.approx(b, rel=1e-4)
+    # one page comparing the jobs (the swept key against time, memory and the result), each job's own page linked
+    page = (sweep / "report.html").read_text()
+    assert '"swept": ["discovery.batch_size"]' in page and 'href="0/report.html"' in page
+    assert (sweep / "0" / "report.html").is_file() and (sweep / "1" / "report.html").is_file()
 
 
 def test_discover_circuit_from_a_plain_dict(tmp_path):
