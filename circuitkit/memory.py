@@ -2,9 +2,9 @@
 
 No weights are loaded: the shape comes from `model.shape` in the config (known models in
 `conf/model/*.yaml`) or from the model's `config.json`. Each stage owns its estimate
-(`circuitkit.attribution.memory` for attribution, `gradian.memory` for gradient indexing);
-this module holds what they share: `MemoryEstimate`, the shape, the parameter count and the
-activations autograd saves per layer. Notation used in the formulas:
+(`circuitkit.attribution.memory` for attribution, `circuitkit.pruning_memory` for pruning,
+`gradian.memory` for gradient indexing); this module holds what they share: `MemoryEstimate`,
+the shape, the parameter count and the activations autograd saves per layer. Notation used in the formulas:
 
     B batch size, T tokens, N = B·T, L layers, H query heads, KV key/value heads, dh head width,
     d = d_model, f = d_mlp, V vocabulary, P parameters, p bytes per element of the model dtype,
