@@ -157,7 +157,11 @@ class PruningConfig:
                         " bootstrap = the n most often in a bootstrap resample's top n (per-example scores,"
                         " no model pass; circuitkit.selection); edge_pruning = edges ranked by a mask optimized on"
                         " the attribution pairs, warm-started from the scores (scope=edges only;"
-                        " circuitkit.pruning_optimize)", choices=("top_k", "bootstrap", "edge_pruning"))
+                        " circuitkit.pruning_optimize); ip = the connected edge set of n edges with the largest"
+                        " total score by rank_by, by integer programming (scope=edges; at head scope every set is"
+                        " connected and ip is top_k; circuitkit.selection_ip); positive = the best n by signed"
+                        " score among the positive ones only (fewer when fewer are positive)",
+                        choices=("top_k", "bootstrap", "edge_pruning", "ip", "positive"))
     bootstrap_resamples: int = _f(100, "resamples of the attribution examples for selection=bootstrap and the"
                                   " stability report (Jaccard of the kept set); 0 = no stability report", ge=0)
     mask_steps: int = _f(20, "selection=edge_pruning: optimizer steps on the edge mask (one forward and backward"
@@ -165,6 +169,11 @@ class PruningConfig:
     mask_lr: float = _f(0.1, "selection=edge_pruning: Adam learning rate on the mask logits", gt=0.0)
     mask_penalty: float = _f(1.0, "selection=edge_pruning: weight of the mask's mean density in the loss (the"
                              " faithfulness term is normalized by the clean-corrupted gap)", ge=0.0)
+    ip_connectivity: str = _f("path", "selection=ip: every kept edge lies on a kept path from the embedding to the"
+                              " logits (path), or only leaves the embedding or a node with a kept input edge (input)",
+                              choices=("path", "input"))
+    ip_time_limit_s: float = _f(60.0, "selection=ip: HiGHS time limit per circuit size (the curve solves up to 9"
+                                " sizes); a stopped solve uses its best circuit, none found is an error", gt=0.0)
 
 
 @dataclass

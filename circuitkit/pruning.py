@@ -2,8 +2,9 @@
 
 `pruning.scope: heads` removes heads, `edges` removes edges (`circuitkit.pruning_edges` runs
 the edge circuits); both select with `keep_top` (`select_heads`, `select_edges`), or with
-`pruning.selection: bootstrap` (`circuitkit.selection`) or, for edges, `edge_pruning`
-(`circuitkit.pruning_optimize`), and both evaluators take the kept
+`pruning.selection: bootstrap` (`circuitkit.selection`), `positive` (`circuitkit.selection_ip`) or,
+for edges, `edge_pruning` (`circuitkit.pruning_optimize`) or `ip` (integer programming,
+`circuitkit.selection_ip`), and both evaluators take the kept
 mask. Heads are removed lowest score first (`rank_by: abs` on |score|, `signed` on the score)
 and ablated through a hook on z, the input of the attention output projection:
 
@@ -34,6 +35,7 @@ from circuitkit.models.placement import input_device
 from circuitkit.pruning_edges import EdgeEvaluator, fit_positions, mean_writes
 from circuitkit.pruning_optimize import learn_edge_mask
 from circuitkit.selection import BootstrapSelector, keep_top  # noqa: F401  (keep_top: re-exported)
+from circuitkit.selection_ip import IPSelector, positive_select
 from circuitkit.stability import stability
 from circuitkit.tasks.base import TaskData
 
@@ -231,7 +233,8 @@ def curve_definition(scope: str, ablation: str, rank_by: str, selection: str, me
     """One line saying what the faithfulness curve is, and whether it is MIB's."""
     unit = "heads (node level)" if scope == "heads" else "edges"
     mib = scope == "edges" and ablation == "corrupted" and rank_by == "abs" and selection == "top_k"
-    return (f"share of {unit} kept over MIB's grid 0.1%..100%, {ablation} ablation, {selection} by {rank_by} score,"
+    rule = "positive scores only, by signed score" if selection == "positive" else f"{selection} by {rank_by} score"
+    return (f"share of {unit} kept over MIB's grid 0.1%..100%, {ablation} ablation, {rule},"
             f" {metric}; CPR/CMD trapezoids on a linear axis" + ("; MIB's circuit-track setting" if mib
                                                                  else "; not MIB's setting (MIB: edges, corrupted"
                                                                       " ablation, top_k by abs)"))
@@ -272,6 +275,10 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
         log.warning("pruning.selection=edge_pruning optimizes a mask over edges and needs pruning.scope=edges;"
                     " selecting top_k heads instead.")
         selection_rule = "top_k"
+    if selection_rule == "ip" and p.scope != "edges":
+        log.warning("pruning.selection=ip: at head scope every head set is connected, so the integer program's"
+                    " optimum is the top n by rank_by; selecting top_k heads.")
+        selection_rule = "top_k"
     if selection_rule == "edge_pruning" and p.ablation != "corrupted":
         log.warning("pruning.selection=edge_pruning optimizes its mask under corrupted ablation (MIB's); the curve"
                     " is measured under pruning.ablation=%s.", p.ablation)
@@ -292,6 +299,10 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
         theta = learn_edge_mask(adapter, attr_data, scores.edges, valid, metric, p.mask_steps, p.mask_lr,
                                 p.mask_penalty, batch_size)
         selector = functools.partial(keep_top, theta, rank_by="signed", valid=valid)
+    if selection_rule == "ip":
+        selector = IPSelector(scores.edges, valid, g, p.rank_by, p.ip_connectivity, p.ip_time_limit_s)
+    if selection_rule == "positive":
+        selector = functools.partial(positive_select, ranked, valid=valid)
 
     def choose(n_keep: int) -> torch.Tensor:
         if selector is not None:
@@ -299,7 +310,9 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
         return keep_top(ranked, n_keep, p.rank_by, valid)
 
     if selection_rule != "top_k":
-        selection = Selection(choose(int(selection.mask.sum())), selection.n_removed, selection.achieved_sparsity)
+        mask = choose(int(selection.mask.sum()))  # positive, ip by signed score: maybe fewer than asked
+        n_total = mask.numel() if valid is None else int(valid.sum())
+        selection = Selection(mask, n_total - int(mask.sum()), (n_total - int(mask.sum())) / n_total)
     kept = selection.mask
     if p.scope == "heads":
         head_mask = kept
