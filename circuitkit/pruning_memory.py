@@ -231,17 +231,21 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
 
 def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int | None = None,
                      n_eval: int | None = None, n_attr: int | None = None,
-                     free_bytes: int | None = None, n_templates: int | None = None) -> MemoryEstimate:
+                     free_bytes: int | None = None, n_templates: int | None = None,
+                     weights_loaded: bool = False) -> MemoryEstimate:
     """Estimated peak of the pruning stage for `cfg`: discovery.batch_size held-out pairs per
     batch, discovery.data_params.seq_len tokens (the length assumed before tokenizing),
     eval_examples held out, the held-out templates' pairs (`heldout_template_count`), and edge
-    records bounded by RECORD_SHARE of `free_bytes` (default: the device's free memory now)."""
+    records bounded by RECORD_SHARE of the memory free once the weights are loaded: `free_bytes`
+    (default: the device's free memory now) less the weights unless `weights_loaded` (the stage
+    itself, where the free memory already excludes them)."""
     d, p = cfg.discovery, cfg.pruning
     shape = shape_for(cfg.model)
     dtype_bytes = torch.finfo(DTYPES[cfg.model.precision]).bits // 8
     budget = None
     if p.scope == "edges":
-        budget = int(RECORD_SHARE * (free_memory_bytes() if free_bytes is None else free_bytes))
+        free = free_memory_bytes() if free_bytes is None else free_bytes
+        budget = int(RECORD_SHARE * max(free - (0 if weights_loaded else shape["n_params"] * dtype_bytes), 0))
     selection = p.selection if p.scope == "edges" else "top_k"
     if n_templates is None:
         n_templates = heldout_template_count(d.task, d.data_params)

@@ -237,7 +237,8 @@ def _pruning(ctx: RunContext) -> StageResult:
 
     heldout = heldout_template_data(ctx)
     estimate = pruning_estimate(ctx.cfg, batch_size=min(d.batch_size, len(held_out)), seq_len=int(data.clean_ids.shape[1]),
-                                n_eval=len(held_out), n_attr=n_attr, n_templates=len(heldout or ())).total_bytes
+                                n_eval=len(held_out), n_attr=n_attr, n_templates=len(heldout or ()),
+                                weights_loaded=True).total_bytes
     found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size, heldout=heldout)
     other = found.extra.get("heldout_templates")
     corruption = corruption_of(d.task, d.data_params)
