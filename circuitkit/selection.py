@@ -7,6 +7,8 @@
                full-data score). Entries whose rank depends on a few examples drop out in
                favour of ones that are in the top n on nearly every resample. Needs the
                per-example scores (`attribute(per_example=True)`), so it costs no model pass.
+    ip         the connected edge set with the largest total score, by integer programming, and
+    positive   the best n among the positive scores only (the signed rule): `circuitkit.selection_ip`.
 
 `greedy_heads` is the oracle for small budgets: it adds, one at a time, the head whose addition
 raises the metric most, by real forward passes (`Evaluator`); it says how faithful a circuit of
