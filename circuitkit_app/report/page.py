@@ -84,11 +84,19 @@ def tokens_html(view: dict[str, Any] | None) -> Raw:
 # --------------------------------------------------------------------------- sections
 
 
-def _source_text(source: dict[str, Any] | None) -> str:
+def _source_html(source: dict[str, Any] | None, prefix: str = "") -> Raw:
+    """Where the model came from (manifest `model_source`), one line per recorded fact."""
     if not source:
-        return "n/a"
-    keep = {k: v for k, v in source.items() if v not in (None, "", [], {})}
-    return ", ".join(f"{k}: {v}" for k, v in keep.items())
+        return Raw("n/a")
+    lines = []
+    for key, value in source.items():
+        if value in (None, "", [], {}):
+            continue
+        if isinstance(value, dict):
+            lines.append(_source_html(value, f"{prefix}{key}."))
+        else:
+            lines.append(f"<b>{esc(prefix + key)}</b>: {esc(value)}")
+    return Raw("<br>".join(lines))
 
 
 def run_section(run: dict[str, Any]) -> str:
@@ -100,7 +108,7 @@ def run_section(run: dict[str, Any]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in run["versions"].items())
     error = f'<p class="warn">{esc(run["error"])}</p>' if run.get("error") else ""
     return f"""<section id="run"><h2>Run</h2>{error}
-{table(["", ""], [["model", run["model"]], ["model source", _source_text(run["model_source"])],
+{table(["", ""], [["model", run["model"]], ["model source", _source_html(run["model_source"])],
                   ["device", run["device"]], ["run directory", run["run_dir"]], ["command", run["command"]],
                   ["overrides", " ".join(run["overrides"]) or "(none)"], ["versions", versions]])}
 <h3>Stages</h3>
