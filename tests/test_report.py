@@ -201,3 +201,18 @@ def test_sweep_page_compares_the_jobs(demo_run, tmp_path) -> None:
     assert [j["status"] for j in data["sweep"]["jobs"]] == ["ok", "ok"]
     assert data["sweep"]["result_label"] == "pruning.faithfulness"
     assert 'href="0/report.html"' in out.read_text()
+
+
+def test_edge_scope_circuit_page(tmp_path, induction_model_dir) -> None:
+    """An edge-scope circuit: its kept edges are the graph's candidates, each with how often it is kept."""
+    from circuitkit_app.stage_list import run_pipeline
+
+    _, cfg = compose(["pruning.scope=edges", "pruning.target_sparsity=0.95", "stages=[data,attribution,pruning]"],
+                     config_name="demo")
+    run_pipeline(cfg, tmp_path / "edges")
+    graph = json.loads(parse(tmp_path / "edges" / "report.html").scripts["report-data"])["circuit"]["graph"]
+    circuit = torch.load(tmp_path / "edges" / "circuit.pt", weights_only=True)
+    assert graph["scope"] == "edges" and graph["n_candidates"] <= int(circuit["edge_mask"].sum())
+    freq = graph["edge_kept_frequency"]
+    assert len(freq) == graph["n_ranked"] > 0 and all(0.0 <= f <= 1.0 for f in freq)
+    assert freq[0] > 0.5  # the strongest kept edge is kept in most resamples

@@ -169,6 +169,14 @@ def _circuit_graph(circuit, per_example: dict[str, torch.Tensor], top_edges: int
         for child, letter in edge_children(g.downstream[v], g):
             if edge_scope or child in kept:
                 edges.append([g.upstream[u], child, letter, _finite(score), rank])
+    edge_kept_frequency = None
+    stable = circuit.get("stability")
+    if edge_scope and stable and spreads is not None:  # how often each drawn edge is kept over the resamples
+        from circuitkit.stability import kept_frequency
+
+        freq = kept_frequency(per_edge, int(circuit["edge_mask"].sum()), circuit.get("rank_by") or "abs",
+                              int(stable.get("n_resamples") or 100), valid=g.edge_mask())
+        edge_kept_frequency = [_finite(freq[u, v]) for u, v, _ in ranked]
     head_scores, mlp_scores = circuit.get("head_scores"), circuit.get("mlp_scores")
     node_scores: dict[str, float | None] = {"input": _finite(circuit.get("embed_score"))}
     for layer in range(g.n_layers):
@@ -184,7 +192,7 @@ def _circuit_graph(circuit, per_example: dict[str, torch.Tensor], top_edges: int
                 node_spread[f"a{layer}.h{h}"] = [_finite(t[layer, h]) for t in (mean, sd, lo, hi)]
     return {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads, "scope": circuit.get("scope"),
             "kept": sorted(kept), "node_scores": node_scores, "node_spread": node_spread, "edges": edges,
-            "edge_spread": spreads, "n_ranked": len(ranked), "n_candidates": n_candidates,
+            "edge_spread": spreads, "edge_kept_frequency": edge_kept_frequency, "n_ranked": len(ranked), "n_candidates": n_candidates,
             "n_edges_total": int(g.edge_mask().sum()) if circuit.get("edge_scores") is not None else 0,
             "default_edges": min(default_edges, len(ranked)), "top_edges": top_edges,
             "layer_totals": _layer_totals(circuit, g) if circuit.get("edge_scores") is not None else None}

@@ -141,7 +141,8 @@
       const spread = g.edge_spread ? [g.edge_spread[0][rank], g.edge_spread[1][rank], g.edge_spread[2][rank],
         g.edge_spread[3][rank]] : null;
       mids.text.push(from + " → " + to + (letter ? " (" + LETTER[letter] + ")" : "") + "<br>score " + fmt(score) +
-        " (rank " + (rank + 1) + " of " + g.n_candidates + ")" + spreadText(spread));
+        " (rank " + (rank + 1) + " of " + g.n_candidates + ")" + spreadText(spread) +
+        (g.edge_kept_frequency ? "<br>kept in " + Math.round(100 * g.edge_kept_frequency[rank]) + "% of resamples" : ""));
     }
     const traces = [];
     for (const grp of groups.values()) traces.push({
