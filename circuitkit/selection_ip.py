@@ -99,6 +99,33 @@ def edge_graph(graph: Graph, valid: torch.Tensor) -> EdgeGraph:
     return EdgeGraph(len(graph.upstream), src.numpy(), dst.numpy(), tuple(readers))
 
 
+def on_path(eg: EdgeGraph, kept: np.ndarray) -> np.ndarray:
+    """(E,) bool: the kept edges that lie on a kept path from the embedding to the logits.
+
+    The others are inert under counterfactual ablation (see the module docstring): a top-k
+    circuit's edges minus these are what it spends on nothing.
+    """
+    kept = np.asarray(kept, dtype=bool)
+    n_cols = len(eg.readers)
+    into: list[list[int]] = [[] for _ in range(eg.n_nodes)]
+    for c, who in enumerate(eg.readers):
+        for node in who:
+            into[node].append(c)
+    edge_col = [np.flatnonzero(kept & (eg.dst == c)) for c in range(n_cols)]
+    reached = np.zeros(eg.n_nodes, dtype=bool)
+    reached[0] = True
+    for u in range(1, eg.n_nodes):  # sources come before readers: one pass in node order
+        reached[u] = any(reached[eg.src[edge_col[c]]].any() for c in into[u])
+    live = np.array([not who for who in eg.readers])  # a column some forward path continues from
+    alive = np.zeros(eg.n_nodes, dtype=bool)
+    for u in range(eg.n_nodes - 1, -1, -1):  # readers come after sources: one pass backwards
+        out = np.flatnonzero(kept & (eg.src == u))
+        alive[u] = bool(live[eg.dst[out]].any())
+        for c in into[u]:
+            live[c] = live[c] or alive[u]
+    return kept & reached[eg.src] & live[eg.dst]
+
+
 def ip_constraints(eg: EdgeGraph, connectivity: str = "path"):
     """The IP's connectivity rows as a sparse (rows, E + n_nodes - 1) matrix A with A @ [x; y] <= 0."""
     from scipy.sparse import coo_matrix

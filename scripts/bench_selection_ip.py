@@ -70,6 +70,29 @@ def render(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def paths_report(model: str, scores_path: str, time_limit_s: float) -> None:
+    """Markdown rows: n, top-k edges on a kept path, |IP ∩ top-k| / n, Σ|s| of top-k's inert edges."""
+    from circuitkit.attribution.eap import graph_of
+    from circuitkit.pruning import CURVE_PERCENTS, curve_count
+    from circuitkit.selection_ip import edge_graph, on_path
+
+    graph = graph_of(load_model(ModelConfig(name=model, precision="float32"), torch.device("cpu")).adapter)
+    valid = graph.edge_mask()
+    scores = torch.load(scores_path, weights_only=True)["edges"]
+    eg = edge_graph(graph, valid)
+    ip = IPSelector(scores, valid, graph, "abs", "path", time_limit_s)
+    print("| n kept | top-k edges on a kept path | inert share of top-k's Σ\\|s\\| | IP ∩ top-k |")
+    print("|---:|---:|---:|---:|")
+    w = scores[valid].abs().numpy()
+    for pct in CURVE_PERCENTS[:-1]:
+        n = curve_count(pct, int(valid.sum()))
+        top = keep_top(scores, n, "abs", valid)[valid].numpy()
+        live = on_path(eg, top)
+        same = int((ip(n)[valid].numpy() & top).sum())
+        print(f"| {n} | {int(live.sum())} ({100 * live.sum() / n:.1f} %) |"
+              f" {100 * w[top & ~live].sum() / w[top].sum():.1f} % | {same} ({100 * same / n:.1f} %) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="fetched:smollm2")
@@ -87,9 +110,14 @@ def main() -> None:
     ap.add_argument("--save-scores", default=None)
     ap.add_argument("--load-scores", default=None)
     ap.add_argument("--render", nargs="+", default=None)
+    ap.add_argument("--paths", default=None, help="saved scores (--save-scores): per grid size, the top-k edges on"
+                    " no kept path and the IP's overlap with top-k; no model pass")
     a = ap.parse_args()
     if a.render:
         print(render(a.render))
+        return
+    if a.paths:
+        paths_report(a.model, a.paths, a.ip_time_limit)
         return
     loaded = load_model(ModelConfig(name=a.model, precision="float32"), torch.device("cpu"))
     adapter = loaded.adapter

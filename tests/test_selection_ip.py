@@ -17,6 +17,7 @@ from circuitkit.selection_ip import (
     EdgeGraph,
     IPSelector,
     edge_graph,
+    on_path,
     positive_select,
     solve_edge_ip,
 )
@@ -167,6 +168,21 @@ def test_ip_selector_masks_cover_valid_edges_only_and_match_the_solver():
     assert float(scores.abs()[sel(12)].sum()) == pytest.approx(sel.solves[12]["objective"], rel=1e-6)
     signed = IPSelector(scores, valid, g, rank_by="signed")(12)  # at most 12, positive edges only pay
     assert int(signed.sum()) <= 12 and float(scores[signed].sum()) >= float(scores[sel(12)].sum())
+
+
+def test_on_path_marks_the_edges_on_a_kept_path_from_embedding_to_logits():
+    rng = np.random.default_rng(5)
+    graphs = [random_graph(seed, 6) for seed in range(4)] + [model_graph(2, 2, 1, False)[1]]
+    for eg in graphs:
+        for _ in range(30):
+            kept = rng.random(len(eg.src)) < rng.uniform(0.1, 0.7)
+            chosen = np.flatnonzero(kept).tolist()
+            fwd, back = reached(eg, chosen), coreached(eg, chosen)
+            expect = [bool(kept[e]) and eg.src[e] in fwd
+                      and (not eg.readers[eg.dst[e]] or bool(set(eg.readers[eg.dst[e]]) & back))
+                      for e in range(len(eg.src))]
+            assert on_path(eg, kept).tolist() == expect
+            assert bool(on_path(eg, kept).sum() == kept.sum()) == connected(eg, chosen, "path")
 
 
 def test_positive_rule_keeps_only_positive_scores_best_first():
