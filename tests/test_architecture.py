@@ -94,6 +94,8 @@ LAYERS: dict[str, str] = {
     "circuitkit.pruning": CIRCUIT,
     "circuitkit.pruning_edges": CIRCUIT,
     "circuitkit.selection": CIRCUIT,  # keep_top, bootstrapped selection, the greedy oracle
+    "circuitkit.selection_ip": CIRCUIT,  # pruning.selection=ip: a connected edge set by integer programming
+    "circuitkit.pruning_memory": CIRCUIT,  # the pruning stage's memory estimate (the curve, edge records, edge_pruning)
     "circuitkit.pruning_optimize": CIRCUIT,  # selection=edge_pruning: a mask warm-started from the scores
     "circuitkit.stability": CIRCUIT,  # Jaccard of the kept set over resamples of the examples
     "circuitkit.mib": CIRCUIT,  # MIB's metrics, export and folder check
@@ -120,6 +122,7 @@ LAYERS: dict[str, str] = {
     "gradian.stage": GRADIAN,
     "gradian.precondition": GRADIAN,
     "gradian.curvature": GRADIAN,
+    "gradian.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
     "gradian.tokens": GRADIAN,
     # entry points: circuitkit_app/ (above both domains) and gradian's own command
     "circuitkit_app": ENTRY,
