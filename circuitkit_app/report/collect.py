@@ -93,7 +93,11 @@ def _run_section(run_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
                        "measured_peak_bytes": entry.get("measured_peak_bytes"),
                        "peak_method": entry.get("peak_method"), "error": entry.get("error"),
                        "artifacts": list(entry.get("artifacts") or {})})
-    return {"run_dir": str(run_dir), "model": (manifest.get("config") or {}).get("model", {}).get("name"),
+    preflight = (manifest.get("stages", {}).get("preflight") or {}).get("summary") or {}
+    terms = {key[:-len("_terms")]: {t: b for t, b in value.items() if isinstance(b, (int, float))}
+             for key, value in preflight.items() if key.endswith("_terms") and isinstance(value, dict)}
+    return {"memory_terms": terms, "free_bytes": preflight.get("free_bytes"),
+            "run_dir": str(run_dir), "model": (manifest.get("config") or {}).get("model", {}).get("name"),
             "model_source": manifest.get("model_source"), "device": manifest.get("device"),
             "command": manifest.get("command"), "overrides": manifest.get("overrides") or [],
             "versions": manifest.get("versions") or {}, "config": config_rows(manifest.get("config") or {}),

@@ -115,6 +115,7 @@ def run_section(run: dict[str, Any]) -> str:
 {table(["stage", "status", "wall s", "est. peak MiB", "measured peak MiB", "artifacts / error"], stages, {2, 3, 4})}
 <p class="note">Peak memory: the preflight's estimate against the measured peak ({esc(next(
         (s["peak_method"] for s in run["stages"] if s["peak_method"]), "n/a"))}).</p>
+<div id="memory-terms"></div>
 <h3>Config: {len(changed)} keys differ from the schema's defaults (highlighted)</h3>
 {table(["key", "value", "default"], [[r["key"], json.dumps(r["value"]), json.dumps(r["default"])] for r in changed])}
 <details><summary>every key ({len(config_rows)})</summary>
@@ -233,7 +234,9 @@ def render(view: dict[str, Any], title: str) -> str:
             if key == "circuit":
                 nav.append('<a href="#faithfulness">Faithfulness</a>')
     notes = "".join(f'<p class="warn">{esc(n)}</p>' for n in view.get("notes") or [])
-    data = json.dumps({k: view.get(k) for k in ("attribution", "circuit", "sweep")}, allow_nan=False)
+    charts = {k: view.get(k) for k in ("attribution", "circuit", "sweep")}
+    charts["memory"] = {k: (view.get("run") or {}).get(k) for k in ("memory_terms", "free_bytes")}
+    data = json.dumps(charts, allow_nan=False)
     data = data.replace("</", "<\\/")
     try:
         version = metadata.version("circuitkit")

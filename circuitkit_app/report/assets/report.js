@@ -249,6 +249,24 @@
     }
   }
 
+  function drawMemory(data) {
+    const m = data.memory, el = document.getElementById("memory-terms");
+    if (!m || !el || !m.memory_terms) return;
+    const stages = Object.keys(m.memory_terms);
+    if (!stages.length) return;
+    const names = [...new Set(stages.flatMap((s) => Object.keys(m.memory_terms[s])))];
+    const traces = names.map((name) => ({
+      type: "bar", orientation: "h", name, y: stages, x: stages.map((s) => (m.memory_terms[s][name] || 0) / 2 ** 20),
+      hovertemplate: "%{y}: " + name + " %{x:.1f} MiB<extra></extra>",
+    }));
+    Plotly.newPlot(el, traces, {
+      barmode: "stack", title: { text: "the preflight's peak estimate by term, MiB (made before the data exists, at the configured lengths)" +
+        (m.free_bytes ? "; free device memory " + (m.free_bytes / 2 ** 30).toFixed(1) + " GiB" : "") },
+      height: 120 + 40 * stages.length, margin: { t: 40, l: 90 }, xaxis: { title: { text: "MiB" } },
+      legend: { orientation: "h", y: -0.4 },
+    }, config);
+  }
+
   function drawSweep(data) {
     const s = data.sweep;
     if (!s) return;
@@ -281,6 +299,7 @@
       setupCircuit(data);
       t("circuit");
       drawCurve(data);
+      drawMemory(data);
       drawSweep(data);
       t("curves");
       state.readyMs = performance.now();  // since navigation start
