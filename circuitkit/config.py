@@ -194,8 +194,10 @@ class GradsConfig:
                                      " tokenizer does by itself (chat rows: as the template writes)")
     module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (the index size, and the peak a little: activations kept from the first selected module on, capture buffers)")
     projection: str = _f("kronecker_orthogonal", "random projection kind: kronecker_orthogonal = Kronecker factors with"
-                         " orthonormal rows, kronecker = Rademacher (±1) factors, dense = one Gaussian matrix",
-                         choices=("kronecker", "kronecker_orthogonal", "dense"))
+                         " orthonormal rows, kronecker = Rademacher (±1) factors, dense = one Gaussian matrix,"
+                         " whitened = kronecker_orthogonal after each module's damped full K-FAC whitening (a"
+                         " factor pass over the data before any row; the matrices are stored with the index)",
+                         choices=("kronecker", "kronecker_orthogonal", "dense", "whitened"))
     projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (the index size, and the peak a little: capture buffers, projection matrices)", ge=1)
     projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)
     preconditioner: str = _f("kfac", "curvature stored with the index: each module's second moment of the rows"

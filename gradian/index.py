@@ -37,7 +37,7 @@ from circuitkit.device import DTYPES
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 from gradian.header import check_header
-from gradian.projection import Projector, projection_fingerprint
+from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 # 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
@@ -568,6 +568,8 @@ class IndexReader:
         if has_kfac(self.manifest.get("preconditioner")) and not problems:
             problems += verify_curvature(self)
         listed = set(self.manifest["shards"]) | {MANIFEST} | ({CURVATURE_FILE} if "curvature" in self.manifest else set())
+        if self.whitening is not None:  # the whitened projection's matrices (checked below)
+            listed.add(WHITENING_FILE)
         unlisted = sorted(p.name for p in self.index_dir.iterdir() if not p.name.startswith(".") and p.name not in listed)
         if unlisted:
             problems.append(f"files the manifest does not list: {', '.join(unlisted[:5])}"
@@ -593,7 +595,7 @@ class IndexReader:
                     " the rows were made with cannot be checked"]
         try:
             shapes = {n: tuple(e["shape"]) for n, e in proj["modules"].items()}
-            projector = Projector.from_description(shapes, proj)
+            projector = Projector.from_description(shapes, proj, self.index_dir)
         except (KeyError, TypeError, ValueError) as err:
             return [f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
         problems = []
@@ -640,4 +642,12 @@ class IndexReader:
                 "manifest_complete": self.manifest["complete"],
                 "n_shard_files": len(shards), "shard_files": sorted(shards), "rows_stored": stored,
                 "bytes": sum(e["bytes"] for e in shards.values()) + (self.index_dir / MANIFEST).stat().st_size
-                + ((self.manifest.get("curvature") or {}).get("bytes") or 0)}
+                + ((self.manifest.get("curvature") or {}).get("bytes") or 0)
+                + (self.whitening or {}).get("bytes", 0)}
+
+    @property
+    def whitening(self) -> dict[str, Any] | None:
+        """The whitened projection's record (file, sha256, bytes, damping), or None for other kinds."""
+        proj = self.manifest.get("projection")
+        record = proj.get("whitening") if isinstance(proj, dict) else None
+        return record if isinstance(record, dict) else None

@@ -62,6 +62,7 @@ from gradian.precondition import check_block_width
 from gradian.projection import Projector, projection_fingerprint
 from gradian.restrict import restricted_sites, site_shapes
 from gradian.sources import DataError, Source, SourceSpec, resolve_format
+from gradian.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
 
 log = logging.getLogger(__name__)
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample_train.jsonl"
@@ -214,6 +215,38 @@ def finalize_curvature(index_dir: Path) -> Path | None:
     return path
 
 
+def _whitened(projector: Projector, grads: GradsConfig, index_dir: Path, loaded, modules, corpus: TokenizedCorpus,
+              activations: str, fisher: str, pad_id: int, overhead: int, facts: dict[str, Any]) -> Projector:
+    """The whitened projector (`gradian.whitening`): its matrices read from the index directory when
+    a worker or an earlier run wrote them with the same settings, else computed by one factor pass
+    over every row (in row order, the rows' batch plan) and written there."""
+    manifest_path = Path(index_dir) / MANIFEST
+    recorded = (read_manifest(Path(index_dir)).get("projection") or {}).get("whitening") if manifest_path.is_file() else None
+    settings = {**facts, "loss": grads.loss, "loss_reduction": grads.loss_reduction, "fisher": fisher,
+                "activations": activation_numerics(activations), "projection": projector.describe()}
+
+    def batches():
+        for start in range(0, corpus.n_rows, grads.rows_per_shard):
+            rows = corpus.rows(start, min(start + grads.rows_per_shard, corpus.n_rows))
+            lengths = [len(r.input_ids) for r in rows]
+            for plan in plan_batches(lengths, grads.batch_size, grads.batch_tokens, grads.group_by_length, overhead):
+                batch = {key: t.to(loaded.device) for key, t in collate([rows[i] for i in plan], pad_id).items()}
+                yield batch, [start + i for i in plan]
+
+    def run_batch(probe, batch, row_ids, sums) -> None:
+        per_example_gradients(loaded.model, loaded.adapter, modules, probe, batch, grads.loss_reduction, grads.loss,
+                              activations, sums, fisher=fisher, row_ids=row_ids, fisher_seed=grads.projection_seed)
+
+    def compute():
+        log.info("whitened projection: factor pass over the %d rows", corpus.n_rows)
+        return factor_pass(projector.shapes, batches(), run_batch), corpus.n_rows
+
+    try:
+        return whitened_projector(projector, index_dir, settings, compute, recorded)
+    except ValueError as err:
+        raise ResumeMismatchError(str(err)) from None
+
+
 def recorded_fisher(grads: GradsConfig) -> str:
     """What the header records of grads.fisher: as asked with K-FAC factors, else "empirical"
     (no curvature depends on it)."""
@@ -243,6 +276,15 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
                                  ("seed", "projection_seed", grads.projection_seed)):
             if key in recorded and recorded[key] != value and not (key == "seed" and kind == "raw"):
                 diffs.append(f"{name}: index has {recorded[key]!r}, asked {value!r}")
+        whitening = recorded.get("whitening")
+        if kind == "whitened" and isinstance(whitening, dict):
+            if whitening.get("damping") != WHITEN_DAMPING:
+                diffs.append(f"whitening damping: index has {whitening.get('damping')!r}, this Gradian uses"
+                             f" {WHITEN_DAMPING!r}")
+            path = Path(index_dir) / str(whitening.get("file"))
+            if not path.is_file() or sha256_file(path) != whitening.get("sha256"):
+                diffs.append(f"whitened projection: {path.name} is missing or not the file the manifest records"
+                             f" (sha256 {str(whitening.get('sha256'))[:12]}…)")
     if diffs:
         raise ResumeMismatchError(f"{index_dir} holds an index made differently: {'; '.join(diffs)}. Use another"
                                   " grads.index_dir, or delete this one to rebuild it.")
@@ -344,13 +386,20 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     n_params = sum(p.numel() for p in model.parameters())
     covered = sum(d_out * d_in for d_out, d_in in shapes.values())  # weight elements whose gradient is projected
     fisher = recorded_fisher(grads)
+    weights_sha256, tokenizer_sha256, data_sha256 = weights_hash(model), tokenizer_hash(tokenizer), source.fingerprint()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    overhead = batch_overhead_tokens(loaded.device)
+    if projector.kind == "whitened":  # the factor pass, before any row (gradian.whitening)
+        projector = _whitened(projector, grads, index_dir, loaded, modules, corpus, activations, fisher, pad_id,
+                              overhead, {"weights_sha256": weights_sha256, "tokenizer_sha256": tokenizer_sha256,
+                                         "data_sha256": data_sha256, "report": report.summary()})
     header = header_json(IndexHeader(
         model=model_cfg.name, revision=model_cfg.revision, precision=model_cfg.precision,
-        weights_sha256=weights_hash(model), tokenizer_sha256=tokenizer_hash(tokenizer),
+        weights_sha256=weights_sha256, tokenizer_sha256=tokenizer_sha256,
         projection=projector.describe(), storage_dtype=grads.storage_dtype,
         loss_reduction=grads.loss_reduction, loss=grads.loss, preconditioner=grads.preconditioner,
         data_file=data_file, data_source={**source.spec.describe(), "path": data_file},
-        data_sha256=source.fingerprint(),
+        data_sha256=data_sha256,
         max_seq_length=report.max_seq_length, truncation_side=grads.truncation_side,
         on_truncation=grads.on_truncation, data_report=report.summary(),
         token_policy=report.policy.resolve(tokenizer), row_width=projector.total_width,
@@ -364,7 +413,6 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     lengths = corpus.lengths
     longest = int(lengths.max())
     budget = grads.batch_tokens
-    overhead = batch_overhead_tokens(loaded.device)
     # The largest batch the plan can form: the token budget bounds rows x longest row.
     worst_rows = min(rows_within_budget(grads.batch_size, budget, longest), corpus.n_rows)
     estimate = estimate_grads(
@@ -376,7 +424,6 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                        list(curvature_sides(projector).values()))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     n_pending_rows = sum(end - start for start, end in map(writer.row_range, pending))
     stats = _Throughput()
     with Progress(TextColumn("indexing"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),

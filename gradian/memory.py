@@ -24,7 +24,7 @@ from circuitkit.models.linear_modules import block_role, circuit_module_shapes, 
 from circuitkit.pipeline import StageMemory
 from gradian.capture import activation_mode, logit_chunk_rows
 from gradian.curvature import has_kfac, has_module
-from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, Projector
+from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, Projector
 
 # Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
 # dispatch tracker of `measure_peak`, float32, sdpa, frozen parameters, on the tiny GPT-2 / Llama
@@ -154,6 +154,9 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                         copies of its projected inputs and output gradients and
                                         their outer-product sums: N·(k_i + k_o)·8 + (k_i² + k_o²)·8
                                         (raw rows: d_in, d_out), made in the backward hooks
+        whitening factor pass           with kind "whitened" (`whitening_pass_bytes`): the factor pass's
+                                        raw inputs Σ N·(d_in − k_i)·4 and the largest module's float64
+                                        scratch N·(d_in + d_out)·8 + (d_in² + d_out²)·8
         sampled-label pass              with kfac and `fisher` "sampled" (grads.fisher): the second
                                         backward's float32 logits kept beside its cross-entropy
                                         buffers, N_s·V·4 (measured: +12.3 MiB at N_s = 64, V = 50257,
@@ -179,7 +182,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     max_g = 0
     for name, (d_out, d_in) in module_shapes.items():
         width += projector.width(name)
-        if kind.startswith("kronecker"):  # kronecker, kronecker_orthogonal: same factors and buffers
+        if kind in KRONECKER_KINDS:  # kronecker, kronecker_orthogonal, whitened: same factors and buffers
             k_o, k_i = projector.factors[name]
             capture += N * k_i * FP32
             matrices += (k_o * d_out + k_i * d_in) * FP32
@@ -207,6 +210,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                             for k_o, k_i in curvature_sides(projector).values())
     if has_kfac(preconditioner) and fisher == "sampled":
         terms["sampled-label pass"] = Ns * V * FP32 + B * width * FP32
+    if kind == "whitened":
+        terms["whitening factor pass"] = whitening_pass_bytes(projector, N)
     est = MemoryEstimate(terms, phase=f"{loss} loss backward" if terms["block temporaries"] == 0
                          else "backward of a recomputed activation" if recomputed else "forward of the last block")
     n_shards = max(1, -(-n_rows // rows_per_shard)) if rows_per_shard else 1
@@ -214,7 +219,23 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                        + preconditioner_index_bytes(projector, preconditioner, n_shards))
     if has_kfac(preconditioner) and fisher == "sampled":  # the sampled-label rows, beside the rows
         est.index_bytes += grads_index_bytes(n_rows, width, storage_dtype_bytes)
+    if kind == "whitened":  # projection.safetensors: the whitened factors, once per index
+        est.index_bytes += sum((k_o * d_out + k_i * d_in) * FP32 for (d_out, d_in), (k_o, k_i)
+                               in zip(module_shapes.values(), projector.factors.values(), strict=True))
     return est
+
+
+def whitening_pass_bytes(projector: Projector, n_tokens: int) -> int:
+    """What the whitened projection's factor pass (`gradian.whitening`, before any row) needs beyond a
+    row batch of N = `n_tokens` positions: the raw module inputs instead of the projected ones,
+    Σ_i N·(d_in − k_i)·4, and the largest module's float64 copies of x and δ with their
+    outer-product sums, N·(d_in + d_out)·8 + (d_in² + d_out²)·8. Counted on top of the row pass's
+    terms (an upper bound: the two passes do not overlap). On the host, Σ (d_in² + d_out²)·8 of
+    factor sums (not in this device total)."""
+    extra = sum(n_tokens * (d_in - projector.factors[n][1]) * FP32 for n, (d_out, d_in) in projector.shapes.items())
+    scratch = max(n_tokens * (d_in + d_out) * 8 + (d_in * d_in + d_out * d_out) * 8
+                  for d_out, d_in in projector.shapes.values())
+    return int(extra + scratch)
 
 
 def grads_projector(cfg: AppConfig, shape: dict[str, Any] | None = None) -> Projector:

@@ -16,11 +16,18 @@ Stored rows are a random projection of G, computed without ever forming G:
   a seeded Gaussian's QR (signs fixed by R's diagonal, so it is unique), scaled by sqrt(d / k)
   so that E[Pᵀ P] = I still holds. Orthogonal rows never project two directions onto one, which
   lowers the variance of the inner-product estimate at the same width (docs/benchmarks.md).
+* ``whitened``: ``kronecker_orthogonal``'s seeded factors applied after each module's damped
+  K-FAC whitening, P_out (S + λ_S I)^-½ and P_in (A + λ_A I)^-½, with the full (unprojected)
+  factors A = Σ x xᵀ / N and S = Σ δ δᵀ / n of the indexed corpus (`gradian.whitening`: a factor
+  pass before any row is written). The composed (k_o, d_out) and (k_i, d_in) matrices depend on
+  the data, so they are stored with the index (``projection.safetensors``, its sha256 in the
+  manifest's projection entry) and read back from there by every worker, resume and query;
+  the contraction is the same, so inner products of rows estimate the full K-FAC inner product.
 * ``dense``: one Gaussian matrix P (projection_dim, d_out * d_in) / sqrt(projection_dim) applied
   to vec(G); the fidelity reference (it needs G and a projection_dim × d_out·d_in matrix).
 * ``projection_dim=None``: vec(G) itself, row-major in nn.Linear orientation (d_out, d_in).
 
-All matrices depend only on (seed, module name, module shape, projection_dim), so two processes
+The random matrices depend only on (seed, module name, module shape, projection_dim), so two processes
 (or two workers of a sharded index) build bit-identical matrices. They are drawn on the CPU
 with a `torch.Generator` seeded from a sha256 of those facts, never from Python's `hash()`
 (salted per process).
@@ -37,6 +44,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -45,7 +53,9 @@ from circuitkit.config import GradsConfig, choices
 log = logging.getLogger(__name__)
 
 PROJECTION_KINDS = choices(GradsConfig, "projection")
-KRONECKER_KINDS = ("kronecker", "kronecker_orthogonal")
+KRONECKER_KINDS = ("kronecker", "kronecker_orthogonal", "whitened")
+# The whitened projection's matrices, stored in the index directory (`gradian.whitening` writes it).
+WHITENING_FILE = "projection.safetensors"
 # Columns of the dense matrix generated per seeded chunk. A constant, so the matrix does not
 # depend on how much memory a run has (chunks are regenerated when the matrix is not cached).
 _DENSE_CHUNK_COLS = 4096
@@ -141,16 +151,22 @@ class Projector:
     ----------
     shapes: name -> (d_out, d_in), in row order (the stored row is the modules' projections
         concatenated in this order).
-    kind: "kronecker", "kronecker_orthogonal" or "dense" (ignored when projection_dim is None).
+    kind: "kronecker", "kronecker_orthogonal", "whitened" or "dense" (ignored when projection_dim is None).
     projection_dim: width per module; None stores raw gradients (width d_out * d_in).
     seed: projection seed (grads.projection_seed).
+    matrices, whitening: kind "whitened" only: name -> (P_out (k_o, d_out), P_in (k_i, d_in))
+        float32, the stored whitened matrices, and their record in the manifest (file, sha256,
+        damping). Without them a whitened projector knows its widths (memory estimates) but
+        cannot project.
 
     Use: ``xp = project_input(name, x)`` with x (B, T, d_in), ``dp = project_output(name, δ)``
     with δ (B, T, d_out), then ``combine(name, xp, dp)`` -> (B, width(name)) float32.
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, int]], kind: str = "kronecker",
-                 projection_dim: int | None = None, seed: int = 0) -> None:
+                 projection_dim: int | None = None, seed: int = 0,
+                 matrices: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 whitening: Mapping[str, object] | None = None) -> None:
         if kind not in PROJECTION_KINDS:
             raise ValueError(f"grads.projection={kind!r}; valid: {', '.join(PROJECTION_KINDS)}.")
         if projection_dim is not None and projection_dim < 1:
@@ -169,17 +185,43 @@ class Projector:
                     log.warning("grads.projection_dim=%d exceeds the %d weights of %s: the dense"
                                 " projection adds no information.", projection_dim, d_out * d_in, name)
         self._cache: dict[tuple[str, str, str], torch.Tensor] = {}
+        self.whitening = dict(whitening) if whitening is not None and self.kind == "whitened" else None
+        self._whitened: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.kind == "whitened" and matrices is not None:
+            for name, (d_out, d_in) in self.shapes.items():
+                p_out, p_in = matrices[name]
+                k_o, k_i = self.factors[name]
+                if tuple(p_out.shape) != (k_o, d_out) or tuple(p_in.shape) != (k_i, d_in):
+                    raise ValueError(f"whitened projection of {name}: matrices {tuple(p_out.shape)} and"
+                                     f" {tuple(p_in.shape)}, expected ({k_o}, {d_out}) and ({k_i}, {d_in}).")
+                self._whitened[name] = (p_out.float().contiguous(), p_in.float().contiguous())
+
+    def random_part(self) -> Projector:
+        """A whitened projector's seeded orthogonal factors: the kronecker_orthogonal projector of the
+        same shapes, dim and seed (the whitening is applied before it)."""
+        return Projector(self.shapes, "kronecker_orthogonal", self.projection_dim, self.seed)
 
     @classmethod
-    def from_description(cls, shapes: Mapping[str, tuple[int, int]], described: Mapping) -> Projector:
+    def from_description(cls, shapes: Mapping[str, tuple[int, int]], described: Mapping,
+                         index_dir: str | Path | None = None) -> Projector:
         """The projector an index manifest's `projection` entry (`describe()`) records, for `shapes`.
 
         `projection_dim` null is the one meaning of "raw": a projector without a dim describes
         itself as kind "raw" whatever kind it was given, so "raw" reads back as the default kind.
+        A whitened projection's matrices are read from `index_dir` (ValueError when it is not
+        given, or when the file is missing or not the one the record's sha256 names).
         """
         kind = described.get("kind")
-        return cls(shapes, "kronecker" if kind == "raw" else kind, described.get("projection_dim"),
-                   described.get("seed", 0))
+        if kind != "whitened":
+            return cls(shapes, "kronecker" if kind == "raw" else kind, described.get("projection_dim"),
+                       described.get("seed", 0))
+        record = described.get("whitening")
+        if not isinstance(record, Mapping):
+            raise ValueError("the whitened projection records no whitening entry (file, sha256, damping).")
+        if index_dir is None:
+            raise ValueError("a whitened projection's matrices are stored in its index directory; give index_dir.")
+        matrices = load_whitened(Path(index_dir), record, list(shapes))
+        return cls(shapes, kind, described.get("projection_dim"), described.get("seed", 0), matrices, record)
 
     # -- widths -----------------------------------------------------------------------------
     def width(self, name: str) -> int:
@@ -198,10 +240,13 @@ class Projector:
 
     def describe(self) -> dict[str, object]:
         """Plain facts for a manifest: kind, dim, seed, per-module shapes and kronecker factors."""
-        return {"kind": self.kind, "projection_dim": self.projection_dim, "seed": self.seed,
-                "modules": {n: {"shape": list(s), "width": self.width(n),
-                                **({"factors": list(self.factors[n])} if n in self.factors else {})}
-                            for n, s in self.shapes.items()}}
+        out = {"kind": self.kind, "projection_dim": self.projection_dim, "seed": self.seed,
+               "modules": {n: {"shape": list(s), "width": self.width(n),
+                               **({"factors": list(self.factors[n])} if n in self.factors else {})}
+                           for n, s in self.shapes.items()}}
+        if self.whitening is not None:
+            out["whitening"] = dict(self.whitening)
+        return out
 
     # -- matrices ---------------------------------------------------------------------------
     def _rademacher(self, name: str, side: str, rows: int, cols: int) -> torch.Tensor:
@@ -228,6 +273,11 @@ class Projector:
             raise ValueError(f"kronecker_matrices on a {self.kind} projector.")
         dev = str(torch.device(device))
         key_out, key_in = (name, "out", dev), (name, "in", dev)
+        if key_out not in self._cache and self.kind == "whitened":
+            if name not in self._whitened:
+                raise ValueError(f"the whitened projection of {name} has no matrices: they come from the index's"
+                                 f" factor pass ({WHITENING_FILE} in the index directory).")
+            self._cache[key_out], self._cache[key_in] = (m.to(dev) for m in self._whitened[name])
         if key_out not in self._cache:
             (d_out, d_in), (k_o, k_i) = self.shapes[name], self.factors[name]
             draw = self._rademacher if self.kind == "kronecker" else self._orthogonal
@@ -330,3 +380,28 @@ def projection_fingerprint(projector: Projector) -> str:
         for m in mats:
             h.update(m.contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def load_whitened(index_dir: Path, record: Mapping, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (P_out, P_in) float32 of a whitened projection, from ``record["file"]`` in `index_dir`
+    (``p_out.m``, ``p_in.m`` in module order m), after checking its sha256 against ``record["sha256"]``.
+    ValueError naming the file when it is missing, changed or lacks a module."""
+    from safetensors.torch import load
+
+    from circuitkit.io import sha256_file
+
+    name = record.get("file")
+    if name != WHITENING_FILE:
+        raise ValueError(f"the whitened projection names file {name!r}; only {WHITENING_FILE} is read.")
+    path = Path(index_dir) / WHITENING_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} (the whitened projection's matrices) is missing.")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+        raise ValueError(f"{path} has sha256 {sha256_file(path)[:12]}…, the manifest records"
+                         f" {str(record.get('sha256'))[:12]}…: the whitened projection was changed after it was written.")
+    tensors = load(data)
+    missing = [k for m in range(len(names)) for k in (f"p_out.{m}", f"p_in.{m}") if k not in tensors]
+    if missing:
+        raise ValueError(f"{path} holds no {missing[0]} ({len(names)} modules expected).")
+    return {n: (tensors[f"p_out.{m}"], tensors[f"p_in.{m}"]) for m, n in enumerate(names)}

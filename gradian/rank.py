@@ -163,13 +163,14 @@ def _preconditioner(reader: IndexReader, damping: float | None):
 # ----------------------------------------------------------------------------- checks
 
 
-def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
+def check_compatible(manifest: dict[str, Any], loaded, index_dir: str | Path | None = None) -> Projector:
     """Refuse a model that is not the one the index was built with; returns the index's Projector.
 
     Compares the weights sha256, the tokenizer hash, and the projection (kind, dim, seed,
     modules with their shapes) recomputed on `loaded.model` for the modules the manifest lists,
     and the sha256 of the matrices that projection generates with the manifest's
-    `projection_sha256` (so an edited seed or kind cannot pass).
+    `projection_sha256` (so an edited seed or kind cannot pass). `index_dir`: where a whitened
+    projection's stored matrices are read (`gradian.whitening`; required for that kind).
     Raises IndexMismatchError naming every differing key.
     """
     problems: list[str] = []
@@ -193,7 +194,7 @@ def check_compatible(manifest: dict[str, Any], loaded) -> Projector:
         problems.append(f"projection.modules: {err}")
     else:
         try:
-            projector = Projector.from_description(site_shapes(sites), proj)
+            projector = Projector.from_description(site_shapes(sites), proj, index_dir)
         except ValueError as err:
             problems.append(f"projection: {err}")
         else:
@@ -481,7 +482,7 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
                                              gguf_file=manifest.get("gguf_file"),
                                              precision=manifest.get("precision", "bfloat16"))
         loaded = load_model(model_cfg)
-    projector = check_compatible(manifest, loaded)
+    projector = check_compatible(manifest, loaded, index_dir)
     q_grads, q_rows = query_gradients(manifest, loaded, projector, queries_path)
     top = stream_topk(index_dir, q_grads, top_k, score, aggregate, verify=verify, damping=damping)
     results = format_results(manifest, top, [r.row_id for r in q_rows], index_dir)

@@ -28,7 +28,7 @@ Also measured on the widest index that has every score: the seconds of `stream_t
 
     python scripts/bench_yardsticks.py [--widths 256,1024,4096,16384] [--seeds 3] [--losses ce,margin]
         [--yardsticks A,B,LDS] [--lds-subsets 16] [--smollm2 DIR] [--smollm2-seeds 1] [--work DIR]
-        [--fisher empirical,sampled] [--projections kronecker,kronecker_orthogonal] [--json out.json]
+        [--fisher empirical,sampled] [--projections kronecker,kronecker_orthogonal,whitened] [--json out.json]
 
 Every (fisher, projection) pair builds its own indexes; the tables show them as a "projection,
 fisher" column (rows of JSON files from before these options read as "kronecker, empirical").
@@ -127,6 +127,8 @@ def stored_bytes(index_dir: Path) -> dict[str, int]:
     curv = index_dir / "curvature.safetensors"
     if curv.is_file():
         out["kfac"] += curv.stat().st_size
+    whitened = index_dir / "projection.safetensors"  # grads.projection=whitened: its stored matrices
+    out["projection"] = whitened.stat().st_size if whitened.is_file() else 0
     return out
 
 
@@ -191,7 +193,7 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
         build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)
         index_s = time.perf_counter() - start
         manifest = IndexReader(index_dir).manifest
-        projector = check_compatible(manifest, loaded)
+        projector = check_compatible(manifest, loaded, index_dir)
         scores = [s for s in wanted if s in ("cosine", "kfac", "ekfac") or (module and s in ("influence", "whitened"))]
         sizes = stored_bytes(index_dir)
         for style, path in ys.queries.items():
@@ -382,7 +384,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (ys, style, loss, width, score, setup), runs in groups.items():
         entry = {"yardstick": ys, "style": style, "loss": loss, "width": width, "score": score, "setup": setup,
                  "seeds": len(runs),
-                 "stream_s": statistics.mean(r["stream_s"] for r in runs), "bytes": runs[0]["bytes"]}
+                 "stream_s": statistics.mean(r["stream_s"] for r in runs), "bytes": runs[0]["bytes"],
+                 "index_s": statistics.mean(r.get("index_s", 0.0) for r in runs)}
         for key in ("r1", "r10", "mrr", "lds"):
             if key in runs[0]:
                 values = [r[key] for r in runs]
@@ -450,6 +453,23 @@ def markdown(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def setup_costs(summary: list[dict[str, Any]]) -> str:
+    """Markdown: mean index seconds (over seeds) and disk per (yardstick, width, projection setup), for
+    the first loss's rows; the whitened projection's time includes its factor pass."""
+    lines = ["| yardstick | width | projection, fisher | index s | rows MiB | K-FAC MiB | projection file KiB |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    seen = set()
+    for e in summary:
+        key = (e["yardstick"], e["width"], e.get("setup", DEFAULT_SETUP))
+        if key in seen or e["width"] in ("full",):
+            continue
+        seen.add(key)
+        b = e["bytes"]
+        lines.append(f"| {key[0]} | {'exact' if key[1] == 'raw' else key[1]} | {key[2]} | {e.get('index_s', 0):.1f} |"
+                     f" {b['rows'] / 2**20:.2f} | {b['kfac'] / 2**20:.3f} | {b.get('projection', 0) / 2**10:.1f} |")
+    return "\n".join(lines)
+
+
 def print_costs(summary: list[dict[str, Any]], console: Console) -> None:
     """stream_topk seconds per score relative to cosine, and stored bytes, per width (planted B, ce)."""
     table = Table(title="rank cost (stream_topk, same process, ratio to cosine) and disk per index (yardstick B, ce)")
@@ -497,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="grads.fisher of the Gradian indexes, a comma list of empirical, sampled (sampled: the true"
                         " Fisher, labels drawn from the model; replaces the earlier bench-only --true-fisher)")
     p.add_argument("--projections", default="kronecker",
-                   help="grads.projection of the projected indexes, a comma list of kronecker, kronecker_orthogonal"
+                   help="grads.projection of the projected indexes, a comma list of kronecker, kronecker_orthogonal, whitened"
                         " (default kronecker, as every table before the fourth round: the product's default is"
                         " kronecker_orthogonal since)")
     p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence, traker)")
@@ -526,9 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     fishers = [f for f in args.fisher.split(",") if f]
     projections = [x for x in args.projections.split(",") if x]
     bad = [x for x in fishers if x not in ("empirical", "sampled")] + [
-        x for x in projections if x not in ("kronecker", "kronecker_orthogonal")]
+        x for x in projections if x not in ("kronecker", "kronecker_orthogonal", "whitened")]
     if bad:
-        raise SystemExit(f"--fisher / --projections: unknown {bad} (empirical, sampled; kronecker, kronecker_orthogonal)")
+        raise SystemExit(f"--fisher / --projections: unknown {bad} (empirical, sampled; kronecker, kronecker_orthogonal,"
+                         " whitened)")
 
     def gradian_on(ys: Yardstick, widths: list[int], seeds: int, **kw: Any) -> list[dict[str, Any]]:
         """Every (fisher, projection): the unprojected references once per fisher (they have no projection)."""
@@ -586,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary, console)
     if any(s["yardstick"] == "B" for s in summary):
         print_costs(summary, console)
+    print(markdown(summary))
+    print(setup_costs(summary))
     machine = f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
     console.print(f"{machine}; wall time {time.perf_counter() - start:.0f} s")
     if args.json:

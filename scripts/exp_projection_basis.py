@@ -14,7 +14,10 @@ LDS; MLP modules, loss ce, EK-FAC):
 * ``whiten``: the full factors' damped inverse square roots applied before a random projection
   (P_out (S + λ_S)^-½ δ, P_in (A + λ_A)^-½ x, λ = √damping x mean eigenvalue per factor), so the
   projected rows estimate the full K-FAC inner product by Johnson-Lindenstrauss; ranked with
-  ``cosine`` and with ``ekfac`` on top. ``whiten_orthogonal``: the same with orthonormal random factors.
+  ``cosine`` and with ``ekfac`` on top. ``whiten_orthogonal``: the same with orthonormal random factors;
+  since issue 38 a library option, ``grads.projection=whitened`` (`gradian.whitening`: the same
+  damping, its factor pass in the indexer, the matrices stored with the index), measured through
+  ``bench_yardsticks.py --projections whitened``.
 * ``proportional``: the library's random Kronecker factors with k_o / k_i split in proportion to
   d_out / d_in (equal shares of each side) instead of balanced (k_o ≈ k_i).
 

@@ -1,0 +1,130 @@
+"""The whitened projection's factor pass (`grads.projection: whitened`, `gradian.projection`).
+
+Before any row is written, one forward+backward over every row of the corpus sums, per selected
+module (d_out, d_in), the full (unprojected) K-FAC factors on the supervised rows' positions,
+
+    A = Σ_{rows, t} x_t x_tᵀ / N        (d_in, d_in),   N = non-padding positions
+    S = Σ_{rows, t} δ_t δ_tᵀ / n        (d_out, d_out), n = rows
+
+(float64, `gradian.curvature.FactorSums` on the raw x and δ; with grads.fisher=sampled δ comes
+from the sampled labels, as the index's own factors do). Each factor is whitened with its damped
+inverse square root, W = Q (e + λ)^-½ Qᵀ, λ = WHITEN_DAMPING · mean(e) (e, Q: its eigenvalues and
+eigenvectors; λ = 1 for an all-zero factor), and composed with the seeded kronecker_orthogonal
+factors of the same seed:
+
+    P_out^w = P_out W_S  (k_o, d_out),        P_in^w = P_in W_A  (k_i, d_in)         float32
+
+so a row is still Σ_t (P_out^w δ_t)(P_in^w x_t)ᵀ, the per-example gradient never formed, and
+inner products of rows estimate Σ_m tr(W_S G_q W_A² G_gᵀ W_S), the full damped K-FAC inner
+product (by Johnson-Lindenstrauss). The matrices go to ``projection.safetensors`` in the index
+directory (``p_out.m``, ``p_in.m`` in module order, with the settings that decide them as
+metadata), recorded in the manifest's projection entry (file, sha256, bytes, damping).
+
+Sharded workers share it: the first to take the lock ``.projection.lock`` (`circuitkit.io.file_lock`)
+computes and writes it atomically; the others wait for the lock and read it. A file left by a
+run with other settings (its metadata differ) is recomputed. The pass visits the rows in the
+same order and batches in every worker (all rows, not the worker's shards), so a worker that has
+to compute it gets the same bytes as any other on the same device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuitkit.io import atomic_save_safetensors, file_lock, sha256_file
+from gradian.curvature import FactorSums
+from gradian.projection import WHITENING_FILE, Projector
+
+log = logging.getLogger(__name__)
+
+# λ = WHITEN_DAMPING x the factor's mean eigenvalue, on each factor (S and A) separately: the
+# damping scripts/exp_projection_basis.py measured (its √0.01 per factor, docs/benchmarks.md).
+WHITEN_DAMPING = 0.1
+LOCK = ".projection.lock"
+
+
+class _FactorProbe(Projector):
+    """A raw projector that only feeds the factor sums: its rows are empty (B, 0), so the pass
+    never forms a (B, d_out, d_in) gradient."""
+
+    def combine(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
+        return xp.new_zeros(xp.shape[0], 0)
+
+
+def factor_pass(shapes: Mapping[str, tuple[int, int]], batches, run_batch: Callable) -> FactorSums:
+    """The full K-FAC factor sums of `shapes`' modules over `batches`.
+
+    batches: iterable of (batch, row_ids); run_batch(projector, batch, row_ids, sums) runs one
+    `gradian.capture.per_example_gradients` with that projector and factor sums.
+    """
+    probe = _FactorProbe(shapes, "kronecker", None, 0)
+    sums = FactorSums(list(shapes))
+    for batch, row_ids in batches:
+        run_batch(probe, batch, row_ids, sums)
+    return sums
+
+
+def whitener(factor_sum: torch.Tensor, count: int, damping: float = WHITEN_DAMPING) -> torch.Tensor:
+    """(F + λ I)^-½ of F = factor_sum / count (float64, symmetric), λ = damping · mean eigenvalue."""
+    e, q = torch.linalg.eigh(factor_sum.double() / max(count, 1))
+    e = e.clamp_min(0)
+    lam = damping * e.mean() if e.mean() > 0 else torch.ones((), dtype=torch.float64)
+    return (q * (e + lam).rsqrt()) @ q.T
+
+
+def whitened_tensors(projector: Projector, sums: FactorSums, n_rows: int,
+                     damping: float = WHITEN_DAMPING) -> dict[str, torch.Tensor]:
+    """``p_out.m`` = P_out W_S (k_o, d_out), ``p_in.m`` = P_in W_A (k_i, d_in) float32 per module m,
+    P the seeded orthogonal factors of `projector` (kind whitened)."""
+    random = projector.random_part()
+    out = {}
+    for m, name in enumerate(projector.names):
+        p_out, p_in = random.kronecker_matrices(name)
+        out[f"p_out.{m}"] = (p_out.double() @ whitener(sums.s[name], n_rows, damping)).float().contiguous()
+        out[f"p_in.{m}"] = (p_in.double() @ whitener(sums.a[name], sums.tokens, damping)).float().contiguous()
+    return out
+
+
+def whitened_projector(projector: Projector, index_dir: Path, settings: dict[str, Any],
+                       compute: Callable[[], tuple[FactorSums, int]], recorded: Mapping | None = None) -> Projector:
+    """The whitened projector of `projector`'s modules, dim and seed, with its matrices from
+    ``projection.safetensors`` in `index_dir` when that file was made with `settings` (the facts
+    that decide it: model weights, data, loss, modules, ...), else computed (`compute()` -> the
+    factor sums and the row count) and written there, under the index's projection lock.
+
+    recorded: the whitening entry of an existing manifest's projection, if any; a file that does
+    not match it is refused (ValueError), never silently replaced.
+    """
+    index_dir = Path(index_dir)
+    index_dir.mkdir(parents=True, exist_ok=True)
+    path = index_dir / WHITENING_FILE
+    meta = {"settings": json.dumps({**settings, "damping": WHITEN_DAMPING}, sort_keys=True)}
+    with file_lock(index_dir / LOCK):
+        if path.is_file() and recorded is not None and sha256_file(path) != recorded.get("sha256"):
+            raise ValueError(f"{path} is not the whitened projection the manifest records (sha256 differs): it was"
+                             " changed after it was written. Delete the index directory to rebuild it.")
+        tensors = None
+        if path.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as fh:
+                same = (fh.metadata() or {}).get("settings") == meta["settings"]
+            if same:
+                log.info("reusing the whitened projection %s", path)
+            else:
+                log.warning("%s was made with other settings and no manifest records it: recomputing it.", path)
+                path.unlink()
+        if not path.is_file():
+            sums, n_rows = compute()
+            tensors = whitened_tensors(projector, sums, n_rows)
+            atomic_save_safetensors(path, tensors, meta)
+            log.info("wrote the whitened projection %s (factors of %d rows, %d positions)", path, n_rows, sums.tokens)
+        record = {"file": WHITENING_FILE, "sha256": sha256_file(path), "bytes": path.stat().st_size,
+                  "damping": WHITEN_DAMPING}
+    return Projector.from_description(projector.shapes, {**projector.describe(), "whitening": record}, index_dir)
