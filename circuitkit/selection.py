@@ -86,6 +86,53 @@ def bootstrap_select(per_example: torch.Tensor, n_keep: int, rank_by: str = "abs
     return BootstrapSelector(per_example, rank_by, n_resamples, seed, valid)(n_keep)
 
 
+def example_ranks(per_example: torch.Tensor, rank_by: str = "abs", valid: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, n) int64: each entry's rank within its example by `rank_by` (0 = best; invalid entries last)."""
+    key = per_example.reshape(per_example.shape[0], -1).float()
+    key = key.abs() if rank_by == "abs" else key.clone()
+    if valid is not None:
+        key[:, ~valid.flatten()] = -math.inf
+    order = key.argsort(dim=1, descending=True, stable=True)
+    return torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+
+
+class RankSelector:
+    """Kept sets by aggregating per-example ranks instead of mean scores (`pruning.selection`
+    mean_rank / vote); per-example ranks computed once, any size n and any subset of the examples.
+
+    mean_rank  the n entries with the lowest mean over examples of their rank in that example
+    vote       the n entries in the most examples' own top n (ties: the higher mean score)
+
+    An example with one huge score moves that entry's mean score, not its mean rank, so the kept
+    set depends less on which examples were drawn. `selector(n, rows)`: bool mask (shape
+    per_example.shape[1:]) from the examples `rows` (indices, repeats allowed; default all).
+    """
+
+    def __init__(self, per_example: torch.Tensor, rule: str = "mean_rank", rank_by: str = "abs",
+                 valid: torch.Tensor | None = None) -> None:
+        if rule not in ("mean_rank", "vote"):
+            raise ValueError(f"RankSelector rule={rule!r}; allowed: mean_rank, vote")
+        self.per_example, self.rule, self.rank_by, self.valid = per_example, rule, rank_by, valid
+        self.ranks = example_ranks(per_example, rank_by, valid)  # (N, n)
+
+    def __call__(self, n_keep: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        ranks = self.ranks if rows is None else self.ranks[rows]
+        if self.rule == "mean_rank":
+            key = -ranks.float().mean(0)
+        else:
+            scores = self.per_example if rows is None else self.per_example[rows]
+            full = scores.float().mean(0).flatten()
+            full = full.abs() if self.rank_by == "abs" else full
+            key = (ranks < n_keep).float().sum(0) + 0.25 * (full / full.abs().max().clamp(min=1e-30) + 1)
+        return keep_top(key.view(self.per_example.shape[1:]), n_keep, "signed", self.valid)
+
+
+def rank_select(per_example: torch.Tensor, n_keep: int, rule: str = "mean_rank", rank_by: str = "abs",
+                valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool mask (shape per_example.shape[1:]) of `RankSelector(per_example, rule, ...)` at n_keep."""
+    return RankSelector(per_example, rule, rank_by, valid)(n_keep)
+
+
 def greedy_heads(evaluate: Callable[[torch.Tensor], float], shape: tuple[int, int], budget: int,
                  candidates: torch.Tensor | None = None,
                  progress: Callable[[int, tuple[int, int], float], None] | None = None) -> list[dict]:

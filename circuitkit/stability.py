@@ -60,3 +60,24 @@ def kept_frequency(per_example: torch.Tensor, n_keep: int, rank_by: str = "abs",
     weights = bootstrap_weights(per_example.shape[0], n_resamples, seed)
     masks = torch.stack([keep_top(row, n_keep, rank_by, valid) for row in resampled_scores(per_example, weights)])
     return masks.float().mean(0)
+
+
+def selector_stability(n_examples: int, select, kept, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0):
+    """Jaccard of any selection rule's kept set over bootstrap resamples of the examples.
+
+    `select(rows)`: the rule on the examples `rows` (int64 indices, drawn with replacement: the
+    draws of `bootstrap_weights`) -> bool mask, or a list of masks (one per circuit size); it is
+    compared with `kept` (a mask, or a list of them: the rule on all examples). For top_k this is
+    `stability`'s jaccard_mean / jaccard_p5. Returns {jaccard_mean, jaccard_p5, n_resamples,
+    n_examples} (a list of them for a list of masks).
+    """
+    weights = bootstrap_weights(n_examples, n_resamples, seed).long()  # (R, N) counts
+    refs = kept if isinstance(kept, list | tuple) else [kept]
+    scores = [[] for _ in refs]
+    for counts in weights:
+        got = select(torch.repeat_interleave(torch.arange(n_examples), counts))
+        for out, ref, mask in zip(scores, refs, got if isinstance(got, list | tuple) else [got], strict=True):
+            out.append(jaccard(mask, ref))
+    res = [{"jaccard_mean": float(torch.tensor(s).mean()), "jaccard_p5": float(torch.quantile(torch.tensor(s), 0.05)),
+            "n_resamples": n_resamples, "n_examples": n_examples} for s in scores]
+    return res if isinstance(kept, list | tuple) else res[0]
