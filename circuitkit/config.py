@@ -160,8 +160,10 @@ class PruningConfig:
                         " circuitkit.pruning_optimize); ip = the connected edge set of n edges with the largest"
                         " total score by rank_by, by integer programming (scope=edges; at head scope every set is"
                         " connected and ip is top_k; circuitkit.selection_ip); positive = the best n by signed"
-                        " score among the positive ones only (fewer when fewer are positive)",
-                        choices=("top_k", "bootstrap", "edge_pruning", "ip", "positive"))
+                        " score among the positive ones only (fewer when fewer are positive); mean_rank / vote = the n with the"
+                        " best mean per-example rank / in the most examples' own top n (per-example scores, no model"
+                        " pass; circuitkit.selection)",
+                        choices=("top_k", "bootstrap", "edge_pruning", "ip", "positive", "mean_rank", "vote"))
     bootstrap_resamples: int = _f(100, "resamples of the attribution examples for selection=bootstrap and the"
                                   " stability report (Jaccard of the kept set); 0 = no stability report", ge=0)
     mask_steps: int = _f(20, "selection=edge_pruning: optimizer steps on the edge mask (one forward and backward"

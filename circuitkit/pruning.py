@@ -34,9 +34,9 @@ from circuitkit.models.hooks import HookSet
 from circuitkit.models.placement import input_device
 from circuitkit.pruning_edges import EdgeEvaluator, fit_positions, mean_writes
 from circuitkit.pruning_optimize import learn_edge_mask
-from circuitkit.selection import BootstrapSelector, keep_top  # noqa: F401  (keep_top: re-exported)
+from circuitkit.selection import BootstrapSelector, RankSelector, keep_top  # noqa: F401  (keep_top: re-exported)
 from circuitkit.selection_ip import IPSelector, positive_select
-from circuitkit.stability import stability
+from circuitkit.stability import selector_stability, stability
 from circuitkit.tasks.base import TaskData
 
 log = logging.getLogger(__name__)
@@ -267,9 +267,9 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     g = scores.graph
     per_example = (scores.per_example or {}).get("head" if p.scope == "heads" else "edges")
     selection_rule = p.selection
-    if selection_rule == "bootstrap" and per_example is None:
-        log.warning("pruning.selection=bootstrap needs per-example scores (discovery.per_example=true, not exact"
-                    " patching; shards written by this version); selecting top_k instead.")
+    if selection_rule in ("bootstrap", "mean_rank", "vote") and per_example is None:
+        log.warning("pruning.selection=%s needs per-example scores (discovery.per_example=true, not exact"
+                    " patching; shards written by this version); selecting top_k instead.", selection_rule)
         selection_rule = "top_k"
     if selection_rule == "edge_pruning" and p.scope != "edges":
         log.warning("pruning.selection=edge_pruning optimizes a mask over edges and needs pruning.scope=edges;"
@@ -303,6 +303,8 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
         selector = IPSelector(scores.edges, valid, g, p.rank_by, p.ip_connectivity, p.ip_time_limit_s)
     if selection_rule == "positive":
         selector = functools.partial(positive_select, ranked, valid=valid)
+    if selection_rule in ("mean_rank", "vote"):
+        selector = RankSelector(per_example, selection_rule, p.rank_by, valid)
 
     def choose(n_keep: int) -> torch.Tensor:
         if selector is not None:
@@ -332,6 +334,9 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     stable = None
     if per_example is not None and p.bootstrap_resamples > 0:
         stable = stability(per_example, int(kept.sum()), p.rank_by, p.bootstrap_resamples, 0, valid, kept)
+        if selection_rule in ("mean_rank", "vote"):  # the rule's own stability: rerun on each resample
+            stable |= selector_stability(per_example.shape[0], functools.partial(selector, int(kept.sum())), kept,
+                                         p.bootstrap_resamples, 0)
     extra = {"curve_definition": curve_definition(p.scope, p.ablation, p.rank_by, selection_rule, metric),
              "selection": selection_rule, "stability": stable, "heldout_templates": None}
     if heldout is not None and len(heldout) > 0:

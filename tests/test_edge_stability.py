@@ -53,3 +53,26 @@ def test_selector_stability_lists_sizes_and_a_fixed_rule_is_stable():
     res = selector_stability(5, lambda rows: [fixed, ~fixed], [fixed, fixed], 20, 0)
     assert [r["jaccard_mean"] for r in res] == [1.0, 0.0]
     assert res[0]["n_resamples"] == 20 and res[0]["n_examples"] == 5
+
+
+def test_prune_with_a_rank_rule_on_a_tiny_model_reports_the_rules_own_stability():
+    from circuitkit.attribution import attribute
+    from circuitkit.config import DataParams, ModelConfig, PruningConfig
+    from circuitkit.models.loading import load_model
+    from circuitkit.pruning import prune
+    from circuitkit.tasks import build_task
+
+    lm = load_model(ModelConfig(name="builtin:tiny-llama", precision="float32"))
+    data = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16), 10, 0)
+    scores = attribute(lm.adapter, data[:6], "eap-ig", "edge", ig_steps=2, batch_size=6, progress=False,
+                       per_example=True)
+    valid = scores.graph.edge_mask()
+    p = PruningConfig(scope="edges", target_sparsity=0.9, selection="vote", graph=False, bootstrap_resamples=20)
+    found = prune(lm.adapter, scores, data[:6], data[6:], p, "logit_diff", 5)
+    n = int(valid.sum()) - round(0.9 * int(valid.sum()))
+    assert found.extra["selection"] == "vote"
+    assert torch.equal(found.selection.mask, rank_select(scores.per_example["edges"], n, "vote", "abs", valid))
+    own = selector_stability(6, lambda rows: RankSelector(scores.per_example["edges"], "vote", "abs", valid)(n, rows),
+                             found.selection.mask, 20, 0)
+    assert found.extra["stability"]["jaccard_mean"] == pytest.approx(own["jaccard_mean"])
+    assert found.extra["stability"]["n_resamples"] == 20
