@@ -102,9 +102,12 @@ def main() -> None:
     ap.add_argument("--eval", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--resamples", type=int, default=100)
-    ap.add_argument("--selections", default="top_k,bootstrap,ip,positive")
+    ap.add_argument("--selections", default="top_k,bootstrap,ip,positive", help="also: edge_pruning")
     ap.add_argument("--ip-time-limit", type=float, default=120.0)
     ap.add_argument("--bisect", type=int, default=3)
+    ap.add_argument("--mask-steps", type=int, default=12, help="edge_pruning: the issue-28 rows' 12 steps")
+    ap.add_argument("--mask-lr", type=float, default=0.1)
+    ap.add_argument("--mask-pairs", type=int, default=8)
     ap.add_argument("--node", action="store_true", help="also the head rows (top_k, positive)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--save-scores", default=None)
@@ -166,6 +169,14 @@ def main() -> None:
             selector = BootstrapSelector(per_ex, "abs", a.resamples, 0, mask_valid)
         elif sel == "ip":
             selector = IPSelector(ranked, valid, graph, "abs", "path", a.ip_time_limit)
+        elif sel == "edge_pruning":  # the issue-28 rows' settings (docs/benchmarks.md)
+            from circuitkit.pruning_optimize import learn_edge_mask
+
+            theta = learn_edge_mask(adapter, attr[:a.mask_pairs], ranked, valid, "logit_diff", a.mask_steps, a.mask_lr,
+                                    1.0, a.batch_size)
+
+            def selector(n, theta=theta):
+                return keep_top(theta, n, "signed", valid)
         elif sel == "positive":
             def selector(n, ranked=ranked, mask_valid=mask_valid):
                 return positive_select(ranked, n, mask_valid)
