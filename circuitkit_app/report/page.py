@@ -24,10 +24,16 @@ GENERATOR = "circuitkit report"
 
 @lru_cache(maxsize=1)
 def plotly_gz_b64() -> str:
-    """plotly.min.js from the installed plotly wheel, gzip-compressed and base64-encoded."""
-    from plotly.offline import get_plotlyjs
+    """plotly.min.js from the installed plotly wheel, gzip-compressed and base64-encoded (read as a
+    file: importing plotly's Python side would cost more than the page)."""
+    try:
+        js = resources.files("plotly").joinpath("package_data", "plotly.min.js").read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        from circuitkit.errors import UserError
 
-    return base64.b64encode(gzip.compress(get_plotlyjs().encode(), compresslevel=9, mtime=0)).decode()
+        raise UserError(f"report.html inlines plotly.js from the plotly package, which is missing or incomplete"
+                        f" ({err}); pip install 'plotly>=5.20' (a dependency of this project).", exit_code=1) from None
+    return base64.b64encode(gzip.compress(js, compresslevel=6, mtime=0)).decode()
 
 
 def _asset(name: str) -> str:
