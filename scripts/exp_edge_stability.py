@@ -11,7 +11,7 @@ so the 16-pair rows reproduce the table's. `--attribute` scores the pool in chun
 A row = a selector applied to the first N pairs. Its Jaccard is the selector's own stability:
 the selector rerun on each of R bootstrap resamples of the N pairs (`selection.bootstrap_weights`,
 seed 0) against its set on all N (`stability.selector_stability`), at 1 % (706 edges, the
-table's size) and 10 % (7,065). "select s" is one selection at 706 edges.
+table's size), 10 % (7,065) and 50 % (35,325, pruning.target_sparsity's default). "select s": the rule built and one kept set chosen (mean over the sizes).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/exp_edge_stability.py --attribute --pool 128 \\
         --scores .cache/edge_stab_scores.pt
@@ -102,17 +102,19 @@ def lower_bound(p: torch.Tensor, z: float) -> torch.Tensor:
 
 
 def render(paths: list[str]) -> str:
-    lines = ["| pairs | selection | Jaccard mean / 5th pct at 706 | at 7065 | select s | stability s | CPR | CMD |"
-             " f at 10 % | f at 50 % |", "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for path in paths:
-        for r in json.load(open(path))["rows"]:
-            c = r.get("curve_row") or {}
+    rows = [r for path in paths for r in json.load(open(path))["rows"]]
+    sizes = sorted({int(k[1:-5]) for r in rows for k in r if k.startswith("j") and k.endswith("_mean")})
+    lines = ["| pairs | selection | " + " | ".join(f"Jaccard mean / 5th pct at {n}" for n in sizes)
+             + " | select s | stability s | CPR | CMD | f at 10 % | f at 50 % |",
+             "|---:|---|" + "---|" * len(sizes) + "---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r.get("curve_row") or {}
 
-            def cell(k, c=c):
-                return f"{c[k]:.3f}" if k in c else "–"
-            lines.append(f"| {r['pairs']} | {r['selection']} | {r['j706_mean']:.2f} / {r['j706_p5']:.2f} |"
-                         f" {r['j7065_mean']:.2f} / {r['j7065_p5']:.2f} | {r['select_s']:.1f} | {r['stability_s']:.0f} |"
-                         f" {cell('cpr')} | {cell('cmd')} | {cell('f10')} | {cell('f50')} |")
+        def cell(k, c=c):
+            return f"{c[k]:.3f}" if k in c else "–"
+        jac = " | ".join(f"{r[f'j{n}_mean']:.2f} / {r[f'j{n}_p5']:.2f}" if f"j{n}_mean" in r else "–" for n in sizes)
+        lines.append(f"| {r['pairs']} | {r['selection']} | {jac} | {r['select_s']:.1f} | {r['stability_s']:.0f} |"
+                     f" {cell('cpr')} | {cell('cmd')} | {cell('f10')} | {cell('f50')} |")
     return "\n".join(lines)
 
 
@@ -126,7 +128,7 @@ def main() -> None:
     ap.add_argument("--attribute", action="store_true")
     ap.add_argument("--pairs", default="16,32,64,128")
     ap.add_argument("--selections", default="top_k,bootstrap,mean_rank,vote,lcb")
-    ap.add_argument("--sizes", default="706,7065")
+    ap.add_argument("--sizes", default="706,7065,35325")
     ap.add_argument("--resamples", type=int, default=100)
     ap.add_argument("--curves", default="", help="selection@pairs,... rows that also get the faithfulness curve")
     ap.add_argument("--out", default=None)
@@ -189,8 +191,10 @@ def main() -> None:
                 row["curve_row"] = {"cpr": cpr, "cmd": cmd, "f10": at[10]["faithfulness"], "f50": at[50]["faithfulness"],
                                     "curve_s": time.time() - t, "m_full": m_full, "m_empty": m_empty,
                                     "curve": [(r["n_kept"], r["faithfulness"]) for r in curve]}
-            res["rows"] = [r for r in res["rows"] if (r["pairs"], r["selection"]) != (pairs, sel)
-                           or ("curve_row" in r and "curve_row" not in row)] + [row]
+            for r in res["rows"]:  # a rerun without the curve keeps the earlier curve
+                if (r["pairs"], r["selection"]) == (pairs, sel) and "curve_row" in r and "curve_row" not in row:
+                    row["curve_row"] = r["curve_row"]
+            res["rows"] = [r for r in res["rows"] if (r["pairs"], r["selection"]) != (pairs, sel)] + [row]
             print(json.dumps({k: v for k, v in row.items() if k != "curve_row"}
                              | {k: v for k, v in (row.get("curve_row") or {}).items() if k != "curve"}), flush=True)
             if a.out:
