@@ -20,9 +20,10 @@ What the stage (`circuitkit.pruning.prune`) holds, phase by phase:
   forward+backward of the soft-masked model: the groups of d_u, the per-input normed residuals
   and the model's own activations saved for the mask's gradient.
 
-The coefficients below were fitted with `scripts/check_memory_estimates.py --pruning` (CPU
-dispatch tracker, sdpa), phase by phase, on random GPT-2-small- and SmolLM2-shaped models at 2
-and 4 layers (B 1-8, 16-64 tokens, float32 and bfloat16); docs/memory.md has the ratios.
+The coefficients below were fitted phase by phase (CPU dispatch tracker, sdpa) on random
+GPT-2-small- and SmolLM2-shaped models at 2 and 4 layers (B 1-8, 16-64 tokens, float32 and
+bfloat16) and checked whole with `scripts/check_memory_estimates.py --pruning`; docs/memory.md
+has the ratios.
 """
 
 from __future__ import annotations

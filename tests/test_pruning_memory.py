@@ -123,4 +123,4 @@ def test_the_pruning_stage_records_its_estimate_next_to_the_measured_peak(tmp_pa
     pre, entry = manifest["stages"]["preflight"], manifest["stages"]["pruning"]
     assert pre["summary"]["pruning_estimated_bytes"] > 0 and (tmp_path / "memory_estimate_pruning.png").is_file()
     ratio = entry["estimated_peak_bytes"] / entry["measured_peak_bytes"]
-    assert 0.85 < ratio < 1.2, ratio
+    assert 0.85 < ratio < 1.2, ratio  # the stage also plots and saves; prune() alone is checked above
