@@ -102,7 +102,9 @@ def lower_bound(p: torch.Tensor, z: float) -> torch.Tensor:
 
 
 def render(paths: list[str]) -> str:
-    rows = [r for path in paths for r in json.load(open(path))["rows"]]
+    order = ["top_k", "bootstrap", "mean_rank", "vote", "lcb", "lcb2"]
+    rows = sorted((r for path in paths for r in json.load(open(path))["rows"]),
+                  key=lambda r: (r["pairs"], order.index(r["selection"])))
     sizes = sorted({int(k[1:-5]) for r in rows for k in r if k.startswith("j") and k.endswith("_mean")})
     lines = ["| pairs | selection | " + " | ".join(f"Jaccard mean / 5th pct at {n}" for n in sizes)
              + " | select s | stability s | CPR | CMD | f at 10 % | f at 50 % |",
