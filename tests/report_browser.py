@@ -51,11 +51,17 @@ class OpenedReport:
 
     def hover_text(self, name: str) -> str:
         """Move the mouse onto node `name` and return the hover label's text."""
-        x, y = self.node_xy(name)
-        self.page.mouse.move(x - 40, y - 40)
-        self.page.mouse.move(x, y, steps=4)
         label = self.page.locator("#circuit-graph .hoverlayer .hovertext")
-        label.first.wait_for(timeout=5000)
+        for attempt in range(3):  # plotly draws the label on its next frame; a slow frame is not a failure
+            x, y = self.node_xy(name)
+            self.page.mouse.move(x - 40, y - 40)
+            self.page.mouse.move(x, y, steps=4)
+            try:
+                label.first.wait_for(timeout=3000 * (attempt + 1))
+                break
+            except Exception:  # noqa: BLE001 - playwright's TimeoutError; tried again, then the wait below raises
+                continue
+        label.first.wait_for(timeout=3000)
         return " ".join(t or "" for t in label.all_text_contents())
 
 
