@@ -42,6 +42,7 @@ from circuitkit.io import _atomic
 BACKENDS = ("auto", "matplotlib", "graphviz")
 MIN_RELATIVE = 0.005  # edges weaker than this fraction of the strongest are not drawn
 _DOWN = re.compile(r"^a(?P<layer>\d+)\.(?P<kind>[hg])(?P<idx>\d+)<(?P<letter>[qkv])>$")
+_LAYER = re.compile(r"^[am](?P<layer>\d+)")
 _STYLE = {"q": "-", "k": "--", "v": ":", "": "-"}
 _DOT_STYLE = {"q": "solid", "k": "dashed", "v": "dotted", "": "solid"}
 
@@ -139,7 +140,7 @@ def build_picture(circuit: dict[str, Any], top_edges: int = 40) -> CircuitPictur
         pic.note = "node-level scores: no edges (set discovery.level=edge to draw them)"
     shown = {"input", "logits"} | {n for n in kept_nodes if n.startswith("a")} \
         | {n for e in pic.edges for n in e[:2]}
-    pic.layers = sorted({_layer_of(n) for n in shown} - {None})
+    pic.layers = sorted({layer_of(n) for n in shown} - {None})
     row = {layer: i + 1.0 for i, layer in enumerate(pic.layers)}
     for name in shown:
         if name == "input":
@@ -163,13 +164,11 @@ def build_picture(circuit: dict[str, Any], top_edges: int = 40) -> CircuitPictur
     return pic
 
 
-def _layer_of(name: str) -> int | None:
-    """The layer of a head (`a3.h1`) or MLP (`m3`) node; None for the input and the logits."""
-    if name.startswith("m"):
-        return int(name[1:])
-    if name.startswith("a"):
-        return int(name[1:].split(".h")[0])
-    return None
+def layer_of(name: str) -> int | None:
+    """The layer of a node (`a3.h1`, `m3`) or of an input it reads (`a3.g0<k>`, `m3<in>`); None for
+    the input embedding and the logits."""
+    found = _LAYER.match(name)
+    return int(found["layer"]) if found else None
 
 
 def _text_colour(fill) -> str:

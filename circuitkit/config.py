@@ -738,6 +738,17 @@ def to_dict(cfg: AppConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as {dotted key: value} (`{"a": {"b": 1}}` -> `{"a.b": 1}`)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def iter_keys(cls: type = AppConfig, prefix: str = "") -> Iterable[tuple[str, Any, Mapping[str, Any]]]:
     """Every leaf key of the schema as (path, type, metadata); used by the docs check."""
     hints = _type_hints(cls)

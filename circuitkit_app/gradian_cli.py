@@ -2,7 +2,7 @@
 report draws, which need the entry layer (`gradian report RANK.jsonl`, `gradian rank ... --report`).
 
 `gradian.cli` sits below the entry layer and cannot import the report; this shim parses with
-its parser, hands every other command over unchanged and writes the page after a ranking.
+its parser, runs its rank command and then writes the page, and hands every other command over unchanged.
 """
 
 from __future__ import annotations
@@ -12,23 +12,6 @@ from pathlib import Path
 
 from circuitkit.errors import UserError, run_entry
 from gradian import cli as gradian_cli
-
-
-def _strip_report(argv: list[str]) -> list[str]:
-    """`argv` without `--report [FILE]` / `--report=FILE` (what gradian.cli's rank then runs)."""
-    out, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg == "--report":
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            skip = nxt is not None and not nxt.startswith("-")
-            continue
-        if arg.startswith("--report="):
-            continue
-        out.append(arg)
-    return out
 
 
 def _main(argv: list[str]) -> int:
@@ -49,7 +32,7 @@ def _main(argv: list[str]) -> int:
         from circuitkit.io import check_writable
 
         check_writable(page, "--report")
-        code = gradian_cli.main(_strip_report(argv))
+        code = gradian_cli.rank_command(args)
         if code:
             return code
         path = write_rank_report(Path(args.out), Path(args.index), Path(args.queries), page)

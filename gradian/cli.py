@@ -250,8 +250,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    """The parsed arguments of a `gradian` command (argparse errors exit 2)."""
-    return _parser().parse_args(argv)
+    """The parsed arguments of a `gradian` command (argparse errors exit 2); rank's --append-eos as a bool."""
+    args = _parser().parse_args(argv)
+    if args.command == "rank":
+        args.append_eos = None if args.append_eos is None else args.append_eos == "true"
+    return args
 
 
 def _main(argv: list[str]) -> int:
@@ -265,12 +268,11 @@ def _main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
         return inspect_index(args.index, verify=args.verify, row=args.row)
     if argv[0] in ("rank", "report"):
-        args = parser.parse_args(argv)
+        args = parse(argv)
         if args.command == "report" or args.report is not None:  # a page: the entry layer draws it
             raise UserError(f"`gradian {argv[0]}{' --report' if argv[0] == 'rank' else ''}` writes a page, which the"
                             " installed `gradian` command does (circuitkit_app.gradian_cli); run it as `gradian ...`.",
                             exit_code=2)
-        args.append_eos = None if args.append_eos is None else args.append_eos == "true"
         return rank_command(args)
     if argv[0] == "doctor":
         from gradian.doctor import main as doctor_main

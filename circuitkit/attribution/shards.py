@@ -36,6 +36,7 @@ import torch
 
 from circuitkit.attribution.eap import AttributionScores
 from circuitkit.attribution.graph import Graph
+from circuitkit.config import flatten
 from circuitkit.errors import UserError
 from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 
@@ -69,19 +70,10 @@ def default_shard_dir(run_dir: Path) -> Path:
     return Path(run_dir).resolve().parent / "attribution_shards"
 
 
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for key, value in obj.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: obj}
-
-
 def shard_identity(config: dict[str, Any]) -> dict[str, Any]:
     """The flattened config keys that decide a shard's sums (what must agree to merge)."""
     keep = {k: config[k] for k in ("model", "discovery", "seed") if k in config}
-    return {k: v for k, v in _flatten(keep).items() if k not in _SHARD_KEYS | _PLACEMENT_KEYS}
+    return {k: v for k, v in flatten(keep).items() if k not in _SHARD_KEYS | _PLACEMENT_KEYS}
 
 
 @dataclass

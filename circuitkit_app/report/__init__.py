@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from circuitkit.errors import UserError
 
@@ -69,13 +69,13 @@ def write_sweep_report(sweep_dir: Path, out: Path | None = None) -> Path:
 
 def write_rank_report(rank: Path, index: Path, queries: Path | None = None, out: Path | None = None) -> Path:
     """The report of `gradian rank --out` results against `index` (default: RANK.html beside RANK.jsonl)."""
-    from circuitkit_app.report.collect import _index_section
+    from circuitkit_app.report.collect import index_view
     from circuitkit_app.report.page import write_page
     from circuitkit_app.report.ranked import collect_rank
 
     rank = Path(rank)
     out = _out_path(out, rank.with_suffix(".html"))
-    view: dict[str, Any] = {"kind": "rank", "gradian": {"index": _index_section(Path(index)),
+    view: dict[str, Any] = {"kind": "rank", "gradian": {"index": index_view(Path(index)),
                                                         "rank": collect_rank(rank, Path(index), queries)}}
     return write_page(view, f"Gradian ranking: {rank.name}", out)
 
@@ -109,7 +109,7 @@ class SweepReport(Callback):
     """Hydra callback: after a multirun, one report.html in the sweep dir comparing its jobs."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        enabled = bool(config.get("report", {}).get("enabled", True)) if "report" in config else True
+        enabled = OmegaConf.select(config, "report.enabled", default=True)
         sweep_dir = Path(config.hydra.sweep.dir)
         if not enabled or not sweep_dir.is_dir():
             return

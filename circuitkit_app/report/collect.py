@@ -13,21 +13,19 @@ head is kept over the bootstrap resamples that the stability figure already draw
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from circuitkit.circuit_file import load_circuit, run_circuit_path
-from circuitkit.circuit_graph import edge_children, graph_shape, kept_node_names, ranked_edges
-from circuitkit.config import AppConfig, to_dict
+from circuitkit.circuit_graph import edge_children, graph_shape, kept_node_names, layer_of, ranked_edges
+from circuitkit.config import AppConfig, flatten, to_dict
 from circuitkit.io import sha256_file
 from circuitkit.pipeline import load_manifest
 
 MAX_PER_EXAMPLE = 256  # examples whose per-head scores are embedded (clicking a head shows them)
 TOP_LIST = 25  # rows of the node and edge top lists
-_LAYER = re.compile(r"^[am](\d+)")
 
 
 def _finite(value: Any) -> float | None:
@@ -44,19 +42,9 @@ def _rounded(t: torch.Tensor) -> list:
                                                           float(f"{float(t):.5g}"))
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
-    if isinstance(value, dict):
-        for key, sub in value.items():
-            _flatten(f"{prefix}.{key}" if prefix else str(key), sub, out)
-    else:
-        out[prefix] = value
-
-
 def config_rows(config: dict[str, Any]) -> list[dict[str, Any]]:
     """Every key of the run's config with its value and the schema's default (`changed` where they differ)."""
-    ran, default = {}, {}
-    _flatten("", config, ran)
-    _flatten("", to_dict(AppConfig()), default)
+    ran, default = flatten(config), flatten(to_dict(AppConfig()))
     return [{"key": key, "value": value, "default": default.get(key), "changed": key not in default or
              default[key] != value} for key, value in ran.items()]
 
@@ -139,17 +127,12 @@ def _attribution_section(scores) -> dict[str, Any]:
     return out
 
 
-def _layer_of(name: str) -> int | None:
-    found = _LAYER.match(name)
-    return int(found.group(1)) if found else None
-
-
 def _layer_totals(circuit, g) -> dict[str, Any]:
     """Sum of |score| of every edge between two layers: rows upstream (input, L0..), columns downstream
     (L0.., logits). What the embedded top edges leave out is still visible here."""
     scores = circuit["edge_scores"].float().abs() * g.edge_mask()
-    up = torch.tensor([0 if n == "input" else _layer_of(n) + 1 for n in g.upstream])
-    down = torch.tensor([g.n_layers if n == "logits" else _layer_of(n) for n in g.downstream])
+    up = torch.tensor([0 if n == "input" else layer_of(n) + 1 for n in g.upstream])
+    down = torch.tensor([g.n_layers if n == "logits" else layer_of(n) for n in g.downstream])
     totals = torch.zeros(g.n_layers + 1, g.n_layers + 1)
     by_up = torch.zeros(g.n_layers + 1, scores.shape[1]).index_add_(0, up, scores)
     totals = totals.index_add_(1, down, by_up)
@@ -230,7 +213,7 @@ def _circuit_section(circuit, per_example: dict[str, torch.Tensor], top_edges: i
     return out
 
 
-def _index_section(index_dir: Path) -> dict[str, Any]:
+def index_view(index_dir: Path) -> dict[str, Any]:
     from gradian.header import describe_index
     from gradian.index import IndexReader
 
@@ -272,6 +255,6 @@ def collect_run(run_dir: Path, top_edges: int | None = None) -> dict[str, Any]:
     if grads.get("index_dir") and Path(grads["index_dir"]).resolve() != index_dir.resolve():
         index_dir = Path(grads["index_dir"])
     if (index_dir / "manifest.json").is_file():
-        view["gradian"] = {"index": _index_section(index_dir)}
+        view["gradian"] = {"index": index_view(index_dir)}
     view["notes"] = files.notes
     return view
