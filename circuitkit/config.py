@@ -202,6 +202,12 @@ class GradsConfig:
                          choices=("kronecker", "kronecker_orthogonal", "dense", "whitened"))
     projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (the index size, and the peak a little: capture buffers, projection matrices)", ge=1)
     projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)
+    width_allocation: str = _f("uniform", "how the row's total width, n_modules x projection_dim, is split among"
+                               " the modules: uniform = projection_dim each; spectrum = in proportion to each"
+                               " module's effective dimension under its damped K-FAC curvature (a factor pass over"
+                               " the data before any row, as whitened's; each width at least projection_dim / 4, a"
+                               " balanced Kronecker size; the widths stored with the index). Kronecker projections"
+                               " only, not with preconditioner module", choices=("uniform", "spectrum"))
     preconditioner: str = _f("kfac", "curvature stored with the index: each module's second moment of the rows"
                              " (module, for `gradian rank --score influence|whitened`), K-FAC factors of the"
                              " projected activations and output gradients (kfac, for --score kfac|ekfac), or both",

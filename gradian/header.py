@@ -100,6 +100,17 @@ def check_header(manifest: dict[str, Any], where: str) -> list[str]:
     return problems
 
 
+def _widths_line(proj: dict[str, Any]) -> str:
+    """How the row's width is split among the modules: uniform, or each module's allocated width."""
+    alloc = proj.get("allocation")
+    if not isinstance(alloc, dict):
+        return "uniform (projection_dim per module)"
+    entries = proj.get("modules") or {}
+    widths = [f"{n} {e.get('width')}" for n, e in entries.items() if isinstance(e, dict)]
+    return (f"{alloc.get('kind')} allocation, total {alloc.get('total')} of {alloc.get('budget')}: {', '.join(widths[:8])}"
+            f"{' …' if len(widths) > 8 else ''}")
+
+
 def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """How an index was made, as (key, value) lines: what `gradian inspect` prints and the report shows.
 
@@ -127,6 +138,7 @@ def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("projection", f"{proj.get('kind')}, dim {proj.get('projection_dim')} per module, seed {proj.get('seed')}"
                        f", matrices sha256 {str(summary.get('projection_sha256'))[:12]}…"),
         ("modules", f"{len(modules)}: {', '.join(modules[:4])}{' …' if len(modules) > 4 else ''}"),
+        ("widths", _widths_line(proj)),
         ("row width", f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
         ("circuit", "none (unrestricted)" if not summary.get("circuit") else
          f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"

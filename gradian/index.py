@@ -570,6 +570,9 @@ class IndexReader:
         listed = set(self.manifest["shards"]) | {MANIFEST} | ({CURVATURE_FILE} if "curvature" in self.manifest else set())
         if self.whitening is not None:  # the whitened projection's matrices (checked below)
             listed.add(WHITENING_FILE)
+        allocation = (self.manifest.get("projection") or {}).get("allocation")
+        if isinstance(allocation, dict) and allocation.get("file"):  # the width allocation (checked below)
+            listed.add(str(allocation["file"]))
         unlisted = sorted(p.name for p in self.index_dir.iterdir() if not p.name.startswith(".") and p.name not in listed)
         if unlisted:
             problems.append(f"files the manifest does not list: {', '.join(unlisted[:5])}"
@@ -598,7 +601,9 @@ class IndexReader:
             projector = Projector.from_description(shapes, proj, self.index_dir)
         except (KeyError, TypeError, ValueError) as err:
             return [f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
-        problems = []
+        from gradian.allocation import allocation_problems
+
+        problems = allocation_problems(self.index_dir, proj)
         if self.manifest.get("row_width") != projector.total_width:
             problems.append(f"row_width {self.manifest.get('row_width')} is not the projection's width"
                             f" {projector.total_width}")

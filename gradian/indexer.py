@@ -34,6 +34,7 @@ from circuitkit.errors import UserError
 from circuitkit.io import atomic_save_safetensors, atomic_write_json, check_writable, file_lock, sha256_file
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
+from gradian.allocation import allocated_projector, allocation_problems
 from gradian.capture import activation_mode, activation_numerics, per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.curvature import (
@@ -159,6 +160,7 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
                         f" (workers are numbered 0..{grads.num_shards - 1}).", exit_code=2)
     try:
         check_block_width(grads.projection_dim, grads.preconditioner)
+        check_width_allocation(grads)
         if has_kfac(grads.preconditioner) and grads.projection_dim is not None:
             check_kfac(grads.projection, {})  # dense rows: refused before the model loads
     except ValueError as err:
@@ -173,6 +175,21 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     if tokens < grads.max_seq_length:
         log.info("rows are cut at %s", limit)
     return tokens
+
+
+def check_width_allocation(grads: GradsConfig) -> None:
+    """grads.width_allocation=spectrum needs projected Kronecker rows and equal blocks for nothing
+    (the module preconditioner's second moments assume one width): ValueError naming the key."""
+    if grads.width_allocation == "uniform":
+        return
+    if grads.projection_dim is None or grads.projection == "dense":
+        what = "raw rows (grads.projection_dim=null)" if grads.projection_dim is None else "grads.projection=dense"
+        raise ValueError(f"grads.width_allocation={grads.width_allocation} splits a projected width among Kronecker"
+                         f" projections; {what} has none. Set grads.width_allocation=uniform.")
+    if has_module(grads.preconditioner):
+        raise ValueError(f"grads.width_allocation={grads.width_allocation} gives modules different widths, and"
+                         f" grads.preconditioner={grads.preconditioner} stores one second moment per module of"
+                         " equal width. Use grads.preconditioner=kfac (or none), or grads.width_allocation=uniform.")
 
 
 def fisher_tensors(fisher_rows: torch.Tensor | None, storage_dtype: str, first_row: int) -> dict[str, torch.Tensor]:
@@ -215,15 +232,12 @@ def finalize_curvature(index_dir: Path) -> Path | None:
     return path
 
 
-def _whitened(projector: Projector, grads: GradsConfig, index_dir: Path, loaded, modules, corpus: TokenizedCorpus,
-              activations: str, fisher: str, pad_id: int, overhead: int, facts: dict[str, Any]) -> Projector:
-    """The whitened projector (`gradian.whitening`): its matrices read from the index directory when
-    a worker or an earlier run wrote them with the same settings, else computed by one factor pass
-    over every row (in row order, the rows' batch plan) and written there."""
-    manifest_path = Path(index_dir) / MANIFEST
-    recorded = (read_manifest(Path(index_dir)).get("projection") or {}).get("whitening") if manifest_path.is_file() else None
-    settings = {**facts, "loss": grads.loss, "loss_reduction": grads.loss_reduction, "fisher": fisher,
-                "activations": activation_numerics(activations), "projection": projector.describe()}
+def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, activations: str, fisher: str,
+                 pad_id: int, overhead: int, shapes: dict[str, tuple[int, int]]):
+    """compute() -> (the full K-FAC factor sums of every row, the row count): one factor pass
+    (`gradian.whitening.factor_pass`, in row order, the rows' batch plan), run at most once however
+    many data-dependent choices (the width allocation, the whitened projection) ask for it."""
+    done: list = []
 
     def batches():
         for start in range(0, corpus.n_rows, grads.rows_per_shard):
@@ -238,13 +252,34 @@ def _whitened(projector: Projector, grads: GradsConfig, index_dir: Path, loaded,
                               activations, sums, fisher=fisher, row_ids=row_ids, fisher_seed=grads.projection_seed)
 
     def compute():
-        log.info("whitened projection: factor pass over the %d rows", corpus.n_rows)
-        return factor_pass(projector.shapes, batches(), run_batch), corpus.n_rows
+        if not done:
+            log.info("factor pass over the %d rows", corpus.n_rows)
+            done.append(factor_pass(shapes, batches(), run_batch))
+        return done[0], corpus.n_rows
 
+    return compute
+
+
+def _data_dependent(shapes: dict[str, tuple[int, int]], grads: GradsConfig, index_dir: Path, compute,
+                    activations: str, fisher: str, facts: dict[str, Any]) -> Projector:
+    """The spectrum allocation's widths (`gradian.allocation`), then the whitened matrices
+    (`gradian.whitening`): each read from the index directory when a worker or an earlier run wrote
+    it with the same settings, else computed from the factor pass and written there."""
+    recorded = (read_manifest(Path(index_dir)).get("projection") or {}) if (Path(index_dir) / MANIFEST).is_file() else {}
+    base = {**facts, "loss": grads.loss, "loss_reduction": grads.loss_reduction, "fisher": fisher,
+            "activations": activation_numerics(activations)}
     try:
-        return whitened_projector(projector, index_dir, settings, compute, recorded)
+        if grads.width_allocation == "spectrum":
+            projector = allocated_projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed,
+                                            index_dir, base, compute, recorded.get("allocation"))
+        else:
+            projector = Projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed)
+        if projector.kind == "whitened":
+            projector = whitened_projector(projector, index_dir, {**base, "projection": projector.describe()}, compute,
+                                           recorded.get("whitening"))
     except ValueError as err:
         raise ResumeMismatchError(str(err)) from None
+    return projector
 
 
 def recorded_fisher(grads: GradsConfig) -> str:
@@ -276,6 +311,13 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
                                  ("seed", "projection_seed", grads.projection_seed)):
             if key in recorded and recorded[key] != value and not (key == "seed" and kind == "raw"):
                 diffs.append(f"{name}: index has {recorded[key]!r}, asked {value!r}")
+        had = (recorded.get("allocation") or {}).get("kind", "uniform") if isinstance(
+            recorded.get("allocation"), dict) else "uniform"
+        if had != grads.width_allocation:
+            diffs.append(f"width_allocation: index has {had!r}, asked {grads.width_allocation!r}")
+        elif had != "uniform":
+            diffs += [f"width allocation: {p}" for p in allocation_problems(Path(index_dir), recorded)
+                      if "missing" in p or "changed" in p]
         whitening = recorded.get("whitening")
         if kind == "whitened" and isinstance(whitening, dict):
             if whitening.get("damping") != WHITEN_DAMPING:
@@ -376,8 +418,11 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     else:
         modules = select_modules(model, adapter, grads.module_filter)
         shapes = module_shapes(modules)
-    projector = Projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed)
-    if has_kfac(grads.preconditioner):
+    data_dependent = grads.projection == "whitened" or grads.width_allocation != "uniform"
+    # Uniform widths are checked here, before any work; allocated ones once the factor pass chose them.
+    projector = None if grads.width_allocation != "uniform" else Projector(
+        shapes, grads.projection, grads.projection_dim, grads.projection_seed)
+    if projector is not None and has_kfac(grads.preconditioner):
         check_kfac(projector.kind, {n: projector.factors.get(n, s) for n, s in projector.shapes.items()})
     model_dtype = next(model.parameters()).dtype
     activations = activation_mode(grads.activations, model_dtype)  # "model", "recompute" or "fused"
@@ -389,10 +434,13 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     weights_sha256, tokenizer_sha256, data_sha256 = weights_hash(model), tokenizer_hash(tokenizer), source.fingerprint()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     overhead = batch_overhead_tokens(loaded.device)
-    if projector.kind == "whitened":  # the factor pass, before any row (gradian.whitening)
-        projector = _whitened(projector, grads, index_dir, loaded, modules, corpus, activations, fisher, pad_id,
-                              overhead, {"weights_sha256": weights_sha256, "tokenizer_sha256": tokenizer_sha256,
-                                         "data_sha256": data_sha256, "report": report.summary()})
+    if data_dependent:  # the factor pass, before any row
+        compute = _factor_pass(grads, loaded, modules, corpus, activations, fisher, pad_id, overhead, dict(shapes))
+        projector = _data_dependent(dict(shapes), grads, index_dir, compute, activations, fisher,
+                                    {"weights_sha256": weights_sha256, "tokenizer_sha256": tokenizer_sha256,
+                                     "data_sha256": data_sha256, "report": report.summary()})
+        if has_kfac(grads.preconditioner):
+            check_kfac(projector.kind, {n: projector.factors.get(n, s) for n, s in projector.shapes.items()})
     header = header_json(IndexHeader(
         model=model_cfg.name, revision=model_cfg.revision, precision=model_cfg.precision,
         weights_sha256=weights_sha256, tokenizer_sha256=tokenizer_sha256,
@@ -419,7 +467,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,
         activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
-        fisher=fisher)
+        fisher=fisher, factor_pass=grads.width_allocation != "uniform")
     check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes),
                        list(curvature_sides(projector).values()))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)

@@ -113,7 +113,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                    supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
                    n_rows: int = 0, activations: str = "model", preconditioner: str = "none",
                    rows_per_shard: int | None = None, fisher: str = "empirical",
-                   loss: str = "ce") -> MemoryEstimate:
+                   loss: str = "ce", factor_pass: bool = False) -> MemoryEstimate:
     """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
@@ -157,6 +157,10 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         whitening factor pass           with kind "whitened" (`whitening_pass_bytes`): the factor pass's
                                         raw inputs Σ N·(d_in − k_i)·4 and the largest module's float64
                                         scratch N·(d_in + d_out)·8 + (d_in² + d_out²)·8
+        factor pass (width allocation)  the same with grads.width_allocation=spectrum (`factor_pass`);
+                                        the widths are not known before it, so the other terms use
+                                        projection_dim per module (the rows' total width is at most
+                                        the same, n_modules x projection_dim)
         sampled-label pass              with kfac and `fisher` "sampled" (grads.fisher): the second
                                         backward's float32 logits kept beside its cross-entropy
                                         buffers, N_s·V·4 (measured: +12.3 MiB at N_s = 64, V = 50257,
@@ -212,6 +216,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         terms["sampled-label pass"] = Ns * V * FP32 + B * width * FP32
     if kind == "whitened":
         terms["whitening factor pass"] = whitening_pass_bytes(projector, N)
+    elif factor_pass:  # grads.width_allocation=spectrum: the same pass, before the widths are known
+        terms["factor pass (width allocation)"] = whitening_pass_bytes(projector, N)
     est = MemoryEstimate(terms, phase=f"{loss} loss backward" if terms["block temporaries"] == 0
                          else "backward of a recomputed activation" if recomputed else "forward of the last block")
     n_shards = max(1, -(-n_rows // rows_per_shard)) if rows_per_shard else 1
@@ -244,6 +250,11 @@ def grads_projector(cfg: AppConfig, shape: dict[str, Any] | None = None) -> Proj
     g = cfg.grads
     shape = shape or shape_for(cfg.model)
     modules = linear_module_shapes(shape, g.module_filter) if g.circuit is None else _circuit_shapes(cfg, shape)
+    if g.width_allocation != "uniform" and g.projection_dim is not None:
+        from gradian.allocation import provisional_widths  # the widths themselves come from the factor pass
+
+        return Projector(modules, g.projection, g.projection_dim, g.projection_seed,
+                         widths=provisional_widths(modules, g.projection_dim))
     return Projector(modules, g.projection, g.projection_dim, g.projection_seed)
 
 
@@ -261,7 +272,8 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     dtype = DTYPES[cfg.model.precision]
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
                           DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype),
-                          g.preconditioner, g.rows_per_shard, g.fisher, g.loss)
+                          g.preconditioner, g.rows_per_shard, g.fisher, g.loss,
+                          factor_pass=g.width_allocation != "uniform")
 
 
 def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:

@@ -27,6 +27,12 @@ Stored rows are a random projection of G, computed without ever forming G:
   to vec(G); the fidelity reference (it needs G and a projection_dim × d_out·d_in matrix).
 * ``projection_dim=None``: vec(G) itself, row-major in nn.Linear orientation (d_out, d_in).
 
+Every module gets ``projection_dim`` columns (``grads.width_allocation: uniform``), or, with
+``spectrum`` (`gradian.allocation`), its own width from a split of the same total
+n_modules x projection_dim by each module's curvature spectrum: `Projector(widths=...)`, the
+widths recorded per module in the manifest's projection entry with an ``allocation`` record.
+A manifest without that record is uniform.
+
 The random matrices depend only on (seed, module name, module shape, projection_dim), so two processes
 (or two workers of a sharded index) build bit-identical matrices. They are drawn on the CPU
 with a `torch.Generator` seeded from a sha256 of those facts, never from Python's `hash()`
@@ -106,6 +112,12 @@ def _balanced(n: int, d_out: int, d_in: int) -> bool:
     return pair is not None and max(pair) <= _MAX_FACTOR_RATIO * min(pair)
 
 
+def balanced_width(n: int, d_out: int, d_in: int) -> bool:
+    """Whether width n has a Kronecker factorisation k_o * k_i for a (d_out, d_in) module that
+    `kronecker_factors` accepts without its imbalance warning."""
+    return _balanced(n, d_out, d_in)
+
+
 def _suggest(n: int, d_out: int, d_in: int, count: int = 3) -> list[int]:
     """Nearby projection dims with a balanced usable factorisation (squares and near-squares)."""
     limit = d_out * d_in
@@ -154,6 +166,9 @@ class Projector:
     kind: "kronecker", "kronecker_orthogonal", "whitened" or "dense" (ignored when projection_dim is None).
     projection_dim: width per module; None stores raw gradients (width d_out * d_in).
     seed: projection seed (grads.projection_seed).
+    widths, allocation: kronecker kinds only: name -> this module's own width (instead of
+        projection_dim for every module; `gradian.allocation`), and the manifest's record of how
+        they were chosen (``allocation``). None: uniform, projection_dim each.
     matrices, whitening: kind "whitened" only: name -> (P_out (k_o, d_out), P_in (k_i, d_in))
         float32, the stored whitened matrices, and their record in the manifest (file, sha256,
         damping). Without them a whitened projector knows its widths (memory estimates) but
@@ -166,7 +181,8 @@ class Projector:
     def __init__(self, shapes: Mapping[str, tuple[int, int]], kind: str = "kronecker",
                  projection_dim: int | None = None, seed: int = 0,
                  matrices: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 whitening: Mapping[str, object] | None = None) -> None:
+                 whitening: Mapping[str, object] | None = None, widths: Mapping[str, int] | None = None,
+                 allocation: Mapping[str, object] | None = None) -> None:
         if kind not in PROJECTION_KINDS:
             raise ValueError(f"grads.projection={kind!r}; valid: {', '.join(PROJECTION_KINDS)}.")
         if projection_dim is not None and projection_dim < 1:
@@ -175,10 +191,21 @@ class Projector:
         self.kind = kind if projection_dim is not None else "raw"
         self.projection_dim = projection_dim
         self.seed = seed
+        self.widths: dict[str, int] | None = None
+        self.allocation = dict(allocation) if allocation is not None else None
+        if widths is not None:
+            if self.kind not in KRONECKER_KINDS:
+                raise ValueError(f"per-module widths (grads.width_allocation) need a kronecker projection, not {self.kind!r}.")
+            missing = [n for n in self.shapes if n not in widths]
+            if missing or any(int(widths[n]) < 1 for n in self.shapes):
+                raise ValueError(f"per-module widths must give every module a width >= 1; missing or bad: {missing[:3]}"
+                                 f" {[widths.get(n) for n in missing[:1]] if missing else dict(widths)}.")
+            self.widths = {n: int(widths[n]) for n in self.shapes}
+            self.allocation = self.allocation or {"kind": "spectrum"}
         self.factors: dict[str, tuple[int, int]] = {}
         if self.kind in KRONECKER_KINDS:
             for name, (d_out, d_in) in self.shapes.items():
-                self.factors[name] = kronecker_factors(projection_dim, d_out, d_in, name)
+                self.factors[name] = kronecker_factors(self.module_dim(name), d_out, d_in, name)
         elif self.kind == "dense":
             for name, (d_out, d_in) in self.shapes.items():
                 if projection_dim > d_out * d_in:
@@ -199,7 +226,8 @@ class Projector:
     def random_part(self) -> Projector:
         """A whitened projector's seeded orthogonal factors: the kronecker_orthogonal projector of the
         same shapes, dim and seed (the whitening is applied before it)."""
-        return Projector(self.shapes, "kronecker_orthogonal", self.projection_dim, self.seed)
+        return Projector(self.shapes, "kronecker_orthogonal", self.projection_dim, self.seed, widths=self.widths,
+                         allocation=self.allocation)
 
     @classmethod
     def from_description(cls, shapes: Mapping[str, tuple[int, int]], described: Mapping,
@@ -212,22 +240,36 @@ class Projector:
         given, or when the file is missing or not the one the record's sha256 names).
         """
         kind = described.get("kind")
+        allocation = described.get("allocation")
+        widths = None
+        if allocation is not None:  # per-module widths (gradian.allocation); no record: uniform
+            entries = described.get("modules")
+            if not isinstance(allocation, Mapping) or not isinstance(entries, Mapping):
+                raise ValueError("the projection's allocation record or its modules are not mappings.")
+            widths = {n: (entries.get(n) or {}).get("width") for n in shapes}
+            if any(not isinstance(w, int) or isinstance(w, bool) for w in widths.values()):
+                raise ValueError(f"the projection's allocation needs an integer width per module, got {widths}.")
         if kind != "whitened":
             return cls(shapes, "kronecker" if kind == "raw" else kind, described.get("projection_dim"),
-                       described.get("seed", 0))
+                       described.get("seed", 0), widths=widths, allocation=allocation)
         record = described.get("whitening")
         if not isinstance(record, Mapping):
             raise ValueError("the whitened projection records no whitening entry (file, sha256, damping).")
         if index_dir is None:
             raise ValueError("a whitened projection's matrices are stored in its index directory; give index_dir.")
         matrices = load_whitened(Path(index_dir), record, list(shapes))
-        return cls(shapes, kind, described.get("projection_dim"), described.get("seed", 0), matrices, record)
+        return cls(shapes, kind, described.get("projection_dim"), described.get("seed", 0), matrices, record,
+                   widths=widths, allocation=allocation)
 
     # -- widths -----------------------------------------------------------------------------
+    def module_dim(self, name: str) -> int | None:
+        """This module's projected width: its allocated width, else projection_dim (None: raw)."""
+        return self.widths[name] if self.widths is not None else self.projection_dim
+
     def width(self, name: str) -> int:
         """Columns this module contributes to a row."""
         d_out, d_in = self.shapes[name]
-        return d_out * d_in if self.projection_dim is None else self.projection_dim
+        return d_out * d_in if self.projection_dim is None else self.module_dim(name)
 
     @property
     def names(self) -> list[str]:
@@ -235,7 +277,7 @@ class Projector:
 
     @property
     def total_width(self) -> int:
-        """Row width: Σ over modules of width(name) (n_modules x projection_dim when projected)."""
+        """Row width: Σ over modules of width(name) (n_modules x projection_dim when projected uniformly)."""
         return sum(self.width(n) for n in self.shapes)
 
     def describe(self) -> dict[str, object]:
@@ -246,12 +288,14 @@ class Projector:
                            for n, s in self.shapes.items()}}
         if self.whitening is not None:
             out["whitening"] = dict(self.whitening)
+        if self.allocation is not None:
+            out["allocation"] = dict(self.allocation)
         return out
 
     # -- matrices ---------------------------------------------------------------------------
     def _rademacher(self, name: str, side: str, rows: int, cols: int) -> torch.Tensor:
         """(rows, cols) of ±1/sqrt(rows), float32 on the CPU, from (seed, name, shape, side)."""
-        g = _generator("gradian-kronecker", self.seed, name, self.shapes[name], self.projection_dim, side)
+        g = _generator("gradian-kronecker", self.seed, name, self.shapes[name], self.module_dim(name), side)
         signs = torch.randint(0, 2, (rows, cols), generator=g, dtype=torch.int8)
         return (signs.float() * 2 - 1) / math.sqrt(rows)
 
@@ -261,7 +305,8 @@ class Projector:
         Q of the QR of a seeded (cols, rows) Gaussian, in float64, with Q's columns multiplied by
         the signs of R's diagonal: the QR is then unique, so every process gets the same matrix.
         """
-        g = _generator("gradian-kronecker-orthogonal", self.seed, name, self.shapes[name], self.projection_dim, side)
+        g = _generator("gradian-kronecker-orthogonal", self.seed, name, self.shapes[name], self.module_dim(name),
+                       side)
         gauss = torch.randn((cols, rows), generator=g, dtype=torch.float64)
         q, r = torch.linalg.qr(gauss)  # q (cols, rows), orthonormal columns
         q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))
@@ -371,6 +416,8 @@ def projection_fingerprint(projector: Projector) -> str:
     h = hashlib.sha256(f"{projector.kind}:{projector.projection_dim}".encode())
     for name, shape in projector.shapes.items():
         h.update(f"|{name}:{shape}".encode())
+        if projector.widths is not None:  # allocated widths (uniform indexes keep their old fingerprint)
+            h.update(f":{projector.widths[name]}".encode())
         if projector.kind in KRONECKER_KINDS:
             mats = projector.kronecker_matrices(name)
         elif projector.kind == "dense":

@@ -211,7 +211,7 @@ def check_compatible(manifest: dict[str, Any], loaded, index_dir: str | Path | N
                                 f" but the manifest's projection (kind {proj.get('kind')}, dim"
                                 f" {proj.get('projection_dim')}, seed {proj.get('seed')}) generates {generated[:12]}…"
                                 " (the manifest's projection settings were edited)")
-            for key in ("kind", "projection_dim", "seed", "modules"):
+            for key in ("kind", "projection_dim", "seed", "modules", "allocation"):
                 if mine.get(key) != proj.get(key):
                     if key == "modules":
                         diff = [n for n in names if mine["modules"].get(n) != proj["modules"].get(n)]

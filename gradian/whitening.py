@@ -91,40 +91,61 @@ def whitened_tensors(projector: Projector, sums: FactorSums, n_rows: int,
     return out
 
 
-def whitened_projector(projector: Projector, index_dir: Path, settings: dict[str, Any],
-                       compute: Callable[[], tuple[FactorSums, int]], recorded: Mapping | None = None) -> Projector:
-    """The whitened projector of `projector`'s modules, dim and seed, with its matrices from
-    ``projection.safetensors`` in `index_dir` when that file was made with `settings` (the facts
-    that decide it: model weights, data, loss, modules, ...), else computed (`compute()` -> the
-    factor sums and the row count) and written there, under the index's projection lock.
+def shared_file(index_dir: Path, filename: str, settings: str, read_settings: Callable[[Path], str | None],
+                write: Callable[[Path], None], recorded: Mapping | None, what: str) -> dict[str, Any]:
+    """A data-dependent file every worker of an index shares (the whitened projection's matrices,
+    `gradian.allocation`'s widths): under the index's projection lock, `filename` in `index_dir` is
+    reused when `read_settings(path)` equals `settings` (the facts that decide it), else (re)made by
+    `write(path)` (atomically). Returns its record: file, sha256, bytes.
 
-    recorded: the whitening entry of an existing manifest's projection, if any; a file that does
-    not match it is refused (ValueError), never silently replaced.
+    recorded: the record an existing manifest holds for it, if any; a file that does not match it is
+    refused (ValueError), never silently replaced. A file no manifest records, made with other
+    settings (a run killed after the factor pass), is recomputed.
     """
     index_dir = Path(index_dir)
     index_dir.mkdir(parents=True, exist_ok=True)
-    path = index_dir / WHITENING_FILE
-    meta = {"settings": json.dumps({**settings, "damping": WHITEN_DAMPING}, sort_keys=True)}
+    path = index_dir / filename
     with file_lock(index_dir / LOCK):
         if path.is_file() and recorded is not None and sha256_file(path) != recorded.get("sha256"):
-            raise ValueError(f"{path} is not the whitened projection the manifest records (sha256 differs): it was"
+            raise ValueError(f"{path} is not the {what} the manifest records (sha256 differs): it was"
                              " changed after it was written. Delete the index directory to rebuild it.")
-        tensors = None
         if path.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as fh:
-                same = (fh.metadata() or {}).get("settings") == meta["settings"]
-            if same:
-                log.info("reusing the whitened projection %s", path)
+            if read_settings(path) == settings:
+                log.info("reusing the %s %s", what, path)
             else:
                 log.warning("%s was made with other settings and no manifest records it: recomputing it.", path)
                 path.unlink()
         if not path.is_file():
-            sums, n_rows = compute()
-            tensors = whitened_tensors(projector, sums, n_rows)
-            atomic_save_safetensors(path, tensors, meta)
-            log.info("wrote the whitened projection %s (factors of %d rows, %d positions)", path, n_rows, sums.tokens)
-        record = {"file": WHITENING_FILE, "sha256": sha256_file(path), "bytes": path.stat().st_size,
-                  "damping": WHITEN_DAMPING}
-    return Projector.from_description(projector.shapes, {**projector.describe(), "whitening": record}, index_dir)
+            write(path)
+            log.info("wrote the %s %s", what, path)
+        return {"file": filename, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def whitened_projector(projector: Projector, index_dir: Path, settings: dict[str, Any],
+                       compute: Callable[[], tuple[FactorSums, int]], recorded: Mapping | None = None) -> Projector:
+    """The whitened projector of `projector`'s modules, dims and seed, with its matrices from
+    ``projection.safetensors`` in `index_dir` when that file was made with `settings` (the facts
+    that decide it: model weights, data, loss, modules, ...), else computed (`compute()` -> the
+    factor sums and the row count) and written there, under the index's projection lock
+    (`shared_file`).
+
+    recorded: the whitening entry of an existing manifest's projection, if any; a file that does
+    not match it is refused (ValueError), never silently replaced.
+    """
+    meta = {"settings": json.dumps({**settings, "damping": WHITEN_DAMPING}, sort_keys=True)}
+
+    def read_settings(path: Path) -> str | None:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            return (fh.metadata() or {}).get("settings")
+
+    def write(path: Path) -> None:
+        sums, n_rows = compute()
+        atomic_save_safetensors(path, whitened_tensors(projector, sums, n_rows), meta)
+
+    record = shared_file(index_dir, WHITENING_FILE, meta["settings"], read_settings, write, recorded,
+                         "whitened projection")
+    return Projector.from_description(projector.shapes, {**projector.describe(),
+                                                          "whitening": {**record, "damping": WHITEN_DAMPING}},
+                                      index_dir)

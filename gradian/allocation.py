@@ -1,0 +1,211 @@
+"""Per-module widths from the curvature spectrum (`grads.width_allocation: spectrum`).
+
+With ``uniform`` every module is projected to ``projection_dim`` columns. With ``spectrum`` the
+same total, budget = n_modules x projection_dim, is split by each module's effective dimension
+under the damped K-FAC curvature the index's default score (EK-FAC) applies:
+
+    F_m ≈ S_m ⊗ A_m,   eigenvalues e_ij = s_i a_j   (s: of S_m = Σ δ δᵀ / n, a: of A_m = Σ x xᵀ / N)
+    d_m = Σ_ij e_ij / (e_ij + λ_m),   λ_m = ALLOCATION_DAMPING · mean(e_ij)
+
+the number of directions of module m that the damped inverse resolves. Why this measure: a
+random projection to k_m columns estimates module m's part of a preconditioned inner product
+with a variance that grows as ‖F_m^-½ g_q‖² ‖F_m^-½ g‖² / k_m ≈ d_m² / k_m; under Σ k_m = budget
+the total variance Σ d_m² / k_m is smallest at k_m ∝ d_m. The factors come from the same factor
+pass as the whitened projection (`gradian.whitening.factor_pass`, before any row is written).
+
+Each module's share is clamped to [floor, cap] (floor: FLOOR_SHARE x projection_dim; cap: the
+module's size, and K-FAC's side limit) with the excess redistributed (water filling), rounded
+down to a width with a balanced Kronecker factorisation (k², 2k², projection_dim, or the whole
+module), then topped up greedily, the module furthest below its share first, while the total
+stays within the budget. Equal spectra give projection_dim each, so the uniform index's rows.
+
+The widths go to ``allocation.json`` in the index directory (with the effective dimensions and
+the settings that decided them), shared by every worker under the projection lock like the
+whitened matrices (`gradian.whitening.shared_file`), and into the manifest: each module's
+``width`` in the projection entry and an ``allocation`` record (kind, file, sha256, damping,
+floor share, budget, total). Queries read the widths from the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from circuitkit.io import atomic_write_json
+from gradian.curvature import CURVATURE_DAMPING, MAX_FACTOR_WIDTH, FactorSums
+from gradian.projection import Projector, balanced_width, kronecker_factors
+from gradian.whitening import shared_file
+
+ALLOCATION_FILE = "allocation.json"
+# λ_m of the effective dimension: the EK-FAC score's default damping, the curvature being measured.
+ALLOCATION_DAMPING = CURVATURE_DAMPING
+# No module gets fewer than this share of projection_dim (a badly estimated spectrum must not
+# starve a module of all its columns).
+FLOOR_SHARE = 0.25
+# Eigenvalue products are summed in blocks of this many of S's eigenvalues (bounded memory).
+_BLOCK = 256
+
+
+def factor_eigenvalues(factor_sum: torch.Tensor, count: int) -> torch.Tensor:
+    """Eigenvalues (float64, clamped at 0) of factor_sum / count."""
+    return torch.linalg.eigvalsh(factor_sum.double() / max(count, 1)).clamp_min(0)
+
+
+def effective_dimension(s_eig: torch.Tensor, a_eig: torch.Tensor, damping: float = ALLOCATION_DAMPING) -> float:
+    """Σ_ij e_ij / (e_ij + λ), e_ij = s_i a_j, λ = damping · mean(e): module m's d_m. 0 for a zero spectrum."""
+    mean = float(s_eig.mean() * a_eig.mean())
+    if mean <= 0:
+        return 0.0
+    lam = damping * mean
+    total = 0.0
+    for lo in range(0, s_eig.numel(), _BLOCK):
+        e = torch.outer(s_eig[lo:lo + _BLOCK], a_eig)
+        total += float((e / (e + lam)).sum())
+    return total
+
+
+def width_ladder(d_out: int, d_in: int, projection_dim: int, max_side: int | None = MAX_FACTOR_WIDTH) -> list[int]:
+    """Widths a (d_out, d_in) module can be given, ascending: k² and 2k², projection_dim itself and the
+    whole module, each with a Kronecker factorisation `kronecker_factors` accepts unwarned (the whole
+    module always: (d_out, d_in)) and sides of at most `max_side` (K-FAC's factor limit; None: any)."""
+    size = d_out * d_in
+    cands = {size, projection_dim} | {k * k for k in range(1, math.isqrt(size) + 1)} | {
+        2 * k * k for k in range(1, math.isqrt(size // 2) + 1)}
+    out = []
+    for n in sorted(c for c in cands if 1 <= c <= size):
+        if not (n == size or balanced_width(n, d_out, d_in)):
+            continue
+        if max_side is not None and max(kronecker_factors(n, d_out, d_in)) > max_side:
+            continue
+        out.append(n)
+    return out
+
+
+def allocate_widths(shapes: Mapping[str, tuple[int, int]], dims: Mapping[str, float], projection_dim: int,
+                    floor_share: float = FLOOR_SHARE, max_side: int | None = MAX_FACTOR_WIDTH) -> dict[str, int]:
+    """Split budget = len(shapes) x projection_dim among the modules in proportion to `dims` (their
+    effective dimensions), each in [floor, cap] and on its `width_ladder`, the total <= budget
+    (unless the floors alone exceed it). ValueError when a module has no valid width."""
+    names = list(shapes)
+    budget = projection_dim * len(names)
+    ladders = {n: width_ladder(*shapes[n], projection_dim, max_side) for n in names}
+    empty = [n for n in names if not ladders[n]]
+    if empty:
+        raise ValueError(f"grads.width_allocation=spectrum: module {empty[0]} {shapes[empty[0]]} has no width with a"
+                         " Kronecker factorisation within K-FAC's limits.")
+    floor_target = floor_share * projection_dim
+    floors = {n: next((w for w in ladders[n] if w >= floor_target), ladders[n][-1]) for n in names}
+    caps = {n: ladders[n][-1] for n in names}
+    # Water filling: shares of what is left among the modules not yet clamped to their floor or cap.
+    targets: dict[str, float] = {}
+    free, remaining = list(names), float(budget)
+    while free:
+        total = sum(max(dims[n], 0.0) for n in free)
+        share = {n: remaining * (max(dims[n], 0.0) / total if total > 0 else 1 / len(free)) for n in free}
+        clamped = {n: floors[n] for n in free if share[n] < floors[n]} | {
+            n: caps[n] for n in free if share[n] > caps[n]}
+        if not clamped:
+            targets |= share
+            break
+        targets |= clamped
+        remaining -= sum(clamped.values())
+        free = [n for n in free if n not in clamped]
+    widths = {n: max(floors[n], max((w for w in ladders[n] if w <= targets[n]), default=floors[n])) for n in names}
+    while True:  # top up: the module furthest below its target first, while the budget allows
+        used = sum(widths.values())
+        options = []
+        for i, n in enumerate(names):
+            up = next((w for w in ladders[n] if w > widths[n]), None)
+            if up is not None and used - widths[n] + up <= budget:
+                options.append((-targets[n] / widths[n], i, n, up))
+        if not options:
+            return widths
+        _, _, n, up = min(options)
+        widths[n] = up
+
+
+def spectrum_widths(shapes: Mapping[str, tuple[int, int]], sums: FactorSums, n_rows: int,
+                    projection_dim: int) -> tuple[dict[str, int], dict[str, float]]:
+    """(widths, effective dimensions) of `shapes`' modules from the full factor sums of a factor pass."""
+    dims = {n: effective_dimension(factor_eigenvalues(sums.s[n], n_rows), factor_eigenvalues(sums.a[n], sums.tokens))
+            for n in shapes}
+    return allocate_widths(shapes, dims, projection_dim), dims
+
+
+def provisional_widths(shapes: Mapping[str, tuple[int, int]], projection_dim: int) -> dict[str, int]:
+    """Widths for estimates made before the factor pass: each module's largest ladder width up to
+    projection_dim (projection_dim itself where the module has it)."""
+    out = {}
+    for n, (d_out, d_in) in shapes.items():
+        ladder = width_ladder(d_out, d_in, projection_dim)
+        out[n] = max((w for w in ladder if w <= projection_dim), default=ladder[0] if ladder else 1)
+    return out
+
+
+def allocated_projector(shapes: Mapping[str, tuple[int, int]], kind: str, projection_dim: int, seed: int,
+                        index_dir: Path, settings: dict[str, Any], compute: Callable[[], tuple[FactorSums, int]],
+                        recorded: Mapping | None = None) -> Projector:
+    """The `kind` projector of `shapes` with the spectrum allocation's widths (budget len(shapes) x
+    projection_dim): read from ``allocation.json`` in `index_dir` when it was made with `settings`
+    (the facts that decide it), else computed (`compute()` -> the factor sums and the row count) and
+    written there under the projection lock. A whitened kind gets its matrices afterwards
+    (`gradian.whitening.whitened_projector`).
+
+    recorded: the allocation record of an existing manifest's projection; a file that does not match
+    it is refused (ValueError)."""
+    knobs = {"damping": ALLOCATION_DAMPING, "floor_share": FLOOR_SHARE}
+    described = {"kind": kind, "projection_dim": projection_dim, "seed": seed,
+                 "shapes": {n: list(s) for n, s in shapes.items()}}
+    settings_json = json.dumps({**settings, "projection": described, **knobs}, sort_keys=True)
+
+    def read_settings(path: Path) -> str | None:
+        try:
+            return json.loads(path.read_text()).get("settings")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def write(path: Path) -> None:
+        sums, n_rows = compute()
+        widths, dims = spectrum_widths(shapes, sums, n_rows, projection_dim)
+        atomic_write_json(path, {"settings": settings_json, "widths": widths,
+                                 "effective_dimension": {n: round(d, 3) for n, d in dims.items()}, **knobs})
+
+    record = shared_file(index_dir, ALLOCATION_FILE, settings_json, read_settings, write, recorded,
+                         "width allocation")
+    stored = json.loads((Path(index_dir) / ALLOCATION_FILE).read_text())
+    widths = stored.get("widths") or {}
+    missing = [n for n in shapes if not isinstance(widths.get(n), int)]
+    if missing:
+        raise ValueError(f"{Path(index_dir) / ALLOCATION_FILE} gives no width for {missing[0]}.")
+    record = {"kind": "spectrum", **record, **knobs, "budget": len(shapes) * projection_dim,
+              "total": sum(widths[n] for n in shapes)}
+    return Projector(shapes, kind, projection_dim, seed, widths={n: widths[n] for n in shapes}, allocation=record)
+
+
+def allocation_problems(index_dir: Path, proj: Mapping) -> list[str]:
+    """What `gradian inspect --verify` reports of a projection's allocation record: its file missing or
+    changed, or widths that do not sum to the recorded total. [] for a uniform projection."""
+    record = proj.get("allocation")
+    if record is None:
+        return []
+    if not isinstance(record, Mapping) or record.get("kind") != "spectrum":
+        return [f"projection.allocation {str(record)[:60]!r} is not a spectrum allocation record"]
+    from circuitkit.io import sha256_file
+
+    problems = []
+    path = Path(index_dir) / str(record.get("file"))
+    if record.get("file") != ALLOCATION_FILE or not path.is_file():
+        problems.append(f"{path.name} (the width allocation) is missing")
+    elif sha256_file(path) != record.get("sha256"):
+        problems.append(f"{path.name} has another sha256 than the manifest records: the width allocation was"
+                        " changed after it was written")
+    widths = [e.get("width") for e in (proj.get("modules") or {}).values() if isinstance(e, Mapping)]
+    if sum(w for w in widths if isinstance(w, int)) != record.get("total"):
+        problems.append(f"the modules' widths sum to {sum(w for w in widths if isinstance(w, int))}, the allocation"
+                        f" records a total of {record.get('total')}")
+    return problems
