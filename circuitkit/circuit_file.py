@@ -19,7 +19,8 @@ fields (`Circuit`, in the order they are stored):
     config (resolved), versions                         written by the pipeline
     imported_from {format, path, sha256}                written by `circuitkit import`
     task, corruption                                    discovery.task; its corruption where it has a
-                                                        choice (ioi: data_params.ioi_corruption, s2 | abc)
+                                                        choice (ioi: data_params.ioi_corruption, s2 | abc;
+                                                        induction: key | swap, by data_params.induction_format)
     heldout_templates {n_examples, corruption, full, empty, circuit, faithfulness}
                                                         the same circuit and ablation measured on the
                                                         task's held-out templates (None = not measured)

@@ -104,3 +104,75 @@ def learn_edge_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor,
     out = theta.detach().cpu().clone()
     out[~valid] = -torch.inf
     return out
+
+
+def install_head_mask(adapter: ModelAdapter, hk: HookSet, mask: torch.Tensor, corrupted_z: list[torch.Tensor]) -> None:
+    """Hooks that make head h's output m_h z(live) + (1 - m_h) z(corrupted): mask (L, H) in [0, 1]
+    (differentiable), corrupted_z[layer] (B, T, H x head_dim) from the corrupted run. A 0/1 mask is
+    the pruning evaluator's counterfactual ablation (`circuitkit.pruning.ablate_heads`)."""
+    dh = adapter.head_dim
+    for layer in range(adapter.n_layers):
+        def hook(module, args, layer=layer):
+            z = args[0]
+            m = mask[layer].repeat_interleave(dh).to(z.dtype)
+            cz = corrupted_z[layer][..., :z.shape[-2], :].to(z.dtype)
+            return (cz + m * (z - cz), *args[1:])
+        hk.pre(adapter.z_input(layer), hook)
+
+
+def learn_head_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor, metric: str = "logit_diff",
+                    steps: int = 40, lr: float = 0.1, penalty: float = 1.0, batch_size: int = 8,
+                    init_density: float = 0.1,
+                    progress: Callable[[int, float, float, float], None] | None = None) -> torch.Tensor:
+    """Trained head-mask logits θ (L, H) float32, warm-started from |scores| (L, H): rank heads by them.
+
+    The head-scope twin of `learn_edge_mask`: head h's output z is m_h z(live) + (1 - m_h)
+    z(corrupted), m = sigmoid(θ), with the same loss (squared metric error against the full model,
+    normalized by the clean-corrupted gap, + penalty x mean mask) and Adam, one batch of `data`
+    per step, cycling.
+    """
+    from circuitkit.pruning import Evaluator
+
+    if steps < 1:
+        raise ValueError(f"pruning.mask_steps={steps} must be at least 1")
+    data = data[:steps * batch_size]
+    ev = Evaluator(adapter, data, metric, "corrupted", None, batch_size)  # clean answers, corrupted z per batch
+    corrupted_m = []
+    with torch.no_grad():
+        for batch, _, _ in ev.batches:
+            logits = answer_forward(adapter.model, batch.corrupted_ids, batch.attention_mask, batch.answer_pos)
+            corrupted_m.append(compute_metric(metric, logits, batch).mean())
+    gap = ev.m_clean - float(sum(m * len(b.clean_ids) for m, (b, _, _) in zip(corrupted_m, ev.batches,
+                                                                             strict=True))) / ev.n
+    if abs(gap) < 1e-6:
+        raise ValueError("head mask learning needs the clean and corrupted runs to differ on the metric (their"
+                         f" mean {metric} gap is {gap:.2e}); use pairs whose corruption changes the answer.")
+    valid = torch.ones(scores.shape, dtype=torch.bool)
+    device = ev.batches[0][0].clean_ids.device
+    theta = warm_start(scores, valid, init_density).to(device).requires_grad_(True)
+    opt = torch.optim.Adam([theta], lr=lr)
+    targets = [compute_metric(metric, answer, batch, answer) for batch, answer, _ in ev.batches]
+    requires = [p.requires_grad for p in adapter.model.parameters()]
+    for p in adapter.model.parameters():
+        p.requires_grad_(False)
+    try:
+        for step in range(steps):
+            i = step % len(ev.batches)
+            batch, clean_answer, corrupted_z = ev.batches[i]
+            mask = torch.sigmoid(theta)
+            with HookSet() as hk:
+                install_head_mask(adapter, hk, mask, corrupted_z)
+                logits = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
+            m = compute_metric(metric, logits, batch, clean_answer)
+            faith = ((m - targets[i]) ** 2).mean() / gap ** 2
+            density = mask.mean()
+            loss = faith + penalty * density
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if progress is not None:
+                progress(step + 1, loss.item(), faith.item(), density.item())
+    finally:
+        for p, r in zip(adapter.model.parameters(), requires, strict=True):
+            p.requires_grad_(r)
+    return theta.detach().cpu().clone()

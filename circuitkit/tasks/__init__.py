@@ -1,6 +1,7 @@
 """Tasks that supply clean / corrupted pairs for attribution and faithfulness.
 
-* ``induction``: synthetic repeated symbols (``tasks/induction.py``).
+* ``induction``: synthetic repeated symbols; ``data_params.induction_format``: single (one
+  `A B` pair, the default) or repeat (a repeated random span) (``tasks/induction.py``).
 * ``ioi``: indirect object identification; ``data_params.ioi_corruption``: s2 (second subject
   mention only, the default) or abc (all three names); held-out templates (``tasks/ioi.py``).
 * ``greater_than``: "from the year 17YY to the year 17", YY -> 01 (``tasks/greater_than.py``).
@@ -34,7 +35,10 @@ HELDOUT_TEMPLATE_TASKS = ("ioi",)  # tasks with templates attribution never sees
 
 
 def corruption_of(task: str, dp: DataParams) -> str | None:
-    """The configured corruption of `task` when it has a choice of them (ioi: s2 or abc), else None."""
+    """The configured corruption of `task` when it has a choice of them (ioi: s2 or abc; induction: key
+    with the single format, swap with the repeat format), else None."""
+    if task == "induction":
+        return "swap" if dp.induction_format == "repeat" else "key"
     return dp.ioi_corruption if task == "ioi" else None
 
 
@@ -130,6 +134,9 @@ def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: 
     if task != "ioi" and dp.ioi_corruption != DataParams.ioi_corruption:
         log.warning("discovery.data_params.ioi_corruption=%r is not used: the %s task has its own corruption"
                     " (ioi_corruption is read by the ioi task only).", dp.ioi_corruption, task)
+    if task != "induction" and dp.induction_format != DataParams.induction_format:
+        log.warning("discovery.data_params.induction_format=%r is not used: it is read by the induction task"
+                    " only.", dp.induction_format)
     if task not in SAMPLE_FILES and task in BUILT_TASKS and dp.data_path is not None:
         log.warning("discovery.data_params.data_path=%r is not used: the %s task generates its examples"
                     " (data_path is read by the mmlu and jsonl tasks only).", dp.data_path, task)
@@ -137,7 +144,7 @@ def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: 
         raise TaskError(f"discovery.data_params.seq_len={dp.seq_len} exceeds the model's context of {max_tokens}"
                         f" tokens; set it to at most {max_tokens}.")
     if task == "induction":
-        return induction.build(tokenizer, model_dir, n, dp.seq_len, seed)
+        return induction.build(tokenizer, model_dir, n, dp.seq_len, seed, dp.induction_format)
     if task == "ioi":
         return ioi.build(tokenizer, n, seed, dp.ioi_corruption)
     if task == "greater_than":

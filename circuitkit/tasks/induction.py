@@ -1,8 +1,18 @@
 """Induction: `... A B ... A` -> predict B, with repeats at varying lags.
 
-Corruption (DESIGN.md, "Test fixtures"): "key" replaces the token A before the first
-occurrence of the copied token B, so the previous-token signal at B's position no longer
-matches the query (the K-composition path); the incorrect answer is a random other symbol.
+Two formats (`discovery.data_params.induction_format`):
+
+* ``single`` (the default): one `A B` among random symbols, `A` last. Corruption (DESIGN.md,
+  "Test fixtures"): "key" replaces the token A before the first occurrence of the copied token
+  B, so the previous-token signal at B's position no longer matches the query (the K-composition
+  path); the incorrect answer is a random other symbol.
+* ``repeat``: a random span, some filler, then the span again cut short: the answer is the span's
+  next token (Olsson et al.'s repeated random tokens). Corruption ("swap") exchanges the query
+  token's first occurrence with the answer after it, so in the corrupted prompt the query token is
+  followed by the answer's successor, which is the incorrect answer: both answers are in context
+  in both prompts, the logit difference measures which in-context token is copied (not whether
+  one is), and the contrast runs through both halves of the mechanism (the previous-token signal
+  at the answer's position and the induction head's attention).
 """
 
 from __future__ import annotations
@@ -33,7 +43,14 @@ def symbol_ids(tokenizer, model_dir: str | None) -> torch.Tensor:
     return torch.tensor([i for i in range(len(tokenizer)) if i not in special], dtype=torch.long)
 
 
-def build(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int) -> TaskData:
+def build(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int, fmt: str = "single") -> TaskData:
+    """`n` induction pairs of `seq_len` tokens in format `fmt` (single or repeat, module docstring)."""
+    if fmt == "repeat":
+        return build_repeat(tokenizer, model_dir, n, seq_len, seed)
+    return build_single(tokenizer, model_dir, n, seq_len, seed)
+
+
+def build_single(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int) -> TaskData:
     """`n` induction pairs of `seq_len` tokens: BOS, random symbols, `A B` early, `A` last.
 
     clean:      BOS s s A B s s ... s A        (predict B)
@@ -58,6 +75,38 @@ def build(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int) -> 
         corrupted[i, 1 + first] = a_alt
         correct.append([int(b)])
         incorrect.append([int(wrong)])
+    mask = torch.ones_like(clean)
+    answer_pos = torch.full((n,), seq_len - 1, dtype=torch.long)
+    return TaskData(clean, corrupted, mask, answer_pos, pad_answers(correct), pad_answers(incorrect))
+
+
+def build_repeat(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int) -> TaskData:
+    """`n` repeated-span pairs of `seq_len` tokens:
+
+    clean:      BOS r1 .. r(m-1) rm r(m+1) r(m+2) .. rk f .. f r1 .. rm      (predict r(m+1))
+    corrupted:  BOS r1 .. r(m-1) r(m+1) rm r(m+2) .. rk f .. f r1 .. rm      (predict r(m+2))
+
+    k = (seq_len + 2) // 2 symbols in the span, 0 .. k // 3 filler symbols (fewer for short prompts),
+    m = the rest: 2 <= m <= k - 2, so both answers lie inside the first copy.
+    """
+    g = torch.Generator().manual_seed(seed)
+    symbols = symbol_ids(tokenizer, model_dir)
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else int(symbols[0])
+    k = (seq_len + 2) // 2
+    max_gap = max(0, min(k // 3, seq_len - 3 - k))
+    clean = torch.empty((n, seq_len), dtype=torch.long)
+    corrupted = torch.empty_like(clean)
+    correct, incorrect = [], []
+    for i in range(n):
+        perm = symbols[torch.randperm(len(symbols), generator=g)]
+        gap = int(torch.randint(0, max_gap + 1, (1,), generator=g))
+        m = seq_len - 1 - k - gap
+        span, filler = perm[:k], perm[k:k + gap]
+        clean[i] = torch.cat([torch.tensor([bos]), span, filler, span[:m]])
+        corrupted[i] = clean[i]
+        corrupted[i, m], corrupted[i, 1 + m] = span[m], span[m - 1]
+        correct.append([int(span[m])])
+        incorrect.append([int(span[m + 1])])
     mask = torch.ones_like(clean)
     answer_pos = torch.full((n,), seq_len - 1, dtype=torch.long)
     return TaskData(clean, corrupted, mask, answer_pos, pad_answers(correct), pad_answers(incorrect))

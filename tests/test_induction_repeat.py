@@ -1,0 +1,89 @@
+"""Issue 37, part 1: the repeated-span induction format and the learned head mask."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from circuitkit.attribution import attribute
+from circuitkit.attribution.metrics import answer_forward, compute_metric
+from circuitkit.config import DataParams, ModelConfig
+from circuitkit.models.hooks import HookSet
+from circuitkit.models.loading import load_model
+from circuitkit.pruning import Evaluator, keep_top
+from circuitkit.pruning_optimize import install_head_mask, learn_head_mask
+from circuitkit.tasks import build_task, corruption_of
+
+KNOWN = {(0, 2), (1, 1)}  # the induction fixture's circuit: previous-token head L0H2 -> induction head L1H1
+
+
+@functools.cache
+def setup():
+    lm = load_model(ModelConfig(name="builtin:induction", precision="float32"))
+    data = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16, induction_format="repeat"), 24, 0)
+    return lm, data
+
+
+@pytest.mark.parametrize("seq_len", [8, 9, 16, 24, 33])
+def test_repeat_pairs_swap_the_query_and_the_answer_in_the_first_copy(seq_len):
+    lm, _ = setup()
+    d = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=seq_len, induction_format="repeat"), 40, 1)
+    assert d.clean_ids.shape == (40, seq_len)
+    for i in range(len(d)):
+        clean, corr = d.clean_ids[i].tolist(), d.corrupted_ids[i].tolist()
+        diff = [j for j in range(seq_len) if clean[j] != corr[j]]
+        assert len(diff) == 2 and diff[1] == diff[0] + 1  # two neighbours swapped
+        assert (clean[diff[0]], clean[diff[1]]) == (corr[diff[1]], corr[diff[0]])
+        query, good, bad = clean[-1], int(d.correct[i, 0]), int(d.incorrect[i, 0])
+        # clean: the query's first occurrence is followed by the answer; corrupted: by the incorrect one
+        assert clean[clean.index(query) + 1] == good and corr[corr.index(query) + 1] == bad
+        assert good in clean and bad in clean and good in corr and bad in corr
+    assert corruption_of("induction", DataParams(induction_format="repeat")) == "swap"
+    assert corruption_of("induction", DataParams()) == "key"
+
+
+def test_repeat_format_finds_the_known_circuit_on_the_fixture():
+    lm, data = setup()
+    scores = attribute(lm.adapter, data[:12], "eap-ig", "node", ig_steps=5, batch_size=4, progress=False)
+    top = {tuple(x) for x in keep_top(scores.head, 2, "abs").nonzero().tolist()}
+    assert top == KNOWN
+    ev = Evaluator(lm.adapter, data[12:], "logit_diff", "corrupted", None, 4)
+    assert ev.m_clean > 5 and ev(torch.zeros(scores.head.shape, dtype=torch.bool)) < -5  # the swap flips the answer
+
+
+def test_learned_head_mask_keeps_the_known_circuit_and_sheds_density():
+    """Warm-started from EAP-IG, the mask keeps the two known heads on top while its loss and mean density fall."""
+    lm, data = setup()
+    scores = attribute(lm.adapter, data[:12], "eap-ig", "node", ig_steps=5, batch_size=4, progress=False)
+    seen = []
+    theta = learn_head_mask(lm.adapter, data[:12], scores.head, steps=20, batch_size=4, init_density=0.5,
+                            progress=lambda step, loss, faith, density: seen.append((loss, faith, density)))
+    assert {tuple(x) for x in keep_top(theta, 2, "signed").nonzero().tolist()} == KNOWN
+    assert seen[-1][0] < seen[0][0] and seen[-1][2] < seen[0][2]
+    assert theta.shape == scores.head.shape and torch.isfinite(theta).all()
+
+
+def test_soft_head_mask_at_0_and_1_is_the_pruning_evaluator():
+    lm, data = setup()
+    ev = Evaluator(lm.adapter, data[12:], "logit_diff", "corrupted", None, 4)
+    for heads in ([(1, 1)], [(0, 2), (1, 1)], [(0, 0), (1, 3)]):
+        kept = torch.zeros(lm.adapter.n_layers, lm.adapter.n_heads, dtype=torch.bool)
+        for h in heads:
+            kept[h] = True
+        total = 0.0
+        for batch, clean_answer, corrupted_z in ev.batches:
+            with torch.no_grad(), HookSet() as hk:
+                install_head_mask(lm.adapter, hk, kept.float(), corrupted_z)
+                logits = answer_forward(lm.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
+            total += compute_metric("logit_diff", logits, batch, clean_answer).sum().item()
+        assert total / ev.n == pytest.approx(ev(kept), abs=1e-5)
+
+
+def test_head_mask_rejects_pairs_without_a_gap():
+    lm, data = setup()
+    same = data[:4]
+    same.corrupted_ids = same.clean_ids.clone()
+    with pytest.raises(ValueError, match="differ on the metric"):
+        learn_head_mask(lm.adapter, same, torch.zeros(2, 4), steps=1, batch_size=4)
