@@ -25,6 +25,7 @@ from circuitkit.pipeline import StageMemory
 from gradian.capture import activation_mode, logit_chunk_rows
 from gradian.curvature import has_kfac, has_module
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, Projector
+from gradian.width_table import width_note
 
 # Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
 # dispatch tracker of `measure_peak`, float32, sdpa, frozen parameters, on the tiny GPT-2 / Llama
@@ -308,4 +309,4 @@ def _grads_stage_estimate(cfg: AppConfig) -> MemoryEstimate | None:
     return grads_estimate(cfg) if cfg.grads.enabled else None
 
 
-GRADS_MEMORY = StageMemory(estimate=_grads_stage_estimate, advice=grads_advice)
+GRADS_MEMORY = StageMemory(estimate=_grads_stage_estimate, advice=grads_advice, note=width_note)

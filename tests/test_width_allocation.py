@@ -221,3 +221,15 @@ def test_memory_estimate_counts_the_factor_pass(root: Path) -> None:
     est, ref = grads_estimate(spectrum), grads_estimate(uniform)
     assert est.terms["factor pass (width allocation)"] > 0
     assert "factor pass (width allocation)" not in ref.terms
+
+
+def test_the_preflight_prints_each_widths_disk_and_measured_figures(root: Path) -> None:
+    from gradian.width_table import MEASURED, width_note
+
+    cfg = _cfg(root, "grads.projection_dim=1024", "grads.storage_dtype=float16")
+    line = width_note(cfg)
+    # 20 rows x 8 modules x 1024 x 2 bytes = 320 KiB; the tiny GPT-2's smallest module holds 4096 weights
+    assert "rows on disk for 20 rows of 8 modules in float16" in line
+    assert "1024 (this run): 320.0 KiB" in line and f"S {MEASURED[1024][0]:.3f}, LDS {MEASURED[1024][1]:.3f}" in line
+    assert "4096:" not in line  # not below the smallest module's size: no projection to speak of
+    assert width_note(_cfg(root, "grads.projection_dim=null")) is None
