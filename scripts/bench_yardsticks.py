@@ -162,7 +162,8 @@ def damped_label(score: str, damping: float) -> str:
 
 def setup_label(projection: str, fisher: str) -> str:
     """The tables' name of an index's projection kind and Fisher (the first is the old default)."""
-    return f"{'orthogonal' if projection == 'kronecker_orthogonal' else projection}, {fisher}"
+    kind, plus, allocation = projection.partition("+")  # "+spectrum": grads.width_allocation=spectrum
+    return f"{'orthogonal' if kind == 'kronecker_orthogonal' else kind}{plus}{allocation}, {fisher}"
 
 
 DEFAULT_SETUP = setup_label("kronecker", "empirical")  # rows of JSON files written before --projections
@@ -181,13 +182,16 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
     out = []
     plan = ([(loss, None, 0) for loss in losses] if raw_too else []) + [
         (loss, w, s) for loss in losses for w in widths for s in range(seeds)]
+    kind, _, allocation = projection.partition("+")  # "kronecker_orthogonal+spectrum": grads.width_allocation
     for loss, width, seed in plan:
         raw = width is None
-        module = not raw and width <= 4096 and {"influence", "whitened"} & set(wanted)
+        # per-module widths (spectrum) have no equal-width module second moments
+        module = not raw and not allocation and width <= 4096 and {"influence", "whitened"} & set(wanted)
         precond = "module+kfac" if module else "kfac"
         grads = GradsConfig(data_path=str(ys.docs), batch_size=batch_size, module_filter=modules,
-                            projection=projection, projection_dim=width, projection_seed=seed,
-                            storage_dtype="float32", loss=loss, preconditioner=precond, fisher=fisher)
+                            projection=kind, projection_dim=width, projection_seed=seed,
+                            storage_dtype="float32", loss=loss, preconditioner=precond, fisher=fisher,
+                            width_allocation=(allocation or "uniform") if width else "uniform")
         index_dir = work / f"{ys.name}_{loss}_{width or 'raw'}_{seed}_{projection}_{fisher}"
         start = time.perf_counter()
         build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)
@@ -205,6 +209,8 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
                                 "setup": setup_label(projection if width else "kronecker", fisher),
                                 "seed": seed, "score": score if damping is None else damped_label(score, damping),
                                 "stream_s": seconds, "index_s": index_s, "bytes": sizes,
+                                **({"widths": [e["width"] for e in manifest["projection"]["modules"].values()]}
+                                   if allocation else {}),
                                 **ys.evaluate(style, matrix)})
             if raw and "influence" in wanted:
                 start = time.perf_counter()
@@ -519,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--projections", default="kronecker",
                    help="grads.projection of the projected indexes, a comma list of kronecker, kronecker_orthogonal, whitened"
                         " (default kronecker, as every table before the fourth round: the product's default is"
-                        " kronecker_orthogonal since)")
+                        " kronecker_orthogonal since); a kind with '+spectrum' (kronecker_orthogonal+spectrum) also"
+                        " sets grads.width_allocation=spectrum")
     p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence, traker)")
     p.add_argument("--peer-dim", type=int, default=4096, help="traker's projected width (all modules together)")
     p.add_argument("--kronfluence-empirical", action="store_true",
@@ -546,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     fishers = [f for f in args.fisher.split(",") if f]
     projections = [x for x in args.projections.split(",") if x]
     bad = [x for x in fishers if x not in ("empirical", "sampled")] + [
-        x for x in projections if x not in ("kronecker", "kronecker_orthogonal", "whitened")]
+        x for x in projections if x.partition("+")[0] not in ("kronecker", "kronecker_orthogonal", "whitened")
+        or x.partition("+")[2] not in ("", "spectrum")]
     if bad:
         raise SystemExit(f"--fisher / --projections: unknown {bad} (empirical, sampled; kronecker, kronecker_orthogonal,"
                          " whitened)")
