@@ -13,6 +13,11 @@ among all documents):
           and short.
 * ``S``   (--smollm2 DIR) a fact set of B's generator fine-tuned into SmolLM2-135M on the CPU
           (--smollm2-facts facts, a few AdamW steps on a few modules), recall of ``para`` queries.
+* ``S2``  (--smollm2-chat DIR) S's kind of facts (--smollm2-chat-facts), each taught by one plain
+          declarative sentence (one phrasing per kind), fine-tuned in as S is (--smollm2-chat-epochs),
+          queried in another register: chat turns through SmolLM2's chat template, the assistant
+          answering in B's ``para`` sentence (``chat``) or a short informal answer (``chat_answer``).
+          The fine-tune record has the model's top-1-of-8 fact accuracy on each phrasing.
 
 Options, per loss (ce, margin) and width per module (--widths; kronecker, 3 projection seeds):
 ``cosine``, ``influence`` and ``whitened`` (module second moments, widths <= 4096), ``kfac`` and
@@ -313,14 +318,14 @@ def lds_yardstick(work: Path, subsets: int, console: Console) -> Yardstick:
 SMOLLM2_FORMAT = 2  # bump when the fact set, the trained modules or the training changes
 
 
-def smollm2_yardstick(work: Path, model_dir: str, n_facts: int, epochs: int, console: Console) -> Yardstick:
-    """Fine-tune SmolLM2 on B-style facts (ceil(n_facts / 5) entities x 5 kinds + n_facts / 2
-    distractors), only the MLP down projections of the last 4 layers (the backward stops there),
-    `epochs` epochs of AdamW (batch 8, lr 1e-3); queries ``para`` and ``answer`` of every fact.
+def fine_tuned_smollm2(model_dir: str, doc_rows: list[dict], epochs: int, console: Console, prefix: str = "smollm2",
+                       key_extra: dict[str, Any] | None = None, lr: float = 1e-3, batch: int = 8) -> tuple[Path, dict]:
+    """SmolLM2 fine-tuned on `doc_rows` (only the MLP down projections of the last 4 layers train, so
+    the backward stops there; `epochs` epochs of AdamW), and its training record.
 
-    Cached under $CIRCUITKIT_CACHE/yardsticks/smollm2-<key>/, the key a sha256 of the base model's
-    config and weights, the documents and the training settings: a rerun reuses the model (the
-    fine-tuning is deterministic on the CPU: seeded order, one thread)."""
+    Cached under $CIRCUITKIT_CACHE/yardsticks/<prefix>-<key>/, the key a sha256 of the base model's
+    config and weights, the documents and the training settings (`key_extra` included): a rerun
+    reuses the model (the fine-tuning is deterministic on the CPU: seeded order, one thread)."""
     import hashlib
     import shutil
 
@@ -329,21 +334,19 @@ def smollm2_yardstick(work: Path, model_dir: str, n_facts: int, epochs: int, con
     from circuitkit.fixtures.cache import cache_root
     from circuitkit.models.loading import load_model
 
-    corpus = make_corpus_b(-(-n_facts // 5), n_generic=n_facts // 2, seed=3)
-    lr, batch = 1e-3, 8
     key = hashlib.sha256()
     for name in sorted(os.listdir(model_dir)):
         if name.endswith((".json", ".safetensors")):
             key.update(name.encode())
             key.update(hashlib.sha256((Path(model_dir) / name).read_bytes()).digest())
-    key.update(json.dumps({"docs": corpus.docs, "epochs": epochs, "lr": lr, "batch": batch,
-                           "format": SMOLLM2_FORMAT}, sort_keys=True).encode())
-    cached = cache_root() / "yardsticks" / f"smollm2-{key.hexdigest()[:16]}"
+    key.update(json.dumps({"docs": doc_rows, "epochs": epochs, "lr": lr, "batch": batch, **(key_extra or {})},
+                          sort_keys=True).encode())
+    cached = cache_root() / "yardsticks" / f"{prefix}-{key.hexdigest()[:16]}"
     if not (cached / "info.json").is_file():
         tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        docs = write_jsonl(tmp / "s_docs.jsonl", corpus.docs)
+        docs = write_jsonl(tmp / "s_docs.jsonl", doc_rows)
         loaded = load_model(ModelConfig(name=model_dir, precision="float32"), device=torch.device("cpu"))
         model = loaded.model
         n_layers = model.config.num_hidden_layers
@@ -365,16 +368,144 @@ def smollm2_yardstick(work: Path, model_dir: str, n_facts: int, epochs: int, con
         model.requires_grad_(False)
         model.save_pretrained(tmp / "model")
         loaded.tokenizer.save_pretrained(tmp / "model")
-        info |= {"trained_modules": trained, "wall_s": time.perf_counter() - start, "docs": len(corpus.docs),
-                 "facts": corpus.n_facts, "threads": torch.get_num_threads()}
+        info |= {"trained_modules": trained, "wall_s": time.perf_counter() - start, "docs": len(doc_rows),
+                 "threads": torch.get_num_threads()}
         (tmp / "info.json").write_text(json.dumps(info, indent=1))
         shutil.rmtree(cached, ignore_errors=True)
         os.replace(tmp, cached)
         console.print(f"SmolLM2 fine-tune (cached in {cached}): {info}")
-    info = json.loads((cached / "info.json").read_text())
+    return cached, json.loads((cached / "info.json").read_text())
+
+
+def smollm2_yardstick(work: Path, model_dir: str, n_facts: int, epochs: int, console: Console) -> Yardstick:
+    """Fine-tune SmolLM2 on B-style facts (ceil(n_facts / 5) entities x 5 kinds + n_facts / 2
+    distractors), only the MLP down projections of the last 4 layers (the backward stops there),
+    `epochs` epochs of AdamW (batch 8, lr 1e-3); queries ``para`` and ``answer`` of every fact.
+    The model is cached (`fine_tuned_smollm2`)."""
+    corpus = make_corpus_b(-(-n_facts // 5), n_generic=n_facts // 2, seed=3)
+    cached, info = fine_tuned_smollm2(model_dir, corpus.docs, epochs, console, key_extra={"format": SMOLLM2_FORMAT})
+    info.setdefault("facts", corpus.n_facts)
     docs = write_jsonl(work / "s_docs.jsonl", corpus.docs)
     queries = {style: write_jsonl(work / f"s_queries_{style}.jsonl", q) for style, q in corpus.queries.items()}
     ys = Yardstick("S", str(cached / "model"), docs, queries, corpus.targets)
+    ys.fine_tune = info
+    ys.modules = info["trained_modules"]
+    return ys
+
+
+# S2: S's kind of facts, taught in one phrasing, asked in another register (a chat turn).
+S2_FORMAT = 1  # bump when the S2 set or its training changes
+S2_PROMPT = "From the archive:"  # every document's prompt: the sentences are the teaching
+# A short, informal assistant answer per kind; the value keeps its leading space (the token the
+# documents taught), and no document or question uses these words.
+S2_SHORT = {"instrument": "Oh, the {v}.", "colour": "Definitely {v}.", "city": "Over in {v}.",
+            "language": "Mostly {v}.", "commute": "Usually by {v}."}
+
+
+def s2_fact_rows(entity: str, kind: str, value: str) -> dict[str, dict]:
+    """One fact in each S2 phrasing: ``taught`` (the document), ``chat`` (a chat turn whose answer is
+    B's `para` sentence), ``chat_answer`` (a chat turn with a short informal answer)."""
+    from planted_facts_b import KINDS
+
+    spec = KINDS[kind]
+    question = {"role": "user", "content": spec["question"].format(e=entity)}
+    return {
+        "taught": {"prompt": S2_PROMPT, "completion": spec["docs"][0].format(e=entity, v=value)},
+        "chat": {"messages": [question, {"role": "assistant",
+                                         "content": spec["para"].format(e=entity, v=value).strip()}]},
+        "chat_answer": {"messages": [question, {"role": "assistant", "content": S2_SHORT[kind].format(v=value)}]},
+    }
+
+
+S2_STYLES = ("chat", "chat_answer")
+
+
+def make_corpus_s2(n_facts: int, n_generic: int | None = None, seed: int = 5):
+    """The S2 set: n_facts facts of planted_facts_b's kinds (entities x 5 kinds, the last entity's
+    kinds cut to fit), each taught by one document in one plain declarative phrasing per kind (the
+    kind's first template, one fixed prompt), n_generic distractors (default n_facts / 2), shuffled;
+    queries of `S2_STYLES` (chat turns, rendered by the model's chat template). Returns
+    (planted_facts_b.CorpusB, facts as (entity, kind, value)). Deterministic in the seed."""
+    import random
+
+    from planted_facts_b import FIRST, KINDS, SECOND, CorpusB
+
+    from circuitkit.fixtures.models import synthetic_corpus
+
+    rng = random.Random(seed + 202)
+    names = [a + b for a in FIRST for b in SECOND]
+    entities = rng.sample(names, -(-n_facts // len(KINDS)))
+    facts = [(e, kind, rng.choice(spec["values"])) for e in entities for kind, spec in KINDS.items()][:n_facts]
+    docs: list[tuple[dict, int | None]] = [(s2_fact_rows(*f)["taught"], i) for i, f in enumerate(facts)]
+    generic = rng.sample(synthetic_corpus(n_sentences=300, seed=seed + 11), n_facts // 2 if n_generic is None else n_generic)
+    docs += [({"prompt": S2_PROMPT, "completion": " " + s}, None) for s in generic]
+    rng.shuffle(docs)
+    where = {fact: row for row, (_, fact) in enumerate(docs) if fact is not None}
+    queries = {style: [s2_fact_rows(*f)[style] for f in facts] for style in S2_STYLES}
+    return CorpusB([d for d, _ in docs], queries, [where[i] for i in range(len(facts))], len(facts)), facts
+
+
+def fact_accuracy(loaded, facts: list[tuple[str, str, str]], work: Path, batch_size: int = 16) -> dict[str, float]:
+    """Did the model learn the facts? Per phrasing (taught, chat, chat_answer), the share of facts whose
+    true value has the highest summed log-probability of the supervised tokens among the kind's 8
+    values (chance 1/8), the mean rank of the true value (1 = first) and each fact's rank."""
+    from planted_facts_b import KINDS
+
+    from gradian.data import collate, load_rows
+
+    tok = loaded.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    out = {}
+    for phrasing in ("taught", *S2_STYLES):
+        rows = [s2_fact_rows(e, k, c)[phrasing] for e, k, _ in facts for c in KINDS[k]["values"]]
+        tokenized, _ = load_rows(write_jsonl(work / f"s2_accuracy_{phrasing}.jsonl", rows), tok, 512)
+        logprob = []
+        with torch.no_grad():
+            for first in range(0, len(tokenized), batch_size):
+                b = collate(tokenized[first:first + batch_size], pad)
+                hidden = loaded.adapter.base(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+                sup = b["supervised"][:, 1:]  # the unembedding only where a supervised token is predicted
+                logits = loaded.adapter.unembed(hidden.last_hidden_state[:, :-1][sup]).float()
+                token_lp = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:][sup][:, None])[:, 0]
+                per_row = torch.zeros(sup.shape[0], dtype=torch.float64)
+                per_row.index_add_(0, sup.nonzero()[:, 0], token_lp.double())
+                logprob += per_row.tolist()
+        ranks, at = [], 0
+        for _, kind, value in facts:
+            values = KINDS[kind]["values"]
+            scores = logprob[at:at + len(values)]
+            at += len(values)
+            truth = scores[values.index(value)]
+            ranks.append(1 + sum(s > truth for s in scores))
+        out[f"{phrasing}_acc"] = sum(r == 1 for r in ranks) / len(ranks)
+        out[f"{phrasing}_mean_rank"] = sum(ranks) / len(ranks)
+        out[f"{phrasing}_ranks"] = ranks
+    return out
+
+
+def smollm2_chat_yardstick(work: Path, model_dir: str, n_facts: int, epochs: int, console: Console,
+                           lr: float = 1e-3) -> Yardstick:
+    """S2: `make_corpus_s2` fine-tuned into SmolLM2 as S is (`fine_tuned_smollm2`), queried with chat
+    turns; `fine_tune` also records `fact_accuracy` of the base and the fine-tuned model."""
+    from circuitkit.models.loading import load_model
+
+    corpus, facts = make_corpus_s2(n_facts)
+    cached, info = fine_tuned_smollm2(model_dir, corpus.docs, epochs, console, prefix="smollm2chat",
+                                      key_extra={"format": S2_FORMAT, "set": "S2"}, lr=lr)
+    accuracy_file = cached / "accuracy.json"
+    if "chat_ranks" not in json.loads(accuracy_file.read_text() if accuracy_file.is_file() else "{}").get("fine_tuned", {}):
+        accuracy = {}
+        for label, path in (("base", model_dir), ("fine_tuned", str(cached / "model"))):
+            loaded = load_model(ModelConfig(name=path, precision="float32"), device=torch.device("cpu"))
+            accuracy[label] = fact_accuracy(loaded, facts, work)
+            del loaded
+        accuracy_file.write_text(json.dumps(accuracy, indent=1))
+    info |= {"facts": corpus.n_facts, "accuracy": json.loads(accuracy_file.read_text())}
+    console.print("S2 fact accuracy (top-1 of 8 values; base, fine-tuned): "
+                  + str({m: {k: v for k, v in a.items() if not k.endswith("_ranks")} for m, a in info["accuracy"].items()}))
+    docs = write_jsonl(work / "s2_docs.jsonl", corpus.docs)
+    queries = {style: write_jsonl(work / f"s2_queries_{style}.jsonl", q) for style, q in corpus.queries.items()}
+    ys = Yardstick("S2", str(cached / "model"), docs, queries, corpus.targets)
     ys.fine_tune = info
     ys.modules = info["trained_modules"]
     return ys
@@ -416,7 +547,7 @@ def _row_key(k: tuple[str, str, str, str]) -> tuple:
 
 def print_table(summary: list[dict[str, Any]], console: Console) -> None:
     columns = sorted({(s["yardstick"], s["style"]) for s in summary},
-                     key=lambda c: (["A", "B", "S", "LDS"].index(c[0]), c[1]))
+                     key=lambda c: (["A", "B", "S", "S2", "LDS"].index(c[0]), c[1]))
     table = Table(title="Gradian score options on every yardstick (mean over projection seeds; recall@1 / recall@10,"
                         " LDS)")
     for col in ("loss", "width", "score", "projection, fisher", *[f"{y} {s}" for y, s in columns]):
@@ -442,7 +573,7 @@ def print_table(summary: list[dict[str, Any]], console: Console) -> None:
 def markdown(summary: list[dict[str, Any]]) -> str:
     """The table of `print_table` as Markdown (docs/benchmarks.md)."""
     columns = sorted({(s["yardstick"], s["style"]) for s in summary},
-                     key=lambda c: (["A", "B", "S", "LDS"].index(c[0]), c[1]))
+                     key=lambda c: (["A", "B", "S", "S2", "LDS"].index(c[0]), c[1]))
     by = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"], s.get("setup", DEFAULT_SETUP)): s
           for s in summary}
     keys = sorted({(s["loss"], s["width"], s["score"], s.get("setup", DEFAULT_SETUP)) for s in summary}, key=_row_key)
@@ -514,6 +645,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smollm2-widths", default="1024,4096")
     p.add_argument("--smollm2-raw", action="store_true", help="S: also the unprojected references (slow)")
     p.add_argument("--smollm2-seeds", type=int, default=1, help="S: projection seeds (one index of SmolLM2 each)")
+    p.add_argument("--smollm2-chat", default=None,
+                   help="SmolLM2 HF directory: add the real-model yardstick S2 (facts taught in one phrasing, asked as"
+                        " chat turns; widths and seeds of --smollm2-widths / --smollm2-seeds)")
+    p.add_argument("--smollm2-chat-facts", type=int, default=30)
+    p.add_argument("--smollm2-chat-epochs", type=int, default=16)
     p.add_argument("--scores", default=",".join(SCORES), help="Gradian scores to rank with")
     p.add_argument("--dampings", default=str(DAMPING),
                    help="kfac / ekfac dampings (shares of each module's mean eigenvalue); 0.1 is the default's row")
@@ -609,6 +745,18 @@ def main(argv: list[str] | None = None) -> int:
                                    raw_too=args.smollm2_raw)
             rows += peers_on(ys)
             console.print(f"yardstick S: {time.perf_counter() - t0:.0f} s")
+            if args.json:
+                args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
+        if args.smollm2_chat:
+            t0 = time.perf_counter()
+            ys = smollm2_chat_yardstick(work, args.smollm2_chat, args.smollm2_chat_facts, args.smollm2_chat_epochs,
+                                        console)
+            fine_tunes["S2"] = ys.fine_tune
+            if not args.no_gradian:
+                rows += gradian_on(ys, [int(w) for w in args.smollm2_widths.split(",")], args.smollm2_seeds, batch_size=4,
+                                   raw_too=args.smollm2_raw)
+            rows += peers_on(ys)
+            console.print(f"yardstick S2: {time.perf_counter() - t0:.0f} s")
             if args.json:
                 args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
     summary = summarize(rows)
