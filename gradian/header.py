@@ -103,6 +103,8 @@ def check_header(manifest: dict[str, Any], where: str) -> list[str]:
 def _widths_line(proj: dict[str, Any]) -> str:
     """How the row's width is split among the modules: uniform, or each module's allocated width."""
     alloc = proj.get("allocation")
+    if proj.get("kind") == "raw":
+        return "raw (each module's d_out x d_in)"
     if not isinstance(alloc, dict):
         return "uniform (projection_dim per module)"
     entries = proj.get("modules") or {}

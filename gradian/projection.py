@@ -198,8 +198,8 @@ class Projector:
                 raise ValueError(f"per-module widths (grads.width_allocation) need a kronecker projection, not {self.kind!r}.")
             missing = [n for n in self.shapes if n not in widths]
             if missing or any(int(widths[n]) < 1 for n in self.shapes):
-                raise ValueError(f"per-module widths must give every module a width >= 1; missing or bad: {missing[:3]}"
-                                 f" {[widths.get(n) for n in missing[:1]] if missing else dict(widths)}.")
+                raise ValueError(f"per-module widths must give every module a width >= 1: missing {missing[:3]},"
+                                 f" given {dict(widths)}.")
             self.widths = {n: int(widths[n]) for n in self.shapes}
             self.allocation = self.allocation or {"kind": "spectrum"}
         self.factors: dict[str, tuple[int, int]] = {}
