@@ -37,6 +37,8 @@ Also measured on the widest index that has every score: the seconds of `stream_t
 
 Every (fisher, projection) pair builds its own indexes; the tables show them as a "projection,
 fisher" column (rows of JSON files from before these options read as "kronecker, empirical").
+A projection written KIND+spectrum (kronecker_orthogonal+spectrum) also sets
+grads.width_allocation=spectrum; its rows record the modules' widths.
 """
 
 from __future__ import annotations
