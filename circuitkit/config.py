@@ -167,14 +167,16 @@ class PruningConfig:
                         " connected and ip is top_k; circuitkit.selection_ip); positive = the best n by signed"
                         " score among the positive ones only (fewer when fewer are positive); mean_rank / vote = the n with the"
                         " best mean per-example rank / in the most examples' own top n (per-example scores, no model"
-                        " pass; circuitkit.selection)",
-                        choices=("top_k", "bootstrap", "edge_pruning", "ip", "positive", "mean_rank", "vote"))
+                        " pass; circuitkit.selection); mask = heads (or edges) ranked by a soft mask optimized on the"
+                        " attribution pairs under counterfactual ablation, warm-started from the scores (at"
+                        " scope=edges the same as edge_pruning; circuitkit.pruning_optimize)",
+                        choices=("top_k", "bootstrap", "edge_pruning", "ip", "positive", "mean_rank", "vote", "mask"))
     bootstrap_resamples: int = _f(100, "resamples of the attribution examples for selection=bootstrap and the"
                                   " stability report (Jaccard of the kept set); 0 = no stability report", ge=0)
-    mask_steps: int = _f(20, "selection=edge_pruning: optimizer steps on the edge mask (one forward and backward"
+    mask_steps: int = _f(20, "selection=edge_pruning or mask: optimizer steps on the mask (one forward and backward"
                          " of one attribution batch each)", ge=1)
-    mask_lr: float = _f(0.1, "selection=edge_pruning: Adam learning rate on the mask logits", gt=0.0)
-    mask_penalty: float = _f(1.0, "selection=edge_pruning: weight of the mask's mean density in the loss (the"
+    mask_lr: float = _f(0.1, "selection=edge_pruning or mask: Adam learning rate on the mask logits", gt=0.0)
+    mask_penalty: float = _f(1.0, "selection=edge_pruning or mask: weight of the mask's mean density in the loss (the"
                              " faithfulness term is normalized by the clean-corrupted gap)", ge=0.0)
     ip_connectivity: str = _f("path", "selection=ip: every kept edge lies on a kept path from the embedding to the"
                               " logits (path), or only leaves the embedding or a node with a kept input edge (input)",

@@ -2,9 +2,10 @@
 
 `pruning.scope: heads` removes heads, `edges` removes edges (`circuitkit.pruning_edges` runs
 the edge circuits); both select with `keep_top` (`select_heads`, `select_edges`), or with
-`pruning.selection: bootstrap` (`circuitkit.selection`), `positive` (`circuitkit.selection_ip`) or,
-for edges, `edge_pruning` (`circuitkit.pruning_optimize`) or `ip` (integer programming,
-`circuitkit.selection_ip`), and both evaluators take the kept
+`pruning.selection: bootstrap` (`circuitkit.selection`), `positive` (`circuitkit.selection_ip`),
+`mask` (a soft mask over heads, or edges, optimized on the attribution pairs:
+`circuitkit.pruning_optimize`) or, for edges, `edge_pruning` (the same as `mask` there) or `ip`
+(integer programming, `circuitkit.selection_ip`), and both evaluators take the kept
 mask. Heads are removed lowest score first (`rank_by: abs` on |score|, `signed` on the score)
 and ablated through a hook on z, the input of the attention output projection:
 
@@ -33,7 +34,7 @@ from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet
 from circuitkit.models.placement import input_device
 from circuitkit.pruning_edges import EdgeEvaluator, fit_positions, mean_writes
-from circuitkit.pruning_optimize import learn_edge_mask
+from circuitkit.pruning_optimize import learn_edge_mask, learn_head_mask
 from circuitkit.selection import BootstrapSelector, RankSelector, keep_top  # noqa: F401  (keep_top: re-exported)
 from circuitkit.selection_ip import IPSelector, positive_select
 from circuitkit.stability import selector_stability, stability
@@ -244,7 +245,7 @@ def circuit_fields(found: PrunedCircuit) -> dict:
     """The circuit.pt fields added by issue 28, in one place (for the typed Circuit artifact):
 
         curve_definition  str: what the curve is (`curve_definition`)
-        selection         str: pruning.selection (top_k / bootstrap / edge_pruning)
+        selection         str: pruning.selection (top_k / bootstrap / edge_pruning / mask / ...)
         stability         dict | None: Jaccard of the kept set over bootstrap resamples of the
                           examples (`circuitkit.stability.stability`), None without per-example scores
         heldout_templates dict | None: {n_examples, full, empty, circuit, faithfulness} of the same
@@ -273,15 +274,17 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
         selection_rule = "top_k"
     if selection_rule == "edge_pruning" and p.scope != "edges":
         log.warning("pruning.selection=edge_pruning optimizes a mask over edges and needs pruning.scope=edges;"
-                    " selecting top_k heads instead.")
+                    " selecting top_k heads instead (pruning.selection=mask optimizes one over heads).")
         selection_rule = "top_k"
     if selection_rule == "ip" and p.scope != "edges":
         log.warning("pruning.selection=ip: at head scope every head set is connected, so the integer program's"
                     " optimum is the top n by rank_by; selecting top_k heads.")
         selection_rule = "top_k"
-    if selection_rule == "edge_pruning" and p.ablation != "corrupted":
-        log.warning("pruning.selection=edge_pruning optimizes its mask under corrupted ablation (MIB's); the curve"
-                    " is measured under pruning.ablation=%s.", p.ablation)
+    if selection_rule == "mask" and p.scope == "edges":
+        selection_rule = "edge_pruning"  # the same optimization, by its edge-scope name
+    if selection_rule in ("edge_pruning", "mask") and p.ablation != "corrupted":
+        log.warning("pruning.selection=%s optimizes its mask under corrupted ablation (MIB's); the curve"
+                    " is measured under pruning.ablation=%s.", selection_rule, p.ablation)
     if p.scope == "heads":
         means = mean_z(adapter, attr_data, batch_size) if p.ablation == "mean" else None
         evaluate = Evaluator(adapter, held_out, metric, p.ablation, means, batch_size)
@@ -299,6 +302,10 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
         theta = learn_edge_mask(adapter, attr_data, scores.edges, valid, metric, p.mask_steps, p.mask_lr,
                                 p.mask_penalty, batch_size)
         selector = functools.partial(keep_top, theta, rank_by="signed", valid=valid)
+    if selection_rule == "mask":
+        theta = learn_head_mask(adapter, attr_data, scores.head, metric, p.mask_steps, p.mask_lr, p.mask_penalty,
+                                batch_size)
+        selector = functools.partial(keep_top, theta, rank_by="signed")
     if selection_rule == "ip":
         selector = IPSelector(scores.edges, valid, g, p.rank_by, p.ip_connectivity, p.ip_time_limit_s)
     if selection_rule == "positive":

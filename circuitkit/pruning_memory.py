@@ -15,7 +15,10 @@ What the stage (`circuitkit.pruning.prune`) holds, phase by phase:
   free memory. Recording a batch holds its writes three times at once (clean writes, Δ,
   their difference) beside both recorded runs; a circuit forward holds one more (n_up, B, T, d)
   buffer of d_u, the running sums and each layer's per-input residual copies.
-* **edge_pruning** (`circuitkit.pruning_optimize.learn_edge_mask`): a second EdgeEvaluator over
+* **mask at head scope** (`circuitkit.pruning_optimize.learn_head_mask`): a second Evaluator over
+  the first mask_steps x B attribution pairs, then a forward+backward of the soft-masked model
+  (the model's activations and each layer's z - z(corrupted) saved for the mask's gradient).
+* **edge_pruning** (`circuitkit.pruning_optimize.learn_edge_mask`; `mask` at edge scope): a second EdgeEvaluator over
   the first mask_steps x B attribution pairs (while the held-out one is alive), then a
   forward+backward of the soft-masked model: the groups of d_u, the per-input normed residuals
   and the model's own activations saved for the mask's gradient.
@@ -56,6 +59,12 @@ EDGE_SHIFT_TMP = 2.8
 # EP_BWD·(H + 2·KV) (one layer's input gradients).
 EP_SAVED = 2.0
 EP_BWD = 3.7
+# Soft head-mask forward+backward (selection=mask at head scope): saved per layer the model's own
+# activations (its family's act_per_layer) and HM_SAVED·H·dh per token (z - z(corrupted), in the
+# model's dtype); the backward's peak adds HM_BWD·N·d float32 (one layer's gradients) and the
+# answer logits.
+HM_SAVED = 1.0
+HM_BWD = 8.0
 
 
 def _batches(n: int, batch_size: int) -> list[int]:
@@ -222,6 +231,17 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
         phases.append((means + held + opt + grad, "edge_pruning: forward+backward of the soft mask",
                        {"recorded runs": means + held, "edge_pruning recorded runs": opt,
                         "mask gradient (saved)": grad}))
+    if scope == "heads" and selection == "mask":
+        opt_m = _Shape(shape, dtype_bytes, seq_len, scope, "corrupted")
+        n_opt = min(mask_steps * B, n_attr if n_attr is not None else n_eval)
+        opt_phases: list[tuple[int, str, dict[str, int]]] = []
+        opt = _evaluator(opt_m, means + held, n_opt, B, None, "the mask's pairs", opt_phases)
+        phases += opt_phases
+        N = B * seq_len
+        grad = int(m.L * N * dtype_bytes * (m.c_d * m.d + m.c_f * m.f + HM_SAVED * m.H * m.dh)
+                   + HM_BWD * N * m.d * FP32 + B * m.V * FP32)
+        phases.append((means + held + opt + grad, "mask: forward+backward of the soft head mask",
+                       {"recorded runs": means + held, "mask recorded runs": opt, "mask gradient (saved)": grad}))
     if n_templates > 0:
         _evaluator(m, means + held, n_templates, batch_size, left(record_budget_bytes, held),
                    "the held-out templates", phases)
@@ -247,7 +267,7 @@ def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int
     if p.scope == "edges":
         free = free_memory_bytes() if free_bytes is None else free_bytes
         budget = int(RECORD_SHARE * max(free - (0 if weights_loaded else shape["n_params"] * dtype_bytes), 0))
-    selection = p.selection if p.scope == "edges" else "top_k"
+    selection = p.selection if p.scope == "edges" or p.selection == "mask" else "top_k"
     if n_templates is None:
         n_templates = heldout_template_count(d.task, d.data_params)
     return estimate_pruning(shape, dtype_bytes, batch_size or d.batch_size, seq_len or d.data_params.seq_len,
@@ -271,7 +291,7 @@ def pruning_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
         n = largest_fitting(lambda n: fits(batch_size=1, n_eval=n), d.data_params.eval_examples)
         if 0 < n < d.data_params.eval_examples:
             tips.append(f"discovery.data_params.eval_examples={n} (fewer held-out pairs recorded)")
-    if p.scope == "edges" and p.selection == "edge_pruning":
+    if p.selection == "mask" or (p.scope == "edges" and p.selection == "edge_pruning"):
         tips.append("pruning.selection=top_k (no second recorded evaluator, no backward over the mask)")
     if best == 0:
         seq = d.data_params.seq_len

@@ -401,7 +401,7 @@ def grid_table(rows: list[GridRow]) -> Table:
 
 # --------------------------------------------------------------------------- the pruning stage
 
-PRUNING_CASES = (("heads", "top_k"), ("edges", "top_k"), ("edges", "edge_pruning"))
+PRUNING_CASES = (("heads", "top_k"), ("heads", "mask"), ("edges", "top_k"), ("edges", "edge_pruning"))
 PRETRAINED = {"smollm2": "fetched:smollm2"}  # loaded with their real weights
 
 

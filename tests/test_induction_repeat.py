@@ -87,3 +87,17 @@ def test_head_mask_rejects_pairs_without_a_gap():
     same.corrupted_ids = same.clean_ids.clone()
     with pytest.raises(ValueError, match="differ on the metric"):
         learn_head_mask(lm.adapter, same, torch.zeros(2, 4), steps=1, batch_size=4)
+
+
+def test_pruning_selection_mask_at_head_scope_keeps_the_known_circuit(caplog):
+    from circuitkit.config import PruningConfig
+    from circuitkit.pruning import prune
+
+    lm, data = setup()
+    scores = attribute(lm.adapter, data[:12], "eap-ig", "node", ig_steps=5, batch_size=4, progress=False)
+    p = PruningConfig(scope="heads", target_sparsity=0.75, selection="mask", mask_steps=6, graph=False,
+                      bootstrap_resamples=0)
+    found = prune(lm.adapter, scores, data[:12], data[12:], p, "logit_diff", 4)
+    assert found.extra["selection"] == "mask" and "mask by abs" in found.extra["curve_definition"]
+    assert {tuple(x) for x in found.head_mask.nonzero().tolist()} == KNOWN
+    assert found.metrics["faithfulness"] > 0.8

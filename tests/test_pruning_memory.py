@@ -55,7 +55,8 @@ def _measure(model, scope: str, selection: str, batch: int, seq: int, n_eval: in
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize(("scope", "selection"), [("heads", "top_k"), ("edges", "top_k"), ("edges", "edge_pruning")])
+@pytest.mark.parametrize(("scope", "selection"), [("heads", "top_k"), ("heads", "mask"), ("edges", "top_k"),
+                                                 ("edges", "edge_pruning")])
 def test_estimate_tracks_the_measured_peak_of_prune(family, scope, selection):
     # Tiny models: the weights are 12-52 % of the peak, so this checks the activation terms.
     est, measured = _measure(_model(family), scope, selection, batch=4, seq=32, n_eval=8)
