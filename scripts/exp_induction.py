@@ -11,6 +11,9 @@ For one induction format (`discovery.data_params.induction_format`) on a model, 
 * the exact greedy oracle (`circuitkit.selection.greedy_heads`: add the head whose addition raises
   the metric most, by real forward passes on --objective attribution pairs, from a pool of the
   union of every method's top --pool-each heads), each prefix measured on the held-out pairs;
+* exact backward elimination (--backward-from METHOD:SELECTION): from that row's smallest faithful
+  set, drop one head at a time, the one whose removal keeps faithfulness on the --objective pairs
+  highest, while it stays >= --threshold; each set measured on the held-out pairs;
 * at edge level (--edges): EAP-IG edge scores with top_k / bootstrap / vote, the smallest edge
   count reaching the threshold on a log grid.
 
@@ -122,6 +125,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=30)
     ap.add_argument("--mask-steps", type=int, default=40)
     ap.add_argument("--mask-lr", type=float, default=0.1)
+    ap.add_argument("--backward-from", default=None,
+                    help="METHOD:SELECTION of a row in --out: exact backward elimination from its smallest faithful set")
     ap.add_argument("--edges", action="store_true", help="also EAP-IG at edge level")
     ap.add_argument("--edge-selections", default="top_k,bootstrap,vote")
     ap.add_argument("--work", type=Path, default=Path(".cache/exp_induction"))
@@ -158,7 +163,7 @@ def main() -> None:
     m_full, m_empty = ev(torch.ones(shape, dtype=torch.bool)), ev(torch.zeros(shape, dtype=torch.bool))
     res.update({"m_full": m_full, "m_empty": m_empty})
     scores = {}
-    for method in a.methods.split(","):
+    for method in [m for m in a.methods.split(",") if m]:
         got = attribution(adapter, attr, "node", method, a.batch_size, a.work / f"{tag}-node-{method}.pt")
         scores[method] = got
         for sel in a.selections.split(","):
@@ -210,6 +215,40 @@ def main() -> None:
              "heads": [r["head"] for r in rows_so_far], "n_min": first,
              "f_at_n_min": held_f[first - 1] if first else None,
              "curve": [(i + 1, f) for i, f in enumerate(held_f)]})
+
+    if a.backward_from:
+        # Exact backward elimination from a selection's smallest faithful set: drop the head whose
+        # removal keeps the objective pairs' faithfulness highest, while it stays >= threshold.
+        method, sel = a.backward_from.split(":")
+        start = next(r for r in res["rows"] if (r["method"], r["selection"]) == (method, sel))
+        got = scores.get(method) or attribution(adapter, attr, "node", method, a.batch_size,
+                                                a.work / f"{tag}-node-{method}.pt")
+        theta = learn_head_mask(adapter, attr, got["ranked"], "logit_diff", a.mask_steps, a.mask_lr,
+                                batch_size=a.batch_size) if sel == "mask" else got["ranked"]
+        kept = keep_top(theta, start["n_min"], "signed" if sel == "mask" else "abs")
+        ev_obj = Evaluator(adapter, attr[:a.objective], "logit_diff", "corrupted", None, a.batch_size)
+        o_full, o_empty = ev_obj(torch.ones(shape, dtype=torch.bool)), ev_obj(torch.zeros(shape, dtype=torch.bool))
+        t, calls, steps = time.time(), 0, [(int(kept.sum()), faithfulness(ev(kept), m_full, m_empty))]
+        while kept.sum() > 1:
+            best, best_f = None, -math.inf
+            for layer, head in kept.nonzero().tolist():
+                trial = kept.clone()
+                trial[layer, head] = False
+                f = faithfulness(ev_obj(trial), o_full, o_empty)
+                calls += 1
+                if f > best_f:
+                    best, best_f = (layer, head), f
+            if best_f < a.threshold:
+                break
+            kept[best] = False
+            steps.append((int(kept.sum()), faithfulness(ev(kept), m_full, m_empty)))
+            print(f"backward: drop L{best[0]}H{best[1]}, objective f {best_f:.3f}, held-out f {steps[-1][1]:.3f}",
+                  flush=True)
+        ok = [n for n, f in steps if f >= a.threshold]
+        add({"level": "node", "method": "backward oracle", "selection": f"from {method} {sel}",
+             "objective_pairs": a.objective, "forwards": calls, "seconds": time.time() - t,
+             "heads": kept.nonzero().tolist(), "n_min": min(ok) if ok else None,
+             "f_at_n_min": dict(steps)[min(ok)] if ok else None, "curve": steps})
 
     if a.edges:
         got = attribution(adapter, attr, "edge", "eap-ig", a.batch_size, a.work / f"{tag}-edge-eap-ig.pt")
