@@ -28,6 +28,8 @@ floor share, budget, total). Queries read the widths from the manifest.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -38,7 +40,7 @@ import torch
 
 from circuitkit.io import atomic_write_json
 from gradian.curvature import CURVATURE_DAMPING, MAX_FACTOR_WIDTH, FactorSums
-from gradian.projection import Projector, balanced_width, kronecker_factors
+from gradian.projection import _MAX_FACTOR_RATIO, Projector, balanced_width, kronecker_factors
 from gradian.whitening import shared_file
 
 ALLOCATION_FILE = "allocation.json"
@@ -69,21 +71,40 @@ def effective_dimension(s_eig: torch.Tensor, a_eig: torch.Tensor, damping: float
     return total
 
 
-def width_ladder(d_out: int, d_in: int, projection_dim: int, max_side: int | None = MAX_FACTOR_WIDTH) -> list[int]:
-    """Widths a (d_out, d_in) module can be given, ascending: k² and 2k², projection_dim itself and the
-    whole module, each with a Kronecker factorisation `kronecker_factors` accepts unwarned (the whole
-    module always: (d_out, d_in)) and sides of at most `max_side` (K-FAC's factor limit; None: any)."""
+@functools.lru_cache(maxsize=256)  # a model has a few module shapes, repeated in every block
+def width_ladder(d_out: int, d_in: int, projection_dim: int, max_side: int | None = MAX_FACTOR_WIDTH,
+                 max_width: int | None = None) -> tuple[int, ...]:
+    """Widths a (d_out, d_in) module can be given, ascending, up to `max_width` (None: the module's
+    size): k² and 2k², projection_dim itself and the whole module, each with a Kronecker factorisation
+    `kronecker_factors` accepts unwarned (the whole module always: (d_out, d_in)) and sides of at most
+    `max_side` (K-FAC's factor limit; None: any).
+
+    k² (k, k) and 2k² (k, 2k) are checked on those pairs directly; only where they do not fit (k above
+    the smaller side, or a side above max_side) is the factorisation searched, and never above
+    16 x (smaller side)², where no balanced pair exists: the ladder of a large module costs about
+    O(sqrt(max_width)), not O(max_width).
+    """
     size = d_out * d_in
-    cands = {size, projection_dim} | {k * k for k in range(1, math.isqrt(size) + 1)} | {
-        2 * k * k for k in range(1, math.isqrt(size // 2) + 1)}
-    out = []
-    for n in sorted(c for c in cands if 1 <= c <= size):
-        if not (n == size or balanced_width(n, d_out, d_in)):
-            continue
-        if max_side is not None and max(kronecker_factors(n, d_out, d_in)) > max_side:
-            continue
-        out.append(n)
-    return out
+    cap = size if max_width is None else max(1, min(size, max_width))
+    small, large = min(d_out, d_in), max(d_out, d_in)
+    side_ok = (lambda a, b: True) if max_side is None else (lambda a, b: max(a, b) <= max_side)
+    searchable = _MAX_FACTOR_RATIO * small * small
+
+    def searched(n: int) -> bool:
+        if n == size:  # its only factorisation within the module is (d_out, d_in)
+            return max_side is None or large <= max_side
+        return (n <= searchable and balanced_width(n, d_out, d_in)
+                and (max_side is None or max(kronecker_factors(n, d_out, d_in)) <= max_side))
+
+    out = {n for n in (size, projection_dim) if 1 <= n <= cap and searched(n)}
+    for k in range(1, math.isqrt(cap) + 1):
+        n = k * k  # (k, k)
+        if (k <= small and side_ok(k, k)) or searched(n):
+            out.add(n)
+        n = 2 * k * k  # (k, 2k) with 2k along the larger side
+        if n <= cap and ((k <= small and 2 * k <= large and side_ok(k, 2 * k)) or searched(n)):
+            out.add(n)
+    return tuple(sorted(out))
 
 
 def allocate_widths(shapes: Mapping[str, tuple[int, int]], dims: Mapping[str, float], projection_dim: int,
@@ -93,7 +114,7 @@ def allocate_widths(shapes: Mapping[str, tuple[int, int]], dims: Mapping[str, fl
     (unless the floors alone exceed it). ValueError when a module has no valid width."""
     names = list(shapes)
     budget = projection_dim * len(names)
-    ladders = {n: width_ladder(*shapes[n], projection_dim, max_side) for n in names}
+    ladders = {n: width_ladder(*shapes[n], projection_dim, max_side, max_width=budget) for n in names}
     empty = [n for n in names if not ladders[n]]
     if empty:
         raise ValueError(f"grads.width_allocation=spectrum: module {empty[0]} {shapes[empty[0]]} has no width with a"
@@ -115,17 +136,21 @@ def allocate_widths(shapes: Mapping[str, tuple[int, int]], dims: Mapping[str, fl
         targets |= clamped
         remaining -= sum(clamped.values())
         free = [n for n in free if n not in clamped]
-    widths = {n: max(floors[n], max((w for w in ladders[n] if w <= targets[n]), default=floors[n])) for n in names}
+    widths = {}
+    for n in names:  # the largest ladder width within the target, at least the floor
+        below = ladders[n][:bisect.bisect_right(ladders[n], targets[n])]
+        widths[n] = max(floors[n], below[-1] if below else floors[n])
+    used = sum(widths.values())
     while True:  # top up: the module furthest below its target first, while the budget allows
-        used = sum(widths.values())
         options = []
         for i, n in enumerate(names):
-            up = next((w for w in ladders[n] if w > widths[n]), None)
-            if up is not None and used - widths[n] + up <= budget:
-                options.append((-targets[n] / widths[n], i, n, up))
+            nxt = bisect.bisect_right(ladders[n], widths[n])
+            if nxt < len(ladders[n]) and used - widths[n] + ladders[n][nxt] <= budget:
+                options.append((-targets[n] / widths[n], i, n, ladders[n][nxt]))
         if not options:
             return widths
         _, _, n, up = min(options)
+        used += up - widths[n]
         widths[n] = up
 
 

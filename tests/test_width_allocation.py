@@ -78,6 +78,21 @@ def test_the_split_follows_the_effective_dimension_within_the_budget() -> None:
     assert capped == {"big": 64, "small": 64} or capped["small"] == 64
 
 
+def test_the_split_of_a_large_model_is_quick() -> None:
+    """A 4B-sized model: 200 modules of 2560 x 10240 (both orientations), budgets of 1024 and 65536 each."""
+    import random
+    import time
+
+    shapes = {f"m{i}": (2560, 10240) if i % 2 else (10240, 2560) for i in range(200)}
+    rng = random.Random(0)
+    dims = {n: rng.random() * 1e6 for n in shapes}
+    start = time.perf_counter()
+    for dim in (1024, 65536):
+        widths = allocate_widths(shapes, dims, dim)
+        assert 0.99 * 200 * dim <= sum(widths.values()) <= 200 * dim
+    assert time.perf_counter() - start < 10
+
+
 def test_the_index_records_the_widths_and_verifies(index: Path, capsys) -> None:
     from gradian.cli import main
 
