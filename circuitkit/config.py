@@ -106,11 +106,12 @@ class DataParams:
                              " mention of the subject only, by a third name (one token differs); abc = all three"
                              " name positions by three other names (the ABC corruption of the IOI paper and"
                              " MIB). Recorded in the manifest and circuit.pt", choices=("s2", "abc"))
-    induction_format: str = _f("single", "induction task: single = one `A B` among random symbols, `A` last (corrupted:"
-                               " the first A replaced; incorrect answer a random symbol); repeat = a random span"
-                               " repeated after some filler, cut short (corrupted: the answer swapped with its"
-                               " successor in the first copy, which is the incorrect answer; both answers in"
-                               " context). Recorded in the manifest", choices=("single", "repeat"))
+    induction_format: str = _f("repeat", "induction task: repeat (the default) = a random span"
+                               " repeated after some filler, cut short (corrupted: in the first copy the query token"
+                               " swapped with the answer after it, so the answer's successor follows it and is the"
+                               " incorrect answer; both answers in context); single = one `A B` among random symbols, `A` last (corrupted: the first"
+                               " A replaced; incorrect answer a random symbol; the fixtures' format, which a"
+                               " pretrained model barely does). Recorded in the manifest", choices=("single", "repeat"))
     heldout_template_examples: Optional[int] = _f(None, "pairs from the task's held-out templates (sentences"
                                                   " attribution never saw; ioi has them), on which pruning also"
                                                   " measures faithfulness, with the same ablation, beside the"

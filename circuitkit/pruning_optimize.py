@@ -28,9 +28,11 @@ from collections.abc import Callable
 
 import torch
 
+from circuitkit.attribution.eap import cached_run
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet
+from circuitkit.models.placement import input_device
 from circuitkit.pruning_edges import EdgeEvaluator, _install_edge_circuit
 from circuitkit.tasks.base import TaskData
 
@@ -131,34 +133,33 @@ def learn_head_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor,
     normalized by the clean-corrupted gap, + penalty x mean mask) and Adam, one batch of `data`
     per step, cycling.
     """
-    from circuitkit.pruning import Evaluator
-
     if steps < 1:
         raise ValueError(f"pruning.mask_steps={steps} must be at least 1")
-    data = data[:steps * batch_size]
-    ev = Evaluator(adapter, data, metric, "corrupted", None, batch_size)  # clean answers, corrupted z per batch
-    corrupted_m = []
-    with torch.no_grad():
-        for batch, _, _ in ev.batches:
-            logits = answer_forward(adapter.model, batch.corrupted_ids, batch.attention_mask, batch.answer_pos)
-            corrupted_m.append(compute_metric(metric, logits, batch).mean())
-    gap = ev.m_clean - float(sum(m * len(b.clean_ids) for m, (b, _, _) in zip(corrupted_m, ev.batches,
-                                                                             strict=True))) / ev.n
+    device = input_device(adapter.model)
+    batches, corrupted_total = [], 0.0
+    with torch.no_grad():  # per batch: its clean answer logits and the corrupted run's z (the pruning Evaluator's record)
+        for batch in data[:steps * batch_size].batches(batch_size):
+            batch = batch.to(device)
+            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
+            corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=False)
+            corrupted_total += compute_metric(metric, corrupted.logits.float(), batch).sum().item()
+            batches.append((batch, clean.logits.float(), corrupted.z))
+    n = sum(len(b.clean_ids) for b, _, _ in batches)
+    targets = [compute_metric(metric, answer, batch, answer) for batch, answer, _ in batches]
+    gap = (sum(t.sum().item() for t in targets) - corrupted_total) / n
     if abs(gap) < 1e-6:
         raise ValueError("head mask learning needs the clean and corrupted runs to differ on the metric (their"
                          f" mean {metric} gap is {gap:.2e}); use pairs whose corruption changes the answer.")
     valid = torch.ones(scores.shape, dtype=torch.bool)
-    device = ev.batches[0][0].clean_ids.device
     theta = warm_start(scores, valid, init_density).to(device).requires_grad_(True)
     opt = torch.optim.Adam([theta], lr=lr)
-    targets = [compute_metric(metric, answer, batch, answer) for batch, answer, _ in ev.batches]
     requires = [p.requires_grad for p in adapter.model.parameters()]
     for p in adapter.model.parameters():
         p.requires_grad_(False)
     try:
         for step in range(steps):
-            i = step % len(ev.batches)
-            batch, clean_answer, corrupted_z = ev.batches[i]
+            i = step % len(batches)
+            batch, clean_answer, corrupted_z = batches[i]
             mask = torch.sigmoid(theta)
             with HookSet() as hk:
                 install_head_mask(adapter, hk, mask, corrupted_z)

@@ -143,9 +143,9 @@ def index_command(overrides: list[str]) -> int:
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         raise UserError(_bad_override(overrides) or " ".join(str(err).split()), exit_code=2) from err
     index_dir = cfg.grads.index_dir or "index"
-    from gradian.width_table import width_note
+    from gradian.memory import GRADS_MEMORY
 
-    if line := width_note(cfg):  # what the width costs on disk, and what it measured (the preflight's line)
+    if line := GRADS_MEMORY.note(cfg):  # what the width costs on disk, and what it measured (the preflight's line)
         error_console().print(line, markup=False, highlight=False)
     build_index(cfg.model, cfg.grads, index_dir, error_console())
     return inspect_index(index_dir)

@@ -309,4 +309,8 @@ def _grads_stage_estimate(cfg: AppConfig) -> MemoryEstimate | None:
     return grads_estimate(cfg) if cfg.grads.enabled else None
 
 
-GRADS_MEMORY = StageMemory(estimate=_grads_stage_estimate, advice=grads_advice, note=width_note)
+def _width_note(cfg: AppConfig) -> str | None:
+    return width_note(cfg, grads_projector)
+
+
+GRADS_MEMORY = StageMemory(estimate=_grads_stage_estimate, advice=grads_advice, note=_width_note)

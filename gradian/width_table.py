@@ -19,7 +19,9 @@ Fisher. They are one small model's figures each, a guide and not a promise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from circuitkit.config import AppConfig
 from circuitkit.device import DTYPES
@@ -55,11 +57,10 @@ def _size(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def width_note(cfg: AppConfig) -> str | None:
+def width_note(cfg: AppConfig, grads_projector: Callable[[AppConfig], Any]) -> str | None:
     """One line: the rows' disk at each measured width (and the configured one) for this config's modules
-    and corpus, with the S / LDS figures each width measured. None when grads is off or raw."""
-    from gradian.memory import grads_projector
-
+    and corpus, with the S / LDS figures each width measured. None when grads is off or raw.
+    `grads_projector(cfg)`: the run's projector (`gradian.memory.grads_projector`, which prints this line)."""
     g = cfg.grads
     if not g.enabled or g.projection_dim is None:
         return None

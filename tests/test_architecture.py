@@ -123,6 +123,8 @@ LAYERS: dict[str, str] = {
     "gradian.precondition": GRADIAN,
     "gradian.curvature": GRADIAN,
     "gradian.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
+    "gradian.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths from the curvature spectrum
+    "gradian.width_table": GRADIAN,  # the preflight's width line: disk per width and what each measured
     "gradian.tokens": GRADIAN,
     # entry points: circuitkit_app/ (above both domains) and gradian's own command
     "circuitkit_app": ENTRY,

@@ -25,7 +25,7 @@ def loaded(name: str, precision: str = "float32"):
 @functools.cache
 def pairs(name: str, n: int = 6, seq_len: int = 16, seed: int = 0):
     lm = loaded(name)
-    return build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=seq_len), n, seed)
+    return build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=seq_len, induction_format="single"), n, seed)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -24,7 +24,7 @@ def loaded(name: str):
 @functools.cache
 def pairs(name: str, n: int, seq_len: int, seed: int = 0):
     lm = loaded(name)
-    return build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=seq_len), n, seed)
+    return build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=seq_len, induction_format="single"), n, seed)
 
 
 def _steps(rule: str) -> list[int]:

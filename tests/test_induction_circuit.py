@@ -41,7 +41,7 @@ def known_heads() -> tuple[tuple[int, int], tuple[int, int]]:
 @functools.cache
 def data(n: int, seed: int):
     lm = model()
-    return build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=SEQ), n, seed)
+    return build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=SEQ, induction_format="single"), n, seed)
 
 
 def test_known_heads_are_real_on_fresh_data():

@@ -41,7 +41,8 @@ def test_repeat_pairs_swap_the_query_and_the_answer_in_the_first_copy(seq_len):
         assert clean[clean.index(query) + 1] == good and corr[corr.index(query) + 1] == bad
         assert good in clean and bad in clean and good in corr and bad in corr
     assert corruption_of("induction", DataParams(induction_format="repeat")) == "swap"
-    assert corruption_of("induction", DataParams()) == "key"
+    assert corruption_of("induction", DataParams(induction_format="single")) == "key"
+    assert corruption_of("induction", DataParams()) == "swap"  # the default format
 
 
 def test_repeat_format_finds_the_known_circuit_on_the_fixture():

@@ -50,7 +50,7 @@ def test_node_scores_agree_with_exact_patching_in_the_linear_limit(name):
     # metric is close to linear in one node's patch, so the two agree closely (a wrong hook site,
     # e.g. z read after the q/k norms or the MoE write missed, breaks this by orders of magnitude).
     lm = loaded(name)
-    data = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16), 4, 0)
+    data = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16, induction_format="single"), 4, 0)
     eap = attribute(lm.adapter, data, "eap-ig", "node", ig_steps=20, batch_size=4, progress=False)
     exact = exact_patching(lm.adapter, data, "node", batch_size=4, progress=False)
     for a, b in ((eap.head, exact.head), (eap.mlp, exact.mlp)):

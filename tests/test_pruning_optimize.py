@@ -21,7 +21,7 @@ from circuitkit.tasks import build_task
 @functools.cache
 def setup(name: str = "tiny-llama"):
     lm = load_model(ModelConfig(name=f"builtin:{name}", precision="float32"))
-    data = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16), 12, 0)
+    data = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16, induction_format="single"), 12, 0)
     scores = attribute(lm.adapter, data[:6], "eap-ig", "edge", ig_steps=2, batch_size=3, progress=False)
     return lm, data, scores, graph_of(lm.adapter).edge_mask()
 

@@ -27,7 +27,7 @@ def loaded(name: str):
 @functools.cache
 def pairs(name: str, n: int = 6):
     lm = loaded(name)
-    return build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16), n, 0)
+    return build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16, induction_format="single"), n, 0)
 
 
 def curve(fs):

@@ -239,8 +239,10 @@ def test_memory_estimate_counts_the_factor_pass(root: Path) -> None:
 
 
 def test_the_preflight_prints_each_widths_disk_and_measured_figures(root: Path) -> None:
-    from gradian.width_table import MEASURED, width_note
+    from gradian.memory import GRADS_MEMORY
+    from gradian.width_table import MEASURED
 
+    width_note = GRADS_MEMORY.note
     cfg = _cfg(root, "grads.projection_dim=1024", "grads.storage_dtype=float16")
     line = width_note(cfg)
     # 20 rows x 8 modules x 1024 x 2 bytes = 320 KiB; the tiny GPT-2's smallest module holds 4096 weights

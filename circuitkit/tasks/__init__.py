@@ -1,7 +1,7 @@
 """Tasks that supply clean / corrupted pairs for attribution and faithfulness.
 
-* ``induction``: synthetic repeated symbols; ``data_params.induction_format``: single (one
-  `A B` pair, the default) or repeat (a repeated random span) (``tasks/induction.py``).
+* ``induction``: synthetic repeated symbols; ``data_params.induction_format``: repeat (a repeated
+  random span, the default) or single (one `A B` pair) (``tasks/induction.py``).
 * ``ioi``: indirect object identification; ``data_params.ioi_corruption``: s2 (second subject
   mention only, the default) or abc (all three names); held-out templates (``tasks/ioi.py``).
 * ``greater_than``: "from the year 17YY to the year 17", YY -> 01 (``tasks/greater_than.py``).

@@ -2,11 +2,13 @@
 
 Two formats (`discovery.data_params.induction_format`):
 
-* ``single`` (the default): one `A B` among random symbols, `A` last. Corruption (DESIGN.md,
+* ``single``: one `A B` among random symbols, `A` last. Corruption (DESIGN.md,
   "Test fixtures"): "key" replaces the token A before the first occurrence of the copied token
   B, so the previous-token signal at B's position no longer matches the query (the K-composition
-  path); the incorrect answer is a random other symbol.
-* ``repeat``: a random span, some filler, then the span again cut short: the answer is the span's
+  path); the incorrect answer is a random other symbol. The test fixtures' format (DESIGN.md);
+  a pretrained model barely does induction on it (SmolLM2-135M: the answer is its top-1 token on
+  3 % of 24-token prompts; docs/benchmarks.md, "Induction on SmolLM2 at real scale").
+* ``repeat`` (the default): a random span, some filler, then the span again cut short: the answer is the span's
   next token (Olsson et al.'s repeated random tokens). Corruption ("swap") exchanges the query
   token's first occurrence with the answer after it, so in the corrupted prompt the query token is
   followed by the answer's successor, which is the incorrect answer: both answers are in context
@@ -43,7 +45,7 @@ def symbol_ids(tokenizer, model_dir: str | None) -> torch.Tensor:
     return torch.tensor([i for i in range(len(tokenizer)) if i not in special], dtype=torch.long)
 
 
-def build(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int, fmt: str = "single") -> TaskData:
+def build(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int, fmt: str = "repeat") -> TaskData:
     """`n` induction pairs of `seq_len` tokens in format `fmt` (single or repeat, module docstring)."""
     if fmt == "repeat":
         return build_repeat(tokenizer, model_dir, n, seq_len, seed)
