@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from circuitkit.attribution import graph_of
 from circuitkit.attribution.eap import attribute
 from circuitkit.attribution.eap_activations import attribute_activations
 from circuitkit.attribution.exact import exact_patching
@@ -42,7 +43,7 @@ from circuitkit.config import DataParams, ModelConfig
 from circuitkit.models.loading import context_length, load_model
 from circuitkit.pruning import Evaluator, faithfulness, keep_top
 from circuitkit.pruning_edges import EdgeEvaluator
-from circuitkit.pruning_optimize import learn_head_mask
+from circuitkit.pruning_optimize import learn_edge_mask, learn_head_mask
 from circuitkit.selection import BootstrapSelector, RankSelector, greedy_heads, greedy_mask
 from circuitkit.tasks import build_task
 
@@ -58,6 +59,27 @@ def edge_grid(n_total: int) -> list[int]:
             return sorted(set(out)) + [n_total]
         out.append(n)
         k += 1
+
+
+def heads_subgraph(g, heads: torch.Tensor) -> torch.Tensor:
+    """(n_up, n_down) bool: the edges whose ends are the embedding, an MLP, the logits or a head in `heads`
+    (L, H) bool (a k / v input: a kept head of its group)."""
+    up = torch.zeros(len(g.upstream), dtype=torch.bool)
+    up[0] = True
+    down = torch.zeros(len(g.downstream), dtype=torch.bool)
+    down[g.logits_column] = True
+    group = g.n_heads // g.n_kv_heads
+    for layer in range(g.n_layers):
+        up[g.mlp_index(layer)] = True
+        cols = g.layer_columns(layer)
+        down[cols.stop - 1] = True
+        for h in range(g.n_heads):
+            if heads[layer, h]:
+                up[g.head_index(layer, h)] = True
+                down[cols.start + h] = True
+                for kv in (g.n_heads + h // group, g.n_heads + g.n_kv_heads + h // group):
+                    down[cols.start + kv] = True
+    return up[:, None] & down[None, :]
 
 
 def task_stats(model, data) -> dict:
@@ -128,7 +150,10 @@ def main() -> None:
     ap.add_argument("--backward-from", default=None,
                     help="METHOD:SELECTION of a row in --out: exact backward elimination from its smallest faithful set")
     ap.add_argument("--edges", action="store_true", help="also EAP-IG at edge level")
-    ap.add_argument("--edge-selections", default="top_k,bootstrap,vote")
+    ap.add_argument("--edge-selections", default="top_k,bootstrap,vote",
+                    help="also mask (edge_pruning) and within_mask (EAP-IG edges among the head mask's --within-heads)")
+    ap.add_argument("--edge-mask-steps", type=int, default=12)
+    ap.add_argument("--within-heads", type=int, default=24)
     ap.add_argument("--work", type=Path, default=Path(".cache/exp_induction"))
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -263,9 +288,25 @@ def main() -> None:
                     return keep_top(r, n, "abs", valid)
             elif sel == "bootstrap":
                 choose = BootstrapSelector(got["per_ex"], "abs", 100, 0, valid)
+            elif sel == "mask":  # edge_pruning: an edge mask optimized on the attribution pairs
+                theta = learn_edge_mask(adapter, attr, got["ranked"], valid, "logit_diff", a.edge_mask_steps, a.mask_lr,
+                                        1.0, a.batch_size)
+
+                def choose(n, th=theta):
+                    return keep_top(th, n, "signed", valid)
+            elif sel == "within_mask":  # edges among the head mask's smallest faithful head set (+ MLPs)
+                node = attribution(adapter, attr, "node", "eap-ig", a.batch_size, a.work / f"{tag}-node-eap-ig.pt")
+                theta = learn_head_mask(adapter, attr, node["ranked"], "logit_diff", a.mask_steps, a.mask_lr,
+                                        batch_size=a.batch_size)
+                inside = valid & heads_subgraph(graph_of(adapter), keep_top(theta, a.within_heads, "signed"))
+
+                def choose(n, inside=inside):
+                    return keep_top(got["ranked"], min(n, int(inside.sum())), "abs", inside)
+                grid = [n for n in grid if n < int(inside.sum())] + [int(inside.sum())]
             else:
                 choose = RankSelector(got["per_ex"], sel, "abs", valid)
             found = smallest(eev, grid, choose, a.threshold, e_full, e_empty)
+            grid = edge_grid(int(valid.sum()))
             add({"level": "edge", "method": "eap-ig", "selection": sel, "attribution_s": got["seconds"],
                  "scan_s": time.time() - t, "n_total": int(valid.sum()), **found})
     save()
