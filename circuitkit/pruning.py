@@ -29,7 +29,7 @@ import torch
 
 from circuitkit.attribution.eap import AttributionScores, cached_run
 from circuitkit.attribution.metrics import answer_forward, compute_metric
-from circuitkit.config import PruningConfig
+from circuitkit.config import PruningConfig, mask_steps_of
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet
 from circuitkit.models.placement import input_device
@@ -299,11 +299,11 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     selector = (BootstrapSelector(per_example, p.rank_by, max(p.bootstrap_resamples, 1), 0, valid)
                 if selection_rule == "bootstrap" else None)
     if selection_rule == "edge_pruning":
-        theta = learn_edge_mask(adapter, attr_data, scores.edges, valid, metric, p.mask_steps, p.mask_lr,
+        theta = learn_edge_mask(adapter, attr_data, scores.edges, valid, metric, mask_steps_of(p), p.mask_lr,
                                 p.mask_penalty, batch_size)
         selector = functools.partial(keep_top, theta, rank_by="signed", valid=valid)
     if selection_rule == "mask":
-        theta = learn_head_mask(adapter, attr_data, scores.head, metric, p.mask_steps, p.mask_lr, p.mask_penalty,
+        theta = learn_head_mask(adapter, attr_data, scores.head, metric, mask_steps_of(p), p.mask_lr, p.mask_penalty,
                                 batch_size)
         selector = functools.partial(keep_top, theta, rank_by="signed")
     if selection_rule == "ip":

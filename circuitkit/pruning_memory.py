@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from circuitkit.config import AppConfig
+from circuitkit.config import AppConfig, mask_steps_of
 from circuitkit.device import DTYPES, free_memory_bytes
 from circuitkit.memory import FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from circuitkit.pipeline import StageMemory
@@ -272,7 +272,7 @@ def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int
         n_templates = heldout_template_count(d.task, d.data_params)
     return estimate_pruning(shape, dtype_bytes, batch_size or d.batch_size, seq_len or d.data_params.seq_len,
                             n_eval or d.data_params.eval_examples, p.scope, p.ablation, selection,
-                            n_attr or d.data_params.num_examples, p.mask_steps, budget, n_templates)
+                            n_attr or d.data_params.num_examples, mask_steps_of(p), budget, n_templates)
 
 
 def pruning_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
