@@ -475,7 +475,10 @@ def test_ctrl_c_during_index_exits_130_with_one_line(tmp_path):
     env = {**os.environ, "COLUMNS": "120"}
     proc = subprocess.Popen([sys.executable, "-m", "gradian.cli", "index", "grads.rows_per_shard=2",
                              "grads.batch_size=1", "grads.projection_dim=16", f"grads.data_path={data}",
-                             f"grads.index_dir={idx}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                             f"grads.index_dir={idx}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            # a shell's background job starts with SIGINT ignored, and Python keeps an ignored
+                            # SIGINT ignored: give the child the default disposition, as a terminal would
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline:  # interrupt once some shards are written, mid-run
         try:
