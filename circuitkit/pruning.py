@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from circuitkit.attribution.eap import AttributionScores, cached_run
+from circuitkit.attribution.eap import AttributionScores, cached_run, record_head_runs
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.config import PruningConfig, mask_steps_of
 from circuitkit.models.adapters import ModelAdapter
@@ -128,15 +128,8 @@ class Evaluator:
                  mean_values: torch.Tensor | None, batch_size: int) -> None:
         self.adapter, self.metric, self.ablation, self.batch_size = adapter, metric, ablation, batch_size
         device = input_device(adapter.model)
-        self.batches = []
-        for batch in data.batches(batch_size):
-            batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
-            corrupted_z = None
-            if ablation == "corrupted":
-                corrupted_z = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos,
-                                       edges=False).z
-            self.batches.append((batch, clean.logits.float(), corrupted_z))
+        self.batches = [(batch, clean, z) for batch, clean, z, _ in
+                        record_head_runs(adapter, data, batch_size, corrupted=ablation == "corrupted")]
         self.m_clean = sum(compute_metric(metric, c, b, c).sum().item() for b, c, _ in self.batches) / len(data)
         self.mean_values = None if mean_values is None else [v.to(device)[None] for v in mean_values]
         self.n = len(data)

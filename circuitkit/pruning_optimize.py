@@ -28,11 +28,10 @@ from collections.abc import Callable
 
 import torch
 
-from circuitkit.attribution.eap import cached_run
+from circuitkit.attribution.eap import record_head_runs
 from circuitkit.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet
-from circuitkit.models.placement import input_device
 from circuitkit.pruning_edges import EdgeEvaluator, _install_edge_circuit
 from circuitkit.tasks.base import TaskData
 
@@ -57,6 +56,38 @@ def warm_start(scores: torch.Tensor, valid: torch.Tensor, init_density: float = 
     return theta
 
 
+def _train_mask(adapter: ModelAdapter, theta: torch.Tensor, runs: list[tuple[TaskData, torch.Tensor]],
+                masked_forward: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]], metric: str,
+                gap: float, steps: int, lr: float, penalty: float,
+                progress: Callable[[int, float, float, float], None] | None) -> torch.Tensor:
+    """Adam on the mask logits θ, one recorded batch per step, cycling: loss = mean over the batch of
+    (m(circuit) - m(full))² / gap² + penalty x density. runs[i] = (batch, its clean answer logits);
+    masked_forward(θ, i) -> (answer logits of batch i through the soft circuit, the mask's density).
+    The model's parameters are frozen meanwhile. Returns the trained θ on the CPU."""
+    theta = theta.requires_grad_(True)
+    opt = torch.optim.Adam([theta], lr=lr)
+    targets = [compute_metric(metric, answer, batch, answer) for batch, answer in runs]
+    requires = [p.requires_grad for p in adapter.model.parameters()]
+    for p in adapter.model.parameters():
+        p.requires_grad_(False)
+    try:
+        for step in range(steps):
+            i = step % len(runs)
+            batch, clean_answer = runs[i]
+            logits, density = masked_forward(theta, i)
+            faith = ((compute_metric(metric, logits, batch, clean_answer) - targets[i]) ** 2).mean() / gap ** 2
+            loss = faith + penalty * density
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if progress is not None:
+                progress(step + 1, loss.item(), faith.item(), density.item())
+    finally:
+        for p, r in zip(adapter.model.parameters(), requires, strict=True):
+            p.requires_grad_(r)
+    return theta.detach().cpu().clone()
+
+
 def learn_edge_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor, valid: torch.Tensor,
                     metric: str = "logit_diff", steps: int = 40, lr: float = 0.05, penalty: float = 1.0,
                     batch_size: int = 8, init_density: float = 0.05,
@@ -74,36 +105,20 @@ def learn_edge_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor,
     if abs(gap) < 1e-6:
         raise ValueError("edge pruning needs the clean and corrupted runs to differ on the metric (their mean"
                          f" {metric} gap is {gap:.2e}); use pairs whose corruption changes the answer.")
-    theta = warm_start(scores, valid, init_density).to(ev.batches[0][0].clean_ids.device).requires_grad_(True)
+    theta = warm_start(scores, valid, init_density).to(ev.batches[0][0].clean_ids.device)
     valid_f = valid.to(theta.device).float()
     n_valid = valid_f.sum()
-    opt = torch.optim.Adam([theta], lr=lr)
-    targets = [compute_metric(metric, answer, batch, answer) for batch, answer, _ in ev.batches]
-    requires = [p.requires_grad for p in adapter.model.parameters()]
-    for p in adapter.model.parameters():
-        p.requires_grad_(False)
-    try:
-        for step in range(steps):
-            i = step % len(ev.batches)
-            batch, clean_answer, _ = ev.batches[i]
-            ablated = ev.ablated(i)
-            mask = torch.sigmoid(theta) * valid_f
-            with HookSet() as hk:
-                _install_edge_circuit(adapter, hk, mask, ablated, soft=True)
-                logits = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
-            m = compute_metric(metric, logits, batch, clean_answer)
-            faith = ((m - targets[i]) ** 2).mean() / gap ** 2
-            density = mask.sum() / n_valid
-            loss = faith + penalty * density
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if progress is not None:
-                progress(step + 1, loss.item(), faith.item(), density.item())
-    finally:
-        for p, r in zip(adapter.model.parameters(), requires, strict=True):
-            p.requires_grad_(r)
-    out = theta.detach().cpu().clone()
+    runs = [(batch, answer) for batch, answer, _ in ev.batches]
+
+    def masked_forward(theta: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = runs[i][0]
+        mask = torch.sigmoid(theta) * valid_f
+        with HookSet() as hk:
+            _install_edge_circuit(adapter, hk, mask, ev.ablated(i), soft=True)
+            logits = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
+        return logits, mask.sum() / n_valid
+
+    out = _train_mask(adapter, theta, runs, masked_forward, metric, gap, steps, lr, penalty, progress)
     out[~valid] = -torch.inf
     return out
 
@@ -135,45 +150,22 @@ def learn_head_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor,
     """
     if steps < 1:
         raise ValueError(f"pruning.mask_steps={steps} must be at least 1")
-    device = input_device(adapter.model)
-    batches, corrupted_total = [], 0.0
-    with torch.no_grad():  # per batch: its clean answer logits and the corrupted run's z (the pruning Evaluator's record)
-        for batch in data[:steps * batch_size].batches(batch_size):
-            batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
-            corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=False)
-            corrupted_total += compute_metric(metric, corrupted.logits.float(), batch).sum().item()
-            batches.append((batch, clean.logits.float(), corrupted.z))
-    n = sum(len(b.clean_ids) for b, _, _ in batches)
-    targets = [compute_metric(metric, answer, batch, answer) for batch, answer, _ in batches]
-    gap = (sum(t.sum().item() for t in targets) - corrupted_total) / n
+    batches = record_head_runs(adapter, data[:steps * batch_size], batch_size)  # the steps' batches only
+    corrupted_total = sum(compute_metric(metric, logits, batch).sum().item() for batch, _, _, logits in batches)
+    n = sum(len(batch.clean_ids) for batch, _, _, _ in batches)
+    clean_total = sum(compute_metric(metric, answer, batch, answer).sum().item() for batch, answer, _, _ in batches)
+    gap = (clean_total - corrupted_total) / n
     if abs(gap) < 1e-6:
         raise ValueError("head mask learning needs the clean and corrupted runs to differ on the metric (their"
                          f" mean {metric} gap is {gap:.2e}); use pairs whose corruption changes the answer.")
-    valid = torch.ones(scores.shape, dtype=torch.bool)
-    theta = warm_start(scores, valid, init_density).to(device).requires_grad_(True)
-    opt = torch.optim.Adam([theta], lr=lr)
-    requires = [p.requires_grad for p in adapter.model.parameters()]
-    for p in adapter.model.parameters():
-        p.requires_grad_(False)
-    try:
-        for step in range(steps):
-            i = step % len(batches)
-            batch, clean_answer, corrupted_z = batches[i]
-            mask = torch.sigmoid(theta)
-            with HookSet() as hk:
-                install_head_mask(adapter, hk, mask, corrupted_z)
-                logits = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
-            m = compute_metric(metric, logits, batch, clean_answer)
-            faith = ((m - targets[i]) ** 2).mean() / gap ** 2
-            density = mask.mean()
-            loss = faith + penalty * density
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if progress is not None:
-                progress(step + 1, loss.item(), faith.item(), density.item())
-    finally:
-        for p, r in zip(adapter.model.parameters(), requires, strict=True):
-            p.requires_grad_(r)
-    return theta.detach().cpu().clone()
+    theta = warm_start(scores, torch.ones(scores.shape, dtype=torch.bool), init_density).to(batches[0][0].clean_ids.device)
+    runs = [(batch, answer) for batch, answer, _, _ in batches]
+
+    def masked_forward(theta: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, mask = runs[i][0], torch.sigmoid(theta)
+        with HookSet() as hk:
+            install_head_mask(adapter, hk, mask, batches[i][2])
+            logits = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
+        return logits, mask.mean()
+
+    return _train_mask(adapter, theta, runs, masked_forward, metric, gap, steps, lr, penalty, progress)

@@ -122,6 +122,24 @@ def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, ans
     return rec
 
 
+def record_head_runs(adapter: ModelAdapter, data: TaskData, batch_size: int, corrupted: bool = True
+                     ) -> list[tuple[TaskData, torch.Tensor, list | None, torch.Tensor | None]]:
+    """What a head-scope circuit is run against, per batch of `data` (on the model's input device):
+    (batch, clean answer logits float32, the corrupted run's z per layer, its answer logits float32),
+    the last two None without `corrupted`."""
+    device = input_device(adapter.model)
+    out = []
+    for batch in data.batches(batch_size):
+        batch = batch.to(device)
+        clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
+        z = logits = None
+        if corrupted:
+            run = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=False)
+            z, logits = run.z, run.logits.float()
+        out.append((batch, clean.logits.float(), z, logits))
+    return out
+
+
 def deltas(adapter: ModelAdapter, clean: RecordedRun, corrupted: RecordedRun, edges: bool) -> Deltas:
     """Δ = clean - corrupted, float32: per node value (node level) and per write (edge level)."""
     L, H = adapter.n_layers, adapter.n_heads
