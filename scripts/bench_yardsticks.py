@@ -738,27 +738,21 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"yardstick {name}: {time.perf_counter() - t0:.0f} s")
             if args.json:  # partial results survive a later failure
                 args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
-        if args.smollm2:
+        smollm2_sets = [("S", args.smollm2, lambda d: smollm2_yardstick(work, d, args.smollm2_facts, args.smollm2_epochs,
+                                                                           console)),
+                        ("S2", args.smollm2_chat, lambda d: smollm2_chat_yardstick(work, d, args.smollm2_chat_facts,
+                                                                                   args.smollm2_chat_epochs, console))]
+        for name, model_dir, build in smollm2_sets:
+            if not model_dir:
+                continue
             t0 = time.perf_counter()
-            ys = smollm2_yardstick(work, args.smollm2, args.smollm2_facts, args.smollm2_epochs, console)
-            fine_tunes["S"] = ys.fine_tune
+            ys = build(model_dir)
+            fine_tunes[name] = ys.fine_tune
             if not args.no_gradian:
                 rows += gradian_on(ys, [int(w) for w in args.smollm2_widths.split(",")], args.smollm2_seeds, batch_size=4,
                                    raw_too=args.smollm2_raw)
             rows += peers_on(ys)
-            console.print(f"yardstick S: {time.perf_counter() - t0:.0f} s")
-            if args.json:
-                args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
-        if args.smollm2_chat:
-            t0 = time.perf_counter()
-            ys = smollm2_chat_yardstick(work, args.smollm2_chat, args.smollm2_chat_facts, args.smollm2_chat_epochs,
-                                        console)
-            fine_tunes["S2"] = ys.fine_tune
-            if not args.no_gradian:
-                rows += gradian_on(ys, [int(w) for w in args.smollm2_widths.split(",")], args.smollm2_seeds, batch_size=4,
-                                   raw_too=args.smollm2_raw)
-            rows += peers_on(ys)
-            console.print(f"yardstick S2: {time.perf_counter() - t0:.0f} s")
+            console.print(f"yardstick {name}: {time.perf_counter() - t0:.0f} s")
             if args.json:
                 args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
     summary = summarize(rows)
