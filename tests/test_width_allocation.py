@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)
 
-from circuitkit.config import compose
 from circuitkit.errors import UserError
 from gradian.allocation import (
     ALLOCATION_FILE,
@@ -24,20 +24,7 @@ from gradian.index import IndexMismatchError, IndexReader
 from gradian.indexer import build_index
 from gradian.projection import Projector, balanced_width
 
-ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}
-        for i, (s, v, p) in enumerate((s, v, p) for s in ("cat", "dog", "owl", "fox", "elk")
-                                      for v in ("runs", "naps") for p in ("lake", "hill"))]  # 20 rows
-DIM = 16
 ARGS = ("grads.width_allocation=spectrum", "grads.rows_per_shard=7")
-
-
-def _cfg(root: Path, *overrides: str):
-    data = root / "train.jsonl"
-    if not data.exists():
-        data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    _, cfg = compose(["model.precision=float32", f"grads.projection_dim={DIM}", "grads.storage_dtype=float32",
-                      f"grads.data_path={data}", *overrides])
-    return cfg
 
 
 def _build(root: Path, name: str, *overrides: str) -> Path:
