@@ -282,6 +282,12 @@ def _data_dependent(shapes: dict[str, tuple[int, int]], grads: GradsConfig, inde
     return projector
 
 
+def _check_kfac_widths(projector: Projector, grads: GradsConfig) -> None:
+    """With a K-FAC preconditioner, every module's factor sides must fit `check_kfac`'s limits."""
+    if has_kfac(grads.preconditioner):
+        check_kfac(projector.kind, {n: projector.factors.get(n, s) for n, s in projector.shapes.items()})
+
+
 def recorded_fisher(grads: GradsConfig) -> str:
     """What the header records of grads.fisher: as asked with K-FAC factors, else "empirical"
     (no curvature depends on it)."""
@@ -311,8 +317,8 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
                                  ("seed", "projection_seed", grads.projection_seed)):
             if key in recorded and recorded[key] != value and not (key == "seed" and kind == "raw"):
                 diffs.append(f"{name}: index has {recorded[key]!r}, asked {value!r}")
-        had = (recorded.get("allocation") or {}).get("kind", "uniform") if isinstance(
-            recorded.get("allocation"), dict) else "uniform"
+        allocation = recorded.get("allocation")
+        had = allocation.get("kind", "uniform") if isinstance(allocation, dict) else "uniform"
         if had != grads.width_allocation:
             diffs.append(f"width_allocation: index has {had!r}, asked {grads.width_allocation!r}")
         elif had != "uniform":
@@ -422,8 +428,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     # Uniform widths are checked here, before any work; allocated ones once the factor pass chose them.
     projector = None if grads.width_allocation != "uniform" else Projector(
         shapes, grads.projection, grads.projection_dim, grads.projection_seed)
-    if projector is not None and has_kfac(grads.preconditioner):
-        check_kfac(projector.kind, {n: projector.factors.get(n, s) for n, s in projector.shapes.items()})
+    if projector is not None:
+        _check_kfac_widths(projector, grads)
     model_dtype = next(model.parameters()).dtype
     activations = activation_mode(grads.activations, model_dtype)  # "model", "recompute" or "fused"
     local = Path(source.name)
@@ -439,8 +445,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         projector = _data_dependent(dict(shapes), grads, index_dir, compute, activations, fisher,
                                     {"weights_sha256": weights_sha256, "tokenizer_sha256": tokenizer_sha256,
                                      "data_sha256": data_sha256, "report": report.summary()})
-        if has_kfac(grads.preconditioner):
-            check_kfac(projector.kind, {n: projector.factors.get(n, s) for n, s in projector.shapes.items()})
+        _check_kfac_widths(projector, grads)
     header = header_json(IndexHeader(
         model=model_cfg.name, revision=model_cfg.revision, precision=model_cfg.precision,
         weights_sha256=weights_sha256, tokenizer_sha256=tokenizer_sha256,

@@ -107,15 +107,11 @@ def _usable(n: int, d_out: int, d_in: int) -> tuple[int, int] | None:
     return min(pairs, key=lambda ab: (abs(math.log(ab[0] / ab[1])), -(ab[0] if d_out >= d_in else ab[1])))
 
 
-def _balanced(n: int, d_out: int, d_in: int) -> bool:
-    pair = _usable(n, d_out, d_in)
-    return pair is not None and max(pair) <= _MAX_FACTOR_RATIO * min(pair)
-
-
 def balanced_width(n: int, d_out: int, d_in: int) -> bool:
     """Whether width n has a Kronecker factorisation k_o * k_i for a (d_out, d_in) module that
     `kronecker_factors` accepts without its imbalance warning."""
-    return _balanced(n, d_out, d_in)
+    pair = _usable(n, d_out, d_in)
+    return pair is not None and max(pair) <= _MAX_FACTOR_RATIO * min(pair)
 
 
 def _suggest(n: int, d_out: int, d_in: int, count: int = 3) -> list[int]:
@@ -124,7 +120,7 @@ def _suggest(n: int, d_out: int, d_in: int, count: int = 3) -> list[int]:
     found: list[int] = []
     for delta in range(0, n + limit):
         for cand in (n - delta, n + delta):
-            if 1 <= cand <= limit and cand not in found and _balanced(cand, d_out, d_in):
+            if 1 <= cand <= limit and cand not in found and balanced_width(cand, d_out, d_in):
                 found.append(cand)
         if len(found) >= count:
             break
