@@ -48,10 +48,10 @@ test: setup
 # The slow suite includes a real local Ray cluster (tests/test_ray.py): Ray and the Hydra Ray
 # launcher are installed here, then cloudpickle is put back to >= 3 (the launcher pins < 3 but
 # never imports it locally; joblib needs >= 3). About 100 MB. The report's browser tests drive
-# Debian's Chromium (scripts/ensure_chromium.sh installs it) through playwright (the browser extra).
+# Debian's Chromium (scripts/tools/ensure_chromium.sh installs it) through playwright (the browser extra).
 test-slow: setup
 	$(BIN)/python -m pip install --quiet -e '.[ray,browser]'
-	bash scripts/ensure_chromium.sh
+	bash scripts/tools/ensure_chromium.sh
 	$(BIN)/python -m pip install --quiet 'cloudpickle>=3'
 	$(BIN)/python -m pytest -q -m slow
 
@@ -59,9 +59,9 @@ lint: setup
 	$(BIN)/ruff check .
 
 fixtures: setup
-	$(BIN)/python scripts/make_tiny_models.py
+	$(BIN)/python scripts/tools/make_tiny_models.py
 
-BENCH_SCRIPTS := $(wildcard scripts/bench_*.py)
+BENCH_SCRIPTS := $(wildcard scripts/bench/bench_*.py)
 bench: setup
 	@test -n "$(BENCH_SCRIPTS)" || { echo "no benchmark scripts in scripts/ yet"; exit 1; }
 	@set -e; for script in $(BENCH_SCRIPTS); do $(BIN)/python "$$script"; done
@@ -73,7 +73,7 @@ peers:
 
 bench-peers: setup peers
 	mkdir -p outputs
-	$(BIN)/python scripts/bench_peers.py --json outputs/bench_peers.json
+	$(BIN)/python scripts/bench/bench_peers.py --json outputs/bench_peers.json
 
 clean:
 	rm -rf outputs multirun .cache .pytest_cache

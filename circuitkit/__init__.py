@@ -1,6 +1,9 @@
 """CircuitKit: circuit discovery (EAP, EAP-IG) and head pruning on Hugging Face causal LMs."""
 
 __version__ = "0.1.0"
+# Read (as text, not imported) by circuitkit_app when it starts: PyPI's `circuitkit` is another
+# project (Lexsi Labs' CircuitKIT) that imports under the same name; ours is circuitkit-gradian.
+DISTRIBUTION = "circuitkit-gradian"
 
 
 def discover_circuit(cfg, run_dir=None):

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from circuitkit.circuit import load_circuit
-from circuitkit.config import validate
+from circuitkit.core.config import validate
+from circuitkit.discovery.circuit import load_circuit
 from circuitkit_app.stage_list import CIRCUIT_STAGE_NAMES, run_pipeline
 
 
@@ -30,7 +30,7 @@ def discover_circuit(cfg: dict[str, Any], run_dir: str | Path | None = None) -> 
 
     run_dir: where the stages write their artifacts and manifest.json (default: beside
     output_path as `<stem>_run/`, else `outputs/discover/<timestamp>`). Returns the `Circuit`
-    stored in circuit.pt (see circuitkit.circuit_file).
+    stored in circuit.pt (see circuitkit.core.circuit_file).
     """
     cfg = copy.deepcopy(dict(cfg))
     cfg.setdefault("stages", list(CIRCUIT_STAGE_NAMES))

@@ -26,7 +26,7 @@ import sys
 from rich.console import Console
 from rich.syntax import Syntax
 
-from circuitkit.errors import DEBUG_ENV, UserError, run_entry
+from circuitkit.core.errors import DEBUG_ENV, UserError, run_entry
 
 # Each subcommand imports its module when it runs (inside main): `circuitkit --help` and a
 # mistyped command load neither torch nor Hydra, so they answer at once.
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_config(overrides: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    from circuitkit.config import compose
+    from circuitkit.core.config import compose
 
     if any(flag in overrides for flag in HELP_FLAGS):
         sys.stdout.write(CONFIG_HELP)
@@ -106,11 +106,13 @@ def _main(argv: list[str]) -> int:
         return merge_main(rest)
     if command == "export" and ("--check-mib" in rest or "--format=mib" in rest
                                 or any(a == "--format" and b == "mib" for a, b in zip(rest, rest[1:], strict=False))):
-        from circuitkit.mib import export_main as mib_export  # issue 28: MIB's leaderboard folder
+        from circuitkit.discovery.export.mib import (
+            export_main as mib_export,  # issue 28: MIB's leaderboard folder
+        )
 
         return mib_export(rest)
     if command in ("export", "import"):
-        from circuitkit import interop
+        from circuitkit.discovery.export import interop
 
         return (interop.export_main if command == "export" else interop.import_main)(rest)
     if command == "fetch":
@@ -145,14 +147,14 @@ def _main(argv: list[str]) -> int:
         print(f"report: {written}")
         return 0
     if command == "show":
-        from circuitkit.circuit import show_circuit
+        from circuitkit.discovery.circuit import show_circuit
 
         args = parser.parse_args(argv)
         if args.top_edges < 1:  # a negative count would slice from the other end
             raise UserError(f"--top-edges {args.top_edges}: give a number of edges >= 1.", exit_code=2)
         show_circuit(args.path)
         if args.graph:
-            from circuitkit.circuit_graph import graph_file
+            from circuitkit.discovery.circuit_graph import graph_file
 
             written = graph_file(args.path, args.graph, args.top_edges)
             Console(stderr=True).print(f"wrote {', '.join(map(str, written))}", markup=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from circuitkit.errors import UserError, run_entry
+from circuitkit.core.errors import UserError, run_entry
 from gradian import cli as gradian_cli
 
 
@@ -29,7 +29,7 @@ def _main(argv: list[str]) -> int:
             raise UserError("--report needs --out RANK.jsonl: the page is drawn from the ranked rows written there.",
                             exit_code=2)
         page = Path(args.report) if args.report else Path(args.out).with_suffix(".html")
-        from circuitkit.io import check_writable
+        from circuitkit.core.io import check_writable
 
         check_writable(page, "--report")
         code = gradian_cli.rank_command(args)

@@ -1,6 +1,6 @@
 """`circuitkit merge RUN_DIRS... [--out DIR] [--no-prune]`: merge attribution shards by hand.
 
-The last shard of a sweep merges on its own (circuitkit.attribution.shards); this command is
+The last shard of a sweep merges on its own (circuitkit.discovery.attribution.shards); this command is
 for shards that ran where they cannot meet (different machines, different sweep dirs) or when
 the automatic merge was refused. It reads each run dir's `attribution_shard.safetensors`,
 refuses shards of different configs, models or data naming the key, writes the merged
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from circuitkit.errors import UserError
+from circuitkit.core.errors import UserError
 
 USAGE = "circuitkit merge RUN_DIR [RUN_DIR ...] [--out DIR] [--no-prune]"
 
@@ -37,8 +37,11 @@ def _parser() -> argparse.ArgumentParser:
 def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console: Console | None = None) -> dict:
     """Merge the shards of `run_dirs` into `out`; returns out's manifest (or the merge record
     when `prune` is False). UserError naming what is wrong for a missing or mismatched shard."""
-    from circuitkit.attribution import save_scores
-    from circuitkit.attribution.shards import (
+    from circuitkit.core.config import validate
+    from circuitkit.core.io import atomic_write_json
+    from circuitkit.core.pipeline import MANIFEST, load_manifest, make_console
+    from circuitkit.discovery.attribution import save_scores
+    from circuitkit.discovery.attribution.shards import (
         MERGE_RECORD,
         PARTIAL_FILE,
         load_partial,
@@ -46,10 +49,7 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
         per_example_record,
         shard_records,
     )
-    from circuitkit.config import validate
-    from circuitkit.io import atomic_write_json
-    from circuitkit.pipeline import MANIFEST, load_manifest, make_console
-    from circuitkit.stages import HELDOUT_TEMPLATES_FILE
+    from circuitkit.discovery.stages import HELDOUT_TEMPLATES_FILE
     from circuitkit_app.stage_list import run_pipeline
 
     console = console or make_console()

@@ -3,7 +3,7 @@
 Everything that can be checked is checked before Hydra creates the run directory: override
 syntax and keys, the composed config (types, ranges, interpolations, cross-field rules), the
 stages' pre-run checks, and that the run directory can be written. Every error ends in one
-line and an exit code (circuitkit.errors); `CIRCUITKIT_DEBUG=1` shows the traceback.
+line and an exit code (circuitkit.core.errors); `CIRCUITKIT_DEBUG=1` shows the traceback.
 
 In a multirun each job stands alone: a job whose config or stage fails is recorded as a
 failed row of `sweep_summary.csv` with its one-line error, the other jobs run, and the sweep
@@ -21,11 +21,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from circuitkit.config import CONF_DIR, check_overrides, compose_with_run_dir, hydra_dir, validate
-from circuitkit.errors import UserError, debug_enabled, exit_code_and_message, print_error, run_entry
-from circuitkit.io import check_writable
-from circuitkit.pipeline import make_console
-from circuitkit.sweep import forget_last_sweep, last_sweep, record_job_failure
+from circuitkit.core.config import CONF_DIR, check_overrides, compose_with_run_dir, hydra_dir, validate
+from circuitkit.core.errors import UserError, debug_enabled, exit_code_and_message, print_error, run_entry
+from circuitkit.core.io import check_writable
+from circuitkit.core.pipeline import make_console
+from circuitkit.core.sweep import forget_last_sweep, last_sweep, record_job_failure
 from circuitkit_app.stage_list import check_stages, run_pipeline
 
 # Hydra flags that take a value (the value is not an override).

@@ -17,12 +17,17 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.attribution.memory import advice, attribution_estimate, ig_advice, largest_fitting_batch
-from circuitkit.config import CONF_DIR, AppConfig, DiscoveryConfig, choices, compose
-from circuitkit.device import free_memory_bytes, get_device
-from circuitkit.errors import EXIT_USAGE, UserError
-from circuitkit.pipeline import make_console
-from circuitkit.preflight import table
+from circuitkit.core.config import CONF_DIR, AppConfig, DiscoveryConfig, choices, compose
+from circuitkit.core.device import free_memory_bytes, get_device
+from circuitkit.core.errors import EXIT_USAGE, UserError
+from circuitkit.core.pipeline import make_console
+from circuitkit.discovery.attribution.memory import (
+    advice,
+    attribution_estimate,
+    ig_advice,
+    largest_fitting_batch,
+)
+from circuitkit.preflight.stage import table
 from circuitkit_app.run import main as run_main
 from circuitkit_app.stage_list import CIRCUIT_STAGE_NAMES
 

@@ -2,9 +2,9 @@
 
     preflight -> data -> attribution -> pruning -> grads
 
-Each stage lives with its domain (`circuitkit.preflight`, `circuitkit.stages` for the circuit
+Each stage lives with its domain (`circuitkit.preflight.stage`, `circuitkit.discovery.stages` for the circuit
 stages, `gradian.stage`); a new stage is one more entry here (and its name in
-`circuitkit.config.ALL_STAGES`, the schema's choices for `stages`). `run_pipeline` and
+`circuitkit.core.config.ALL_STAGES`, the schema's choices for `stages`). `run_pipeline` and
 `check_stages` are what run.py, api.py, smart.py, the scripts and the tests call.
 """
 
@@ -15,11 +15,11 @@ from typing import Any
 
 from rich.console import Console
 
-from circuitkit.config import AppConfig
+from circuitkit.core.config import AppConfig
+from circuitkit.core.pipeline import Pipeline
+from circuitkit.discovery.stages import CIRCUIT_STAGES
 from circuitkit.models.loading import load_model, model_source
-from circuitkit.pipeline import Pipeline
-from circuitkit.preflight import PREFLIGHT_STAGE
-from circuitkit.stages import CIRCUIT_STAGES
+from circuitkit.preflight.stage import PREFLIGHT_STAGE
 from gradian.stage import GRADS_STAGE
 
 PIPELINE = Pipeline({stage.name: stage for stage in (PREFLIGHT_STAGE, *CIRCUIT_STAGES, GRADS_STAGE)}, load_model,
@@ -30,12 +30,12 @@ CIRCUIT_STAGE_NAMES = (PREFLIGHT_STAGE.name, *(stage.name for stage in CIRCUIT_S
 
 def run_pipeline(cfg: AppConfig, run_dir: str | Path, console: Console | None = None,
                  overrides: list[str] | None = None, checked: bool = False) -> dict[str, Any]:
-    """Run `cfg.stages` in `run_dir`; returns the manifest (see `circuitkit.pipeline.Pipeline.run`).
+    """Run `cfg.stages` in `run_dir`; returns the manifest (see `circuitkit.core.pipeline.Pipeline.run`).
 
     The last step, also after a stage failed: report.html in `run_dir` (`report.enabled`), the run
     as one page (circuitkit_app.report); an interrupted run writes none.
     """
-    from circuitkit.pipeline import PipelineError
+    from circuitkit.core.pipeline import PipelineError
     from circuitkit_app.report import report_after_run
 
     try:

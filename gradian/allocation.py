@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from circuitkit.io import atomic_write_json
+from circuitkit.core.io import atomic_write_json
 from gradian.curvature import CURVATURE_DAMPING, MAX_FACTOR_WIDTH, FactorSums
 from gradian.projection import _MAX_FACTOR_RATIO, Projector, balanced_width, kronecker_factors
 from gradian.whitening import shared_file
@@ -220,7 +220,7 @@ def allocation_problems(index_dir: Path, proj: Mapping) -> list[str]:
         return []
     if not isinstance(record, Mapping) or record.get("kind") != "spectrum":
         return [f"projection.allocation {str(record)[:60]!r} is not a spectrum allocation record"]
-    from circuitkit.io import sha256_file
+    from circuitkit.core.io import sha256_file
 
     problems = []
     path = Path(index_dir) / str(record.get("file"))

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from circuitkit.config import GradsConfig, choices
+from circuitkit.core.config import GradsConfig, choices
 from circuitkit.models.placement import input_device
 from circuitkit.models.recompute import fused_activations, recomputed_activations
 from gradian.projection import Projector
@@ -97,7 +97,7 @@ class _Margin(torch.autograd.Function):
 
     Written out with autograd (a scattered copy of z, logsumexp, gather) the backward kept four to
     five (N, V) float32 tensors alive, a third more peak than the cross-entropy on vocabulary-bound
-    batches (scripts/check_memory_estimates.py). Here the forward saves only the softmax over the
+    batches (scripts/bench/check_memory_estimates.py). Here the forward saves only the softmax over the
     other classes, q_j = exp(z_j - lse) (q_y = 0), and the backward is g·q with -g at y: the same
     operations autograd would run, on one tensor."""
 

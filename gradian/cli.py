@@ -15,7 +15,7 @@
                                tokens marked (circuitkit_app.report, which the installed command reaches)
     gradian doctor [--json]    versions, devices, determinism, backends and self-tests (Markdown)
 
-Every command ends through `circuitkit.errors.run_entry`: an error prints one line naming the
+Every command ends through `circuitkit.core.errors.run_entry`: an error prints one line naming the
 problem and the fix (CIRCUITKIT_DEBUG=1 shows the traceback), Ctrl-C exits 130.
 """
 
@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from circuitkit.errors import UserError, error_console, print_error, run_entry
+from circuitkit.core.errors import UserError, error_console, print_error, run_entry
 
 # Each subcommand imports its module when it runs: `gradian --help` loads no torch (fast).
 # With --out, the terminal shows this much of the ranking; the file gets all of it. Rendering
@@ -97,7 +97,7 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
 
 
 def _index_help() -> str:
-    from circuitkit.config import GradsConfig
+    from circuitkit.core.config import GradsConfig
 
     lines = ["usage: gradian index [KEY=VALUE ...]", "",
              "Build a gradient index of grads.data_path into grads.index_dir (default ./index) with the",
@@ -132,7 +132,7 @@ def index_command(overrides: list[str]) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from circuitkit.config import ConfigError, compose
+    from circuitkit.core.config import ConfigError, compose
     from gradian.indexer import build_index
 
     if any(arg in ("-h", "--help") for arg in overrides):

@@ -259,7 +259,7 @@ def shards_digest(manifest: dict[str, Any]) -> str:
 def current_record(index_dir: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
     """The manifest's ``curvature`` entry if its file is there with that sha256 and it was made
     from the shards the manifest lists now; else None."""
-    from circuitkit.io import sha256_file
+    from circuitkit.core.io import sha256_file
 
     record = manifest.get("curvature")
     path = Path(index_dir) / CURVATURE_FILE

@@ -30,7 +30,7 @@ emptied it and ``on_truncation=error``, loading raises instead.
 Row ids follow the source order. Batches are planned per shard of rows (`plan_batches`): with
 length grouping on, rows of similar length share a batch and a batch holds at most
 ``batch_tokens`` padded tokens and ``batch_size`` rows, cut where padding would cost more than
-another batch (`circuitkit.batching.batch_overhead_tokens`: a few tokens on a CPU, 256 on an
+another batch (`circuitkit.core.batching.batch_overhead_tokens`: a few tokens on a CPU, 256 on an
 accelerator), so little compute goes to padding; the plan depends only on the rows' lengths and
 the device type, so an index built in batches is deterministic, resumes at any shard and gives
 every worker the same rows.
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from circuitkit.config import GradsConfig, choices
+from circuitkit.core.config import GradsConfig, choices
 from gradian.sources import EXPECTED as _EXPECTED
 from gradian.sources import DataError, Source, SourceSpec
 

@@ -189,7 +189,7 @@ def devices_info() -> list[dict[str, Any]]:
     """The CPU, each CUDA device (or why none) and MPS (or why not), with memory where known."""
     import torch
 
-    from circuitkit.device import free_memory_bytes, total_memory_bytes
+    from circuitkit.core.device import free_memory_bytes, total_memory_bytes
 
     cpu = torch.device("cpu")
     rows: list[dict[str, Any]] = [{
@@ -324,7 +324,7 @@ def _test_projection() -> dict[str, Any]:
     default projection kind (grads.projection)."""
     import torch
 
-    from circuitkit.config import GradsConfig
+    from circuitkit.core.config import GradsConfig
     from gradian.projection import Projector
 
     shapes, kind = {"probe": (12, 10)}, GradsConfig().projection
@@ -358,7 +358,7 @@ def _test_batch_invariance() -> dict[str, Any]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from circuitkit.config import GradsConfig
+    from circuitkit.core.config import GradsConfig
     from circuitkit.models.adapters import get_adapter
     from circuitkit.models.linear_modules import module_shapes
     from gradian.capture import per_example_gradients

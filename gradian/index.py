@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from circuitkit.device import DTYPES
-from circuitkit.errors import UserError
-from circuitkit.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
+from circuitkit.core.device import DTYPES
+from circuitkit.core.errors import UserError
+from circuitkit.core.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 from gradian.header import check_header
 from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 

@@ -27,11 +27,17 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from circuitkit.batching import batch_overhead_tokens, plan_batches, rows_within_budget
-from circuitkit.config import GradsConfig, ModelConfig
-from circuitkit.device import DTYPES, free_memory_bytes
-from circuitkit.errors import UserError
-from circuitkit.io import atomic_save_safetensors, atomic_write_json, check_writable, file_lock, sha256_file
+from circuitkit.core.batching import batch_overhead_tokens, plan_batches, rows_within_budget
+from circuitkit.core.config import GradsConfig, ModelConfig
+from circuitkit.core.device import DTYPES, free_memory_bytes
+from circuitkit.core.errors import UserError
+from circuitkit.core.io import (
+    atomic_save_safetensors,
+    atomic_write_json,
+    check_writable,
+    file_lock,
+    sha256_file,
+)
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.allocation import allocated_projector, allocation_problems

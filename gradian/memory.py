@@ -1,6 +1,6 @@
 """Peak device memory of gradient indexing, from the model's shape alone (no weights).
 
-`estimate_grads` is the closed form (notation in `circuitkit.memory`); it reads the modules,
+`estimate_grads` is the closed form (notation in `circuitkit.preflight.memory`); it reads the modules,
 the projection and its kronecker factors from a `Projector`, the same object that projects
 the gradients, so the factors are computed once. `grads_estimate(cfg)` applies it to a
 config before any weight is loaded (the modules named from the shape by
@@ -14,14 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from circuitkit.batching import rows_within_budget
-from circuitkit.circuit_file import grads_circuit_path, kept_components, load_circuit
-from circuitkit.config import AppConfig
-from circuitkit.device import DTYPES
-from circuitkit.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
+from circuitkit.core.batching import rows_within_budget
+from circuitkit.core.circuit_file import grads_circuit_path, kept_components, load_circuit
+from circuitkit.core.config import AppConfig
+from circuitkit.core.device import DTYPES
+from circuitkit.core.pipeline import StageMemory
 from circuitkit.models.adapters import family
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
-from circuitkit.pipeline import StageMemory
+from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from gradian.capture import activation_mode, logit_chunk_rows
 from gradian.curvature import has_kfac, has_module
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, Projector
@@ -29,7 +29,7 @@ from gradian.width_table import width_note
 
 # Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
 # dispatch tracker of `measure_peak`, float32, sdpa, frozen parameters, on the tiny GPT-2 / Llama
-# shapes of scripts/check_memory_estimates.py (vocab 1024 and 50257) with mlp.c_proj / down_proj
+# shapes of scripts/bench/check_memory_estimates.py (vocab 1024 and 50257) with mlp.c_proj / down_proj
 # and with every block linear selected, B = 4, prompt 16 / 64 / 240, supervised 8 / 16 / 32; the
 # live bytes were read at the start of `backward()` and the peaks before and after it:
 # * Saved activations are the attribution coefficients ACT_PER_LAYER, counted only from the first

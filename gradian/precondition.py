@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 import torch
 
-from circuitkit.config import GradsConfig, choices
+from circuitkit.core.config import GradsConfig, choices
 
 PRECONDITIONERS = choices(GradsConfig, "preconditioner")
 DAMPING = 0.1

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.config import GradsConfig, choices
+from circuitkit.core.config import GradsConfig, choices
 
 log = logging.getLogger(__name__)
 
@@ -431,7 +431,7 @@ def load_whitened(index_dir: Path, record: Mapping, names: list[str]) -> dict[st
     ValueError naming the file when it is missing, changed or lacks a module."""
     from safetensors.torch import load
 
-    from circuitkit.io import sha256_file
+    from circuitkit.core.io import sha256_file
 
     name = record.get("file")
     if name != WHITENING_FILE:

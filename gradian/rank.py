@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from circuitkit.batching import batch_overhead_tokens, plan_batches
-from circuitkit.circuit_file import circuit_sha256
-from circuitkit.config import ModelConfig
-from circuitkit.errors import UserError
-from circuitkit.io import atomic_write_bytes, check_writable
+from circuitkit.core.batching import batch_overhead_tokens, plan_batches
+from circuitkit.core.circuit_file import circuit_sha256
+from circuitkit.core.config import ModelConfig
+from circuitkit.core.errors import UserError
+from circuitkit.core.io import atomic_write_bytes, check_writable
 from circuitkit.models.loading import context_length, load_model, weights_hash
 from gradian.capture import per_example_gradients
 from gradian.curvature import CURVATURE_DAMPING, KroneckerCurvature, has_kfac

@@ -17,7 +17,7 @@ GQA changes nothing here: W_O (`adapter.z_input`) reads the query heads' outputs
 whatever the number of KV heads. A Conv1D stores W_O as (in, out); its input columns are the same.
 
 Site names: ``{W_O module name}:head{h}`` for a head, the module name for an MLP output.
-Which heads and MLPs a circuit keeps is `circuitkit.circuit_file.kept_components` (circuit.pt's
+Which heads and MLPs a circuit keeps is `circuitkit.core.circuit_file.kept_components` (circuit.pt's
 reader sits below both domains: Gradian imports nothing of circuit discovery).
 """
 
@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from circuitkit.circuit_file import circuit_sha256, kept_components, load_circuit
-from circuitkit.config import GradsConfig, choices
-from circuitkit.errors import UserError
+from circuitkit.core.circuit_file import circuit_sha256, kept_components, load_circuit
+from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.errors import UserError
 from circuitkit.models.linear_modules import module_shape
 
 log = logging.getLogger(__name__)

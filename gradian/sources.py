@@ -18,7 +18,7 @@ Formats (``grads.data_format``; ``auto`` picks by what the path is):
   (``auto`` treats a path that does not exist and looks like ``owner/name`` as one).
 
 Parquet, Arrow and hub datasets need the optional dependency ``datasets`` (which brings
-pyarrow): ``pip install 'circuitkit[data]'``. ``row_range`` ``[start, end)`` keeps records
+pyarrow): ``pip install 'circuitkit-gradian[data]'``. ``row_range`` ``[start, end)`` keeps records
 ``start..end-1`` counted in source order (non-blank lines for JSONL).
 """
 
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from circuitkit.config import GradsConfig, choices
-from circuitkit.io import jsonl_objects, sha256_file
+from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.io import jsonl_objects, sha256_file
 
 FORMATS = choices(GradsConfig, "data_format")
 _TABLE_CHUNK_ROWS = 1024
@@ -82,7 +82,7 @@ def _need_datasets(what: str):
         import datasets
     except ImportError:
         raise DataError(f"reading {what} needs the optional package 'datasets' (with pyarrow): install it with"
-                          " pip install 'circuitkit[data]', or convert the data to JSONL.") from None
+                          " pip install 'circuitkit-gradian[data]', or convert the data to JSONL.") from None
     return datasets
 
 
@@ -204,7 +204,7 @@ class Source:
         datasets = _need_datasets("Arrow data and hub datasets")
         path = Path(self.spec.path)
         if self.format == "hf":
-            from circuitkit.hub import check_hub_name
+            from circuitkit.core.hub import check_hub_name
 
             if not path.exists():  # a hub name (a local folder is read by load_dataset itself)
                 check_hub_name(self.spec.path, None, "grads.data_path", kind="dataset")  # offline: at once

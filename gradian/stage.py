@@ -9,11 +9,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from circuitkit.circuit_file import grads_circuit_path
-from circuitkit.config import AppConfig
-from circuitkit.io import check_writable
+from circuitkit.core.circuit_file import grads_circuit_path
+from circuitkit.core.config import AppConfig
+from circuitkit.core.io import check_writable
+from circuitkit.core.pipeline import RunContext, Stage, StageResult
 from circuitkit.models.loading import check_model, model_inputs
-from circuitkit.pipeline import RunContext, Stage, StageResult
 from gradian.indexer import SAMPLE_DATA, build_index, check_grads_config
 from gradian.memory import GRADS_MEMORY
 

@@ -16,14 +16,14 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from circuitkit.errors import UserError
+from circuitkit.core.errors import UserError
 from gradian.data import Row, iter_rows, new_report, policy_of
 from gradian.index import IndexReader
 
 
 def load_index_tokenizer(manifest: dict[str, Any]) -> Any:
     """The tokenizer of the model an index names, refused (UserError) if its hash differs."""
-    from circuitkit.config import ModelConfig
+    from circuitkit.core.config import ModelConfig
     from circuitkit.models.loading import load_tokenizer
     from gradian.indexer import tokenizer_hash
 

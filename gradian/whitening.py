@@ -20,7 +20,7 @@ product (by Johnson-Lindenstrauss). The matrices go to ``projection.safetensors`
 directory (``p_out.m``, ``p_in.m`` in module order, with the settings that decide them as
 metadata), recorded in the manifest's projection entry (file, sha256, bytes, damping).
 
-Sharded workers share it: the first to take the lock ``.projection.lock`` (`circuitkit.io.file_lock`)
+Sharded workers share it: the first to take the lock ``.projection.lock`` (`circuitkit.core.io.file_lock`)
 computes and writes it atomically; the others wait for the lock and read it. A file left by a
 run with other settings (its metadata differ) is recomputed. The pass visits the rows in the
 same order and batches in every worker (all rows, not the worker's shards), so a worker that has
@@ -37,14 +37,14 @@ from typing import Any
 
 import torch
 
-from circuitkit.io import atomic_save_safetensors, file_lock, sha256_file
+from circuitkit.core.io import atomic_save_safetensors, file_lock, sha256_file
 from gradian.curvature import FactorSums
 from gradian.projection import WHITENING_FILE, Projector
 
 log = logging.getLogger(__name__)
 
 # λ = WHITEN_DAMPING x the factor's mean eigenvalue, on each factor (S and A) separately: the
-# damping scripts/exp_projection_basis.py measured (its √0.01 per factor, docs/benchmarks.md).
+# damping scripts/experiments/exp_projection_basis.py measured (its √0.01 per factor, docs/benchmarks.md).
 WHITEN_DAMPING = 0.1
 LOCK = ".projection.lock"
 

@@ -5,9 +5,9 @@ MEASURED holds figures measured with the defaults otherwise (kronecker_orthogona
 empirical Fisher, uniform widths, EK-FAC at damping 0.01), 3 projection seeds each, from
 docs/benchmarks.md ("Gradian's default width", issue 38), by
 
-    python scripts/bench_yardsticks.py --yardsticks '' --smollm2 DIR --smollm2-widths W --smollm2-seeds 3 \\
+    python scripts/bench/bench_yardsticks.py --yardsticks '' --smollm2 DIR --smollm2-widths W --smollm2-seeds 3 \\
         --losses margin --scores ekfac --dampings 0.01 --fisher empirical --projections kronecker_orthogonal
-    python scripts/bench_yardsticks.py --yardsticks LDS --widths W --seeds 3 --losses margin --scores ekfac \\
+    python scripts/bench/bench_yardsticks.py --yardsticks LDS --widths W --seeds 3 --losses margin --scores ekfac \\
         --dampings 0.01 --no-raw --fisher empirical --projections kronecker_orthogonal
 
 S: SmolLM2-135M-Instruct's fact set (4 down projections of 576 x 1536), `answer` queries,
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from circuitkit.config import AppConfig
-from circuitkit.device import DTYPES
+from circuitkit.core.config import AppConfig
+from circuitkit.core.device import DTYPES
 
 # width per module -> (S answer recall@10, LDS full) with the defaults; None: not measured / not possible.
 MEASURED: dict[int, tuple[float | None, float | None]] = {

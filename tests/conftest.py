@@ -15,7 +15,8 @@ os.environ.setdefault("CIRCUITKIT_CACHE", str(REPO / ".cache" / "test-fixtures")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference_eap.py
-sys.path.insert(0, str(REPO / "scripts"))  # benchmark helpers shared with tests
+sys.path.insert(0, str(REPO / "scripts" / "bench"))  # benchmark helpers shared with tests
+sys.path.insert(0, str(REPO / "scripts" / "experiments"))  # real_model_oracles
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from circuitkit.attribution.eap import cached_run, deltas, graph_of, interpolation_points
-from circuitkit.attribution.metrics import answer_logits, compute_metric
+from circuitkit.discovery.attribution.eap import cached_run, deltas, graph_of, interpolation_points
+from circuitkit.discovery.attribution.metrics import answer_logits, compute_metric
 from circuitkit.models.hooks import HookSet, replace_first
 
 

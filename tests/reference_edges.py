@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from circuitkit.attribution.eap import graph_of, head_writes
-from circuitkit.attribution.metrics import answer_forward, compute_metric
+from circuitkit.discovery.attribution.eap import graph_of, head_writes
+from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
 from circuitkit.models.placement import resident

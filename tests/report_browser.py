@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
-INSTALL = "`make test-slow` installs it (scripts/ensure_chromium.sh: apt-get install chromium)"
+INSTALL = "`make test-slow` installs it (scripts/tools/ensure_chromium.sh: apt-get install chromium)"
 
 # The position on the page of a node of the circuit graph (plotly's own axis maps).
 _NODE_XY = """(name) => {

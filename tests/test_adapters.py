@@ -9,7 +9,7 @@ import pytest
 import torch
 from named_hooks import hook_names, hooks, run_with_cache
 
-from circuitkit.config import ModelConfig
+from circuitkit.core.config import ModelConfig
 from circuitkit.models.adapters import UnsupportedArchitectureError, get_adapter
 from circuitkit.models.loading import load_model
 

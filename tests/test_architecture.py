@@ -10,7 +10,7 @@ function: a function-level import is still a dependency, only a later one. Layer
     entry    the list of stages, run.py, cli.py, api.py, smart.py, merge.py (circuitkit_app/), gradian/cli.py
 
 Rules: no cycles; imports point down only (the two domains are one level, and may not import
-each other; circuit.pt's format, `circuitkit.circuit_file`, sits in the core, below both).
+each other; circuit.pt's format, `circuitkit.core.circuit_file`, sits in the core, below both).
 The top-level folders stack the same way, bottom up: circuitkit/ (core, models, circuit),
 gradian/ (builds on circuitkit's core and models), circuitkit_app/ (knows both). A module imports only
 from its own folder and the folders below; the one exception is the names users type
@@ -34,16 +34,17 @@ RANK = {CORE: 0, MODELS: 1, CIRCUIT: 2, GRADIAN: 2, ENTRY: 3}
 # Every module, placed. A new module gets a line here (the test below fails until it does).
 LAYERS: dict[str, str] = {
     # runner core
-    "circuitkit.config": CORE,
-    "circuitkit.errors": CORE,
-    "circuitkit.hub": CORE,  # is the Hugging Face hub reachable (asked once; offline mode on when not)
-    "circuitkit.io": CORE,
-    "circuitkit.device": CORE,
-    "circuitkit.fingerprint": CORE,
-    "circuitkit.batching": CORE,  # length-aware batch plans, for the index and for attribution
-    "circuitkit.pipeline": CORE,
-    "circuitkit.sweep": CORE,
-    "circuitkit.circuit_file": CORE,  # circuit.pt: the Circuit type, its writer and reader (both domains read it)
+    "circuitkit.core": CORE,
+    "circuitkit.core.config": CORE,
+    "circuitkit.core.errors": CORE,
+    "circuitkit.core.hub": CORE,  # is the Hugging Face hub reachable (asked once; offline mode on when not)
+    "circuitkit.core.io": CORE,
+    "circuitkit.core.device": CORE,
+    "circuitkit.core.fingerprint": CORE,
+    "circuitkit.core.batching": CORE,  # length-aware batch plans, for the index and for attribution
+    "circuitkit.core.pipeline": CORE,
+    "circuitkit.core.sweep": CORE,
+    "circuitkit.core.circuit_file": CORE,  # circuit.pt: the Circuit type, its writer and reader (both domains read it)
     # models: loading, adapters, hooks, fixtures, the model's shape and memory terms
     "circuitkit.models": MODELS,
     "circuitkit.models.adapters": MODELS,
@@ -69,42 +70,46 @@ LAYERS: dict[str, str] = {
     "circuitkit.models.fetch": MODELS,  # `circuitkit fetch`: real models shipped in PyPI wheels
     "circuitkit.models.linear_modules": MODELS,
     "circuitkit.models.recompute": MODELS,  # activations recomputed in the backward (exact)
-    "circuitkit.memory": MODELS,  # reads model shapes (HF config.json); the generic memory terms
-    "circuitkit.preflight": MODELS,  # sums the estimates the stages declare; imports no domain
+    "circuitkit.preflight": MODELS,  # the preflight room: model shapes, memory terms, the stage
+    "circuitkit.preflight.memory": MODELS,  # reads model shapes (HF config.json); the generic memory terms
+    "circuitkit.preflight.stage": MODELS,  # sums the estimates the stages declare; imports no domain
     # circuit discovery and pruning
-    "circuitkit.tasks": CIRCUIT,
-    "circuitkit.attribution.checks": CIRCUIT,  # artifacts checked against the model and graph they are used with
-    "circuitkit.tasks.base": CIRCUIT,
-    "circuitkit.tasks.greater_than": CIRCUIT,
-    "circuitkit.tasks.induction": CIRCUIT,
-    "circuitkit.tasks.ioi": CIRCUIT,
-    "circuitkit.tasks.jsonl": CIRCUIT,
-    "circuitkit.tasks.mmlu": CIRCUIT,
-    "circuitkit.tasks.text": CIRCUIT,
-    "circuitkit.attribution": CIRCUIT,
-    "circuitkit.attribution.eap": CIRCUIT,
-    "circuitkit.attribution.exact": CIRCUIT,
-    "circuitkit.attribution.graph": CIRCUIT,
-    "circuitkit.attribution.metrics": CIRCUIT,
-    "circuitkit.attribution.norms": CIRCUIT,
-    "circuitkit.attribution.quadrature": CIRCUIT,
-    "circuitkit.attribution.tradeoffs": CIRCUIT,
-    "circuitkit.attribution.memory": CIRCUIT,
-    "circuitkit.attribution.shards": CIRCUIT,  # sharded attribution: partial sums, the merge
-    "circuitkit.pruning": CIRCUIT,
-    "circuitkit.pruning_edges": CIRCUIT,
-    "circuitkit.selection": CIRCUIT,  # keep_top, bootstrapped selection, the greedy oracle
-    "circuitkit.selection_ip": CIRCUIT,  # pruning.selection=ip: a connected edge set by integer programming
-    "circuitkit.pruning_memory": CIRCUIT,  # the pruning stage's memory estimate (the curve, edge records, edge_pruning)
-    "circuitkit.pruning_optimize": CIRCUIT,  # selection=edge_pruning: a mask warm-started from the scores
-    "circuitkit.stability": CIRCUIT,  # Jaccard of the kept set over resamples of the examples
-    "circuitkit.mib": CIRCUIT,  # MIB's metrics, export and folder check
-    "circuitkit.attribution.eap_activations": CIRCUIT,
-    "circuitkit.circuit": CIRCUIT,
-    "circuitkit.circuit_graph": CIRCUIT,
-    "circuitkit.plots": CIRCUIT,
-    "circuitkit.interop": CIRCUIT,
-    "circuitkit.stages": CIRCUIT,
+    "circuitkit.discovery": CIRCUIT,
+    "circuitkit.discovery.pruning": CIRCUIT,
+    "circuitkit.discovery.export": CIRCUIT,
+    "circuitkit.discovery.tasks": CIRCUIT,
+    "circuitkit.discovery.attribution.checks": CIRCUIT,  # artifacts checked against the model and graph they are used with
+    "circuitkit.discovery.tasks.base": CIRCUIT,
+    "circuitkit.discovery.tasks.greater_than": CIRCUIT,
+    "circuitkit.discovery.tasks.induction": CIRCUIT,
+    "circuitkit.discovery.tasks.ioi": CIRCUIT,
+    "circuitkit.discovery.tasks.jsonl": CIRCUIT,
+    "circuitkit.discovery.tasks.mmlu": CIRCUIT,
+    "circuitkit.discovery.tasks.text": CIRCUIT,
+    "circuitkit.discovery.attribution": CIRCUIT,
+    "circuitkit.discovery.attribution.eap": CIRCUIT,
+    "circuitkit.discovery.attribution.exact": CIRCUIT,
+    "circuitkit.discovery.attribution.graph": CIRCUIT,
+    "circuitkit.discovery.attribution.metrics": CIRCUIT,
+    "circuitkit.discovery.attribution.norms": CIRCUIT,
+    "circuitkit.discovery.attribution.quadrature": CIRCUIT,
+    "circuitkit.discovery.attribution.tradeoffs": CIRCUIT,
+    "circuitkit.discovery.attribution.memory": CIRCUIT,
+    "circuitkit.discovery.attribution.shards": CIRCUIT,  # sharded attribution: partial sums, the merge
+    "circuitkit.discovery.pruning.heads": CIRCUIT,
+    "circuitkit.discovery.pruning.edges": CIRCUIT,
+    "circuitkit.discovery.pruning.selection": CIRCUIT,  # keep_top, bootstrapped selection, the greedy oracle
+    "circuitkit.discovery.pruning.selection_ip": CIRCUIT,  # pruning.selection=ip: a connected edge set by integer programming
+    "circuitkit.discovery.pruning.memory": CIRCUIT,  # the pruning stage's memory estimate (the curve, edge records, edge_pruning)
+    "circuitkit.discovery.pruning.optimize": CIRCUIT,  # selection=edge_pruning: a mask warm-started from the scores
+    "circuitkit.discovery.pruning.stability": CIRCUIT,  # Jaccard of the kept set over resamples of the examples
+    "circuitkit.discovery.export.mib": CIRCUIT,  # MIB's metrics, export and folder check
+    "circuitkit.discovery.attribution.eap_activations": CIRCUIT,
+    "circuitkit.discovery.circuit": CIRCUIT,
+    "circuitkit.discovery.circuit_graph": CIRCUIT,
+    "circuitkit.discovery.plots": CIRCUIT,
+    "circuitkit.discovery.export.interop": CIRCUIT,
+    "circuitkit.discovery.stages": CIRCUIT,
     # gradian
     "gradian": GRADIAN,
     "gradian.capture": GRADIAN,
@@ -244,11 +249,11 @@ def test_imports_point_down_only_and_form_no_circle():
 
 def test_the_checker_sees_a_circle_and_a_climb():
     # The checker itself: a two-module circle and an import from core into a domain are caught.
-    edges = {"circuitkit.io": {"circuitkit.errors", "gradian.index"}, "circuitkit.errors": {"circuitkit.io"},
+    edges = {"circuitkit.core.io": {"circuitkit.core.errors", "gradian.index"}, "circuitkit.core.errors": {"circuitkit.core.io"},
              "gradian.index": set()}
-    assert strongly_connected(edges) == [{"circuitkit.io", "circuitkit.errors"}]
-    assert violations(edges) == {("circuitkit.io", "gradian.index"), ("circuitkit.io", "circuitkit.errors"),
-                                 ("circuitkit.errors", "circuitkit.io")}
+    assert strongly_connected(edges) == [{"circuitkit.core.io", "circuitkit.core.errors"}]
+    assert violations(edges) == {("circuitkit.core.io", "gradian.index"), ("circuitkit.core.io", "circuitkit.core.errors"),
+                                 ("circuitkit.core.errors", "circuitkit.core.io")}
 
 
 # The top-level folders, bottom up: a module imports from its own folder and the ones below.
@@ -298,8 +303,8 @@ def test_the_shims_only_hand_over_to_the_entry_package():
 
 def test_the_folder_checker_sees_a_stage_list_below_gradian():
     # What issue 29 removed: circuitkit's list of stages importing gradian's stage.
-    edges = {"circuitkit.stage_list": {"gradian.stage", "circuitkit.pipeline"}, "gradian.stage": {"circuitkit.pipeline"},
-             "circuitkit.pipeline": set(), "gradian.cli": {"circuitkit_app.run"}, "circuitkit_app.run": {"gradian.stage"},
+    edges = {"circuitkit.stage_list": {"gradian.stage", "circuitkit.core.pipeline"}, "gradian.stage": {"circuitkit.core.pipeline"},
+             "circuitkit.core.pipeline": set(), "gradian.cli": {"circuitkit_app.run"}, "circuitkit_app.run": {"gradian.stage"},
              "circuitkit.run": {"circuitkit_app.run"}}
     assert folder_violations(edges) == {("circuitkit.stage_list", "gradian.stage"), ("gradian.cli", "circuitkit_app.run")}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuitkit.circuit_file import FORMAT_VERSION, Circuit, CircuitFileError, load_circuit, save_circuit
+from circuitkit.core.circuit_file import FORMAT_VERSION, Circuit, CircuitFileError, load_circuit, save_circuit
 from gradian.header import DEFAULTS_BEFORE, TYPES, IndexHeader, check_header
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from reference_eap import reference_edge_scores
 
-from circuitkit.attribution import attribute, exact_patching
-from circuitkit.config import DataParams, ModelConfig
+from circuitkit.core.config import DataParams, ModelConfig
+from circuitkit.discovery.attribution import attribute, exact_patching
+from circuitkit.discovery.tasks import build_task
 from circuitkit.models.loading import load_model
-from circuitkit.tasks import build_task
 
 FAMILIES = ("tiny-gpt2", "tiny-neox", "tiny-neox-seq", "tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gemma3-cg",
             "tiny-qwen3", "tiny-qwen3-moe")
@@ -110,7 +110,7 @@ def test_no_parameter_gradients_and_float32_scores_in_bf16():
 
 
 def test_null_ig_steps_means_thirty():
-    from circuitkit.attribution.eap import interpolation_points
+    from circuitkit.discovery.attribution.eap import interpolation_points
 
     assert len(interpolation_points("eap-ig", None)) == 30
     assert interpolation_points("eap-ig", 1) == [1.0] == interpolation_points("eap", None)

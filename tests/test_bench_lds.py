@@ -1,4 +1,4 @@
-"""scripts/bench_lds.py: the linear datamodeling score against hand-computed cases."""
+"""scripts/bench/bench_lds.py: the linear datamodeling score against hand-computed cases."""
 
 from __future__ import annotations
 

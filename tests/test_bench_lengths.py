@@ -1,4 +1,4 @@
-"""scripts/bench_lengths.py: interleaved rounds summarised as medians of paired ratios."""
+"""scripts/bench/bench_lengths.py: interleaved rounds summarised as medians of paired ratios."""
 
 from __future__ import annotations
 

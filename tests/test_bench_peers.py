@@ -1,4 +1,4 @@
-"""scripts/bench_peers.py: ranks, per-seed summaries, a missing peer venv as a row, and a quick run."""
+"""scripts/bench/bench_peers.py: ranks, per-seed summaries, a missing peer venv as a row, and a quick run."""
 
 from __future__ import annotations
 

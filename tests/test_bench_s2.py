@@ -1,4 +1,4 @@
-"""scripts/bench_yardsticks.py's S2 set: deterministic, taught in one phrasing, asked in another."""
+"""scripts/bench/bench_yardsticks.py's S2 set: deterministic, taught in one phrasing, asked in another."""
 
 from __future__ import annotations
 

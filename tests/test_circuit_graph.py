@@ -1,13 +1,13 @@
-"""The circuit as a picture (circuitkit.circuit_graph): what is drawn, the files, the stage and CLI."""
+"""The circuit as a picture (circuitkit.discovery.circuit_graph): what is drawn, the files, the stage and CLI."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from circuitkit.attribution.graph import Graph
-from circuitkit.circuit import save_circuit
-from circuitkit.circuit_graph import build_picture, draw_matplotlib, to_dot, write_circuit_graph
+from circuitkit.discovery.attribution.graph import Graph
+from circuitkit.discovery.circuit import save_circuit
+from circuitkit.discovery.circuit_graph import build_picture, draw_matplotlib, to_dot, write_circuit_graph
 
 
 def _circuit(g: Graph, scope: str = "heads", seed: int = 0, edges: bool = True) -> dict:
@@ -100,8 +100,8 @@ def test_induction_circuit_picture_shows_the_known_circuit(tmp_path, induction_m
     the copied token into the previous-token head's value, its K-composition with the induction
     head, the induction head's write to the logits (EAP-IG m=5; with m=1 the chain is still the
     top 3 edges here but the order shifts). And the stage writes the picture."""
-    from circuitkit.circuit import load_circuit
-    from circuitkit.config import compose
+    from circuitkit.core.config import compose
+    from circuitkit.discovery.circuit import load_circuit
     from circuitkit_app.stage_list import run_pipeline
 
     info = __import__("json").loads((induction_model_dir / "fixture_info.json").read_text())

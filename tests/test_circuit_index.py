@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from test_gradian_grads import _rows  # the right-padded batch builder those tests use
 
-from circuitkit.circuit import circuit_sha256, kept_components, save_circuit
-from circuitkit.config import ModelConfig, compose
-from circuitkit.io import sha256_file
+from circuitkit.core.config import ModelConfig, compose
+from circuitkit.core.io import sha256_file
+from circuitkit.discovery.circuit import circuit_sha256, kept_components, save_circuit
 from circuitkit.models.loading import load_model
 from circuitkit_app.stage_list import run_pipeline
 from gradian.capture import per_example_gradients
@@ -103,7 +103,7 @@ def test_head_columns_are_the_heads_z_slices(tmp_path) -> None:
 
 
 def test_edge_circuit_keeps_heads_and_mlps_with_kept_outgoing_edges(tmp_path) -> None:
-    from circuitkit.attribution.graph import Graph
+    from circuitkit.discovery.attribution.graph import Graph
 
     lm = _load("tiny-gpt2")
     g = Graph(2, 4, 4, False)
@@ -221,7 +221,7 @@ def test_grads_circuit_run_reads_the_pruning_stage_circuit(tmp_path) -> None:
 
 
 def test_grads_circuit_run_without_a_circuit_is_one_clear_error(tmp_path) -> None:
-    from circuitkit.pipeline import PipelineError
+    from circuitkit.core.pipeline import PipelineError
 
     _, cfg = compose(["stages=[grads]", "grads.circuit=run", "model.precision=float32"])
     with pytest.raises(PipelineError, match="run the pruning stage first"):

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "pee
 import circuit_peers  # noqa: E402
 from worker_autocircuit import node_of_residual_edge, our_downstream, our_upstream  # noqa: E402
 
-from circuitkit.attribution.graph import Graph  # noqa: E402
+from circuitkit.discovery.attribution.graph import Graph  # noqa: E402
 
 
 def test_autocircuit_names_map_onto_every_edge_of_our_graph():

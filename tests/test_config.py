@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from circuitkit.config import ALL_STAGES, ConfigError, compose, iter_keys, validate
+from circuitkit.core.config import ALL_STAGES, ConfigError, compose, iter_keys, validate
 
 
 def test_defaults_compose_and_validate():
@@ -72,7 +72,7 @@ def test_bad_override_is_an_error_naming_key_value_and_allowed(override, must_me
 def test_stages_out_of_order_and_sweep_values_are_checked():
     with pytest.raises(ConfigError, match="pipeline order"):
         compose(["stages=[attribution,data]"])
-    from circuitkit.config import check_overrides
+    from circuitkit.core.config import check_overrides
 
     check_overrides(["discovery.batch_size=1,2,4"])  # a valid sweep
     with pytest.raises(ConfigError, match="discovery.batch_size"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.config import compose
+from circuitkit.core.config import compose
 from circuitkit.models.loading import load_model
 from gradian.capture import token_losses
 from gradian.curvature import CURVATURE_FILE, factor_names
@@ -215,7 +215,7 @@ def test_factors_sum_across_shard_sizes(root: Path, index: Path) -> None:
 def test_verify_checks_factors_and_curvature(index: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from circuitkit.io import sha256_file
+    from circuitkit.core.io import sha256_file
 
     def forge(copy: Path, name: str, change) -> list[str]:
         tensors = load_file(copy / name)
@@ -283,7 +283,7 @@ def test_refusals(root: Path, index: Path, tmp_path: Path, capsys, monkeypatch) 
     assert "--score cosine: cosine uses no curvature" in " ".join(capsys.readouterr().err.split())
     assert main(["rank", "--index", str(plain), "--queries", str(queries), "--damping", "0.1"]) == 2  # auto: cosine
     assert "so --score auto is cosine, which uses no damping" in " ".join(capsys.readouterr().err.split())
-    from circuitkit.errors import UserError
+    from circuitkit.core.errors import UserError
     from gradian import indexer
 
     # dense rows with the default kfac: one line naming the fix, before the model loads
@@ -368,7 +368,7 @@ def test_default_index_holds_kfac_and_the_disk_estimate_counts_it(root: Path, in
     assert kfac - factor_bytes <= curvature <= kfac - factor_bytes + 4096
     assert preconditioner_index_bytes(projector, "module+kfac", n_shards) == kfac + module
     assert preconditioner_index_bytes(projector, "none", n_shards) == 0
-    from circuitkit.memory import shape_for
+    from circuitkit.preflight.memory import shape_for
     from gradian.memory import estimate_grads
 
     cfg = _cfg(root)

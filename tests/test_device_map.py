@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 pytest.importorskip("accelerate")
 
-from circuitkit.attribution import run_attribution  # noqa: E402
-from circuitkit.config import ConfigError, compose  # noqa: E402
+from circuitkit.core.config import ConfigError, compose  # noqa: E402
+from circuitkit.discovery.attribution import run_attribution  # noqa: E402
+from circuitkit.discovery.tasks.base import random_pairs  # noqa: E402
 from circuitkit.models.loading import load_model, weights_hash  # noqa: E402
-from circuitkit.tasks.base import random_pairs  # noqa: E402
 from circuitkit_app.stage_list import run_pipeline  # noqa: E402
 
 SPLITS = {  # every module on the CPU except the last block, offloaded to disk
@@ -81,9 +81,9 @@ def test_device_map_config_errors():
 
 
 def test_preflight_splits_the_estimate_per_device(tmp_path, capsys):
-    from circuitkit.attribution.memory import attribution_estimate
+    from circuitkit.discovery.attribution.memory import attribution_estimate
     from circuitkit.models.device_shares import per_device_estimates, planned_weight_bytes
-    from circuitkit.preflight import check
+    from circuitkit.preflight.stage import check
     from circuitkit_app.stage_list import PIPELINE
 
     whole = load_model(compose(_model_overrides("tiny-gpt2", tmp_path, False))[1].model).model

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuitkit.selection import RankSelector, keep_top, rank_select
-from circuitkit.stability import selector_stability, stability
+from circuitkit.discovery.pruning.selection import RankSelector, keep_top, rank_select
+from circuitkit.discovery.pruning.stability import selector_stability, stability
 
 
 def outlier_scores() -> torch.Tensor:
@@ -56,11 +56,11 @@ def test_selector_stability_lists_sizes_and_a_fixed_rule_is_stable():
 
 
 def test_prune_with_a_rank_rule_on_a_tiny_model_reports_the_rules_own_stability():
-    from circuitkit.attribution import attribute
-    from circuitkit.config import DataParams, ModelConfig, PruningConfig
+    from circuitkit.core.config import DataParams, ModelConfig, PruningConfig
+    from circuitkit.discovery.attribution import attribute
+    from circuitkit.discovery.pruning.heads import prune
+    from circuitkit.discovery.tasks import build_task
     from circuitkit.models.loading import load_model
-    from circuitkit.pruning import prune
-    from circuitkit.tasks import build_task
 
     lm = load_model(ModelConfig(name="builtin:tiny-llama", precision="float32"))
     data = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16), 10, 0)

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from circuitkit.circuit_file import grads_circuit_path
-from circuitkit.config import compose
-from circuitkit.errors import UserError
+from circuitkit.core.circuit_file import grads_circuit_path
+from circuitkit.core.config import compose
+from circuitkit.core.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -32,6 +32,28 @@ def test_the_names_users_type_reach_the_entry_package():
         assert callable(getattr(importlib.import_module(module), func)), f"console script {name} -> {target}"
     assert set(scripts) == {"circuitkit", "gradian"}
 
+
+
+def test_another_circuitkit_on_the_path_is_named_in_one_line(tmp_path):
+    # PyPI's `circuitkit` (Lexsi Labs' CircuitKIT) imports under our name: ours says so and stops (exit 2).
+    import subprocess
+    import sys
+
+    other = tmp_path / "circuitkit"
+    other.mkdir()
+    (other / "__init__.py").write_text('"""Another project named circuitkit."""\n__version__ = "0.2.0"\n')
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    for module in ("circuitkit_app.cli", "circuitkit_app.gradian_cli"):
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], env=env, capture_output=True, text=True, cwd=tmp_path,
+                              timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(other / "__init__.py") in lines[0] and "circuitkit-gradian" in lines[0]
+        assert "Traceback" not in proc.stderr
+    # And ours passes the same check.
+    ok = subprocess.run([sys.executable, "-m", "circuitkit_app.cli", "--help"], capture_output=True, text=True,
+                        timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert ok.returncode == 0, ok.stderr
 
 def test_grads_circuit_run_is_the_circuit_this_run_writes(tmp_path):
     run_dir = tmp_path / "run"

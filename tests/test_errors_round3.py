@@ -24,7 +24,7 @@ from test_trust_pipeline import (
     invoke,
 )
 
-from circuitkit.attribution import AttributionScores, Graph, save_scores
+from circuitkit.discovery.attribution import AttributionScores, Graph, save_scores
 from circuitkit.fixtures.gguf import ensure_gguf_fixture
 from circuitkit.models.gguf import GGUFError, read_gguf_header
 

@@ -176,10 +176,10 @@ def test_an_index_without_fisher_reads_as_empirical_and_inspect_shows_it(empiric
 def test_memory_estimate_bounds_the_sampled_label_pass() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from circuitkit.device import measure_peak
-    from circuitkit.memory import shape_from_config
+    from circuitkit.core.device import measure_peak
     from circuitkit.models.adapters import get_adapter
     from circuitkit.models.linear_modules import module_shapes, select_modules
+    from circuitkit.preflight.memory import shape_from_config
     from gradian.capture import per_example_gradients
     from gradian.curvature import FactorSums
     from gradian.memory import estimate_grads

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.config import ModelConfig
-from circuitkit.errors import UserError
+from circuitkit.core.config import ModelConfig
+from circuitkit.core.errors import UserError
 from circuitkit.fixtures.gguf import dequantized_state, ensure_gguf_fixture, write_header_only_gguf
 from circuitkit.models import fetch as fetch_mod
 from circuitkit.models.gguf import GGUFError, check_gguf, read_gguf_header

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.batching import plan_batches
-from circuitkit.config import GradsConfig, ModelConfig
+from circuitkit.core.batching import plan_batches
+from circuitkit.core.config import GradsConfig, ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.capture import per_example_gradients
@@ -92,7 +92,7 @@ def _greedy(lengths: list[int], size: int, budget: int | None) -> list[list[int]
 
 
 def test_plan_splits_where_padding_costs_more_than_a_batch():
-    from circuitkit.batching import BATCH_OVERHEAD_TOKENS, padded_tokens
+    from circuitkit.core.batching import BATCH_OVERHEAD_TOKENS, padded_tokens
 
     # One long row and three short ones: one batch pads the short rows to 100 tokens each.
     lengths = [10, 100, 10, 10]
@@ -116,7 +116,7 @@ def test_cpu_plan_weighs_a_batch_as_a_few_tokens():
     plan cuts more batches and computes less padding; the plan still minimises its own cost."""
     import torch
 
-    from circuitkit.batching import batch_overhead_tokens, padded_tokens
+    from circuitkit.core.batching import batch_overhead_tokens, padded_tokens
 
     assert batch_overhead_tokens(torch.device("cpu")) == batch_overhead_tokens("cpu") < batch_overhead_tokens("cuda")
     rng = random.Random(5)
@@ -129,7 +129,7 @@ def test_cpu_plan_weighs_a_batch_as_a_few_tokens():
 
 
 def test_grouping_cuts_padding():
-    from circuitkit.batching import padded_tokens
+    from circuitkit.core.batching import padded_tokens
 
     rng = random.Random(2)
     lengths = [int(rng.lognormvariate(4.6, 0.6)) + 2 for _ in range(512)]

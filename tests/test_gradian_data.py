@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from circuitkit.batching import plan_batches
+from circuitkit.core.batching import plan_batches
 from gradian.data import DataError, Row, TokenPolicy, collate, load_rows
 
 # The tests below that spell out EOS / end-of-turn tokens run under grads.append_eos=true;

@@ -7,7 +7,7 @@ import filecmp
 import pytest
 import torch
 
-from circuitkit.io import file_lock
+from circuitkit.core.io import file_lock
 from gradian.index import (
     IndexMismatchError,
     IndexReader,

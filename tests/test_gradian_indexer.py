@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from circuitkit.config import compose
+from circuitkit.core.config import compose
 from circuitkit_app.stage_list import run_pipeline
 from gradian.index import IndexReader
 
@@ -70,7 +70,7 @@ def test_index_of_another_config_is_refused(tmp_path):
     _, cfg = compose(["stages=[grads]", *BASE, f"grads.index_dir={tmp_path / 'idx'}"])
     run_pipeline(cfg, tmp_path / "a")
     _, other = compose(["stages=[grads]", *BASE, "grads.projection_seed=1", f"grads.index_dir={tmp_path / 'idx'}"])
-    from circuitkit.pipeline import PipelineError
+    from circuitkit.core.pipeline import PipelineError
 
     with pytest.raises(PipelineError, match="made differently.*seed"):
         run_pipeline(other, tmp_path / "b")
@@ -78,8 +78,8 @@ def test_index_of_another_config_is_refused(tmp_path):
 
 def test_a_shard_that_cannot_fit_in_host_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     import gradian.indexer as indexer
-    from circuitkit.config import GradsConfig, ModelConfig
-    from circuitkit.errors import UserError
+    from circuitkit.core.config import GradsConfig, ModelConfig
+    from circuitkit.core.errors import UserError
 
     # Raw gradients of the tiny GPT-2's two mlp.c_proj: 2 x 64 x 256 float32 values per row.
     grads = GradsConfig(projection_dim=None, module_filter=["mlp.c_proj"], rows_per_shard=4096)

@@ -6,10 +6,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from circuitkit.config import ModelConfig
-from circuitkit.device import measure_peak
+from circuitkit.core.config import ModelConfig
+from circuitkit.core.device import measure_peak
 from circuitkit.fixtures.models import FIXTURE_NAMES
-from circuitkit.memory import shape_for
 from circuitkit.models.adapters import get_adapter
 from circuitkit.models.linear_modules import (
     circuit_module_shapes,
@@ -18,6 +17,7 @@ from circuitkit.models.linear_modules import (
     select_modules,
 )
 from circuitkit.models.loading import load_model
+from circuitkit.preflight.memory import shape_for
 from gradian.capture import per_example_gradients
 from gradian.projection import Projector
 from gradian.restrict import circuit_sites, site_shapes

@@ -1,4 +1,4 @@
-"""Gradian finds the training document that states a planted fact (scripts/bench_planted_facts.py --small)."""
+"""Gradian finds the training document that states a planted fact (scripts/bench/bench_planted_facts.py --small)."""
 
 from __future__ import annotations
 

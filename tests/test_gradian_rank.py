@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from circuitkit.config import ModelConfig, compose
-from circuitkit.device import measure_peak
+from circuitkit.core.config import ModelConfig, compose
+from circuitkit.core.device import measure_peak
 from circuitkit_app.stage_list import run_pipeline
 from gradian.cli import main
 from gradian.index import IndexMismatchError, IndexReader, IndexWriter

@@ -7,13 +7,13 @@ import functools
 import pytest
 import torch
 
-from circuitkit.attribution import attribute, load_scores, save_scores
-from circuitkit.attribution.eap import accumulate
-from circuitkit.attribution.memory import estimate_attribution
-from circuitkit.attribution.quadrature import EXACT_DEGREE, IG_RULES, integration_rule, quadrature
-from circuitkit.config import ConfigError, DataParams, ModelConfig, compose
+from circuitkit.core.config import ConfigError, DataParams, ModelConfig, compose
+from circuitkit.discovery.attribution import attribute, load_scores, save_scores
+from circuitkit.discovery.attribution.eap import accumulate
+from circuitkit.discovery.attribution.memory import estimate_attribution
+from circuitkit.discovery.attribution.quadrature import EXACT_DEGREE, IG_RULES, integration_rule, quadrature
+from circuitkit.discovery.tasks import build_task
 from circuitkit.models.loading import load_model
-from circuitkit.tasks import build_task
 
 
 @functools.cache

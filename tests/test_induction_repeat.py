@@ -7,14 +7,14 @@ import functools
 import pytest
 import torch
 
-from circuitkit.attribution import attribute
-from circuitkit.attribution.metrics import answer_forward, compute_metric
-from circuitkit.config import DataParams, ModelConfig
+from circuitkit.core.config import DataParams, ModelConfig
+from circuitkit.discovery.attribution import attribute
+from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
+from circuitkit.discovery.pruning.heads import Evaluator, keep_top
+from circuitkit.discovery.pruning.optimize import install_head_mask, learn_head_mask
+from circuitkit.discovery.tasks import build_task, corruption_of
 from circuitkit.models.hooks import HookSet
 from circuitkit.models.loading import load_model
-from circuitkit.pruning import Evaluator, keep_top
-from circuitkit.pruning_optimize import install_head_mask, learn_head_mask
-from circuitkit.tasks import build_task, corruption_of
 
 KNOWN = {(0, 2), (1, 1)}  # the induction fixture's circuit: previous-token head L0H2 -> induction head L1H1
 
@@ -91,8 +91,8 @@ def test_head_mask_rejects_pairs_without_a_gap():
 
 
 def test_pruning_selection_mask_at_head_scope_keeps_the_known_circuit(caplog):
-    from circuitkit.config import PruningConfig
-    from circuitkit.pruning import prune
+    from circuitkit.core.config import PruningConfig
+    from circuitkit.discovery.pruning.heads import prune
 
     lm, data = setup()
     scores = attribute(lm.adapter, data[:12], "eap-ig", "node", ig_steps=5, batch_size=4, progress=False)

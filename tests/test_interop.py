@@ -1,4 +1,4 @@
-"""EAP-IG JSON graph export / import (circuitkit.interop) and the BOS token policy."""
+"""EAP-IG JSON graph export / import (circuitkit.discovery.export.interop) and the BOS token policy."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ import json
 import pytest
 import torch
 
-from circuitkit.attribution.graph import Graph
-from circuitkit.circuit import kept_components, load_circuit, save_circuit
-from circuitkit.interop import InteropError, export_circuit, export_file, from_eap_ig, import_eap_ig
+from circuitkit.discovery.attribution.graph import Graph
+from circuitkit.discovery.circuit import kept_components, load_circuit, save_circuit
+from circuitkit.discovery.export.interop import (
+    InteropError,
+    export_circuit,
+    export_file,
+    from_eap_ig,
+    import_eap_ig,
+)
 from circuitkit_app.cli import main as cli
 
 
@@ -98,7 +104,7 @@ def test_round_trip_through_json_and_files(tmp_path, n_kv: int, scope: str) -> N
 
 def test_import_a_hand_written_reference_graph(tmp_path) -> None:
     """A file as the reference writes it for a 2-layer, 4-head model with three edges in the graph."""
-    from circuitkit.config import ModelConfig
+    from circuitkit.core.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.restrict import restricted_sites
 
@@ -121,7 +127,7 @@ def test_import_a_hand_written_reference_graph(tmp_path) -> None:
     assert [s.name for s in sites] == ["transformer.h.0.attn.c_proj:head2", "transformer.h.1.attn.c_proj:head1"]
     # As scores: a scores.safetensors the pruning stage reads.
     assert cli(["import", str(src), str(tmp_path / "scores.safetensors")]) == 0
-    from circuitkit.attribution import load_scores
+    from circuitkit.discovery.attribution import load_scores
 
     scores = load_scores(tmp_path / "scores.safetensors")
     assert scores.head[1, 1] == 3.0 and scores.edges.shape == (1 + 2 * 5, 2 * (4 + 8 + 1) + 1)
@@ -142,7 +148,7 @@ def test_bad_graphs_are_one_clear_error(tmp_path, capsys, edge: str, match: str)
 
 
 def test_pipeline_circuit_exports_with_its_token_policy(tmp_path) -> None:
-    from circuitkit.config import compose
+    from circuitkit.core.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["stages=[data,attribution,pruning]", "model.precision=float32", "discovery.level=edge",
@@ -176,7 +182,7 @@ def _exported(tmp_path, seed: int = 3) -> tuple[dict, dict]:
 def test_sign_and_scale_on_import_are_applied_and_recorded(tmp_path) -> None:
     """A reference file with loss=False holds -1 x our scores, and a batch-mean metric 1/B of them:
     --sign -1 --scale B brings them back, and the output says so."""
-    from circuitkit.attribution import load_scores
+    from circuitkit.discovery.attribution import load_scores
 
     circuit, obj = _exported(tmp_path)
     B = 4
@@ -234,8 +240,8 @@ def test_prepend_bos_policy_on_a_tokenizer_without_bos(tiny_model_dir) -> None:
     """GPT-2-style tokenizers add no BOS: the key adds it (true) or leaves prompts as they are (false)."""
     from transformers import AutoTokenizer
 
-    from circuitkit.config import DataParams
-    from circuitkit.tasks import build_task
+    from circuitkit.core.config import DataParams
+    from circuitkit.discovery.tasks import build_task
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     with_bos = build_task("ioi", tok, None, DataParams(prepend_bos=True), 6, 0)
@@ -252,7 +258,7 @@ def test_prepend_bos_policy_on_a_tokenizer_without_bos(tiny_model_dir) -> None:
 
 def test_imported_scores_are_pruned_and_measured_here(tmp_path) -> None:
     """A graph found elsewhere: import its scores into a run dir, then prune and measure it."""
-    from circuitkit.config import compose
+    from circuitkit.core.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     g = Graph(2, 4, 4, False)

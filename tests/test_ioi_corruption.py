@@ -14,8 +14,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from circuitkit.config import ConfigError, DataParams, compose
-from circuitkit.tasks import TaskError, build_heldout_templates, build_task, heldout_template_count, ioi
+from circuitkit.core.config import ConfigError, DataParams, compose
+from circuitkit.discovery.tasks import (
+    TaskError,
+    build_heldout_templates,
+    build_task,
+    heldout_template_count,
+    ioi,
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +127,11 @@ def abc_run(tmp_path_factory):
 
 
 def test_corruption_and_heldout_faithfulness_are_recorded(abc_run):
-    from circuitkit.circuit import load_circuit
-    from circuitkit.config import ModelConfig
+    from circuitkit.core.config import ModelConfig
+    from circuitkit.discovery.circuit import load_circuit
+    from circuitkit.discovery.pruning.heads import Evaluator, faithfulness
+    from circuitkit.discovery.tasks import TaskData
     from circuitkit.models.loading import load_model
-    from circuitkit.pruning import Evaluator, faithfulness
-    from circuitkit.tasks import TaskData
 
     run_dir, manifest = abc_run
     data_summary = manifest["stages"]["data"]["summary"]
@@ -152,7 +158,7 @@ def test_corruption_and_heldout_faithfulness_are_recorded(abc_run):
 
 
 def test_heldout_templates_off(tmp_path):
-    from circuitkit.circuit import load_circuit
+    from circuitkit.discovery.circuit import load_circuit
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["stages=[data,attribution,pruning]", "model.precision=float32", "discovery.task=ioi",
@@ -168,7 +174,7 @@ def test_heldout_templates_off(tmp_path):
 
 
 def test_heldout_templates_for_a_task_without_them_is_a_config_error(tmp_path):
-    from circuitkit.pipeline import PipelineError
+    from circuitkit.core.pipeline import PipelineError
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["stages=[data]", "discovery.task=induction", "discovery.data_params.heldout_template_examples=3"])

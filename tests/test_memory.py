@@ -10,9 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from circuitkit.attribution.memory import estimate_attribution
-from circuitkit.config import GradsConfig, ModelConfig, ModelShape
-from circuitkit.memory import count_params, shape_for, shape_from_config
+from circuitkit.core.config import GradsConfig, ModelConfig, ModelShape
+from circuitkit.discovery.attribution.memory import estimate_attribution
+from circuitkit.preflight.memory import count_params, shape_for, shape_from_config
 from gradian.capture import logit_chunk_rows
 from gradian.memory import LOGIT_F32_COPIES_BY_LOSS, estimate_grads, grads_index_bytes
 from gradian.projection import Projector
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _load_script():
     spec = importlib.util.spec_from_file_location("check_memory_estimates",
-                                                  REPO / "scripts" / "check_memory_estimates.py")
+                                                  REPO / "scripts" / "bench" / "check_memory_estimates.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -187,11 +187,11 @@ def test_real_width_llama1b_point_within_the_tight_range(dtype):
 def test_attribution_peak_does_not_grow_with_the_number_of_batches(algorithm, level):
     """The estimate is one batch's peak: a second batch must not run while the first batch's Δ,
     cached runs and gradient sums are still alive (they were: +8 % on SmolLM2 at edge level)."""
-    from circuitkit.attribution import run_attribution
-    from circuitkit.config import DiscoveryConfig
-    from circuitkit.device import measure_peak
+    from circuitkit.core.config import DiscoveryConfig
+    from circuitkit.core.device import measure_peak
+    from circuitkit.discovery.attribution import run_attribution
+    from circuitkit.discovery.tasks.base import random_pairs
     from circuitkit.models.adapters import get_adapter
-    from circuitkit.tasks.base import random_pairs
 
     script = _load_script()
     import transformers as tf

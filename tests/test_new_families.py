@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.attribution import attribute, exact_patching
-from circuitkit.config import DataParams, ModelConfig, compose
+from circuitkit.core.config import DataParams, ModelConfig, compose
+from circuitkit.discovery.attribution import attribute, exact_patching
+from circuitkit.discovery.tasks import build_task
 from circuitkit.models.loading import load_model
-from circuitkit.tasks import build_task
 
 REPO = Path(__file__).resolve().parent.parent
 NEW = ("tiny-qwen3", "tiny-qwen3-moe")
@@ -29,7 +29,7 @@ def loaded(name: str):
 
 def _script():
     spec = importlib.util.spec_from_file_location("check_memory_estimates",
-                                                  REPO / "scripts" / "check_memory_estimates.py")
+                                                  REPO / "scripts" / "bench" / "check_memory_estimates.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -82,7 +82,7 @@ def _index(tmp_path, name: str, *extra: str):
 
 
 def test_moe_index_of_every_linear_is_refused_in_one_line(tmp_path):
-    from circuitkit.pipeline import PipelineError
+    from circuitkit.core.pipeline import PipelineError
 
     with pytest.raises(PipelineError) as err:
         _index(tmp_path, "tiny-qwen3-moe")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.config import compose
+from circuitkit.core.config import compose
 from gradian.index import IndexMismatchError, IndexReader
 from gradian.indexer import build_index
 from gradian.precondition import Preconditioner, shard_second_moment
@@ -116,7 +116,7 @@ def test_verify_recomputes_the_second_moment(index: Path, tmp_path: Path) -> Non
 
     from safetensors.torch import load_file, save_file
 
-    from circuitkit.io import sha256_file
+    from circuitkit.core.io import sha256_file
 
     copy = tmp_path / "copy"
     shutil.copytree(index, copy)
@@ -269,7 +269,7 @@ def test_orthogonal_index_passes_verify_and_ranks(root: Path, tmp_path: Path) ->
 
 
 def test_shard_buffer_counts_the_second_moments() -> None:
-    from circuitkit.config import GradsConfig
+    from circuitkit.core.config import GradsConfig
     from gradian.indexer import check_shard_buffer
 
     plain = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="none")

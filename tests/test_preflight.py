@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from circuitkit.attribution.memory import attribution_estimate, largest_fitting_batch
-from circuitkit.config import compose
+from circuitkit.core.config import compose
+from circuitkit.discovery.attribution.memory import attribution_estimate, largest_fitting_batch
 from circuitkit_app.stage_list import run_pipeline
 
 
@@ -97,7 +97,7 @@ def _table(points_by_model: dict[str, list[tuple[str, int, float]]]) -> dict:
 
 
 def test_ig_advice_takes_the_worst_model_and_the_fewest_passes():
-    from circuitkit.attribution.tradeoffs import cheapest_within, time_ratio, worst_error
+    from circuitkit.discovery.attribution.tradeoffs import cheapest_within, time_ratio, worst_error
 
     table = _table({"a": [("right", 5, 0.10), ("right", 30, 0.02), ("midpoint", 3, 0.001), ("midpoint", 10, 0.004)],
                     "b": [("right", 5, 0.20), ("right", 30, 0.03), ("midpoint", 3, 0.05), ("midpoint", 10, 0.006)]})
@@ -112,7 +112,7 @@ def test_ig_advice_takes_the_worst_model_and_the_fewest_passes():
 
 
 def test_ig_advice_from_the_shipped_table():
-    from circuitkit.attribution.tradeoffs import cheapest_within, load_table, worst_error
+    from circuitkit.discovery.attribution.tradeoffs import cheapest_within, load_table, worst_error
 
     table = load_table()
     assert "induction" in table["models"]

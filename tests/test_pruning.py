@@ -8,13 +8,13 @@ import logging
 import pytest
 import torch
 
-from circuitkit.attribution import attribute, graph_of
-from circuitkit.circuit import apply_circuit, load_circuit, save_circuit
-from circuitkit.config import DataParams, ModelConfig
+from circuitkit.core.config import DataParams, ModelConfig
+from circuitkit.discovery.attribution import attribute, graph_of
+from circuitkit.discovery.circuit import apply_circuit, load_circuit, save_circuit
+from circuitkit.discovery.pruning.edges import EdgeEvaluator, mean_writes
+from circuitkit.discovery.pruning.heads import Evaluator, ablate_heads, keep_top, mean_z, select_heads
+from circuitkit.discovery.tasks import build_task
 from circuitkit.models.loading import load_model
-from circuitkit.pruning import Evaluator, ablate_heads, keep_top, mean_z, select_heads
-from circuitkit.pruning_edges import EdgeEvaluator, mean_writes
-from circuitkit.tasks import build_task
 
 
 @functools.cache
@@ -61,7 +61,7 @@ def test_circuit_with_no_head_removed_is_bit_identical_and_all_removed_is_empty(
         with apply_circuit(a, {**circuit, "head_mask": torch.zeros_like(circuit["head_mask"])}):
             logits = lm.model(input_ids=data.clean_ids).logits
     assert torch.equal(ref, same)
-    from circuitkit.attribution.metrics import compute_metric
+    from circuitkit.discovery.attribution.metrics import compute_metric
     assert abs(compute_metric("logit_diff", logits, data).mean().item() - empty) < 1e-6
 
 
@@ -97,7 +97,7 @@ def test_edge_circuit_identities(name):
 
 def test_edge_evaluator_past_its_memory_budget_recomputes_the_same_values(monkeypatch):
     """Ablated writes that do not fit the budget are recomputed per use: the same metric, bit for bit."""
-    from circuitkit import pruning_edges
+    from circuitkit.discovery.pruning import edges as pruning_edges
 
     lm, data = loaded("tiny-llama"), pairs("tiny-llama")
     valid = graph_of(lm.adapter).edge_mask()
@@ -135,8 +135,8 @@ def test_circuit_pt_round_trips_with_weights_only(tmp_path):
 
 
 def test_pruning_without_scores_names_the_missing_stage(tmp_path):
-    from circuitkit.config import compose
-    from circuitkit.pipeline import PipelineError
+    from circuitkit.core.config import compose
+    from circuitkit.core.pipeline import PipelineError
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["stages=[data,pruning]", "model.precision=float32", "discovery.data_params.num_examples=4",
@@ -147,7 +147,7 @@ def test_pruning_without_scores_names_the_missing_stage(tmp_path):
 
 
 def test_edge_scope_pipeline_on_the_induction_model(tmp_path):
-    from circuitkit.config import compose
+    from circuitkit.core.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["model=induction", "stages=[data,attribution,pruning]", "discovery.level=edge",

@@ -1,4 +1,4 @@
-"""The pruning stage's memory estimate (circuitkit.pruning_memory) against the measured peak of
+"""The pruning stage's memory estimate (circuitkit.discovery.pruning.memory) against the measured peak of
 `prune` on tiny models, its record budget, and its place in the preflight."""
 
 from __future__ import annotations
@@ -7,17 +7,22 @@ import pytest
 import torch
 import transformers as tf
 
-import circuitkit.pruning_edges as pruning_edges
-from circuitkit.attribution.eap import AttributionScores, graph_of
-from circuitkit.config import PruningConfig, compose
-from circuitkit.device import measure_peak, module_bytes
-from circuitkit.memory import shape_from_config
+import circuitkit.discovery.pruning.edges as pruning_edges
+from circuitkit.core.config import PruningConfig, compose
+from circuitkit.core.device import measure_peak, module_bytes
+from circuitkit.discovery.attribution.eap import AttributionScores, graph_of
+from circuitkit.discovery.pruning.heads import prune
+from circuitkit.discovery.pruning.memory import (
+    PRUNING_MEMORY,
+    estimate_pruning,
+    pruning_advice,
+    pruning_estimate,
+)
+from circuitkit.discovery.stages import CIRCUIT_STAGES
+from circuitkit.discovery.tasks.base import random_pairs
 from circuitkit.models.adapters import get_adapter
-from circuitkit.preflight import PreflightError, check
-from circuitkit.pruning import prune
-from circuitkit.pruning_memory import PRUNING_MEMORY, estimate_pruning, pruning_advice, pruning_estimate
-from circuitkit.stages import CIRCUIT_STAGES
-from circuitkit.tasks.base import random_pairs
+from circuitkit.preflight.memory import shape_from_config
+from circuitkit.preflight.stage import PreflightError, check
 
 V = 1024
 
@@ -99,13 +104,13 @@ def test_the_pruning_stage_declares_its_estimate_and_the_preflight_reads_it():
 
 
 def test_preflight_refuses_a_pruning_stage_that_cannot_fit(monkeypatch):
-    import circuitkit.preflight as preflight
+    import circuitkit.preflight.stage as preflight
 
     _, cfg = compose(["model=llama1b", "stages=[preflight,pruning]", "pruning.scope=edges", "discovery.level=edge",
                       "pruning.selection=edge_pruning", "discovery.batch_size=16",
                       "discovery.data_params.seq_len=1024"])
     monkeypatch.setattr(preflight, "free_memory_bytes", lambda device=None: 8 * 2**30)
-    monkeypatch.setattr("circuitkit.pruning_memory.free_memory_bytes", lambda device=None: 8 * 2**30)
+    monkeypatch.setattr("circuitkit.discovery.pruning.memory.free_memory_bytes", lambda device=None: 8 * 2**30)
     with pytest.raises(PreflightError) as err:
         check(cfg, [s for s in CIRCUIT_STAGES if s.name == "pruning"])
     message = str(err.value)

@@ -7,15 +7,15 @@ import functools
 import pytest
 import torch
 
-from circuitkit.attribution import attribute, graph_of
-from circuitkit.attribution.metrics import answer_forward, compute_metric
-from circuitkit.config import DataParams, ModelConfig, PruningConfig
+from circuitkit.core.config import DataParams, ModelConfig, PruningConfig
+from circuitkit.discovery.attribution import attribute, graph_of
+from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
+from circuitkit.discovery.pruning.edges import EdgeEvaluator, _install_edge_circuit
+from circuitkit.discovery.pruning.heads import keep_top, prune
+from circuitkit.discovery.pruning.optimize import learn_edge_mask, warm_start
+from circuitkit.discovery.tasks import build_task
 from circuitkit.models.hooks import HookSet
 from circuitkit.models.loading import load_model
-from circuitkit.pruning import keep_top, prune
-from circuitkit.pruning_edges import EdgeEvaluator, _install_edge_circuit
-from circuitkit.pruning_optimize import learn_edge_mask, warm_start
-from circuitkit.tasks import build_task
 
 
 @functools.cache
@@ -74,7 +74,7 @@ def test_learning_the_mask_lowers_its_loss_and_the_penalty_its_density():
 
 def test_the_mask_learned_with_recomputed_ablations_is_the_same(monkeypatch):
     """Past the evaluator's memory budget every step recomputes its batch's ablated writes: same θ."""
-    from circuitkit import pruning_edges
+    from circuitkit.discovery.pruning import edges as pruning_edges
 
     lm, data, scores, valid = setup()
     kw = dict(metric="kl", steps=4, lr=0.2, batch_size=3)
@@ -101,7 +101,7 @@ def test_prune_with_edge_pruning_selects_by_the_learned_mask(caplog):
 
 
 def test_edge_pruning_keys_compose_and_are_checked():
-    from circuitkit.config import ConfigError, compose
+    from circuitkit.core.config import ConfigError, compose
 
     _, cfg = compose(["pruning.scope=edges", "pruning.selection=edge_pruning", "pruning.mask_steps=7",
                       "pruning.mask_lr=0.3", "pruning.mask_penalty=0"])

@@ -24,12 +24,12 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'circuitkit[ray]'")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'circuitkit-gradian[ray]'")
 pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="hydra-ray-launcher is not installed:"
-                    " pip install 'circuitkit[ray]'")
+                    " pip install 'circuitkit-gradian[ray]'")
 
-from circuitkit.attribution import load_scores  # noqa: E402
-from circuitkit.config import compose  # noqa: E402
+from circuitkit.core.config import compose  # noqa: E402
+from circuitkit.discovery.attribution import load_scores  # noqa: E402
 from circuitkit_app.stage_list import run_pipeline  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

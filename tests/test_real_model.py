@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from circuitkit.config import DataParams, ModelConfig
+from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.models.loading import load_model
 
 pytestmark = pytest.mark.slow
@@ -47,9 +47,9 @@ def test_ioi_and_induction_behaviour(smollm2):
     repeated random tokens through heads with high prefix-matching scores."""
     from real_model_oracles import repeated_tokens
 
-    from circuitkit.attribution.metrics import answer_forward, compute_metric
+    from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
+    from circuitkit.discovery.tasks import build_task
     from circuitkit.fixtures.induction import head_pattern_scores
-    from circuitkit.tasks import build_task
 
     ioi = build_task("ioi", smollm2.tokenizer, None, DataParams(), 16, seed=0)
     with torch.no_grad():

@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.activations import NewGELUActivation
 
 import gradian.capture as capture
-from circuitkit.device import measure_peak
+from circuitkit.core.device import measure_peak
 from circuitkit.models.adapters import get_adapter
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.recompute import fused_activations, recomputable_activations, recomputed_activations
@@ -163,7 +163,7 @@ def test_the_estimate_follows_the_activation_setting():
 def test_the_index_records_its_activations_and_queries_run_them(tmp_path):
     """A bfloat16 index made with the default records `activations: fused`; resuming it with the
     model's ops is refused by name (their rows differ in bits); its queries run fused, as its rows did."""
-    from circuitkit.config import GradsConfig, ModelConfig
+    from circuitkit.core.config import GradsConfig, ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.index import IndexMismatchError, read_manifest
     from gradian.indexer import build_index

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.config import compose
+from circuitkit.core.config import compose
 
 REPO = Path(__file__).resolve().parent.parent
 QUERIES = REPO / "gradian/data/induction_queries.jsonl"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from circuitkit.config import compose
+from circuitkit.core.config import compose
 from tests.report_browser import INSTALL, chromium_path, distinct_colours, open_report
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from circuitkit import discover_circuit
-from circuitkit.config import ConfigError
+from circuitkit.core.config import ConfigError
 
 SMALL = ["discovery.data_params.num_examples=8", "discovery.data_params.eval_examples=4",
          "discovery.data_params.seq_len=16", "model.precision=float32"]

@@ -9,14 +9,19 @@ import pytest
 import torch
 from reference_edges import reference_metric
 
-from circuitkit.attribution import attribute, exact_patching, graph_of
-from circuitkit.config import DataParams, ModelConfig
+from circuitkit.core.config import DataParams, ModelConfig
+from circuitkit.discovery.attribution import attribute, exact_patching, graph_of
+from circuitkit.discovery.pruning.edges import EdgeEvaluator, mean_writes
+from circuitkit.discovery.pruning.heads import CURVE_PERCENTS, curve_areas, curve_count, keep_top
+from circuitkit.discovery.pruning.selection import (
+    bootstrap_select,
+    bootstrap_weights,
+    greedy_heads,
+    greedy_mask,
+)
+from circuitkit.discovery.pruning.stability import jaccard, stability
+from circuitkit.discovery.tasks import build_task
 from circuitkit.models.loading import load_model
-from circuitkit.pruning import CURVE_PERCENTS, curve_areas, curve_count, keep_top
-from circuitkit.pruning_edges import EdgeEvaluator, mean_writes
-from circuitkit.selection import bootstrap_select, bootstrap_weights, greedy_heads, greedy_mask
-from circuitkit.stability import jaccard, stability
-from circuitkit.tasks import build_task
 
 
 @functools.cache
@@ -137,8 +142,8 @@ def test_edge_evaluator_matches_the_direct_sum_over_removed_edges(name):
 
 
 def test_pipeline_writes_stability_and_selection(tmp_path):
-    from circuitkit.circuit import load_circuit, show_circuit
-    from circuitkit.config import compose
+    from circuitkit.core.config import compose
+    from circuitkit.discovery.circuit import load_circuit, show_circuit
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["model=induction", "stages=[data,attribution,pruning]", "pruning.selection=bootstrap",
@@ -161,8 +166,8 @@ def test_pipeline_writes_stability_and_selection(tmp_path):
 def test_mib_export_and_check(tmp_path):
     import json
 
-    from circuitkit.attribution import save_scores
-    from circuitkit.mib import MIB_SHARES, check_mib, share_name
+    from circuitkit.discovery.attribution import save_scores
+    from circuitkit.discovery.export.mib import MIB_SHARES, check_mib, share_name
     from circuitkit_app.cli import main
 
     lm, data = loaded("tiny-llama"), pairs("tiny-llama")
@@ -200,9 +205,9 @@ def test_eap_ig_activations_matches_its_definition(rule):
     """s(u) = Δ_u · Σ_k w_k ∂m/∂a_u with only u's group interpolated, computed here by named hooks."""
     from named_hooks import hooks, run_with_cache
 
-    from circuitkit.attribution.eap_activations import attribute_activations, passes_per_batch
-    from circuitkit.attribution.metrics import compute_metric
-    from circuitkit.attribution.quadrature import integration_rule
+    from circuitkit.discovery.attribution.eap_activations import attribute_activations, passes_per_batch
+    from circuitkit.discovery.attribution.metrics import compute_metric
+    from circuitkit.discovery.attribution.quadrature import integration_rule
 
     lm, data = loaded("tiny-llama"), pairs("tiny-llama", 4)
     a = lm.adapter
@@ -235,7 +240,7 @@ def test_eap_ig_activations_matches_its_definition(rule):
 def test_eap_ig_activations_edges_sum_to_the_node_scores():
     """At edge level the scores out of a head sum to its node score (its write reaches the logits only
     through the inputs that read it), and they differ from EAP-IG-inputs'."""
-    from circuitkit.attribution.eap_activations import attribute_activations
+    from circuitkit.discovery.attribution.eap_activations import attribute_activations
 
     lm, data = loaded("tiny-llama"), pairs("tiny-llama", 4)
     a, g = lm.adapter, graph_of(lm.adapter)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from circuitkit.attribution.graph import Graph
-from circuitkit.errors import UserError
-from circuitkit.selection import keep_top
-from circuitkit.selection_ip import (
+from circuitkit.core.errors import UserError
+from circuitkit.discovery.attribution.graph import Graph
+from circuitkit.discovery.pruning.selection import keep_top
+from circuitkit.discovery.pruning.selection_ip import (
     MIP_REL_GAP,
     EdgeGraph,
     IPSelector,
@@ -199,10 +199,10 @@ def test_positive_rule_keeps_only_positive_scores_best_first():
 
 @functools.cache
 def tiny_setup():
-    from circuitkit.attribution import attribute
-    from circuitkit.config import DataParams, ModelConfig
+    from circuitkit.core.config import DataParams, ModelConfig
+    from circuitkit.discovery.attribution import attribute
+    from circuitkit.discovery.tasks import build_task
     from circuitkit.models.loading import load_model
-    from circuitkit.tasks import build_task
 
     lm = load_model(ModelConfig(name="builtin:tiny-llama", precision="float32"))
     data = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=16), 10, 0)
@@ -210,8 +210,8 @@ def tiny_setup():
 
 
 def test_prune_selects_by_the_ip_and_by_sign_on_a_tiny_model(caplog):
-    from circuitkit.config import PruningConfig
-    from circuitkit.pruning import prune
+    from circuitkit.core.config import PruningConfig
+    from circuitkit.discovery.pruning.heads import prune
 
     lm, data, scores = tiny_setup()
     g, valid = scores.graph, scores.graph.edge_mask()
@@ -236,7 +236,7 @@ def test_prune_selects_by_the_ip_and_by_sign_on_a_tiny_model(caplog):
 
 
 def test_ip_keys_compose_and_are_checked():
-    from circuitkit.config import ConfigError, compose
+    from circuitkit.core.config import ConfigError, compose
 
     _, cfg = compose(["pruning.scope=edges", "pruning.selection=ip", "pruning.ip_connectivity=input",
                       "pruning.ip_time_limit_s=5"])

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from circuitkit.attribution import load_scores
-from circuitkit.attribution.shards import shard_range
-from circuitkit.circuit import load_circuit
-from circuitkit.config import ConfigError, compose
-from circuitkit.pipeline import PipelineError, load_manifest
+from circuitkit.core.config import ConfigError, compose
+from circuitkit.core.pipeline import PipelineError, load_manifest
+from circuitkit.discovery.attribution import load_scores
+from circuitkit.discovery.attribution.shards import shard_range
+from circuitkit.discovery.circuit import load_circuit
 from circuitkit_app.cli import main as cli_main
 from circuitkit_app.stage_list import run_pipeline
 
@@ -148,7 +148,7 @@ def test_merge_command_merges_and_prunes(tmp_path):
 
 
 def test_a_killed_shard_reruns_alone(tmp_path, monkeypatch):
-    import circuitkit.attribution as attribution
+    import circuitkit.discovery.attribution as attribution
 
     for i in (0, 2):
         _shard(tmp_path, i, 3)
@@ -211,8 +211,8 @@ def test_per_example_rows_are_in_data_order_whatever_the_batching():
     the rows of shards (contiguous example ranges) concatenate to one job's."""
     from test_task_lengths import _lm, _pairs
 
-    from circuitkit.attribution import attribute, run_attribution
-    from circuitkit.config import DiscoveryConfig
+    from circuitkit.core.config import DiscoveryConfig
+    from circuitkit.discovery.attribution import attribute, run_attribution
 
     data = _pairs(9, seed=2)
     assert data.lengths() != sorted(data.lengths(), reverse=True)  # batching by length reorders them
@@ -250,9 +250,9 @@ def _as_written_before(run_dir):
     record its new checksum, as that version did)."""
     from safetensors import safe_open
 
-    from circuitkit.attribution.shards import PARTIAL_FILE, SHARD_SHA_KEY
-    from circuitkit.io import atomic_save_safetensors, atomic_write_json, sha256_file
-    from circuitkit.pipeline import MANIFEST
+    from circuitkit.core.io import atomic_save_safetensors, atomic_write_json, sha256_file
+    from circuitkit.core.pipeline import MANIFEST
+    from circuitkit.discovery.attribution.shards import PARTIAL_FILE, SHARD_SHA_KEY
 
     path = run_dir / PARTIAL_FILE
     with safe_open(str(path), "pt") as fh:

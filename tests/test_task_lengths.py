@@ -6,10 +6,10 @@ import functools
 
 import torch
 
-from circuitkit.attribution import attribute
-from circuitkit.config import ModelConfig
+from circuitkit.core.config import ModelConfig
+from circuitkit.discovery.attribution import attribute
+from circuitkit.discovery.tasks.base import from_token_lists
 from circuitkit.models.loading import load_model
-from circuitkit.tasks.base import from_token_lists
 
 
 @functools.cache

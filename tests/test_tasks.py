@@ -16,8 +16,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from circuitkit.config import DataParams
-from circuitkit.tasks import (
+from circuitkit.core.config import DataParams
+from circuitkit.discovery.tasks import (
     BUILT_TASKS,
     SAMPLE_FILES,
     TaskData,
@@ -150,13 +150,13 @@ def test_sample_files_ship_with_the_package():
     """The shipped samples exist under tasks/data/, which pyproject packages."""
     for path in (*SAMPLE_FILES.values(), SAMPLE_FILES["mmlu"].with_suffix(".jsonl")):
         assert path.is_file() and path.parent.name == "data"
-    assert '"tasks/data/*"' in (REPO / "pyproject.toml").read_text()
+    assert '"discovery/tasks/data/*"' in (REPO / "pyproject.toml").read_text()
 
 
 @pytest.mark.parametrize("task", ["mmlu", "jsonl"])
 def test_file_tasks_fall_back_to_the_sample_with_a_warning(tok, mc_tok, task, caplog):
     """data_path=null reads the shipped sample and says so."""
-    with caplog.at_level(logging.WARNING, logger="circuitkit.tasks"):
+    with caplog.at_level(logging.WARNING, logger="circuitkit.discovery.tasks"):
         d = build_task(task, mc_tok if task == "mmlu" else tok, None, DataParams(data_path=None), 4, 0)
     check_layout(d, 4)
     assert f"{SAMPLE_FILES[task].name}" in caplog.text and "data_path is null" in caplog.text
@@ -491,6 +491,6 @@ def test_helpers_pad_and_prefix(tok):
 
 def test_synthetic_task_warns_that_data_path_is_unused(tok, caplog):
     """ioi / greater_than generate their data: a data_path is reported as unused, not silently dropped."""
-    with caplog.at_level(logging.WARNING, logger="circuitkit.tasks"):
+    with caplog.at_level(logging.WARNING, logger="circuitkit.discovery.tasks"):
         build_task("ioi", tok, None, DataParams(data_path="mine.jsonl"), 2, 0)
     assert "data_path='mine.jsonl' is not used" in caplog.text

@@ -137,7 +137,7 @@ ROWS = [{"prompt": f"The {s} ", "completion": f"{v} in the garden {i}."}
 
 
 def _index(root: Path, append_eos: bool) -> Path:
-    from circuitkit.config import compose
+    from circuitkit.core.config import compose
     from gradian.indexer import build_index
 
     data = _jsonl(root / "train.jsonl", ROWS)
@@ -171,7 +171,7 @@ def test_manifest_records_the_policy_and_the_data_report_counts(indexes: dict[bo
 
 
 def test_resume_with_another_policy_is_refused(indexes: dict[bool, Path]) -> None:
-    from circuitkit.config import compose
+    from circuitkit.core.config import compose
     from gradian.index import IndexMismatchError
     from gradian.indexer import build_index
 

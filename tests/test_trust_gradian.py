@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from circuitkit.config import GradsConfig, ModelConfig
-from circuitkit.io import file_lock
+from circuitkit.core.config import GradsConfig, ModelConfig
+from circuitkit.core.io import file_lock
 from gradian.cli import main
 from gradian.index import IndexReader, shard_name
 

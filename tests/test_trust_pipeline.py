@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit import pipeline
-from circuitkit.config import ConfigError, compose
-from circuitkit.errors import UserError
+from circuitkit.core import pipeline
+from circuitkit.core.config import ConfigError, compose
+from circuitkit.core.errors import UserError
 from circuitkit_app.cli import main as cli_main
 from circuitkit_app.run import main as run_main
 from circuitkit_app.stage_list import PIPELINE, run_pipeline
@@ -64,7 +64,7 @@ def _truncate(path: Path) -> None:
 
 
 def _saved_circuit(tmp: Path) -> Path:
-    from circuitkit.circuit import save_circuit
+    from circuitkit.discovery.circuit import save_circuit
 
     return save_circuit(tmp / "real.pt", {
         "model_name": "m", "head_mask": torch.ones(2, 2, dtype=torch.bool), "head_scores": torch.zeros(2, 2),
@@ -340,7 +340,7 @@ def _ran(manifest: dict, name: str) -> bool:
 
 
 def test_changed_data_file_reruns_the_stage_and_touched_one_does_not(tmp_path):
-    from circuitkit.tasks import TaskData
+    from circuitkit.discovery.tasks import TaskData
 
     data = _write(tmp_path / "pairs.jsonl", "\n".join([_pair()] * 3) + "\n")
     run_dir = tmp_path / "run"
@@ -361,7 +361,7 @@ def test_changed_data_file_reruns_the_stage_and_touched_one_does_not(tmp_path):
 
 def test_same_size_and_mtime_uses_the_recorded_hash(tmp_path, monkeypatch):
     """The fast path: a file whose size and mtime match its record is not read again."""
-    from circuitkit import fingerprint
+    from circuitkit.core import fingerprint
 
     data = _write(tmp_path / "pairs.jsonl", "\n".join([_pair()] * 3) + "\n")
     record = fingerprint.Fingerprinter().file(data)
@@ -456,7 +456,7 @@ def test_a_job_failing_in_a_stage_does_not_stop_the_others(tmp_path, capsys):
 def test_write_summary_escapes_markup_and_shows_one_result(tmp_path):
     from rich.console import Console
 
-    from circuitkit.sweep import write_summary
+    from circuitkit.core.sweep import write_summary
 
     console = Console(record=True, width=120)
     rows = [{"job": "0", "overrides": "stages=[data,pruning] seed=1", "status": "ok", "wall_s": 1.5,
@@ -481,7 +481,7 @@ def test_two_identical_runs_write_identical_bytes(tmp_path):
 def test_safetensors_bytes_do_not_depend_on_metadata_order(tmp_path):
     from safetensors import safe_open
 
-    from circuitkit.io import atomic_save_safetensors
+    from circuitkit.core.io import atomic_save_safetensors
 
     t = {"b": torch.arange(3.0), "a": torch.ones(2, 2)}
     meta = {f"k{i}": str(i) for i in range(20)}
@@ -494,7 +494,7 @@ def test_safetensors_bytes_do_not_depend_on_metadata_order(tmp_path):
 
 
 def test_torch_save_bytes_do_not_depend_on_the_file_name(tmp_path):
-    from circuitkit.io import atomic_torch_save
+    from circuitkit.core.io import atomic_torch_save
 
     obj = {"x": torch.arange(4)}
     a, b = atomic_torch_save(tmp_path / "a.pt", obj), atomic_torch_save(tmp_path / "other_name.pt", obj)
@@ -503,7 +503,7 @@ def test_torch_save_bytes_do_not_depend_on_the_file_name(tmp_path):
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
 def test_written_files_follow_the_umask(tmp_path, umask, mode):
-    from circuitkit.io import atomic_write_json
+    from circuitkit.core.io import atomic_write_json
 
     old = os.umask(umask)
     try:

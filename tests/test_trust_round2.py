@@ -29,8 +29,10 @@ from test_trust_pipeline import (
     invoke,
 )
 
-from circuitkit.attribution import AttributionScores, Graph, save_scores
-from circuitkit.attribution.shards import (
+from circuitkit.core.config import compose, to_dict
+from circuitkit.core.io import atomic_save_safetensors, atomic_write_json, sha256_file
+from circuitkit.discovery.attribution import AttributionScores, Graph, save_scores
+from circuitkit.discovery.attribution.shards import (
     PARTIAL_FILE,
     SHARD_SHA_KEY,
     ShardMergeError,
@@ -38,8 +40,6 @@ from circuitkit.attribution.shards import (
     save_partial,
     shard_file_name,
 )
-from circuitkit.config import compose, to_dict
-from circuitkit.io import atomic_save_safetensors, atomic_write_json, sha256_file
 
 TINY = Graph(2, 4, 4, False)  # the tiny GPT-2 fixture's graph
 GPT2_SMALL = Graph(12, 12, 12, False)
@@ -68,7 +68,7 @@ def _raw_scores(tmp: Path, tensors: dict, meta: dict, name: str = "run/scores.sa
 
 
 def _data_file(tmp: Path, bad_id: int | None = None, name: str = "run/data.safetensors") -> Path:
-    from circuitkit.tasks.base import random_pairs
+    from circuitkit.discovery.tasks.base import random_pairs
 
     data = random_pairs(6, 8, 100)
     if bad_id is not None:
@@ -79,7 +79,7 @@ def _data_file(tmp: Path, bad_id: int | None = None, name: str = "run/data.safet
 
 
 def _circuit(tmp: Path, g: Graph, name: str = "big.pt") -> Path:
-    from circuitkit.circuit import save_circuit
+    from circuitkit.discovery.circuit import save_circuit
 
     return save_circuit(tmp / name, {
         "model_name": "gpt2", "head_mask": torch.ones(g.n_layers, g.n_heads, dtype=torch.bool),
@@ -123,7 +123,7 @@ class Payload:
 
 
 def _offline(monkeypatch) -> None:
-    from circuitkit import hub
+    from circuitkit.core import hub
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub.forget()
@@ -153,7 +153,7 @@ def _hub_state():
     import os
     import sys
 
-    from circuitkit import hub
+    from circuitkit.core import hub
 
     env = {name: os.environ.get(name) for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")}
     constants = sys.modules.get("huggingface_hub.constants")
@@ -178,7 +178,7 @@ def _cfg_dict() -> dict:
 
 def _shard_run(tmp: Path, i: int, n: int = 2, meta_drop: str | None = None, record: bool = True) -> Path:
     """A finished shard's run dir made by hand: its sums and the manifest that records their sha256."""
-    from circuitkit.attribution.shards import shard_identity
+    from circuitkit.discovery.attribution.shards import shard_identity
 
     run = tmp / f"shard{i}"
     sums = _scores(TINY, seed=i, n_examples=3, edges=None)
@@ -352,7 +352,7 @@ def test_verified_shards_merge_to_the_mean(tmp_path, capsys):
     _shards(tmp_path)
     code, _, err = invoke("cli", MERGE(tmp_path), capsys)
     assert code == 0, err
-    from circuitkit.attribution import load_scores
+    from circuitkit.discovery.attribution import load_scores
 
     merged = load_scores(tmp_path / "merged" / "scores.safetensors")
     want = (_scores(TINY, seed=0).head + _scores(TINY, seed=1).head) / 6  # sums of 3 + 3 examples
@@ -373,7 +373,7 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_ends_the_run_interrupted(tmp_path
 
     from test_trust_pipeline import _replace_stage
 
-    from circuitkit.pipeline import StageResult
+    from circuitkit.core.pipeline import StageResult
 
     swallowed = []
 
@@ -414,8 +414,8 @@ def test_disk_full_names_the_file_and_leaves_no_stage_running(tmp_path, monkeypa
 
     from test_trust_pipeline import _replace_stage
 
-    import circuitkit.io as io_module
-    from circuitkit.io import atomic_write_bytes
+    import circuitkit.core.io as io_module
+    from circuitkit.core.io import atomic_write_bytes
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")  # what write() raises: no filename
@@ -437,7 +437,7 @@ def test_disk_full_names_the_file_and_leaves_no_stage_running(tmp_path, monkeypa
 
 def test_show_top_edges_counts_from_the_strongest(tmp_path, capsys):
     """--top-edges 3 draws the three strongest edges (and -5 is refused by the table above)."""
-    from circuitkit.circuit_graph import build_picture
+    from circuitkit.discovery.circuit_graph import build_picture
 
     circuit = {"head_mask": torch.ones(2, 4, dtype=torch.bool), "mlp_mask": torch.ones(2, dtype=torch.bool),
                "head_scores": torch.ones(2, 4), "edge_scores": _scores(TINY).edges,
@@ -468,7 +468,7 @@ def test_config_piped_into_head_exits_quietly():
 
 
 def test_a_broken_pipe_in_any_command_ends_quietly(capsys):
-    from circuitkit.errors import run_entry
+    from circuitkit.core.errors import run_entry
 
     def prints_to_a_gone_reader():
         raise BrokenPipeError(32, "Broken pipe")  # print() into `| head` after it exited

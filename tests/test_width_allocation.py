@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)
 
-from circuitkit.errors import UserError
+from circuitkit.core.errors import UserError
 from gradian.allocation import (
     ALLOCATION_FILE,
     FLOOR_SHARE,

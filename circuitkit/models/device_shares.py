@@ -6,8 +6,8 @@ device runs. The preflight prints and checks these per device (docs/scale-out.md
 
 from __future__ import annotations
 
-from circuitkit.config import ModelConfig
-from circuitkit.memory import MemoryEstimate
+from circuitkit.core.config import ModelConfig
+from circuitkit.preflight.memory import MemoryEstimate
 
 
 def planned_weight_bytes(cfg: ModelConfig) -> dict[str, int] | None:

@@ -20,9 +20,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from circuitkit.errors import UserError
+from circuitkit.core.errors import UserError
+from circuitkit.core.io import file_lock
 from circuitkit.fixtures.cache import cache_root
-from circuitkit.io import file_lock
 from circuitkit.models.gguf import check_gguf, convert_gguf, provenance, read_source
 
 FETCHED_PREFIX = "fetched:"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from circuitkit.errors import UserError
+from circuitkit.core.errors import UserError
 
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "circuitkit_source.json"  # provenance of a converted directory (part of its fingerprint)

@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from circuitkit.memory import shape_dict
 from circuitkit.models.families import family
 from circuitkit.models.families.base import ATTENTION
+from circuitkit.preflight.memory import shape_dict
 
 
 def _conv1d_type() -> type | None:

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from circuitkit.config import ModelConfig
-from circuitkit.device import DTYPES, get_device
-from circuitkit.errors import UserError
-from circuitkit.fingerprint import hub_revision
+from circuitkit.core.config import ModelConfig
+from circuitkit.core.device import DTYPES, get_device
+from circuitkit.core.errors import UserError
+from circuitkit.core.fingerprint import hub_revision
 from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
 from circuitkit.models.adapters import ModelAdapter, get_adapter
 from circuitkit.models.families import IMAGE_TEXT_MODEL_TYPES
@@ -240,7 +240,7 @@ def placement_kwargs(cfg: ModelConfig) -> dict:
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        raise UserError("model.device_map needs Hugging Face accelerate: pip install 'circuitkit[accelerate]'"
+        raise UserError("model.device_map needs Hugging Face accelerate: pip install 'circuitkit-gradian[accelerate]'"
                         " (or set model.device_map=null).", 2) from None
     from omegaconf import OmegaConf
 
@@ -267,7 +267,7 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     _quiet_transformers()
     path, source_kwargs = pretrained_args(cfg)
     if not source_kwargs and not Path(path).exists():  # a hub name: offline (decided once), not cached is one line now
-        from circuitkit.hub import check_hub_name
+        from circuitkit.core.hub import check_hub_name
 
         check_hub_name(cfg.name, cfg.revision, "model.name")
     device = device or get_device()

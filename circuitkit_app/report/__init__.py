@@ -21,14 +21,14 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from circuitkit.errors import UserError
+from circuitkit.core.errors import UserError
 
 log = logging.getLogger(__name__)
 REPORT = "report.html"
 
 
 def _out_path(out: Path | None, default: Path) -> Path:
-    from circuitkit.io import check_writable
+    from circuitkit.core.io import check_writable
 
     out = Path(out) if out is not None else default
     check_writable(out, "--out")

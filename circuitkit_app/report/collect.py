@@ -18,11 +18,17 @@ from typing import Any
 
 import torch
 
-from circuitkit.circuit_file import load_circuit, run_circuit_path
-from circuitkit.circuit_graph import edge_children, graph_shape, kept_node_names, layer_of, ranked_edges
-from circuitkit.config import AppConfig, flatten, to_dict
-from circuitkit.io import sha256_file
-from circuitkit.pipeline import load_manifest
+from circuitkit.core.circuit_file import load_circuit, run_circuit_path
+from circuitkit.core.config import AppConfig, flatten, to_dict
+from circuitkit.core.io import sha256_file
+from circuitkit.core.pipeline import load_manifest
+from circuitkit.discovery.circuit_graph import (
+    edge_children,
+    graph_shape,
+    kept_node_names,
+    layer_of,
+    ranked_edges,
+)
 
 MAX_PER_EXAMPLE = 256  # examples whose per-head scores are embedded (clicking a head shows them)
 TOP_LIST = 25  # rows of the node and edge top lists
@@ -159,7 +165,7 @@ def _circuit_graph(circuit, per_example: dict[str, torch.Tensor], top_edges: int
     edge_kept_frequency = None
     stable = circuit.get("stability")
     if edge_scope and stable and spreads is not None:  # how often each drawn edge is kept over the resamples
-        from circuitkit.stability import kept_frequency
+        from circuitkit.discovery.pruning.stability import kept_frequency
 
         freq = kept_frequency(per_edge, int(circuit["edge_mask"].sum()), circuit.get("rank_by") or "abs",
                               int(stable.get("n_resamples") or 100), valid=g.edge_mask())
@@ -205,7 +211,7 @@ def _circuit_section(circuit, per_example: dict[str, torch.Tensor], top_edges: i
     stable, per_head = circuit.get("stability"), per_example.get("head")
     if stable and per_head is not None and circuit.get("scope") != "edges" and tuple(per_head.shape[1:]) == tuple(
             heads.shape):
-        from circuitkit.stability import kept_frequency
+        from circuitkit.discovery.pruning.stability import kept_frequency
 
         freq = kept_frequency(per_head, int(heads.sum()), circuit.get("rank_by") or "abs",
                               int(stable.get("n_resamples") or 100))
@@ -227,8 +233,8 @@ def collect_run(run_dir: Path, top_edges: int | None = None) -> dict[str, Any]:
     `top_edges`: strongest circuit edges embedded (default: the run's `report.top_edges`).
     Raises UserError (exit 2) when `run_dir` holds no manifest.json.
     """
-    from circuitkit.attribution import load_scores
-    from circuitkit.errors import UserError
+    from circuitkit.core.errors import UserError
+    from circuitkit.discovery.attribution import load_scores
 
     run_dir = Path(run_dir)
     manifest = load_manifest(run_dir)

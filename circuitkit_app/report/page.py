@@ -29,7 +29,7 @@ def plotly_gz_b64() -> str:
     try:
         js = resources.files("plotly").joinpath("package_data", "plotly.min.js").read_bytes()
     except (ModuleNotFoundError, FileNotFoundError) as err:
-        from circuitkit.errors import UserError
+        from circuitkit.core.errors import UserError
 
         raise UserError(f"report.html inlines plotly.js from the plotly package, which is missing or incomplete"
                         f" ({err}); pip install 'plotly>=5.20' (a dependency of this project).", exit_code=1) from None
@@ -272,7 +272,7 @@ def _plotly_version() -> str:
 
 def write_page(view: dict[str, Any], title: str, out: Path) -> Path:
     """Render and write atomically; returns `out`."""
-    from circuitkit.io import atomic_write_bytes
+    from circuitkit.core.io import atomic_write_bytes
 
     out = Path(out)
     atomic_write_bytes(out, render(view, title).encode())

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from circuitkit.errors import UserError
+from circuitkit.core.errors import UserError
 
 MAX_TOKENS = 160  # tokens shown per row (the rest is counted)
 MAX_QUERIES = 50  # queries shown (the aggregate list is always shown)

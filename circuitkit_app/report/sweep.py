@@ -1,4 +1,4 @@
-"""A multirun's report: one row per job (`circuitkit.sweep.summarize_sweep`), the swept keys
+"""A multirun's report: one row per job (`circuitkit.core.sweep.summarize_sweep`), the swept keys
 against wall time, peak memory and the headline result, and a link to each job's own report."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from circuitkit.sweep import HEADLINE_KEYS, summarize_sweep
+from circuitkit.core.sweep import HEADLINE_KEYS, summarize_sweep
 
 REPORT = "report.html"
 
@@ -24,7 +24,7 @@ def _values(overrides: str) -> dict[str, str]:
 def collect_sweep(sweep_dir: Path) -> dict[str, Any]:
     """{"sweep": {jobs, swept, failed, result_label}} for the page; UserError (exit 2) if `sweep_dir`
     has no job directories."""
-    from circuitkit.errors import UserError
+    from circuitkit.core.errors import UserError
 
     rows = summarize_sweep(Path(sweep_dir))
     if not rows:

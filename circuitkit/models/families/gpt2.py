@@ -22,7 +22,7 @@ class GPT2(ModelAdapter):
     paths = {"base": "transformer", "blocks": "h", "embed": "wte", "final_norm": "ln_f", "attn": "attn",
              "attn_norm": "ln_1", "mlp_norm": "ln_2", "mlp": "mlp", "attn_out": "attn.c_proj", "mlp_out": "mlp.c_proj"}
     block_prefix = "transformer.h.{l}."
-    # Activations saved per layer (circuitkit.memory): GPT-2's tanh GELU saves 4·f.
+    # Activations saved per layer (circuitkit.preflight.memory): GPT-2's tanh GELU saves 4·f.
     act_per_layer = (8.125, 4.0)
     recomputed_c_f = 1.0  # the recomputed or fused GELU keeps its input only
 

@@ -14,7 +14,7 @@ class Qwen3(Llama):
     listed = 4
     model_types = {"qwen3": "Qwen3"}
     gguf_model_types = ("qwen3",)
-    # Measured with scripts/measure_act_coefficients.py on tiny-qwen3's shape (d 64, head_dim 16):
+    # Measured with scripts/tools/measure_act_coefficients.py on tiny-qwen3's shape (d 64, head_dim 16):
     # Llama's 5.09 plus what the per-head q/k norms save (1.6·N·d here).
     act_per_layer = (6.69, 3.0)
     qk_norms = True

@@ -1,0 +1,1 @@
+"""Circuit discovery: tasks, attribution, pruning and selection, exports, and their stages."""

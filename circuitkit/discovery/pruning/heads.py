@@ -1,0 +1,351 @@
+"""Pruning to a target sparsity, and faithfulness: `prune` is what the pruning stage runs.
+
+`pruning.scope: heads` removes heads, `edges` removes edges (`circuitkit.discovery.pruning.edges` runs
+the edge circuits); both select with `keep_top` (`select_heads`, `select_edges`), or with
+`pruning.selection: bootstrap` (`circuitkit.discovery.pruning.selection`), `positive` (`circuitkit.discovery.pruning.selection_ip`),
+`mask` (a soft mask over heads, or edges, optimized on the attribution pairs:
+`circuitkit.discovery.pruning.optimize`) or, for edges, `edge_pruning` (the same as `mask` there) or `ip`
+(integer programming, `circuitkit.discovery.pruning.selection_ip`), and both evaluators take the kept
+mask. Heads are removed lowest score first (`rank_by: abs` on |score|, `signed` on the score)
+and ablated through a hook on z, the input of the attention output projection:
+
+    corrupted  z from the corrupted prompt of the same example (the default: what the scores measure)
+    mean       the mean of z over the task's clean examples at each position
+    zero       0
+
+Faithfulness on held-out examples: f = (m(circuit) - m(empty)) / (m(full) - m(empty)), where
+"empty" ablates every head (MLPs and embeddings always stay).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from circuitkit.core.config import PruningConfig, mask_steps_of
+from circuitkit.discovery.attribution.eap import AttributionScores, cached_run, record_head_runs
+from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
+from circuitkit.discovery.pruning.edges import EdgeEvaluator, fit_positions, mean_writes
+from circuitkit.discovery.pruning.optimize import learn_edge_mask, learn_head_mask
+from circuitkit.discovery.pruning.selection import BootstrapSelector, RankSelector, keep_top  # noqa: F401  (keep_top: re-exported)
+from circuitkit.discovery.pruning.selection_ip import IPSelector, positive_select
+from circuitkit.discovery.pruning.stability import selector_stability, stability
+from circuitkit.discovery.tasks.base import TaskData
+from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.hooks import HookSet
+from circuitkit.models.placement import input_device
+
+log = logging.getLogger(__name__)
+CURVE_PERCENTS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+
+
+@dataclass
+class Selection:
+    """What a target sparsity keeps: heads (n_layers, n_heads) or edges (n_upstream, n_downstream)."""
+
+    mask: torch.Tensor  # bool, True = kept
+    n_removed: int
+    achieved_sparsity: float
+
+
+def select_heads(head_scores: torch.Tensor, target_sparsity: float, rank_by: str = "abs") -> Selection:
+    """Keep the highest-ranked heads; remove round(target_sparsity * n_heads) of them.
+
+    Warns when the target rounds to no head removed although it is above 0.
+    """
+    if not 0.0 <= target_sparsity < 1.0:
+        raise ValueError(f"pruning.target_sparsity={target_sparsity} must be in [0, 1)")
+    n_total = head_scores.numel()
+    n_removed = round(target_sparsity * n_total)
+    if target_sparsity > 0 and n_removed == 0:
+        log.warning("pruning.target_sparsity=%s removes 0 of %d heads after rounding to whole heads;"
+                    " achieved sparsity 0.0 (the circuit is the full model). Raise it to at least %.3g to"
+                    " remove one head.", target_sparsity, n_total, 0.5 / n_total)
+    return Selection(keep_top(head_scores, n_total - n_removed, rank_by), n_removed, n_removed / n_total)
+
+
+def select_edges(edge_scores: torch.Tensor, valid: torch.Tensor, target_sparsity: float,
+                 rank_by: str = "abs") -> Selection:
+    """Keep the highest-ranked of the edges that exist (`valid`, (n_upstream, n_downstream));
+    remove round(target_sparsity * n_edges) of them."""
+    n_total = int(valid.sum())
+    n_removed = round(target_sparsity * n_total)
+    return Selection(keep_top(edge_scores, n_total - n_removed, rank_by, valid), n_removed, n_removed / n_total)
+
+
+@torch.no_grad()
+def mean_z(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tensor:
+    """Mean of z over the clean examples at each position: (n_layers, T, n_heads * head_dim) float32.
+
+    Positions past an example's end are left out of that position's mean.
+    """
+    device = input_device(adapter.model)
+    total, count = None, None
+    for batch in data.batches(batch_size):
+        batch = batch.to(device)
+        rec = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
+        z = torch.stack([zl.float() for zl in rec.z])  # (L, B, T, H*dh)
+        w = batch.attention_mask.float()[None, :, :, None]
+        part, n = (z * w).sum(1), w.sum(1)
+        total = part if total is None else total + part
+        count = n if count is None else count + n
+    return (total / count.clamp(min=1)).cpu()
+
+
+@contextmanager
+def ablate_heads(adapter: ModelAdapter, removed: torch.Tensor, values: list[torch.Tensor | None]) -> Iterator[None]:
+    """Replace z of removed heads (mask (L, H), True = removed) with `values[layer]`.
+
+    values[layer]: (B or 1, T, H * head_dim), or None for zeros.
+    """
+    dh = adapter.head_dim
+    with HookSet() as hk:
+        for layer in range(adapter.n_layers):
+            heads = removed[layer].nonzero().flatten().tolist()
+            if not heads:
+                continue
+
+            def hook(module, args, layer=layer, heads=heads):
+                z = args[0].clone()
+                for h in heads:
+                    sl = slice(h * dh, (h + 1) * dh)
+                    v = values[layer]
+                    z[..., sl] = 0 if v is None else fit_positions(v, z.shape[-2])[..., sl].to(z.dtype).expand_as(z[..., sl])
+                return (z, *args[1:])
+            hk.pre(adapter.z_input(layer), hook)
+        yield
+
+
+class Evaluator:
+    """Mean metric on held-out examples with only the kept heads live (the others ablated)."""
+
+    def __init__(self, adapter: ModelAdapter, data: TaskData, metric: str, ablation: str,
+                 mean_values: torch.Tensor | None, batch_size: int) -> None:
+        self.adapter, self.metric, self.ablation, self.batch_size = adapter, metric, ablation, batch_size
+        device = input_device(adapter.model)
+        self.batches = [(batch, clean, z) for batch, clean, z, _ in
+                        record_head_runs(adapter, data, batch_size, corrupted=ablation == "corrupted")]
+        self.m_clean = sum(compute_metric(metric, c, b, c).sum().item() for b, c, _ in self.batches) / len(data)
+        self.mean_values = None if mean_values is None else [v.to(device)[None] for v in mean_values]
+        self.n = len(data)
+
+    def _values(self, corrupted_z):
+        if self.ablation == "zero":
+            return [None] * self.adapter.n_layers
+        if self.ablation == "corrupted":
+            return corrupted_z
+        return self.mean_values
+
+    @torch.no_grad()
+    def __call__(self, kept: torch.Tensor | None) -> float:
+        """kept: (n_layers, n_heads) bool, or None for the full model."""
+        if kept is None or bool(kept.all()):
+            return self.m_clean  # every head live: the clean run recorded at setup
+        removed = ~kept
+        total = 0.0
+        for batch, clean_answer, corrupted_z in self.batches:
+            args = (self.adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
+            with ablate_heads(self.adapter, removed, self._values(corrupted_z)):
+                logits = answer_forward(*args)
+            total += compute_metric(self.metric, logits, batch, clean_answer).sum().item()
+        return total / self.n
+
+
+def faithfulness(m_circuit: float, m_full: float, m_empty: float) -> float:
+    """(m(circuit) - m(empty)) / (m(full) - m(empty)); nan when full and empty coincide."""
+    denom = m_full - m_empty
+    return (m_circuit - m_empty) / denom if abs(denom) > 1e-12 else float("nan")
+
+
+def curve_count(percent: float, n_total: int) -> int:
+    """Entries kept at `percent` of `n_total`: int(share * n), as MIB's evaluation counts them."""
+    return int(percent / 100 * n_total + 1e-9)
+
+
+def sparsity_curve(evaluate_kept: Callable[[torch.Tensor], float], scores: torch.Tensor, rank_by: str,
+                   m_full: float, m_empty: float, valid: torch.Tensor | None = None,
+                   choose: Callable[[int], torch.Tensor] | None = None) -> list[dict]:
+    """Faithfulness when keeping CURVE_PERCENTS (MIB's grid of shares) of the heads or edges.
+
+    evaluate_kept(mask) -> metric, with mask shaped like `scores` (True = kept); `valid`
+    marks which entries exist (edges), default all. `choose(n)` picks the kept mask of size n
+    (default: the top n by `rank_by`, `keep_top`). Counts are whole entries, int(share * n).
+    """
+    n_total = int(valid.sum()) if valid is not None else scores.numel()
+    if choose is None:
+        def choose(n: int) -> torch.Tensor:
+            return keep_top(scores, n, rank_by, valid)
+    rows, cache = [], {}
+    for pct in CURVE_PERCENTS:
+        n_keep = curve_count(pct, n_total)
+        if n_keep not in cache:
+            cache[n_keep] = evaluate_kept(choose(n_keep))
+        rows.append({"percent_kept": pct, "n_kept": n_keep, "metric": cache[n_keep],
+                     "faithfulness": faithfulness(cache[n_keep], m_full, m_empty)})
+    return rows
+
+
+def curve_areas(rows: list[dict]) -> tuple[float, float]:
+    """(CPR, CMD): trapezoid areas of f and of |1 - f| over the fraction kept (0.001..1).
+
+    MIB's definitions (its evaluate_area_under_curve): CPR = Σ_i (x_{i+1} - x_i)(f_i + f_{i+1})/2
+    and CMD = Σ_i (x_{i+1} - x_i)(|1 - f_i| + |1 - f_{i+1}|)/2 over the shares x of the grid,
+    on a linear axis; a circuit as faithful as the model at every share has CPR 0.999, CMD 0.
+    """
+    xs = [r["percent_kept"] / 100 for r in rows]
+    fs = [r["faithfulness"] for r in rows]
+    cpr = cmd = 0.0
+    for i in range(1, len(xs)):
+        dx = xs[i] - xs[i - 1]
+        cpr += dx * (fs[i] + fs[i - 1]) / 2
+        cmd += dx * (abs(1 - fs[i]) + abs(1 - fs[i - 1])) / 2
+    return cpr, cmd
+
+
+@dataclass
+class PrunedCircuit:
+    """What `prune` found: the kept set, its masks, the metrics and the faithfulness curve."""
+
+    selection: Selection  # heads (L, H) or edges (n_upstream, n_downstream); mask True = kept
+    n_total: int  # heads or existing edges
+    head_mask: torch.Tensor  # (L, H) bool: heads kept (edge scope: with any kept edge)
+    mlp_mask: torch.Tensor  # (L,) bool
+    metrics: dict[str, float]  # full, empty, circuit, faithfulness
+    curve: list[dict]
+    cpr: float
+    cmd: float
+    ablation_values: dict  # stored in circuit.pt: mean_z (heads) or the edge mask and node lists
+    extra: dict = field(default_factory=dict)  # circuit.pt fields of issue 28: see `circuit_fields`
+
+
+def curve_definition(scope: str, ablation: str, rank_by: str, selection: str, metric: str) -> str:
+    """One line saying what the faithfulness curve is, and whether it is MIB's."""
+    unit = "heads (node level)" if scope == "heads" else "edges"
+    mib = scope == "edges" and ablation == "corrupted" and rank_by == "abs" and selection == "top_k"
+    rule = "positive scores only, by signed score" if selection == "positive" else f"{selection} by {rank_by} score"
+    return (f"share of {unit} kept over MIB's grid 0.1%..100%, {ablation} ablation, {rule},"
+            f" {metric}; CPR/CMD trapezoids on a linear axis" + ("; MIB's circuit-track setting" if mib
+                                                                 else "; not MIB's setting (MIB: edges, corrupted"
+                                                                      " ablation, top_k by abs)"))
+
+
+def circuit_fields(found: PrunedCircuit) -> dict:
+    """The circuit.pt fields added by issue 28, in one place (for the typed Circuit artifact):
+
+        curve_definition  str: what the curve is (`curve_definition`)
+        selection         str: pruning.selection (top_k / bootstrap / edge_pruning / mask / ...)
+        stability         dict | None: Jaccard of the kept set over bootstrap resamples of the
+                          examples (`circuitkit.discovery.pruning.stability.stability`), None without per-example scores
+        heldout_templates dict | None: {n_examples, full, empty, circuit, faithfulness} of the same
+                          circuit and ablation on the task's held-out templates (`prune(heldout=...)`)
+    """
+    return dict(found.extra)
+
+
+def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData, held_out: TaskData,
+          p: PruningConfig, metric: str, batch_size: int, heldout: TaskData | None = None) -> PrunedCircuit:
+    """Select the circuit at `p.target_sparsity`, and measure it on the held-out pairs.
+
+    Mean ablation takes its means over `attr_data` (the attribution examples). Edge scope needs
+    `scores.edges`. The faithfulness curve evaluates the same selection rule at CURVE_PERCENTS
+    kept. With per-example scores (`scores.per_example`) the stability of the kept set is
+    measured over `p.bootstrap_resamples` resamples, and `p.selection=bootstrap` can run.
+    `heldout`: pairs from templates attribution never saw; the circuit's faithfulness on them
+    (same kept set, ablation and means) goes to `extra["heldout_templates"]`.
+    """
+    g = scores.graph
+    per_example = (scores.per_example or {}).get("head" if p.scope == "heads" else "edges")
+    selection_rule = p.selection
+    if selection_rule in ("bootstrap", "mean_rank", "vote") and per_example is None:
+        log.warning("pruning.selection=%s needs per-example scores (discovery.per_example=true, not exact"
+                    " patching; shards written by this version); selecting top_k instead.", selection_rule)
+        selection_rule = "top_k"
+    if selection_rule == "edge_pruning" and p.scope != "edges":
+        log.warning("pruning.selection=edge_pruning optimizes a mask over edges and needs pruning.scope=edges;"
+                    " selecting top_k heads instead (pruning.selection=mask optimizes one over heads).")
+        selection_rule = "top_k"
+    if selection_rule == "ip" and p.scope != "edges":
+        log.warning("pruning.selection=ip: at head scope every head set is connected, so the integer program's"
+                    " optimum is the top n by rank_by; selecting top_k heads.")
+        selection_rule = "top_k"
+    if selection_rule == "mask" and p.scope == "edges":
+        selection_rule = "edge_pruning"  # the same optimization, by its edge-scope name
+    if selection_rule in ("edge_pruning", "mask") and p.ablation != "corrupted":
+        log.warning("pruning.selection=%s optimizes its mask under corrupted ablation (MIB's); the curve"
+                    " is measured under pruning.ablation=%s.", selection_rule, p.ablation)
+    if p.scope == "heads":
+        means = mean_z(adapter, attr_data, batch_size) if p.ablation == "mean" else None
+        evaluate = Evaluator(adapter, held_out, metric, p.ablation, means, batch_size)
+        selection = select_heads(scores.head, p.target_sparsity, p.rank_by)
+        valid, ranked = None, scores.head
+    else:
+        means = mean_writes(adapter, attr_data, batch_size) if p.ablation == "mean" else None
+        evaluate = EdgeEvaluator(adapter, held_out, metric, p.ablation, means, batch_size)
+        valid, ranked = g.edge_mask(), scores.edges
+        selection = select_edges(scores.edges, valid, p.target_sparsity, p.rank_by)
+
+    selector = (BootstrapSelector(per_example, p.rank_by, max(p.bootstrap_resamples, 1), 0, valid)
+                if selection_rule == "bootstrap" else None)
+    if selection_rule == "edge_pruning":
+        theta = learn_edge_mask(adapter, attr_data, scores.edges, valid, metric, mask_steps_of(p), p.mask_lr,
+                                p.mask_penalty, batch_size)
+        selector = functools.partial(keep_top, theta, rank_by="signed", valid=valid)
+    if selection_rule == "mask":
+        theta = learn_head_mask(adapter, attr_data, scores.head, metric, mask_steps_of(p), p.mask_lr, p.mask_penalty,
+                                batch_size)
+        selector = functools.partial(keep_top, theta, rank_by="signed")
+    if selection_rule == "ip":
+        selector = IPSelector(scores.edges, valid, g, p.rank_by, p.ip_connectivity, p.ip_time_limit_s)
+    if selection_rule == "positive":
+        selector = functools.partial(positive_select, ranked, valid=valid)
+    if selection_rule in ("mean_rank", "vote"):
+        selector = RankSelector(per_example, selection_rule, p.rank_by, valid)
+
+    def choose(n_keep: int) -> torch.Tensor:
+        if selector is not None:
+            return selector(n_keep)
+        return keep_top(ranked, n_keep, p.rank_by, valid)
+
+    if selection_rule != "top_k":
+        mask = choose(int(selection.mask.sum()))  # positive, ip by signed score: maybe fewer than asked
+        n_total = mask.numel() if valid is None else int(valid.sum())
+        selection = Selection(mask, n_total - int(mask.sum()), (n_total - int(mask.sum())) / n_total)
+    kept = selection.mask
+    if p.scope == "heads":
+        head_mask = kept
+        mlp_mask = torch.ones(g.n_layers, dtype=torch.bool)  # head pruning never removes an MLP
+        stored = {"mean_z": means}
+    else:
+        head_mask = torch.tensor([[bool(kept[g.head_index(layer, h)].any()) for h in range(g.n_heads)]
+                                  for layer in range(g.n_layers)])
+        mlp_mask = kept[[g.mlp_index(layer) for layer in range(g.n_layers)]].any(dim=1)
+        stored = {"edge_mask": kept, "mean_z": None, "upstream_nodes": g.upstream, "downstream_nodes": g.downstream}
+    m_full = evaluate(torch.ones_like(kept) if valid is None else valid)
+    m_empty = evaluate(torch.zeros_like(kept))
+    m_circuit = evaluate(kept)
+    f = faithfulness(m_circuit, m_full, m_empty)
+    curve = sparsity_curve(evaluate, ranked, p.rank_by, m_full, m_empty, valid, choose)
+    cpr, cmd = curve_areas(curve)
+    stable = None
+    if per_example is not None and p.bootstrap_resamples > 0:
+        stable = stability(per_example, int(kept.sum()), p.rank_by, p.bootstrap_resamples, 0, valid, kept)
+        if selection_rule in ("mean_rank", "vote"):  # the rule's own stability: rerun on each resample
+            stable |= selector_stability(per_example.shape[0], functools.partial(selector, int(kept.sum())), kept,
+                                         p.bootstrap_resamples, 0)
+    extra = {"curve_definition": curve_definition(p.scope, p.ablation, p.rank_by, selection_rule, metric),
+             "selection": selection_rule, "stability": stable, "heldout_templates": None}
+    if heldout is not None and len(heldout) > 0:
+        other = (Evaluator if p.scope == "heads" else EdgeEvaluator)(adapter, heldout, metric, p.ablation, means,
+                                                                     batch_size)
+        h_full, h_empty = other(torch.ones_like(kept) if valid is None else valid), other(torch.zeros_like(kept))
+        h_circuit = other(kept)
+        extra["heldout_templates"] = {"n_examples": len(heldout), "full": h_full, "empty": h_empty,
+                                      "circuit": h_circuit, "faithfulness": faithfulness(h_circuit, h_full, h_empty)}
+    return PrunedCircuit(selection, kept.numel() if valid is None else int(valid.sum()), head_mask, mlp_mask,
+                         {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f},
+                         curve, cpr, cmd, stored, extra)
