@@ -79,7 +79,7 @@ def prepare(work: Path, setup: Setup) -> tuple[Path, Path]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from circuitkit.tasks.base import random_pairs
+    from circuitkit.discovery.tasks.base import random_pairs
 
     model_dir, task_file = work / "gpt2-random", work / "pairs.safetensors"
     torch.manual_seed(0)
@@ -148,9 +148,9 @@ def ours_main(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     import circuitkit
-    from circuitkit.attribution.eap import attribute
+    from circuitkit.discovery.attribution.eap import attribute
+    from circuitkit.discovery.tasks.base import TaskData
     from circuitkit.models.adapters import get_adapter
-    from circuitkit.tasks.base import TaskData
 
     sys.path.insert(0, str(HERE))
     from peak import measured
@@ -250,9 +250,9 @@ def _edge_rank(edges: list, up: str, down: str) -> int:
 def induction_check(work: Path, console, steps: int = 5) -> dict:
     """Both tools on the trained induction fixture (32 pairs of 64 tokens, batch 16): top-2 heads
     by |score| (expected: the previous-token and induction heads) and the K-composition edge's rank."""
-    from circuitkit.config import ModelConfig
+    from circuitkit.core.config import ModelConfig
+    from circuitkit.discovery.tasks import induction
     from circuitkit.models.loading import load_model
-    from circuitkit.tasks import induction
 
     work = work / "induction"
     work.mkdir(parents=True, exist_ok=True)

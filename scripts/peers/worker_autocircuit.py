@@ -44,7 +44,7 @@ from peak import measured  # noqa: E402
 LOGIT_TOLERANCE = 1e-4  # max |HF - HookedTransformer| logit difference, relative to max(1, |logits|)
 
 
-# -- names: auto-circuit's nodes -> CircuitKit's graph (circuitkit/attribution/graph.py) ---------
+# -- names: auto-circuit's nodes -> CircuitKit's graph (circuitkit/discovery/attribution/graph.py) ---------
 
 def our_upstream(src_name: str) -> str:
     """auto-circuit factorized source name -> CircuitKit upstream name.

@@ -47,8 +47,8 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
     import torch
     import torch.nn.functional as F
 
-    from circuitkit.batching import batch_overhead_tokens, padded_tokens, plan_batches
-    from circuitkit.config import ModelConfig
+    from circuitkit.core.batching import batch_overhead_tokens, padded_tokens, plan_batches
+    from circuitkit.core.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.capture import ACTIVATION_CONTEXTS, activation_mode, supervised_positions
     from gradian.data import collate, load_rows
@@ -134,7 +134,7 @@ def floor_seconds(spec: dict, paired: object = None) -> dict[str, object]:
 def run(spec: dict, result: dict) -> None:
     from rich.console import Console
 
-    from circuitkit.config import GradsConfig, ModelConfig
+    from circuitkit.core.config import GradsConfig, ModelConfig
     from gradian.indexer import build_index
     from gradian.rank import rank
 

@@ -36,7 +36,7 @@ LOGIT_TOLERANCE = 1e-4
 
 
 def our_name(node, side: str) -> str:
-    """A transformer-lens Node in CircuitKit's graph names (circuitkit/attribution/graph.py)."""
+    """A transformer-lens Node in CircuitKit's graph names (circuitkit/discovery/attribution/graph.py)."""
     kind, layer, head = node.kind, node.layer, node.head
     names = {"embed": "input", "attn_head_out": f"a{layer}.h{head}", "mlp_out": f"m{layer}",
              "q_input": f"a{layer}.h{head}<q>", "k_input": f"a{layer}.g{head}<k>", "v_input": f"a{layer}.g{head}<v>",
