@@ -261,7 +261,7 @@ def test_missing_datasets_names_the_extra(monkeypatch, formats):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_datasets)
-    with pytest.raises(DataError, match=r"pip install 'circuitkit\[data\]'"):
+    with pytest.raises(DataError, match=r"pip install 'circuitkit-gradian\[data\]'"):
         list(Source(SourceSpec(path=str(formats["parquet"]))).records())
 
 

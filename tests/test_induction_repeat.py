@@ -102,3 +102,46 @@ def test_pruning_selection_mask_at_head_scope_keeps_the_known_circuit(caplog):
     assert found.extra["selection"] == "mask" and "mask by abs" in found.extra["curve_definition"]
     assert {tuple(x) for x in found.head_mask.nonzero().tolist()} == KNOWN
     assert found.metrics["faithfulness"] > 0.8
+
+
+@pytest.mark.parametrize("seq_len", [8, 16, 24])
+def test_fresh_corruption_replaces_the_first_copy_and_keeps_the_clean_prompts(seq_len):
+    """Issue 46, part 4: `fresh` leaves nothing to copy; clean prompts and answers are those of `swap`."""
+    lm, _ = setup()
+    dp = DataParams(seq_len=seq_len, induction_format="repeat", induction_corruption="fresh")
+    fresh = build_task("induction", lm.tokenizer, lm.path, dp, 30, 3)
+    swap = build_task("induction", lm.tokenizer, lm.path, DataParams(seq_len=seq_len, induction_format="repeat"), 30, 3)
+    assert torch.equal(fresh.clean_ids, swap.clean_ids) and torch.equal(fresh.correct, swap.correct)
+    assert torch.equal(fresh.incorrect, swap.incorrect)
+    k = (seq_len + 2) // 2
+    for i in range(len(fresh)):
+        clean, corr = fresh.clean_ids[i].tolist(), fresh.corrupted_ids[i].tolist()
+        span = clean[1:1 + k]
+        assert not set(corr[1:1 + k]) & set(clean)  # the first copy is fresh: none of the clean prompt's symbols
+        assert corr[1 + k:] == clean[1 + k:]  # the filler and the second copy are unchanged
+        good, bad = int(fresh.correct[i, 0]), int(fresh.incorrect[i, 0])
+        assert good in span and bad in span and good not in corr and bad not in corr
+    assert corruption_of("induction", dp) == "fresh"
+    assert corruption_of("induction", DataParams(induction_format="single", induction_corruption="fresh")) == "key"
+
+
+def test_fresh_corruption_finds_both_heads_of_the_known_circuit():
+    lm, _ = setup()
+    dp = DataParams(seq_len=16, induction_format="repeat", induction_corruption="fresh")
+    data = build_task("induction", lm.tokenizer, lm.path, dp, 24, 0)
+    scores = attribute(lm.adapter, data[:12], "eap-ig", "node", ig_steps=5, batch_size=4, progress=False)
+    top = {tuple(x) for x in keep_top(scores.head, 2, "abs").nonzero().tolist()}
+    assert top == KNOWN
+    ev = Evaluator(lm.adapter, data[12:], "logit_diff", "corrupted", None, 4)
+    assert ev.m_clean > 5 and abs(ev(torch.zeros(scores.head.shape, dtype=torch.bool))) < ev.m_clean / 2
+
+
+def test_fresh_corruption_names_what_it_needs_when_symbols_run_short():
+    from circuitkit.discovery.tasks import TaskError
+    from circuitkit.discovery.tasks.induction import build_repeat
+
+    lm, _ = setup()
+    with pytest.raises(TaskError, match="induction_corruption=fresh at seq_len=.*distinct symbols"):
+        build_repeat(lm.tokenizer, lm.path, 2, 4096, 0, "fresh")
+    with pytest.raises(TaskError, match="allowed: swap, fresh"):
+        build_repeat(lm.tokenizer, lm.path, 2, 16, 0, "abc")

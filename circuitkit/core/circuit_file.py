@@ -20,7 +20,7 @@ fields (`Circuit`, in the order they are stored):
     imported_from {format, path, sha256}                written by `circuitkit import`
     task, corruption                                    discovery.task; its corruption where it has a
                                                         choice (ioi: data_params.ioi_corruption, s2 | abc;
-                                                        induction: key | swap, by data_params.induction_format)
+                                                        induction: key (single format) | swap | fresh (repeat format: data_params.induction_corruption))
     heldout_templates {n_examples, corruption, full, empty, circuit, faithfulness}
                                                         the same circuit and ablation measured on the
                                                         task's held-out templates (None = not measured)

@@ -112,6 +112,13 @@ class DataParams:
                                " incorrect answer; both answers in context); single = one `A B` among random symbols, `A` last (corrupted: the first"
                                " A replaced; incorrect answer a random symbol; the fixtures' format, which a"
                                " pretrained model barely does). Recorded in the manifest", choices=("single", "repeat"))
+    induction_corruption: str = _f("swap", "induction task, repeat format: what the corrupted prompt changes."
+                                   " swap (the default) = in the first copy the query token and the answer after it"
+                                   " exchanged (the previous-token signal survives, so a circuit found with it may"
+                                   " leave out the early previous-token heads); fresh = the first copy replaced by"
+                                   " fresh random tokens (no induction possible; the incorrect answer is the span's"
+                                   " token after the answer, as with swap). The single format always uses its key"
+                                   " corruption. Recorded in the manifest and circuit.pt", choices=("swap", "fresh"))
     heldout_template_examples: Optional[int] = _f(None, "pairs from the task's held-out templates (sentences"
                                                   " attribution never saw; ioi has them), on which pruning also"
                                                   " measures faithfulness, with the same ablation, beside the"

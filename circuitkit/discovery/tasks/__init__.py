@@ -36,9 +36,9 @@ HELDOUT_TEMPLATE_TASKS = ("ioi",)  # tasks with templates attribution never sees
 
 def corruption_of(task: str, dp: DataParams) -> str | None:
     """The configured corruption of `task` when it has a choice of them (ioi: s2 or abc; induction: key
-    with the single format, swap with the repeat format), else None."""
+    with the single format, swap or fresh with the repeat format), else None."""
     if task == "induction":
-        return "swap" if dp.induction_format == "repeat" else "key"
+        return dp.induction_corruption if dp.induction_format == "repeat" else "key"
     return dp.ioi_corruption if task == "ioi" else None
 
 
@@ -137,6 +137,10 @@ def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: 
     if task != "induction" and dp.induction_format != DataParams.induction_format:
         log.warning("discovery.data_params.induction_format=%r is not used: it is read by the induction task"
                     " only.", dp.induction_format)
+    if dp.induction_corruption != DataParams.induction_corruption and (task != "induction"
+                                                                      or dp.induction_format != "repeat"):
+        log.warning("discovery.data_params.induction_corruption=%r is not used: it is read by the induction task"
+                    " in the repeat format only (the single format has its key corruption).", dp.induction_corruption)
     if task not in SAMPLE_FILES and task in BUILT_TASKS and dp.data_path is not None:
         log.warning("discovery.data_params.data_path=%r is not used: the %s task generates its examples"
                     " (data_path is read by the mmlu and jsonl tasks only).", dp.data_path, task)
@@ -144,7 +148,8 @@ def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: 
         raise TaskError(f"discovery.data_params.seq_len={dp.seq_len} exceeds the model's context of {max_tokens}"
                         f" tokens; set it to at most {max_tokens}.")
     if task == "induction":
-        return induction.build(tokenizer, model_dir, n, dp.seq_len, seed, dp.induction_format)
+        return induction.build(tokenizer, model_dir, n, dp.seq_len, seed, dp.induction_format,
+                               dp.induction_corruption)
     if task == "ioi":
         return ioi.build(tokenizer, n, seed, dp.ioi_corruption)
     if task == "greater_than":

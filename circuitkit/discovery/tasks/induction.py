@@ -14,7 +14,11 @@ Two formats (`discovery.data_params.induction_format`):
   followed by the answer's successor, which is the incorrect answer: both answers are in context
   in both prompts, the logit difference measures which in-context token is copied (not whether
   one is), and the contrast runs through both halves of the mechanism (the previous-token signal
-  at the answer's position and the induction head's attention).
+  at the answer's position and the induction head's attention). The other corruption of this
+  format (``fresh``, `discovery.data_params.induction_corruption`) replaces the whole first copy
+  by fresh random tokens, so no induction is possible in the corrupted prompt; the previous-token
+  signal goes with it, and a circuit found with it keeps the early previous-token heads that
+  ``swap`` lets it leave out. The incorrect answer is the same token as under ``swap``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.discovery.tasks.base import TaskData, pad_answers
+from circuitkit.discovery.tasks.base import TaskData, TaskError, pad_answers
 
 
 def symbol_ids(tokenizer, model_dir: str | None) -> torch.Tensor:
@@ -45,10 +49,15 @@ def symbol_ids(tokenizer, model_dir: str | None) -> torch.Tensor:
     return torch.tensor([i for i in range(len(tokenizer)) if i not in special], dtype=torch.long)
 
 
-def build(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int, fmt: str = "repeat") -> TaskData:
-    """`n` induction pairs of `seq_len` tokens in format `fmt` (single or repeat, module docstring)."""
+CORRUPTIONS = {"single": ("key",), "repeat": ("swap", "fresh")}  # per format (module docstring)
+
+
+def build(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int, fmt: str = "repeat",
+          corruption: str = "swap") -> TaskData:
+    """`n` induction pairs of `seq_len` tokens in format `fmt` (single or repeat, module docstring);
+    `corruption` (swap or fresh) is read by the repeat format only."""
     if fmt == "repeat":
-        return build_repeat(tokenizer, model_dir, n, seq_len, seed)
+        return build_repeat(tokenizer, model_dir, n, seq_len, seed, corruption)
     return build_single(tokenizer, model_dir, n, seq_len, seed)
 
 
@@ -82,20 +91,32 @@ def build_single(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: i
     return TaskData(clean, corrupted, mask, answer_pos, pad_answers(correct), pad_answers(incorrect))
 
 
-def build_repeat(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int) -> TaskData:
+def build_repeat(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: int,
+                 corruption: str = "swap") -> TaskData:
     """`n` repeated-span pairs of `seq_len` tokens:
 
-    clean:      BOS r1 .. r(m-1) rm r(m+1) r(m+2) .. rk f .. f r1 .. rm      (predict r(m+1))
-    corrupted:  BOS r1 .. r(m-1) r(m+1) rm r(m+2) .. rk f .. f r1 .. rm      (predict r(m+2))
+    clean:           BOS r1 .. r(m-1) rm r(m+1) r(m+2) .. rk f .. f r1 .. rm      (predict r(m+1))
+    swap corrupted:  BOS r1 .. r(m-1) r(m+1) rm r(m+2) .. rk f .. f r1 .. rm      (predict r(m+2))
+    fresh corrupted: BOS x1 .. xk f .. f r1 .. rm          (x: fresh symbols; nothing to copy)
+
+    The clean prompts depend on the seed only, not on the corruption; the incorrect answer is
+    r(m+2) under both.
 
     k = (seq_len + 2) // 2 symbols in the span, 0 .. k // 3 filler symbols (fewer for short prompts),
     m = the rest: 2 <= m <= k - 2, so both answers lie inside the first copy.
     """
+    if corruption not in CORRUPTIONS["repeat"]:
+        raise TaskError(f"discovery.data_params.induction_corruption={corruption!r} is not a corruption of the"
+                        f" repeat format; allowed: {', '.join(CORRUPTIONS['repeat'])}.")
     g = torch.Generator().manual_seed(seed)
     symbols = symbol_ids(tokenizer, model_dir)
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else int(symbols[0])
     k = (seq_len + 2) // 2
     max_gap = max(0, min(k // 3, seq_len - 3 - k))
+    if corruption == "fresh" and len(symbols) < 2 * k + max_gap:
+        raise TaskError(f"induction_corruption=fresh at seq_len={seq_len} needs {2 * k + max_gap} distinct symbols"
+                        f" (a span of {k}, as many fresh ones and up to {max_gap} filler); this model has"
+                        f" {len(symbols)}: lower discovery.data_params.seq_len or use induction_corruption=swap.")
     clean = torch.empty((n, seq_len), dtype=torch.long)
     corrupted = torch.empty_like(clean)
     correct, incorrect = [], []
@@ -106,7 +127,11 @@ def build_repeat(tokenizer, model_dir: str | None, n: int, seq_len: int, seed: i
         span, filler = perm[:k], perm[k:k + gap]
         clean[i] = torch.cat([torch.tensor([bos]), span, filler, span[:m]])
         corrupted[i] = clean[i]
-        corrupted[i, m], corrupted[i, 1 + m] = span[m], span[m - 1]
+        if corruption == "fresh":
+            # Drawn after the clean prompt's symbols, so the clean prompts do not depend on the corruption.
+            corrupted[i, 1:1 + k] = perm[k + gap:2 * k + gap]
+        else:
+            corrupted[i, m], corrupted[i, 1 + m] = span[m], span[m - 1]
         correct.append([int(span[m])])
         incorrect.append([int(span[m + 1])])
     mask = torch.ones_like(clean)
