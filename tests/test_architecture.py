@@ -86,6 +86,8 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.tasks.jsonl": CIRCUIT,
     "circuitkit.discovery.tasks.mmlu": CIRCUIT,
     "circuitkit.discovery.tasks.text": CIRCUIT,
+    "circuitkit.discovery.tasks.sva": CIRCUIT,  # subject-verb agreement across an attractor
+    "circuitkit.discovery.tasks.capitals": CIRCUIT,  # factual recall: capital cities
     "circuitkit.discovery.attribution": CIRCUIT,
     "circuitkit.discovery.attribution.eap": CIRCUIT,
     "circuitkit.discovery.attribution.exact": CIRCUIT,

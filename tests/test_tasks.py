@@ -140,9 +140,9 @@ def write(path: Path, text: str) -> Path:
 # --------------------------------------------------------------------------- registry
 
 def test_all_tasks_registered_and_unknown_task_lists_them(tok):
-    """All five tasks are registered; an unknown one names the available tasks."""
-    assert BUILT_TASKS == ("induction", "ioi", "greater_than", "mmlu", "jsonl")
-    with pytest.raises(TaskError, match="available: induction, ioi, greater_than, mmlu, jsonl"):
+    """All seven tasks are registered; an unknown one names the available tasks."""
+    assert BUILT_TASKS == ("induction", "ioi", "greater_than", "mmlu", "jsonl", "sva", "capitals")
+    with pytest.raises(TaskError, match="available: induction, ioi, greater_than, mmlu, jsonl, sva, capitals"):
         build_task("sst2", tok, None, DataParams(), 4, 0)
 
 

@@ -137,7 +137,7 @@ class DiscoveryConfig:
                         choices=("eap", "eap-ig", "clean-corrupted", "exact", "eap-ig-activations"))
     level: str = _f("node", "score nodes or edges", choices=("node", "edge"))
     task: str = _f("induction", "task that supplies clean/corrupted pairs",
-                   choices=("induction", "ioi", "greater_than", "mmlu", "jsonl"))
+                   choices=("induction", "ioi", "greater_than", "mmlu", "jsonl", "sva", "capitals"))
     metric: str = _f("logit_diff", "scalar per example", choices=("logit_diff", "prob_diff", "logprob", "kl"))
     ig_steps: Optional[int] = _f(5, "integration steps of EAP-IG (null = 30, 1 = EAP)", ge=1)
     ig_rule: str = _f("right", "EAP-IG quadrature rule; ig_steps is its number of passes (the reference EAP-IG:"

@@ -7,6 +7,10 @@
 * ``greater_than``: "from the year 17YY to the year 17", YY -> 01 (``tasks/greater_than.py``).
 * ``mmlu``: multiple choice from ``data_path`` (MMLU CSV or JSONL), options swapped (``tasks/mmlu.py``).
 * ``jsonl``: the user's own pairs from ``data_path`` (``tasks/jsonl.py``).
+* ``sva``: subject-verb agreement across an attractor, "The keys near the cabinet" -> " are"; the
+  subject's number flipped (``tasks/sva.py``).
+* ``capitals``: factual recall, "The capital of France is" -> " Paris"; another country of the
+  same token length (``tasks/capitals.py``).
 
 Synthetic tasks generate their examples from the seed; file tasks sample rows with it. Without
 ``data_path``, mmlu and jsonl read the small sample files shipped in ``tasks/data/``.
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch
 
 from circuitkit.core.config import DataParams, DiscoveryConfig, choices
-from circuitkit.discovery.tasks import greater_than, induction, ioi, jsonl, mmlu
+from circuitkit.discovery.tasks import capitals, greater_than, induction, ioi, jsonl, mmlu, sva
 from circuitkit.discovery.tasks.base import TaskData, TaskError
 
 __all__ = ["TaskData", "TaskError", "apply_bos_policy", "build_task", "build_heldout_templates", "corruption_of",
@@ -154,6 +158,10 @@ def _build_task(task: str, tokenizer, model_dir: str | None, dp: DataParams, n: 
         return ioi.build(tokenizer, n, seed, dp.ioi_corruption)
     if task == "greater_than":
         return greater_than.build(tokenizer, n, seed)
+    if task == "sva":
+        return sva.build(tokenizer, n, seed)
+    if task == "capitals":
+        return capitals.build(tokenizer, n, seed)
     if task == "mmlu":
         return mmlu.build(tokenizer, data_path_for(task, dp.data_path), n, seed, max_tokens)
     if task == "jsonl":
