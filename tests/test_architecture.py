@@ -87,6 +87,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.tasks.mmlu": CIRCUIT,
     "circuitkit.discovery.tasks.text": CIRCUIT,
     "circuitkit.discovery.tasks.sva": CIRCUIT,  # subject-verb agreement across an attractor
+    "circuitkit.discovery.tasks.corruptions": CIRCUIT,  # corrupted prompts generated for a jsonl task
     "circuitkit.discovery.tasks.capitals": CIRCUIT,  # factual recall: capital cities
     "circuitkit.discovery.attribution": CIRCUIT,
     "circuitkit.discovery.attribution.eap": CIRCUIT,
@@ -120,6 +121,7 @@ LAYERS: dict[str, str] = {
     "gradian.doctor": GRADIAN,
     "gradian.header": GRADIAN,  # the typed index header (IndexHeader), its writer and reader
     "gradian.index": GRADIAN,
+    "gradian.index_files": GRADIAN,  # an index's own files: confined to its directory, read through their sha256
     "gradian.indexer": GRADIAN,
     "gradian.projection": GRADIAN,
     "gradian.rank": GRADIAN,

@@ -112,6 +112,17 @@ class DataParams:
                                " incorrect answer; both answers in context); single = one `A B` among random symbols, `A` last (corrupted: the first"
                                " A replaced; incorrect answer a random symbol; the fixtures' format, which a"
                                " pretrained model barely does). Recorded in the manifest", choices=("single", "repeat"))
+    corruption: Optional[str] = _f(None, "jsonl task: generate the corrupted prompts instead of reading them."
+                                   " entity_swap = the row's `entity` replaced by another row's (same token length,"
+                                   " another correct answer, which becomes the incorrect one); name_swap = the"
+                                   " prompt's first person's name replaced everywhere by another of the same token"
+                                   " length; token_replace = the entity's tokens replaced by random word tokens."
+                                   " Deterministic in the seed; each pair checked with the model; recorded."
+                                   " null = rows carry their own `corrupted`",
+                                   choices=("entity_swap", "name_swap", "token_replace"))
+    min_valid_share: float = _f(0.5, "generated corruptions: the share of rows that must give a valid pair (same"
+                                " token length, and the corruption changes the model's greedy answer); below it"
+                                " the data stage stops, listing the failed rows by line", ge=0.0, le=1.0)
     induction_corruption: str = _f("swap", "induction task, repeat format: what the corrupted prompt changes."
                                    " swap (the default) = in the first copy the query token and the answer after it"
                                    " exchanged (the previous-token signal survives, so a circuit found with it may"
@@ -600,6 +611,20 @@ def _check_group_choice(group: str, values: list[Any]) -> None:
                               f" {', '.join(options)}.{hint}")
 
 
+def _unquoted(value: Any) -> Any:
+    """A parsed override element as the job will get it: quoted strings (Hydra's QuotedString, also
+    inside lists and dicts) as their text."""
+    from hydra.core.override_parser.types import QuotedString
+
+    if isinstance(value, QuotedString):
+        return value.text
+    if isinstance(value, list):
+        return [_unquoted(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _unquoted(v) for k, v in value.items()}
+    return value
+
+
 def check_overrides(overrides: Iterable[str], ranges: bool = True) -> None:
     """Validate command-line overrides against the schema before Hydra composes them.
 
@@ -624,7 +649,8 @@ def check_overrides(overrides: Iterable[str], ranges: bool = True) -> None:
         base, _ = _unwrap_optional(leaf_tp)
         if dataclasses.is_dataclass(base):
             continue
-        values = list(ov.sweep_iterator()) if ov.is_sweep_override() else [ov.value()]
+        # A sweep's elements come raw (a quoted value is a QuotedString): unquote them as Hydra does for a job.
+        values = ([_unquoted(v) for v in ov.sweep_iterator()] if ov.is_sweep_override() else [ov.value()])
         if not ranges:
             meta = {"doc": meta.get("doc")}
         for v in values:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import torch
 from rich.table import Table
 from safetensors import safe_open
 
@@ -26,6 +27,7 @@ from circuitkit.discovery.attribution.checks import (
 )
 from circuitkit.discovery.attribution.eap import graph_of
 from circuitkit.discovery.attribution.memory import ATTRIBUTION_MEMORY, attribution_estimate
+from circuitkit.discovery.attribution.metrics import answer_forward
 from circuitkit.discovery.circuit import Circuit, load_circuit, run_circuit_path, save_circuit
 from circuitkit.discovery.circuit_graph import write_circuit_graph
 from circuitkit.discovery.plots import faithfulness_curve, head_heatmap
@@ -64,8 +66,14 @@ def _data(ctx: RunContext) -> StageResult:
     d = ctx.cfg.discovery
     loaded = ctx.model()
     n_attr, n_eval = d.data_params.num_examples, d.data_params.eval_examples
+    generated: dict = {}
     data = build_task(d.task, loaded.tokenizer, loaded.path, d.data_params, n_attr + n_eval, ctx.cfg.seed,
-                      max_tokens=context_length(loaded.model.config))
+                      max_tokens=context_length(loaded.model.config),
+                      pair_check=lambda pairs: answer_changed(loaded.model, pairs, d.batch_size), report=generated)
+    if generated:
+        ctx.console.print(f"generated corruption {generated['corruption']}: {generated['valid_pairs']} valid pairs of"
+                          f" {generated['rows']} rows ({generated['valid_share']:.0%}); the corruption changes the"
+                          " model's greedy answer on each kept pair")
     attr, held_out = split_sizes(len(data), n_attr, n_eval)
     if (attr, held_out) != (n_attr, n_eval):
         ctx.console.print(f"[yellow]warning:[/yellow] {d.task} has {len(data)} rows, fewer than the"
@@ -84,9 +92,27 @@ def _data(ctx: RunContext) -> StageResult:
     ctx.console.print(f"{d.task}{f' ({corruption} corruption)' if corruption else ''}: {attr} attribution +"
                       f" {held_out} held-out pairs, {data.clean_ids.shape[1]} tokens (padded)"
                       + (f"; {n_templates} pairs from held-out templates" if n_templates else ""))
-    return StageResult(files, {"task": d.task, "num_examples": attr, "eval_examples": held_out,
+    if generated:
+        meta_generated = {"generated_corruption": {k: v for k, v in generated.items() if k != "failures"}
+                          | {"failures": generated["failures"][:100], "n_failures": len(generated["failures"])}}
+    else:
+        meta_generated = {}
+    return StageResult(files, {**meta_generated, "task": d.task, "num_examples": attr, "eval_examples": held_out,
                                "seq_len": int(data.clean_ids.shape[1]), "heldout_template_examples": n_templates,
                                **({"corruption": corruption} if corruption else {})})
+
+
+def answer_changed(model, pairs: TaskData, batch_size: int) -> torch.Tensor:
+    """(N,) bool: the model's greedy next token differs between each pair's clean and corrupted prompt."""
+    device = next(model.parameters()).device
+    changed = []
+    with torch.no_grad():
+        for batch in pairs.batches(batch_size):
+            b = batch.to(device)
+            clean = answer_forward(model, b.clean_ids, b.attention_mask, b.answer_pos).argmax(-1)
+            corrupted = answer_forward(model, b.corrupted_ids, b.attention_mask, b.answer_pos).argmax(-1)
+            changed.append((clean != corrupted).cpu())
+    return torch.cat(changed)
 
 
 def heldout_template_data(ctx: RunContext) -> TaskData | None:
@@ -281,6 +307,9 @@ def _pruning(ctx: RunContext) -> StageResult:
         table.add_row(f"held-out templates ({other['n_examples']})", "", "", f"{other['full']:.4g}",
                       f"{other['empty']:.4g}", f"{other['circuit']:.4g}", f"{other['faithfulness']:.3f}", "-", "-")
     ctx.console.print(table)
+    if found.extra.get("mib"):
+        ctx.console.print(f"MIB's pair: CPR {found.extra['mib']['cpr']:.3f} (edges ranked by signed score),"
+                          f" CMD {found.extra['mib']['cmd']:.3f} (ranked by |score|)")
     stable = found.extra.get("stability")
     if stable:
         ctx.console.print(f"stability: Jaccard of the kept set {stable['jaccard_mean']:.3f} (5th percentile"
@@ -294,6 +323,8 @@ def _pruning(ctx: RunContext) -> StageResult:
         "heads_kept": int(head_mask.sum()), f"{unit}_kept": int(kept.sum()), "metric_full": m_full,
         "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path),
         "selection": found.extra.get("selection"), "curve_definition": found.extra.get("curve_definition"),
+        **({"mib_cpr": found.extra["mib"]["cpr"], "mib_cmd": found.extra["mib"]["cmd"]}  # MIB's pair (issue 48)
+           if found.extra.get("mib") else {}),
         **({"corruption": corruption} if corruption else {}),
         **({"faithfulness_heldout_templates": other["faithfulness"], "heldout_templates": other} if other else {}),
         **({"stability_jaccard_mean": stable["jaccard_mean"], "stability_jaccard_p5": stable["jaccard_p5"],
