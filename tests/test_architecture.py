@@ -87,6 +87,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.tasks.mmlu": CIRCUIT,
     "circuitkit.discovery.tasks.text": CIRCUIT,
     "circuitkit.discovery.tasks.sva": CIRCUIT,  # subject-verb agreement across an attractor
+    "circuitkit.discovery.pruning.pillars": CIRCUIT,  # the verdict: baselines, necessity, robustness, ...
     "circuitkit.discovery.tasks.corruptions": CIRCUIT,  # corrupted prompts generated for a jsonl task
     "circuitkit.discovery.tasks.capitals": CIRCUIT,  # factual recall: capital cities
     "circuitkit.discovery.attribution": CIRCUIT,
@@ -112,6 +113,8 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.circuit_graph": CIRCUIT,
     "circuitkit.discovery.plots": CIRCUIT,
     "circuitkit.discovery.export.interop": CIRCUIT,
+    "circuitkit.discovery.export.hf": CIRCUIT,  # the pruned Hugging Face checkpoint (issue 42)
+    "circuitkit.discovery.export.hf_stage": CIRCUIT,  # the export stage
     "circuitkit.discovery.stages": CIRCUIT,
     # gradian
     "gradian": GRADIAN,
