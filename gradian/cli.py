@@ -14,6 +14,10 @@
                                ranked rows as one self-contained page: per query its top rows, supervised
                                tokens marked (circuitkit_app.report, which the installed command reaches)
     gradian doctor [--json]    versions, devices, determinism, backends and self-tests (Markdown)
+    gradian diagnose --dataset TRAIN.jsonl [--eval-dataset EVAL.jsonl] [--run DIR | --trainer-args ARGS.json]
+                 [--trainer-log LOG.json|.jsonl] [--model M] [--max-seq-length N] [--json]
+                               checks of a fine-tuning set, its trainer settings and logs (gradian.diagnose;
+                               tokenizer only, no GPU): each finding's rows, evidence and fix; exit 1 on errors
 
 Every command ends through `circuitkit.core.errors.run_entry`: an error prints one line naming the
 problem and the fix (CIRCUITKIT_DEBUG=1 shows the traceback), Ctrl-C exits 130.
@@ -229,6 +233,41 @@ def _parser() -> argparse.ArgumentParser:
                            " (default 0.01 for kfac / ekfac, 0.1 for influence / whitened); refused with cosine and dot")
     rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
                       help="how the per-query scores of a row combine into one ranking")
+def diagnose_command(args: argparse.Namespace) -> int:
+    """`gradian diagnose`: the findings as a table (or `--json`); 1 when any is an error, else 0."""
+    import json
+
+    from gradian.diagnose import diagnose, exit_status
+
+    if args.run and args.trainer_args:
+        raise UserError("give --run DIR or --trainer-args ARGS.json, not both.", exit_code=2)
+    if args.max_seq_length is not None and args.max_seq_length < 2:
+        raise UserError(f"--max-seq-length {args.max_seq_length}: must be >= 2 tokens.", exit_code=2)
+    result = diagnose(args.dataset, args.eval_dataset, args.run, args.trainer_args, args.trainer_log, args.model,
+                      args.max_seq_length)
+    if args.json:
+        print(json.dumps(result.as_dicts(), indent=2, ensure_ascii=False))
+        return exit_status(result.findings)
+    table = Table(title=_t(f"gradian diagnose {args.dataset}"), show_lines=True)
+    for column in ("severity", "check", "rows", "evidence", "fix"):
+        table.add_column(column, overflow="fold")
+    styles = {"error": "bold red", "warning": "yellow", "info": "dim"}
+    for f in result.findings:
+        where = f.rows or f.steps
+        shown = ", ".join(map(str, where)) + (" …" if f.count > len(where) and where else "")
+        label = "steps" if f.steps else f"{f.source} lines" if f.rows else f.source
+        table.add_row(Text(f.severity, style=styles[f.severity]), Text(f"{f.id}\n{f.message}"),
+                      _t(f"{f.count} {label}: {shown}" if where else (f"{f.count} rows" if f.count else "-")),
+                      _t(f.evidence or "-"), _t(f.fix))
+    if result.findings:
+        Console().print(table)
+    counts = {s: sum(f.severity == s for f in result.findings) for s in ("error", "warning", "info")}
+    error_console().print(Text(f"{result.rows} training rows{f', {result.eval_rows} eval rows' if args.eval_dataset else ''}"
+                               f" checked in {result.wall_s:.1f} s: {counts['error']} error(s), {counts['warning']}"
+                               f" warning(s), {counts['info']} note(s)"))
+    return exit_status(result.findings)
+
+
     rank.add_argument("--out", default=None,
                       help="write all results as JSONL here (checked before any work); the terminal then shows"
                            " a summary")
@@ -277,6 +316,21 @@ def _main(argv: list[str]) -> int:
             raise UserError(f"`gradian {argv[0]}{' --report' if argv[0] == 'rank' else ''}` writes a page, which the"
                             " installed `gradian` command does (circuitkit_app.gradian_cli); run it as `gradian ...`.",
                             exit_code=2)
+    diagnose = sub.add_parser("diagnose", help="checks of a fine-tuning set, its trainer settings and logs")
+    diagnose.add_argument("--dataset", required=True, help="training rows (JSONL, Parquet, Arrow): prompt/completion"
+                          " or messages")
+    diagnose.add_argument("--eval-dataset", default=None, help="eval rows: checked for contamination and answer leakage")
+    diagnose.add_argument("--run", default=None, help="the trainer's output_dir (adapter_config.json, *args*.json,"
+                          " trainer_state.json)")
+    diagnose.add_argument("--trainer-args", default=None, help="JSON of the trainer's arguments"
+                          " (TrainingArguments.to_json_string(), TRL SFTConfig, ...)")
+    diagnose.add_argument("--trainer-log", default=None, help="trainer_state.json, or JSONL of {step, loss, eval_loss,"
+                          " learning_rate, grad_norm}")
+    diagnose.add_argument("--model", default=None, help="model whose tokenizer measures the rows (no weights are"
+                          " loaded): a local directory, builtin:NAME, or a cached hub name")
+    diagnose.add_argument("--max-seq-length", type=int, default=None, help="the trainer's length limit in tokens"
+                          " (default: max_seq_length / max_length of the trainer args)")
+    diagnose.add_argument("--json", action="store_true", help="print the findings as a JSON list instead of a table")
         return rank_command(args)
     if argv[0] == "doctor":
         from gradian.doctor import main as doctor_main
@@ -293,3 +347,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+    if argv[0] == "diagnose":
+        return diagnose_command(parser.parse_args(argv))
