@@ -107,7 +107,7 @@ def _index_help() -> str:
              "Build a gradient index of grads.data_path into grads.index_dir (default ./index) with the",
              "pipeline's config keys (Hydra overrides, as for `python -m circuitkit.run`). A killed run",
              "resumes with the same command. Model keys: model=NAME (a conf/model/ file) or",
-             "model.name=HUB_NAME|LOCAL_DIR|builtin:tiny-gpt2, model.precision=bfloat16|float32.", "",
+             "model.name=HUB_NAME|LOCAL_DIR|builtin:tiny-gpt2, model.precision=auto|bfloat16|float32.", "",
              "grads keys (docs/configuration.md has them all):"]
     for f in dataclasses.fields(GradsConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

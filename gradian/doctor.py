@@ -13,7 +13,9 @@ Sections (keys of `collect()`):
   CUDA is unavailable, and MPS (or why not);
 * ``determinism``: deterministic algorithms, cuDNN flags, CUBLAS_WORKSPACE_CONFIG, PYTHONHASHSEED,
   thread environment variables and where the pipeline's seed comes from;
-* ``backends``: CUDA, MPS, CPU, bf16, SDPA, flash attention, safetensors mmap, each
+* ``backends``: CUDA, MPS, CPU, bf16 (it computes correctly), bf16 native (the device computes it
+  natively, so `model.precision=auto` runs in bfloat16; how that was decided and, timed, the
+  measured slowdown), SDPA, flash attention, safetensors mmap, each
   ``{"available": bool, "reason": str, "detail": str}`` with a non-empty reason when unavailable;
 * ``self_tests``: projection round trip, dtype round-trip error and per-example gradient batch
   invariance on a tiny random GPT-2, each with ``passed`` and the measured ``value``.
@@ -256,6 +258,16 @@ def _probe_bf16() -> dict[str, Any]:
                     f"cpu: 4x4 bfloat16 matmul ran, max abs error {err:.2g}")
 
 
+def _probe_bf16_native() -> dict[str, Any]:
+    from circuitkit.core.device import bf16_support
+
+    s = bf16_support()
+    if s.native:
+        return _backend(True, detail=f"{s.device}: {s.how}; model.precision=auto runs in bfloat16")
+    return _backend(False, f"{s.device}: {s.how}; bf16 is {s.slowdown_text()}, so model.precision=auto runs in"
+                    " float32 (model.precision=bfloat16 forces bf16)")
+
+
 def _probe_sdpa() -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -312,6 +324,7 @@ def backends_info() -> dict[str, dict[str, Any]]:
         "MPS": _guarded(lambda: _backend(not mps_unavailable_reason(), mps_unavailable_reason())),
         "CPU": _backend(True, detail=f"{torch.get_num_threads()} torch threads"),
         "bf16": _guarded(_probe_bf16),
+        "bf16 native": _guarded(_probe_bf16_native),
         "SDPA": _guarded(_probe_sdpa),
         "flash attention": _guarded(_probe_flash),
         "safetensors mmap": _guarded(_probe_safetensors),

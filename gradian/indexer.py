@@ -453,7 +453,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                                      "data_sha256": data_sha256, "report": report.summary()})
         _check_kfac_widths(projector, grads)
     header = header_json(IndexHeader(
-        model=model_cfg.name, revision=model_cfg.revision, precision=model_cfg.precision,
+        model=model_cfg.name, revision=model_cfg.revision, precision=str(model_dtype).removeprefix("torch."),
         weights_sha256=weights_sha256, tokenizer_sha256=tokenizer_sha256,
         projection=projector.describe(), storage_dtype=grads.storage_dtype,
         loss_reduction=grads.loss_reduction, loss=grads.loss, preconditioner=grads.preconditioner,

@@ -17,7 +17,7 @@ from typing import Any
 from circuitkit.core.batching import rows_within_budget
 from circuitkit.core.circuit_file import grads_circuit_path, kept_components, load_circuit
 from circuitkit.core.config import AppConfig
-from circuitkit.core.device import DTYPES
+from circuitkit.core.device import DTYPES, model_dtype
 from circuitkit.core.pipeline import StageMemory
 from circuitkit.models.adapters import family
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
@@ -270,7 +270,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     seq = seq_len or g.max_seq_length
     projector = projector or grads_projector(cfg, shape)
     rows = rows_within_budget(batch_size or g.batch_size, g.batch_tokens, seq)
-    dtype = DTYPES[cfg.model.precision]
+    dtype = model_dtype(cfg.model)  # the dtype the run uses (auto resolved)
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
                           DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype),
                           g.preconditioner, g.rows_per_shard, g.fisher, g.loss,

@@ -13,7 +13,7 @@ from circuitkit.core.config import ALL_STAGES, ConfigError, compose, iter_keys, 
 def test_defaults_compose_and_validate():
     cfg, typed = compose([])
     assert typed.model.name == "builtin:tiny-gpt2"
-    assert typed.model.precision == "bfloat16"
+    assert typed.model.precision == "auto"  # bfloat16 where native, else float32
     assert typed.model.trust_remote_code is False
     assert typed.discovery.algorithm == "eap-ig" and typed.discovery.ig_steps == 5
     assert typed.stages == list(ALL_STAGES)

@@ -11,7 +11,7 @@ import torch
 from gradian import doctor
 
 SECTIONS = {"generated", "versions", "system", "devices", "determinism", "backends", "self_tests"}
-BACKENDS = ("CUDA", "MPS", "CPU", "bf16", "SDPA", "flash attention", "safetensors mmap")
+BACKENDS = ("CUDA", "MPS", "CPU", "bf16", "bf16 native", "SDPA", "flash attention", "safetensors mmap")
 CPU_ONLY = not torch.cuda.is_available() and not (torch.backends.mps.is_built() and torch.backends.mps.is_available())
 
 

@@ -83,7 +83,10 @@ class ModelConfig:
     gguf_file: Optional[str] = _f(None, "a GGUF file inside model.name (a directory or hub id), loaded through"
                                   " transformers and dequantized to float32; null = model.name is not a GGUF")
     revision: Optional[str] = _f(None, "hub revision (branch, tag or commit); null = default branch")
-    precision: str = _f("bfloat16", "weight dtype", choices=("bfloat16", "float16", "float32"))
+    precision: str = _f("auto", "weight dtype: auto = bfloat16 where the device computes it natively (CUDA"
+                        " compute capability 8.0+, MPS on macOS 14+, a CPU with AVX512-BF16 or AMX), else float32;"
+                        " bfloat16, float16, float32 = that dtype everywhere",
+                        choices=("auto", "bfloat16", "float16", "float32"))
     trust_remote_code: bool = _f(False, "allow model code from the hub; off unless you set it")
     attn_implementation: str = _f("sdpa", "attention kernel", choices=("sdpa", "eager"))
     device_map: Any = _f(None, "split the model over devices with accelerate: null = whole model on one device;"

@@ -38,7 +38,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from circuitkit.core.config import AppConfig, to_dict
-from circuitkit.core.device import get_device, measure_peak, module_bytes
+from circuitkit.core.device import PRECISION_AUTO, get_device, measure_peak, module_bytes, resolve_precision
 from circuitkit.core.errors import UserError, describe_os_error
 from circuitkit.core.fingerprint import Fingerprinter, changed_inputs
 from circuitkit.core.io import atomic_write_json, json_bytes, rewrite_in_place, sha256_file, sha256_json
@@ -138,7 +138,8 @@ class RunContext:
         if self._loaded is None:
             if self._load_model is None:
                 raise PipelineError("this pipeline was assembled without a model loader.")
-            with self.console.status(f"Loading {self.cfg.model.name} ({self.cfg.model.precision})"):
+            used = resolve_precision(self.cfg.model.precision).used
+            with self.console.status(f"Loading {self.cfg.model.name} ({used})"):
                 self._loaded = self._load_model(self.cfg.model)
         return self._loaded
 
@@ -165,8 +166,14 @@ def _block_value(cfg_dict: dict[str, Any], dotted: str) -> Any:
 
 
 def stage_hashes(cfg: AppConfig, stages: list[Stage]) -> dict[str, str]:
-    """Config hash per stage: its own blocks plus the hash of the stage before it."""
+    """Config hash per stage: its own blocks plus the hash of the stage before it.
+
+    `model.precision=auto` is hashed as the dtype it resolves to on this device, so a run dir
+    resumed where bf16 is (not) native reruns what was computed in the other dtype.
+    """
     cfg_dict = to_dict(cfg)
+    if cfg_dict["model"]["precision"] == PRECISION_AUTO:
+        cfg_dict["model"]["precision"] = resolve_precision(PRECISION_AUTO).used
     hashes, previous = {}, ""
     for stage in stages:
         own = {b: _block_value(cfg_dict, b) for b in stage.blocks}
@@ -324,6 +331,7 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
         "overrides": list(overrides or []),
         "versions": package_versions(),
         "device": str(get_device()),
+        "precision": resolve_precision(cfg.model.precision).record(),  # requested, used and why
         "command": " ".join(sys.argv),
     })
     if pipeline.describe_model is not None:

@@ -25,9 +25,10 @@ def planned_weight_bytes(cfg: ModelConfig) -> dict[str, int] | None:
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from circuitkit.models.loading import DTYPES, auto_config, pretrained_args
+    from circuitkit.core.device import model_dtype
+    from circuitkit.models.loading import auto_config, pretrained_args
 
-    dtype = DTYPES[cfg.precision]
+    dtype = model_dtype(cfg)
     path, kwargs = pretrained_args(cfg)
     hf_config = auto_config(path, kwargs, cfg.revision, cfg.trust_remote_code)
     with init_empty_weights():

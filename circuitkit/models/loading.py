@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from circuitkit.core.config import ModelConfig
-from circuitkit.core.device import DTYPES, get_device
+from circuitkit.core.device import PRECISION_AUTO, get_device, resolve_precision
 from circuitkit.core.errors import UserError
 from circuitkit.core.fingerprint import hub_revision
 from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
@@ -255,12 +255,16 @@ def placement_kwargs(cfg: ModelConfig) -> dict:
 
 
 def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedModel:
-    """Load `cfg.name` at `cfg.revision` in `cfg.precision`, frozen, in eval mode, on `device`.
+    """Load `cfg.name` at `cfg.revision`, frozen, in eval mode, on `device`, in the dtype
+    `resolve_precision(cfg.precision, device)` gives (auto: bfloat16 where `device` computes it
+    natively, else float32).
 
     Parameters never require grad: CircuitKit only takes activation gradients.
     """
-    if cfg.precision != "bfloat16":
-        log.warning("model.precision=%s: bfloat16 is the default; %s uses more memory per weight"
+    device = device or get_device()
+    dtype = resolve_precision(cfg.precision, device).dtype
+    if cfg.precision not in ("bfloat16", PRECISION_AUTO):
+        log.warning("model.precision=%s: auto (bfloat16 where native) is the default; %s uses more memory per weight"
                     " and is meant for reference/accuracy checks.", cfg.precision, cfg.precision)
     if cfg.trust_remote_code:
         log.warning("model.trust_remote_code=true: code from '%s' will run on this machine.", cfg.name)
@@ -270,10 +274,9 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
         from circuitkit.core.hub import check_hub_name
 
         check_hub_name(cfg.name, cfg.revision, "model.name")
-    device = device or get_device()
     try:
         auto = _auto_class(path, source_kwargs, cfg.revision, cfg.trust_remote_code)
-        model = auto.from_pretrained(path, revision=cfg.revision, dtype=DTYPES[cfg.precision],
+        model = auto.from_pretrained(path, revision=cfg.revision, dtype=dtype,
                                      trust_remote_code=cfg.trust_remote_code,
                                      attn_implementation=cfg.attn_implementation, **source_kwargs,
                                      **placement_kwargs(cfg))

@@ -11,6 +11,9 @@ largest value that fits, then the sequence length; for pruning the evaluation ba
 held-out pairs it records, then the selection and scope; keys that do not change the peak, such
 as num_examples or ig_steps, are never suggested for memory). A stage may add a line (`note`):
 EAP-IG's time/accuracy from the measured table (`circuitkit.discovery.attribution.tradeoffs`).
+On a device without native bf16 it prints one line: the default (`model.precision=auto`) runs in
+float32 there, an explicit bfloat16 is kept; the line gives the measured or expected slowdown and
+the key to set. The estimates read the dtype the run uses (`circuitkit.core.device.model_dtype`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from circuitkit.core.config import AppConfig
-from circuitkit.core.device import free_memory_bytes, get_device
+from circuitkit.core.device import free_memory_bytes, get_device, resolve_precision
 from circuitkit.core.io import _atomic
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
 from circuitkit.models.loading import check_model
@@ -73,6 +76,8 @@ def check(cfg: AppConfig, stages: Sequence[Stage], console: Console | None = Non
     Returns {stage name: estimate} for the stages that have one under `cfg`.
     """
     console = console or Console(stderr=True)
+    if line := resolve_precision(cfg.model.precision).advice():
+        console.print(line, markup=False, highlight=False)
     free = free_memory_bytes()
     budget = int(cfg.preflight.headroom * free)
     estimates: dict[str, MemoryEstimate] = {}

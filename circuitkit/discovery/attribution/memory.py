@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from circuitkit.core.config import AppConfig
-from circuitkit.core.device import DTYPES
+from circuitkit.core.device import model_dtype
 from circuitkit.core.pipeline import StageMemory
 from circuitkit.discovery.attribution.quadrature import integration_rule
 from circuitkit.discovery.attribution.tradeoffs import advice_line
@@ -131,7 +131,7 @@ def attribution_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len:
     """
     d = cfg.discovery
     shape = shape_for(cfg.model)
-    dtype_bytes = torch.finfo(DTYPES[cfg.model.precision]).bits // 8
+    dtype_bytes = model_dtype(cfg.model).itemsize  # the dtype the run uses (auto resolved)
     return estimate_attribution(shape, dtype_bytes, batch_size or d.batch_size, seq_len or d.data_params.seq_len,
                                 d.algorithm, d.level, d.ig_steps)
 
@@ -155,7 +155,7 @@ def advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
             tips.append(f"discovery.batch_size=1 with discovery.data_params.seq_len={seq} (shorter prompts)")
         if cfg.discovery.level == "edge":
             tips.append("discovery.level=node (no per-edge Δ and gradient buffers)")
-        if cfg.model.precision == "float32":
+        if model_dtype(cfg.model) == torch.float32:
             tips.append("model.precision=bfloat16 (half the weight and activation bytes)")
         tips.append("a device with more memory, or a smaller model")
     return tips

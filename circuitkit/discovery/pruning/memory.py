@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from circuitkit.core.config import AppConfig, mask_steps_of
-from circuitkit.core.device import DTYPES, free_memory_bytes
+from circuitkit.core.device import free_memory_bytes, model_dtype
 from circuitkit.core.pipeline import StageMemory
 from circuitkit.discovery.pruning.edges import RECORD_SHARE
 from circuitkit.discovery.tasks import heldout_template_count
@@ -262,7 +262,7 @@ def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int
     itself, where the free memory already excludes them)."""
     d, p = cfg.discovery, cfg.pruning
     shape = shape_for(cfg.model)
-    dtype_bytes = torch.finfo(DTYPES[cfg.model.precision]).bits // 8
+    dtype_bytes = model_dtype(cfg.model).itemsize  # the dtype the run uses (auto resolved)
     budget = None
     if p.scope == "edges":
         free = free_memory_bytes() if free_bytes is None else free_bytes
@@ -301,7 +301,7 @@ def pruning_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
             tips.append(f"discovery.batch_size=1 with discovery.data_params.seq_len={seq} (shorter prompts)")
         if p.scope == "edges":
             tips.append("pruning.scope=heads (no per-edge writes recorded)")
-        if cfg.model.precision == "float32":
+        if model_dtype(cfg.model) == torch.float32:
             tips.append("model.precision=bfloat16 (half the weight bytes)")
         tips.append("a device with more memory, or a smaller model")
     return tips
