@@ -204,35 +204,6 @@ def rank_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradian", description="Gradient indexing of training data.",
-                                     epilog="Set CIRCUITKIT_DEBUG=1 to see the Python traceback of an error.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("index", help="build a gradient index (config overrides follow; `gradian index --help`)",
-                   add_help=False)
-    inspect = sub.add_parser("inspect", help="summary and sizes of a gradient index")
-    inspect.add_argument("index", help="index directory (holds manifest.json)")
-    inspect.add_argument("--verify", action="store_true",
-                         help="check every shard (presence, size, sha256, tensors, row ranges), unlisted files,"
-                              " the complete flag and the projection fingerprint; exit 1 on any problem")
-    inspect.add_argument("--row", type=int, default=None,
-                         help="show this training row's tokens (re-read from the indexed data) and which of them"
-                              " the loss supervised")
-    rank = sub.add_parser("rank", help="rank training rows of an index against query rows")
-    rank.add_argument("--index", required=True, help="index directory (holds manifest.json)")
-    rank.add_argument("--queries", required=True, help="JSONL of query rows (same format as training rows)")
-    rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
-    rank.add_argument("--score", choices=("auto", "cosine", "dot", "influence", "whitened", "kfac", "ekfac"),
-                      default="auto",
-                      help="auto (default): ekfac if the index holds K-FAC factors (grads.preconditioner=kfac, the"
-                           " default), else cosine. influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
-                           " the cosine after whitening with each module's damped second moment A; kfac / ekfac"
-                           " need grads.preconditioner=kfac: qᵀ(F + λI)⁻¹g with K-FAC's or EK-FAC's F")
-    rank.add_argument("--damping", type=float, default=None,
-                      help="for influence / whitened / kfac / ekfac: λ as a share of each module's mean eigenvalue"
-                           " (default 0.01 for kfac / ekfac, 0.1 for influence / whitened); refused with cosine and dot")
-    rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
-                      help="how the per-query scores of a row combine into one ranking")
 def diagnose_command(args: argparse.Namespace) -> int:
     """`gradian diagnose`: the findings as a table (or `--json`); 1 when any is an error, else 0."""
     import json
@@ -268,6 +239,35 @@ def diagnose_command(args: argparse.Namespace) -> int:
     return exit_status(result.findings)
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradian", description="Gradient indexing of training data.",
+                                     epilog="Set CIRCUITKIT_DEBUG=1 to see the Python traceback of an error.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("index", help="build a gradient index (config overrides follow; `gradian index --help`)",
+                   add_help=False)
+    inspect = sub.add_parser("inspect", help="summary and sizes of a gradient index")
+    inspect.add_argument("index", help="index directory (holds manifest.json)")
+    inspect.add_argument("--verify", action="store_true",
+                         help="check every shard (presence, size, sha256, tensors, row ranges), unlisted files,"
+                              " the complete flag and the projection fingerprint; exit 1 on any problem")
+    inspect.add_argument("--row", type=int, default=None,
+                         help="show this training row's tokens (re-read from the indexed data) and which of them"
+                              " the loss supervised")
+    rank = sub.add_parser("rank", help="rank training rows of an index against query rows")
+    rank.add_argument("--index", required=True, help="index directory (holds manifest.json)")
+    rank.add_argument("--queries", required=True, help="JSONL of query rows (same format as training rows)")
+    rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
+    rank.add_argument("--score", choices=("auto", "cosine", "dot", "influence", "whitened", "kfac", "ekfac"),
+                      default="auto",
+                      help="auto (default): ekfac if the index holds K-FAC factors (grads.preconditioner=kfac, the"
+                           " default), else cosine. influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
+                           " the cosine after whitening with each module's damped second moment A; kfac / ekfac"
+                           " need grads.preconditioner=kfac: qᵀ(F + λI)⁻¹g with K-FAC's or EK-FAC's F")
+    rank.add_argument("--damping", type=float, default=None,
+                      help="for influence / whitened / kfac / ekfac: λ as a share of each module's mean eigenvalue"
+                           " (default 0.01 for kfac / ekfac, 0.1 for influence / whitened); refused with cosine and dot")
+    rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
+                      help="how the per-query scores of a row combine into one ranking")
     rank.add_argument("--out", default=None,
                       help="write all results as JSONL here (checked before any work); the terminal then shows"
                            " a summary")
@@ -287,6 +287,21 @@ def diagnose_command(args: argparse.Namespace) -> int:
     report.add_argument("--index", required=True, help="the index the ranking was made with")
     report.add_argument("--queries", default=None, help="the queries JSONL (to show each query's tokens)")
     report.add_argument("--out", default=None, help="where the page goes (default: RANK with .html)")
+    diagnose = sub.add_parser("diagnose", help="checks of a fine-tuning set, its trainer settings and logs")
+    diagnose.add_argument("--dataset", required=True, help="training rows (JSONL, Parquet, Arrow): prompt/completion"
+                          " or messages")
+    diagnose.add_argument("--eval-dataset", default=None, help="eval rows: checked for contamination and answer leakage")
+    diagnose.add_argument("--run", default=None, help="the trainer's output_dir (adapter_config.json, *args*.json,"
+                          " trainer_state.json)")
+    diagnose.add_argument("--trainer-args", default=None, help="JSON of the trainer's arguments"
+                          " (TrainingArguments.to_json_string(), TRL SFTConfig, ...)")
+    diagnose.add_argument("--trainer-log", default=None, help="trainer_state.json, or JSONL of {step, loss, eval_loss,"
+                          " learning_rate, grad_norm}")
+    diagnose.add_argument("--model", default=None, help="model whose tokenizer measures the rows (no weights are"
+                          " loaded): a local directory, builtin:NAME, or a cached hub name")
+    diagnose.add_argument("--max-seq-length", type=int, default=None, help="the trainer's length limit in tokens"
+                          " (default: max_seq_length / max_length of the trainer args)")
+    diagnose.add_argument("--json", action="store_true", help="print the findings as a JSON list instead of a table")
     sub.add_parser("doctor", help="versions, devices, backends and self-tests as Markdown ([--json])",
                    add_help=False)
     return parser
@@ -316,22 +331,9 @@ def _main(argv: list[str]) -> int:
             raise UserError(f"`gradian {argv[0]}{' --report' if argv[0] == 'rank' else ''}` writes a page, which the"
                             " installed `gradian` command does (circuitkit_app.gradian_cli); run it as `gradian ...`.",
                             exit_code=2)
-    diagnose = sub.add_parser("diagnose", help="checks of a fine-tuning set, its trainer settings and logs")
-    diagnose.add_argument("--dataset", required=True, help="training rows (JSONL, Parquet, Arrow): prompt/completion"
-                          " or messages")
-    diagnose.add_argument("--eval-dataset", default=None, help="eval rows: checked for contamination and answer leakage")
-    diagnose.add_argument("--run", default=None, help="the trainer's output_dir (adapter_config.json, *args*.json,"
-                          " trainer_state.json)")
-    diagnose.add_argument("--trainer-args", default=None, help="JSON of the trainer's arguments"
-                          " (TrainingArguments.to_json_string(), TRL SFTConfig, ...)")
-    diagnose.add_argument("--trainer-log", default=None, help="trainer_state.json, or JSONL of {step, loss, eval_loss,"
-                          " learning_rate, grad_norm}")
-    diagnose.add_argument("--model", default=None, help="model whose tokenizer measures the rows (no weights are"
-                          " loaded): a local directory, builtin:NAME, or a cached hub name")
-    diagnose.add_argument("--max-seq-length", type=int, default=None, help="the trainer's length limit in tokens"
-                          " (default: max_seq_length / max_length of the trainer args)")
-    diagnose.add_argument("--json", action="store_true", help="print the findings as a JSON list instead of a table")
         return rank_command(args)
+    if argv[0] == "diagnose":
+        return diagnose_command(parser.parse_args(argv))
     if argv[0] == "doctor":
         from gradian.doctor import main as doctor_main
 
@@ -347,5 +349,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-    if argv[0] == "diagnose":
-        return diagnose_command(parser.parse_args(argv))

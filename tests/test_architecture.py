@@ -138,6 +138,14 @@ LAYERS: dict[str, str] = {
     "gradian.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths from the curvature spectrum
     "gradian.width_table": GRADIAN,  # the preflight's width line: disk per width and what each measured
     "gradian.tokens": GRADIAN,
+    # `gradian diagnose`: checks of a fine-tuning set, its trainer settings and logs (tokenizer only)
+    "gradian.diagnose": GRADIAN,
+    "gradian.diagnose.finding": GRADIAN,
+    "gradian.diagnose.rows": GRADIAN,
+    "gradian.diagnose.similar": GRADIAN,
+    "gradian.diagnose.checks_data": GRADIAN,
+    "gradian.diagnose.checks_config": GRADIAN,
+    "gradian.diagnose.checks_log": GRADIAN,
     # entry points: circuitkit_app/ (above both domains) and gradian's own command
     "circuitkit_app": ENTRY,
     "circuitkit_app.stage_list": ENTRY,  # the one list of stages: circuit discovery's and gradian's
