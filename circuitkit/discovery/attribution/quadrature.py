@@ -16,9 +16,9 @@ The rules (m = ig_steps) and the polynomial degree of g they integrate exactly:
     left            α_k = k/m,            k = 0..m−1, w_k = 1/m               degree 0 (the reference EAP-IG at
                                                                                 edge level)
 
-Which rule is the reference (hannamw/EAP-IG, what MIB runs): its node-level EAP-IG
-(`get_scores_ig_activations`) samples α = k/m for k = 1..m, our `right`; its edge-level EAP-IG
-(`get_scores_eap_ig`) loops `for step in range(0, steps)` with α = step/steps, k = 0..m−1: it
+Which rule is the reference (hannamw/EAP-IG, what MIB runs): its node-level EAP-IG-inputs
+(`attribute_node.get_scores_eap_ig`) samples α = k/m for k = 1..m, our `right`; its edge-level
+EAP-IG (`attribute.get_scores_eap_ig`) loops `for step in range(0, steps)` with α = step/steps, k = 0..m−1: it
 evaluates the corrupted point α = 0 and never the clean one, our `left`. No other rule reproduces
 its edge scores (they differ by 10-12 % relative at the same m). With m = 1 the reference's
 edge-level "EAP-IG" is the gradient at the corrupted input alone, which is not EAP (EAP takes it

@@ -152,8 +152,99 @@ def _bool_or_none(value: Any, what: str) -> bool | None:
     raise InteropError(f"{what} is {value!r}; it must be true, false or null.")
 
 
-def export_circuit(circuit: dict[str, Any], d_model: int | None = None, node_scores: bool = True) -> dict[str, Any]:
-    """circuit.pt contents -> EAP-IG JSON object (see the module docstring for what is in_graph)."""
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+
+
+def _weight_files(name: str, model_cfg: dict[str, Any]) -> list[Path]:
+    """The weight files of the analysed model on this machine ([] when they are not here)."""
+    from circuitkit.models.loading import is_local_path, pretrained_args
+
+    cfg = ModelConfig(name=name, gguf_file=model_cfg.get("gguf_file"), revision=model_cfg.get("revision"))
+    try:
+        directory, kwargs = pretrained_args(cfg)
+    except UserError:  # a local path that moved, a GGUF that is gone: nothing to hash
+        return []
+    if not is_local_path(directory) and not name.startswith(("builtin:", "fetched:")):
+        try:  # a hub id: the local Hugging Face cache only, never the network
+            from huggingface_hub import snapshot_download
+            directory = snapshot_download(directory, revision=cfg.revision, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not in the cache (or no hub client): nothing to hash
+            return []
+    root = Path(directory)
+    if kwargs.get("gguf_file"):
+        return [root / kwargs["gguf_file"]] if (root / kwargs["gguf_file"]).is_file() else []
+    if not root.is_dir():
+        return []
+    files = sorted(f for f in root.iterdir() if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
+    return files or sorted(f for f in root.iterdir() if f.is_file() and f.name.startswith("pytorch_model")
+                           and f.suffix == ".bin")
+
+
+def model_provenance(name: str | None, model_cfg: dict[str, Any] | None = None,
+                     run_dir: Path | None = None) -> dict[str, Any]:
+    """What an export records about the model: its name (`model.name` when that is a hub id, a
+    builtin: or fetched: name; for a local directory or GGUF file, the hub id its config.json
+    names, else the directory's or file's name: never an absolute local path) and `weights_sha256`
+    (the sha256 of its weight file; of `sha256sum`'s listing "<sha256>  <file>" per line when the
+    weights are several files; left out when the files are not on this machine). Hashes recorded in
+    `run_dir`'s manifest.json for files whose size and mtime did not change are reused."""
+    from circuitkit.core.fingerprint import Fingerprinter
+    from circuitkit.models.loading import is_local_path
+
+    model_cfg = dict(model_cfg or {})
+    if model_cfg.get("name") not in (None, name):  # the run's config is of another model: not this one's
+        model_cfg = {}
+    if not name:
+        return {"model_name": None}
+    shown = name
+    if not name.startswith(("builtin:", "fetched:")) and is_local_path(name):
+        path = Path(name).expanduser()
+        shown = path.name
+        try:
+            hub = json.loads((path / "config.json").read_text()).get("_name_or_path") if path.is_dir() else None
+        except (OSError, ValueError):
+            hub = None
+        if isinstance(hub, str) and hub and not is_local_path(hub):
+            shown = hub
+    known: list[dict[str, Any]] = []
+    manifest = Path(run_dir) / "manifest.json" if run_dir is not None else None
+    if manifest is not None and manifest.is_file():
+        try:
+            stages = json.loads(manifest.read_text()).get("stages", {})
+            known = [r for e in stages.values() for r in (e.get("inputs") or {}).values() if isinstance(r, dict)]
+        except (OSError, ValueError, AttributeError):
+            known = []
+    files = _weight_files(name, model_cfg)
+    prints = Fingerprinter(known)
+    digests = [(prints.file(f)["sha256"], f.name) for f in files]
+    if not digests:
+        weights = None
+    elif len(digests) == 1:
+        weights = digests[0][0]
+    else:
+        import hashlib
+        weights = hashlib.sha256("".join(f"{d}  {n}\n" for d, n in digests).encode()).hexdigest()
+    out: dict[str, Any] = {"model_name": shown}
+    if weights is not None:
+        out["weights_sha256"] = weights
+    if model_cfg.get("revision"):
+        out["model_revision"] = model_cfg["revision"]
+    return out
+
+
+def _run_model_cfg(run_dir: Path) -> dict[str, Any]:
+    """config.model of the run in `run_dir` (its manifest.json), {} when there is none."""
+    try:
+        model = json.loads((Path(run_dir) / "manifest.json").read_text()).get("config", {}).get("model", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return model if isinstance(model, dict) else {}
+
+
+def export_circuit(circuit: dict[str, Any], d_model: int | None = None, node_scores: bool = True,
+                   run_dir: Path | None = None) -> dict[str, Any]:
+    """circuit.pt contents -> EAP-IG JSON object (see the module docstring for what is in_graph).
+    `run_dir`: where the circuit's run is (its manifest's file hashes are reused, `model_provenance`)."""
     g = graph_shape(circuit)
     heads, mlps = kept_components(circuit)
     in_graph = {"input": True}
@@ -168,7 +259,10 @@ def export_circuit(circuit: dict[str, Any], d_model: int | None = None, node_sco
         down = torch.tensor([any(in_graph.get(c, True) for c, _ in cs) for cs in _children(g)])
         edge_in = g.edge_mask() & up[:, None] & down[None, :]
     d = _d_model(d_model, circuit.get("d_model"), circuit.get("model_name"))
-    extra = {"model_name": circuit.get("model_name"),
+    model_cfg = (circuit.get("config") or {}).get("model") or {}
+    if not model_cfg.get("revision") and circuit.get("model_revision"):
+        model_cfg = {**model_cfg, "revision": circuit.get("model_revision")}
+    extra = {**model_provenance(circuit.get("model_name"), model_cfg, run_dir),
              "prepend_bos": _bool_or_none(circuit.get("prepend_bos"), "the circuit's prepend_bos"),
              "source": "circuitkit circuit.pt"}
     return to_eap_ig(g, d, circuit["head_scores"], circuit["mlp_scores"], float(circuit.get("embed_score", 0.0)),
@@ -185,7 +279,7 @@ def export_scores(path: Path, d_model: int | None = None, node_scores: bool = Tr
     g = scores.graph
     in_graph = {n: True for n in g.upstream}
     d = _d_model(d_model, None, meta.get("model"))
-    extra = {"model_name": meta.get("model"),
+    extra = {**model_provenance(meta.get("model"), _run_model_cfg(Path(path).parent), Path(path).parent),
              "prepend_bos": _bool_or_none(meta.get("prepend_bos"), f"{path}'s prepend_bos"),  # a JSON boolean
              "source": "circuitkit scores.safetensors"}
     return to_eap_ig(g, d, scores.head, scores.mlp, float(scores.embed), scores.edges, in_graph, g.edge_mask(), extra,
@@ -375,23 +469,46 @@ def export_file(src: Path, out_path: Path, d_model: int | None = None, node_scor
     if src.suffix == ".safetensors":
         obj = export_scores(src, d_model, node_scores)
     else:
-        obj = export_circuit(load_circuit(src), d_model, node_scores)
+        obj = export_circuit(load_circuit(src), d_model, node_scores, src.parent)
     return atomic_write_bytes(Path(out_path), json.dumps(obj, allow_nan=False).encode())
 
 
 def export_main(argv: list[str]) -> int:
     """`circuitkit export SRC OUT [--format eap-ig-json] [--d-model D] [--no-node-scores]`."""
-    parser = argparse.ArgumentParser(prog="circuitkit export",
-                                     description="Export a circuit.pt or scores.safetensors to another tool's format.")
+    parser = argparse.ArgumentParser(
+        prog="circuitkit export", description="Export a circuit.pt or scores.safetensors to another tool's format:"
+        " an EAP-IG JSON graph (default), or MIB's circuit-localization leaderboard folder (--format mib).",
+        epilog="MIB: circuitkit export SRC OUT --format mib --model gpt2 --task ioi writes OUT/ioi_gpt2/"
+               "importances.json; circuitkit export --check-mib OUT validates a folder (docs/interop.md).")
     parser.add_argument("src", help="circuit.pt (pruning stage) or scores.safetensors (attribution stage)")
-    parser.add_argument("out", help="output file (.json)")
-    parser.add_argument("--format", choices=FORMATS, default="eap-ig-json",
-                        help="eap-ig-json: hannamw/EAP-IG Graph.to_json (what MIB's circuit track reads)")
+    parser.add_argument("out", help="output file (.json); with --format mib, the submission folder")
+    parser.add_argument("--format", choices=(*FORMATS, "mib"), default="eap-ig-json",
+                        help="eap-ig-json: hannamw/EAP-IG Graph.to_json; mib: MIB's leaderboard folder"
+                             " OUT/<task>_<model>/ (edge scores only)")
     parser.add_argument("--d-model", type=int, default=None, help="residual width, if the file cannot tell")
     parser.add_argument("--no-node-scores", action="store_true",
                         help="write nodes without scores: the reference's Graph.to_json fails on a graph whose"
                              " nodes have scores, so use this for a file to be loaded and saved again there")
+    mib = parser.add_argument_group("MIB's circuit-localization leaderboard (--format mib)")
+    mib.add_argument("--model", default=None, metavar="M",
+                     help="MIB's model name: gpt2, qwen2.5, gemma2, llama3 (the folder is <task>_<model>)")
+    mib.add_argument("--task", default=None, metavar="T",
+                     help="MIB's task (default ioi): ioi, mcqa, arithmetic-addition, arithmetic-subtraction, arc-easy,"
+                          " arc-challenge (arithmetic_addition etc. are accepted too)")
+    mib.add_argument("--mib-mode", choices=("importances", "circuits"), default=None,
+                     help="importances (default): one importances.json with every edge's score, MIB ranks it"
+                          " itself; circuits: one file per share 0.1%%..50%%, top edges by |score|")
+    mib.add_argument("--check-mib", metavar="DIR", default=None,
+                     help="only validate a MIB folder against MIB's own folder matcher and file readers")
     args = parser.parse_args(argv)
+    if args.format == "mib" or args.check_mib:  # `circuitkit export` hands these to export.mib before here
+        raise InteropArgumentError("--format mib and --check-mib are run by `circuitkit export` (the command"
+                                   " line), or circuitkit.discovery.export.mib.export_main from Python.")
+    given = [flag for flag, value in (("--model", args.model), ("--task", args.task), ("--mib-mode", args.mib_mode))
+             if value is not None]
+    if given:
+        raise InteropArgumentError(f"{', '.join(given)} go(es) with --format mib; an EAP-IG JSON export takes"
+                                   " neither (add --format mib for MIB's folder).")
     try:
         path = export_file(Path(args.src), Path(args.out), args.d_model, node_scores=not args.no_node_scores)
     except UserError:

@@ -196,6 +196,8 @@ def curve_areas(rows: list[dict]) -> tuple[float, float]:
     MIB's definitions (its evaluate_area_under_curve): CPR = Σ_i (x_{i+1} - x_i)(f_i + f_{i+1})/2
     and CMD = Σ_i (x_{i+1} - x_i)(|1 - f_i| + |1 - f_{i+1}|)/2 over the shares x of the grid,
     on a linear axis; a circuit as faithful as the model at every share has CPR 0.999, CMD 0.
+    MIB takes its CPR from the curve of the signed ranking and its CMD from the |score| one
+    (`mib_pair`); on one curve both areas are that ranking's.
     """
     xs = [r["percent_kept"] / 100 for r in rows]
     fs = [r["faithfulness"] for r in rows]
@@ -223,15 +225,46 @@ class PrunedCircuit:
     extra: dict = field(default_factory=dict)  # circuit.pt fields of issue 28: see `circuit_fields`
 
 
-def curve_definition(scope: str, ablation: str, rank_by: str, selection: str, metric: str) -> str:
-    """One line saying what the faithfulness curve is, and whether it is MIB's."""
+# MIB's evaluation scores an importances submission twice (mttk/MIB-circuit-track-autoeval,
+# eval_submissions.py: `for absolute in (True, False)`): the absolute=False run (edges ranked by
+# signed score) is filed as CPR, the absolute=True run (ranked by |score|) as CMD.
+MIB_RANK_BY = {"cpr": "signed", "cmd": "abs"}
+
+
+def mib_setting(scope: str, ablation: str, selection: str) -> bool:
+    """True when the curve is MIB's up to the ranking: edges, corrupted ablation, the top n by score."""
+    return scope == "edges" and ablation == "corrupted" and selection == "top_k"
+
+
+def mib_pair(curves: dict[str, list[dict]], gqa: bool = False) -> dict:
+    """MIB's (CPR, CMD) from the two rankings' curves: CPR = area under f of the signed ranking,
+    CMD = area between f and 1 of the |score| ranking (`MIB_RANK_BY`). `curves`: {rank_by: rows}."""
+    out = {"cpr": curve_areas(curves[MIB_RANK_BY["cpr"]])[0], "cmd": curve_areas(curves[MIB_RANK_BY["cmd"]])[1],
+           "cpr_rank_by": MIB_RANK_BY["cpr"], "cmd_rank_by": MIB_RANK_BY["cmd"],
+           "curve_signed": curves["signed"], "curve_abs": curves["abs"]}
+    if gqa:
+        out["note"] = ("GQA: edges counted as CircuitKit's (one key/value edge per KV head); MIB counts one per"
+                       " query head, so its shares select slightly different sets")
+    return out
+
+
+def curve_definition(scope: str, ablation: str, rank_by: str, selection: str, metric: str,
+                     mib: dict | None = None) -> str:
+    """One line saying what the faithfulness curve is, whether it is MIB's, and MIB's pair when measured."""
     unit = "heads (node level)" if scope == "heads" else "edges"
-    mib = scope == "edges" and ablation == "corrupted" and rank_by == "abs" and selection == "top_k"
     rule = "positive scores only, by signed score" if selection == "positive" else f"{selection} by {rank_by} score"
-    return (f"share of {unit} kept over MIB's grid 0.1%..100%, {ablation} ablation, {rule},"
-            f" {metric}; CPR/CMD trapezoids on a linear axis" + ("; MIB's circuit-track setting" if mib
-                                                                 else "; not MIB's setting (MIB: edges, corrupted"
-                                                                      " ablation, top_k by abs)"))
+    text = (f"share of {unit} kept over MIB's grid 0.1%..100%, {ablation} ablation, {rule},"
+            f" {metric}; CPR/CMD trapezoids on a linear axis")
+    if not mib_setting(scope, ablation, selection):
+        return text + ("; not MIB's setting (MIB: edges, corrupted ablation, top_k; its CPR ranks by signed"
+                       " score, its CMD by |score|)")
+    which = "CPR" if rank_by == MIB_RANK_BY["cpr"] else "CMD"
+    text += (f"; MIB's circuit-track setting for its {which} (MIB ranks by signed score for CPR, by |score|"
+             " for CMD)")
+    if mib is not None:
+        text += (f"; MIB's pair: CPR {mib['cpr']:.4f} (signed ranking), CMD {mib['cmd']:.4f} (|score| ranking),"
+                 " circuit.pt `mib`")
+    return text
 
 
 def circuit_fields(found: PrunedCircuit) -> dict:
@@ -243,6 +276,9 @@ def circuit_fields(found: PrunedCircuit) -> dict:
                           examples (`circuitkit.discovery.pruning.stability.stability`), None without per-example scores
         heldout_templates dict | None: {n_examples, full, empty, circuit, faithfulness} of the same
                           circuit and ablation on the task's held-out templates (`prune(heldout=...)`)
+        mib               dict | None: MIB's (CPR, CMD) pair at edge scope, corrupted ablation, top_k
+                          (`mib_pair`: cpr from the signed ranking's curve, cmd from the |score|
+                          ranking's, both curves); None in any other setting
     """
     return dict(found.extra)
 
@@ -331,14 +367,19 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     f = faithfulness(m_circuit, m_full, m_empty)
     curve = sparsity_curve(evaluate, ranked, p.rank_by, m_full, m_empty, valid, choose)
     cpr, cmd = curve_areas(curve)
+    mib = None
+    if mib_setting(p.scope, p.ablation, selection_rule):  # MIB's pair needs the other ranking's curve too
+        other_rank = "abs" if p.rank_by == "signed" else "signed"
+        curves = {p.rank_by: curve, other_rank: sparsity_curve(evaluate, ranked, other_rank, m_full, m_empty, valid)}
+        mib = mib_pair(curves, gqa=g.n_kv_heads < g.n_heads)
     stable = None
     if per_example is not None and p.bootstrap_resamples > 0:
         stable = stability(per_example, int(kept.sum()), p.rank_by, p.bootstrap_resamples, 0, valid, kept)
         if selection_rule in ("mean_rank", "vote"):  # the rule's own stability: rerun on each resample
             stable |= selector_stability(per_example.shape[0], functools.partial(selector, int(kept.sum())), kept,
                                          p.bootstrap_resamples, 0)
-    extra = {"curve_definition": curve_definition(p.scope, p.ablation, p.rank_by, selection_rule, metric),
-             "selection": selection_rule, "stability": stable, "heldout_templates": None}
+    extra = {"curve_definition": curve_definition(p.scope, p.ablation, p.rank_by, selection_rule, metric, mib),
+             "selection": selection_rule, "stability": stable, "heldout_templates": None, "mib": mib}
     if heldout is not None and len(heldout) > 0:
         other = (Evaluator if p.scope == "heads" else EdgeEvaluator)(adapter, heldout, metric, p.ablation, means,
                                                                      batch_size)
