@@ -7,6 +7,8 @@
     circuitkit export SRC OUT --format mib --model M [--task ioi] [--mib-mode importances|circuits]
                                         MIB's folder OUT/<task>_<model>/ (e.g. ioi_qwen2.5, arc-easy_llama3)
     circuitkit export --check-mib DIR                         validate a MIB submission folder
+    circuitkit export CIRCUIT.pt --format hf DIR [--ablation mean|zero] [--model M]
+                                        the pruned model as a Hugging Face checkpoint (plain transformers loads it)
     circuitkit import GRAPH.json OUT.pt|OUT.safetensors       EAP-IG JSON -> circuit.pt or scores
     circuitkit merge RUN_DIRS... [--out DIR] [--no-prune]   merge attribution shards, prune on the merged scores
     circuitkit report RUN_DIR|SWEEP_DIR [--out FILE] [--rank RANK.jsonl [--queries Q.jsonl]] [--top-edges N]
@@ -86,6 +88,19 @@ def _cmd_config(overrides: list[str]) -> int:
     return 0
 
 
+def _check_top_edges(n: int) -> None:
+    """`report --top-edges N` within report.top_edges' range (the schema's bounds: the same rule as
+    the config key), else UserError (exit 2)."""
+    import dataclasses
+
+    from circuitkit.core.config import ReportConfig
+
+    meta = next(f.metadata for f in dataclasses.fields(ReportConfig) if f.name == "top_edges")
+    if not meta["ge"] <= n <= meta["le"]:
+        raise UserError(f"--top-edges {n} is out of range; it must be an integer in [{meta['ge']}, {meta['le']}]"
+                        " (the range of report.top_edges).", exit_code=2)
+
+
 def _main(argv: list[str]) -> int:
     parser = _parser()
     if not argv or argv[0] in HELP_FLAGS:
@@ -113,6 +128,11 @@ def _main(argv: list[str]) -> int:
         )
 
         return mib_export(rest)
+    if command == "export" and ("--format=hf" in rest
+                                or any(a == "--format" and b == "hf" for a, b in zip(rest, rest[1:], strict=False))):
+        from circuitkit.discovery.export.hf import export_main as hf_export  # issue 42: the pruned checkpoint
+
+        return hf_export(rest)
     if command in ("export", "import"):
         from circuitkit.discovery.export import interop
 
@@ -134,8 +154,8 @@ def _main(argv: list[str]) -> int:
         if not path.is_dir():
             raise UserError(f"{path}: not a directory; give a run directory (with manifest.json) or a sweep directory.",
                             exit_code=2)
-        if args.top_edges is not None and args.top_edges < 1:
-            raise UserError(f"--top-edges {args.top_edges}: give a number of edges >= 1.", exit_code=2)
+        if args.top_edges is not None:
+            _check_top_edges(args.top_edges)
         if args.queries and not args.rank:
             raise UserError("--queries goes with --rank (the queries of those ranked rows).", exit_code=2)
         out = Path(args.out) if args.out else None

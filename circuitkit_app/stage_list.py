@@ -1,6 +1,6 @@
 """The one list of the pipeline's stages, assembled where both domains are known (entry layer).
 
-    preflight -> data -> attribution -> pruning -> grads
+    preflight -> data -> attribution -> pruning -> export -> grads
 
 Each stage lives with its domain (`circuitkit.preflight.stage`, `circuitkit.discovery.stages` for the circuit
 stages, `gradian.stage`); a new stage is one more entry here (and its name in
@@ -17,12 +17,13 @@ from rich.console import Console
 
 from circuitkit.core.config import AppConfig
 from circuitkit.core.pipeline import Pipeline
+from circuitkit.discovery.export.hf_stage import EXPORT_STAGE
 from circuitkit.discovery.stages import CIRCUIT_STAGES
 from circuitkit.models.loading import load_model, model_source
 from circuitkit.preflight.stage import PREFLIGHT_STAGE
 from gradian.stage import GRADS_STAGE
 
-PIPELINE = Pipeline({stage.name: stage for stage in (PREFLIGHT_STAGE, *CIRCUIT_STAGES, GRADS_STAGE)}, load_model,
+PIPELINE = Pipeline({stage.name: stage for stage in (PREFLIGHT_STAGE, *CIRCUIT_STAGES, EXPORT_STAGE, GRADS_STAGE)}, load_model,
                     model_source)
 # What discover_circuit and `circuitkit discover-smart` run: every stage up to the circuit.
 CIRCUIT_STAGE_NAMES = (PREFLIGHT_STAGE.name, *(stage.name for stage in CIRCUIT_STAGES))

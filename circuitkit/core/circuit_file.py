@@ -27,6 +27,12 @@ fields (`Circuit`, in the order they are stored):
     mib {cpr, cmd, cpr_rank_by, cmd_rank_by, curve_signed, curve_abs}
                                                         MIB's pair (edge scope, corrupted ablation, top_k):
                                                         CPR from the signed ranking, CMD from |score|
+    head_means (L, H·head_dim) float32                  each head's mean z over every token of the
+                                                        attribution examples: what a weight export folds in
+    weight_ablations {mean: {full, empty, circuit, faithfulness}, zero: {...}, reference_ablation,
+                      reference_faithfulness, n_heads_kept}
+                                                        the kept heads' faithfulness under the ablations
+                                                        weights can hold, beside pruning.ablation's
 
 Format versions: 1, untyped (fields as above, some absent in older files); 2, written by
 `save_circuit` from a `Circuit`. The reader takes both and checks the type of every field it
@@ -99,6 +105,8 @@ class Circuit:
     corruption: str | None = None  # the task's corruption where it has a choice (ioi: s2 | abc)
     heldout_templates: dict[str, Any] | None = None  # faithfulness on the task's held-out templates
     mib: dict[str, Any] | None = None  # MIB's (CPR from signed ranking, CMD from |score|) pair, both curves
+    head_means: torch.Tensor | None = None  # (L, H*head_dim): per-head mean z, one vector per head
+    weight_ablations: dict[str, Any] | None = None  # faithfulness under mean / zero (a weight export's)
     format_version: int = FORMAT_VERSION
 
     # Read-only mapping access for callers written against the untyped dict (`c["head_mask"]`,
@@ -122,7 +130,7 @@ _ORDER = ("edge_mask", "mean_z", "upstream_nodes", "downstream_nodes", "graph", 
           "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity", "n_removed",
           "n_heads_removed", "metrics", "curve", "cpr", "cmd", "n_eval_examples", "config", "versions",
           "imported_from", "curve_definition", "selection", "stability", "task", "corruption", "heldout_templates",
-          "mib")
+          "mib", "head_means", "weight_ablations")
 _FIELD_TYPES: dict[str, Any] = {
     "edge_mask": _TENSOR, "mean_z": _TENSOR, "upstream_nodes": list, "downstream_nodes": list, "graph": dict,
     "mlp_mask": _TENSOR, "prepend_bos": bool, "d_model": int, "model_name": str, "model_revision": str,
@@ -131,7 +139,8 @@ _FIELD_TYPES: dict[str, Any] = {
     "target_sparsity": _NUMBER, "achieved_sparsity": _NUMBER, "n_removed": int, "n_heads_removed": int,
     "metrics": dict, "curve": list, "cpr": _NUMBER, "cmd": _NUMBER, "n_eval_examples": int, "config": dict,
     "versions": dict, "imported_from": dict, "curve_definition": str, "selection": str, "stability": dict,
-    "task": str, "corruption": str, "heldout_templates": dict, "mib": dict}
+    "task": str, "corruption": str, "heldout_templates": dict, "mib": dict,
+    "head_means": _TENSOR, "weight_ablations": dict}
 # Written as None when unset (readers of format 1 saw the key); the others are left out when unset.
 _STORED_WHEN_NONE = {"mean_z", "graph", "mlp_mask", "prepend_bos", "d_model", "model_revision", "mlp_scores",
                      "embed_score", "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity",
@@ -228,13 +237,18 @@ def _check(path: Path, raw: dict[str, Any]) -> Circuit:
     mask = raw["head_mask"]
     if mask.dim() != 2:
         raise CircuitFileError(f"{path} is not a CircuitKit circuit: head_mask is not a (layers, heads) tensor.")
-    for name, dims in (("head_scores", 2), ("mlp_mask", 1), ("mlp_scores", 1), ("edge_mask", 2), ("edge_scores", 2)):
+    for name, dims in (("head_scores", 2), ("mlp_mask", 1), ("mlp_scores", 1), ("edge_mask", 2), ("edge_scores", 2),
+                       ("head_means", 2)):
         value = raw.get(name)
         if value is not None and value.dim() != dims:
             raise CircuitFileError(f"{path}: {name} has {value.dim()} dimensions, expected {dims}.")
     if tuple(raw["head_scores"].shape) != tuple(mask.shape):
         raise CircuitFileError(f"{path}: head_scores {tuple(raw['head_scores'].shape)} and head_mask"
                                f" {tuple(mask.shape)} differ in shape.")
+    means = raw.get("head_means")
+    if means is not None and (means.shape[0] != mask.shape[0] or means.shape[1] % mask.shape[1]):
+        raise CircuitFileError(f"{path}: head_means {tuple(means.shape)} does not fit head_mask {tuple(mask.shape)}"
+                               " (one row per layer, n_heads x head_dim wide).")
     if raw.get("mlp_mask") is not None and raw["mlp_mask"].shape[0] != mask.shape[0]:
         raise CircuitFileError(f"{path}: mlp_mask has {raw['mlp_mask'].shape[0]} layers, head_mask {mask.shape[0]}.")
     known = {k: v for k, v in raw.items() if k in _FIELD_TYPES and not (k == "scope" and v is None)}

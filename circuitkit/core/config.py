@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -26,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from circuitkit.core.errors import EXIT_USAGE, UserError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-ALL_STAGES = ("preflight", "data", "attribution", "pruning", "grads")
+ALL_STAGES = ("preflight", "data", "attribution", "pruning", "export", "grads")
 
 
 # torch.manual_seed and numpy take seeds up to 2**32 - 1 (numpy) / 2**64 - 1 (torch); the smaller
@@ -41,9 +42,13 @@ class ConfigError(UserError, ValueError):
 
 
 def _f(default: Any, doc: str, *, choices: Iterable[Any] | None = None, ge: float | None = None,
-       gt: float | None = None, lt: float | None = None, le: float | None = None) -> Any:
-    """A dataclass field with its documentation and allowed values in the metadata."""
-    meta = {"doc": doc, "choices": tuple(choices) if choices else None, "ge": ge, "gt": gt, "lt": lt, "le": le}
+       gt: float | None = None, lt: float | None = None, le: float | None = None, finite: bool = True) -> Any:
+    """A dataclass field with its documentation and allowed values in the metadata.
+
+    finite: a float key refuses NaN and ±infinity unless this is False (its doc then says what they mean).
+    """
+    meta = {"doc": doc, "choices": tuple(choices) if choices else None, "ge": ge, "gt": gt, "lt": lt, "le": le,
+            "finite": finite}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -99,8 +104,10 @@ class ModelConfig:
 
 @dataclass
 class DataParams:
-    num_examples: int = _f(128, "examples used for attribution", ge=1)
-    eval_examples: int = _f(64, "held-out examples for faithfulness", ge=1)
+    # Upper bounds: generating and evaluating the pairs is sequential work with no output meanwhile;
+    # a faithfulness mean over 100k pairs already has a standard error of 0.3% of the per-pair spread.
+    num_examples: int = _f(128, "examples used for attribution (at most 1000000)", ge=1, le=1_000_000)
+    eval_examples: int = _f(64, "held-out examples for faithfulness (at most 100000)", ge=1, le=100_000)
     data_path: Optional[str] = _f(None, "file or directory for the mmlu and jsonl tasks")
     seq_len: int = _f(128, "sequence length of synthetic tasks (induction)", ge=8)
     prepend_bos: bool = _f(True, "every prompt starts with the tokenizer's BOS token, added when the tokenizer"
@@ -137,7 +144,8 @@ class DataParams:
                                                   " attribution never saw; ioi has them), on which pruning also"
                                                   " measures faithfulness, with the same ablation, beside the"
                                                   " in-distribution figure; null = eval_examples for a task with"
-                                                  " held-out templates (ioi), off for the others; 0 = off", ge=0)
+                                                  " held-out templates (ioi), off for the others; 0 = off; at"
+                                                  " most 100000, as eval_examples", ge=0, le=100_000)
 
 
 # The attribution methods that integrate along a path: they read discovery.ig_steps and ig_rule.
@@ -212,6 +220,20 @@ class PruningConfig:
 def mask_steps_of(p: PruningConfig) -> int:
     """pruning.mask_steps, or its default for the scope when null (40 over heads, 20 over edges)."""
     return p.mask_steps if p.mask_steps is not None else (40 if p.scope == "heads" else 20)
+
+
+@dataclass
+class ExportConfig:
+    format: Optional[str] = _f(None, "the export stage (after pruning): hf = a Hugging Face checkpoint of the model"
+                               " with the circuit's removed heads folded into its weights (safetensors, config,"
+                               " tokenizer, circuitkit_export.json provenance), loadable by plain"
+                               " AutoModelForCausalLM.from_pretrained; null = no export (the stage is skipped)",
+                               choices=("hf",))
+    ablation: str = _f("mean", "what a removed head becomes in the weights: mean = its mean output over every token of"
+                       " the attribution examples (one vector per head) folded into the attention output"
+                       " projection's bias; zero = nothing. The pruning stage reports the circuit's faithfulness"
+                       " under both (circuit.pt weight_ablations)", choices=("mean", "zero"))
+    dir: Optional[str] = _f(None, "where the checkpoint directory is written; null = <run dir>/pruned_model")
 
 
 @dataclass
@@ -302,6 +324,7 @@ class AppConfig:
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "model group"})
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig, metadata={"doc": "discovery group"})
     pruning: PruningConfig = field(default_factory=PruningConfig, metadata={"doc": "pruning group"})
+    export: ExportConfig = field(default_factory=ExportConfig, metadata={"doc": "export group"})
     grads: GradsConfig = field(default_factory=GradsConfig, metadata={"doc": "grads group"})
     preflight: PreflightConfig = field(default_factory=PreflightConfig, metadata={"doc": "preflight group"})
     report: ReportConfig = field(default_factory=ReportConfig, metadata={"doc": "report group"})
@@ -312,7 +335,7 @@ class AppConfig:
 
 
 GROUPS = {"model": ModelConfig, "discovery": DiscoveryConfig, "pruning": PruningConfig,
-          "grads": GradsConfig, "preflight": PreflightConfig, "report": ReportConfig}
+          "export": ExportConfig, "grads": GradsConfig, "preflight": PreflightConfig, "report": ReportConfig}
 
 
 def register_configs() -> None:
@@ -405,6 +428,14 @@ def unknown_key_error(path: str, cls: type) -> ConfigError:
     return ConfigError(msg)
 
 
+def _is_finite(value: float) -> bool:
+    """NaN, ±inf and an integer beyond float's range are not finite."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check_value(path: str, value: Any, tp: Any, meta: Mapping[str, Any]) -> Any:
     """Validate one leaf value; returns it (ints accepted for floats)."""
     if tp is Any:  # free-form keys (model.device_map, model.max_memory): checked in _check_placement
@@ -439,6 +470,9 @@ def _check_value(path: str, value: Any, tp: Any, meta: Mapping[str, Any]) -> Any
     if not ok:
         raise ConfigError(f"Config key '{path}' = {value!r} ({type(value).__name__}) has the wrong type;"
                           f" it must be {allowed}.")
+    if base is float and meta.get("finite", True) and not _is_finite(value):
+        raise ConfigError(f"Config key '{path}' = {value!r} is not a finite number; it must be {allowed} (NaN and"
+                          " infinity are refused: give a number).")
     if meta.get("choices") and value not in meta["choices"]:
         close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -655,7 +689,7 @@ def check_overrides(overrides: Iterable[str], ranges: bool = True) -> None:
         # A sweep's elements come raw (a quoted value is a QuotedString): unquote them as Hydra does for a job.
         values = ([_unquoted(v) for v in ov.sweep_iterator()] if ov.is_sweep_override() else [ov.value()])
         if not ranges:
-            meta = {"doc": meta.get("doc")}
+            meta = {"doc": meta.get("doc"), "finite": False}  # NaN / inf: out of range, the job's own error
         for v in values:
             _check_value(key, v, leaf_tp, meta)
 

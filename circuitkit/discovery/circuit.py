@@ -78,6 +78,18 @@ def stability_rows(c: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def weight_ablation_rows(c: Circuit) -> list[tuple[str, str]]:
+    """`show` rows for `weight_ablations`: the faithfulness a weight export keeps (mean / zero)
+    beside the pruning ablation's figure, and how far apart they are."""
+    w = c.get("weight_ablations")
+    if not w:
+        return []
+    ref, ref_f = w["reference_ablation"], w["reference_faithfulness"]
+    return [(f"faithfulness, {name} ablation (weights)", f"{w[name]['faithfulness']:.4f} ({ref} ablation:"
+             f" {ref_f:.4f}, difference {w[name]['faithfulness'] - ref_f:+.4f}); `circuitkit export --format hf"
+             f" --ablation {name}`") for name in ("mean", "zero") if name in w]
+
+
 def show_circuit(path: Path, console: Console | None = None) -> None:
     """Print a summary table and the kept heads of circuit.pt."""
     c = load_circuit(path)
@@ -102,7 +114,7 @@ def show_circuit(path: Path, console: Console | None = None) -> None:
         ("CPR / CMD", f"{c.get('cpr', float('nan')):.4f} / {c.get('cmd', float('nan')):.4f}"),
         ("edge scores", "yes" if c.get("edge_scores") is not None else "no"),
     ]
-    rows += stability_rows(c)
+    rows += stability_rows(c) + weight_ablation_rows(c)
     for key, value in rows:
         summary.add_row(key, escape(value))
     console.print(summary)

@@ -97,6 +97,23 @@ def mean_z(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tens
     return (total / count.clamp(min=1)).cpu()
 
 
+@torch.no_grad()
+def head_means(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tensor:
+    """Mean of z over every token of the clean examples, one vector per head (not per position):
+    (n_layers, n_heads * head_dim) float32. What a weight export folds into the output
+    projection's bias (`circuitkit.discovery.export.hf`); padding is left out."""
+    device = input_device(adapter.model)
+    total, count = None, 0.0
+    for batch in data.batches(batch_size):
+        batch = batch.to(device)
+        rec = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
+        w = batch.attention_mask.float()[:, :, None]  # (B, T, 1)
+        part = torch.stack([(zl.float() * w).sum((0, 1)) for zl in rec.z])  # (L, H*dh)
+        total = part if total is None else total + part
+        count += float(w.sum())
+    return (total / max(count, 1.0)).cpu()
+
+
 @contextmanager
 def ablate_heads(adapter: ModelAdapter, removed: torch.Tensor, values: list[torch.Tensor | None]) -> Iterator[None]:
     """Replace z of removed heads (mask (L, H), True = removed) with `values[layer]`.
@@ -160,6 +177,31 @@ def faithfulness(m_circuit: float, m_full: float, m_empty: float) -> float:
     """(m(circuit) - m(empty)) / (m(full) - m(empty)); nan when full and empty coincide."""
     denom = m_full - m_empty
     return (m_circuit - m_empty) / denom if abs(denom) > 1e-12 else float("nan")
+
+
+WEIGHT_ABLATIONS = ("mean", "zero")  # what a weight export can hold (one vector per head, or 0)
+
+
+def weight_ablation_faithfulness(adapter: ModelAdapter, held_out: TaskData, metric: str, head_mask: torch.Tensor,
+                                 means: torch.Tensor, batch_size: int, reference: tuple[str, float]) -> dict:
+    """The circuit's faithfulness under the ablations a weight export can hold, on the held-out pairs:
+
+        {"mean": {full, empty, circuit, faithfulness}, "zero": {...}, "reference_ablation": a,
+         "reference_faithfulness": f, "n_heads_kept": k}
+
+    mean: each removed head's z replaced by its mean over every token of the attribution examples
+    (`head_means`, one vector per head); zero: 0. `reference` is (pruning.ablation, its
+    faithfulness), the counterfactual figure by default, which no weights can hold.
+    """
+    out: dict = {"reference_ablation": reference[0], "reference_faithfulness": reference[1],
+                 "n_heads_kept": int(head_mask.sum())}
+    for ablation in WEIGHT_ABLATIONS:
+        values = means[:, None, :] if ablation == "mean" else None  # (L, 1, H*dh): every position alike
+        evaluate = Evaluator(adapter, held_out, metric, ablation, values, batch_size)
+        full, empty, circuit = evaluate(None), evaluate(torch.zeros_like(head_mask)), evaluate(head_mask)
+        out[ablation] = {"full": full, "empty": empty, "circuit": circuit,
+                         "faithfulness": faithfulness(circuit, full, empty)}
+    return out
 
 
 def curve_count(percent: float, n_total: int) -> int:
@@ -279,6 +321,10 @@ def circuit_fields(found: PrunedCircuit) -> dict:
         mib               dict | None: MIB's (CPR, CMD) pair at edge scope, corrupted ablation, top_k
                           (`mib_pair`: cpr from the signed ranking's curve, cmd from the |score|
                           ranking's, both curves); None in any other setting
+        head_means        (L, H*head_dim) float32: each head's mean z over every token of the
+                          attribution examples (`head_means`), what a weight export folds in
+        weight_ablations  dict: the kept heads' faithfulness under mean / zero ablation with those
+                          means, beside pruning.ablation's (`weight_ablation_faithfulness`)
     """
     return dict(found.extra)
 
@@ -380,6 +426,10 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
                                          p.bootstrap_resamples, 0)
     extra = {"curve_definition": curve_definition(p.scope, p.ablation, p.rank_by, selection_rule, metric, mib),
              "selection": selection_rule, "stability": stable, "heldout_templates": None, "mib": mib}
+    # What a weight export can hold (mean or zero, never a counterfactual), measured on the same pairs.
+    extra["head_means"] = head_means(adapter, attr_data, batch_size)
+    extra["weight_ablations"] = weight_ablation_faithfulness(adapter, held_out, metric, head_mask,
+                                                             extra["head_means"], batch_size, (p.ablation, f))
     if heldout is not None and len(heldout) > 0:
         other = (Evaluator if p.scope == "heads" else EdgeEvaluator)(adapter, heldout, metric, p.ablation, means,
                                                                      batch_size)

@@ -312,3 +312,112 @@ class ModelAdapter:
         lin = self.z_input(layer)
         w = lin.weight  # (d_model, n_heads * head_dim)
         return w.view(self.d_model, self.n_heads, self.head_dim).permute(1, 0, 2), lin.bias
+
+    # -- a circuit written into the weights (circuitkit.discovery.export.hf) -----------------
+    # The config field that gives the attention linears (the output projection among them) a bias,
+    # per model_type; a model_type missing here has no such field (its output projection's bias
+    # is either always there, as GPT-2's, or never, as Qwen2's and Mistral's).
+    attention_bias_fields: ClassVar[dict[str, str]] = {}
+    # Whether a layer can hold fewer heads than its config's n_heads implies: True where the config
+    # states head_dim apart from d_model / n_heads and Q, K, V are separate projections.
+    kv_groups_removable: ClassVar[str | None] = None  # None = yes, else why not (for the provenance)
+
+    def _display(self) -> str:
+        return self.model_types.get(getattr(self.config, "model_type", ""), self.family)
+
+    def ensure_o_bias(self) -> dict[str, Any]:
+        """Give every layer's attention output projection a bias (zeros), so a constant can be
+        folded into it; returns the config fields changed ({} when it had one already).
+
+        Where one config field adds biases to every attention linear (Llama's `attention_bias`), the
+        Q, K and V biases it also creates are zeros, so the model computes what it did.
+        """
+        if all(self.z_input(layer).bias is not None for layer in range(self.n_layers)):
+            return {}
+        model_type = getattr(self.config, "model_type", None)
+        flag = self.attention_bias_fields.get(model_type)
+        if flag is None:
+            from circuitkit.core.errors import UserError
+
+            raise UserError(f"mean ablation cannot be folded into {self._display()}'s weights: its attention output"
+                            " projection has no bias and no config field adds one (transformers builds it without);"
+                            " export with --ablation zero (export.ablation=zero).", exit_code=2)
+        layout = self.linear_layout(self.shape())
+        for layer in range(self.n_layers):
+            for path, role, _ in layout:
+                if role != ATTENTION:
+                    continue
+                lin = attrgetter(path)(self.blocks[layer])
+                if lin.bias is None:
+                    lin.bias = nn.Parameter(torch.zeros(lin.out_features, dtype=lin.weight.dtype,
+                                                        device=lin.weight.device), requires_grad=False)
+        setattr(self.config, flag, True)
+        return {flag: True}
+
+    @torch.no_grad()
+    def fold_head_ablation(self, layer: int, heads: list[int], mean_z: torch.Tensor | None) -> None:
+        """Make removed heads' ablation live in the weights of `layer`: their slices of W_O zeroed
+        and, for a mean ablation, Σ_h W_O[h] mean_z[h] added to the output projection's bias.
+
+        mean_z: (n_heads·head_dim,) the heads' mean z (one vector per head, not per position), or
+        None for zero ablation. The output projection then computes exactly what it computes on z
+        with the removed heads' slices replaced by mean_z (call `ensure_o_bias` first).
+        """
+        if not heads:
+            return
+        w_o, bias = self.o_weights(layer)  # (H, d_model, head_dim), a view of the weight
+        if mean_z is not None:
+            if bias is None:
+                raise ValueError(f"layer {layer}'s attention output projection has no bias: call ensure_o_bias first")
+            means = mean_z.float().view(self.n_heads, self.head_dim)[heads]  # (k, head_dim)
+            shift = torch.einsum("kdh,kh->d", w_o[heads].float(), means.to(w_o.device))
+            bias.add_(shift.to(bias.dtype))
+        w_o[heads] = 0
+
+    @torch.no_grad()
+    def remove_kv_groups(self, layer: int, groups: list[int]) -> None:
+        """Physically remove whole KV groups of `layer` (each KV head with all of its query heads:
+        query head h reads KV head h // (n_heads / n_kv_heads)): the rows of Q, K and V and the
+        columns of the output projection. The config's head counts are the caller's (`set_head_counts`),
+        as every layer must lose as many."""
+        if self.kv_groups_removable is not None:
+            raise ValueError(f"{self._display()}: {self.kv_groups_removable}")
+        if not groups:
+            return
+        attn, dh = self.attn(layer), self.head_dim
+        n_kv = attn.k_proj.out_features // dh
+        n_q = attn.q_proj.out_features // dh
+        per_group = n_q // n_kv
+        keep_kv = [g for g in range(n_kv) if g not in set(groups)]
+        keep_q = [h for h in range(n_q) if h // per_group not in set(groups)]
+
+        def units(keep: list[int]) -> torch.Tensor:
+            return torch.tensor([u * dh + i for u in keep for i in range(dh)], device=attn.q_proj.weight.device)
+
+        _keep_rows(attn.q_proj, units(keep_q))
+        _keep_rows(attn.k_proj, units(keep_kv))
+        _keep_rows(attn.v_proj, units(keep_kv))
+        _keep_columns(self.z_input(layer), units(keep_q))
+
+    def set_head_counts(self, n_heads: int, n_kv_heads: int) -> dict[str, int]:
+        """Set the config's per-layer head counts (after `remove_kv_groups` in every layer), head_dim
+        stated explicitly; returns the fields set."""
+        changes = {"num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads, "head_dim": self.head_dim}
+        for key, value in changes.items():
+            setattr(self.config, key, value)
+        self._dims = self.read_dims(self.config)
+        return changes
+
+
+def _keep_rows(lin: nn.Module, rows: torch.Tensor) -> None:
+    """nn.Linear: keep the output rows `rows` (weight and bias)."""
+    lin.weight = nn.Parameter(lin.weight.index_select(0, rows).clone(), requires_grad=False)
+    if lin.bias is not None:
+        lin.bias = nn.Parameter(lin.bias.index_select(0, rows).clone(), requires_grad=False)
+    lin.out_features = lin.weight.shape[0]
+
+
+def _keep_columns(lin: nn.Module, columns: torch.Tensor) -> None:
+    """nn.Linear: keep the input columns `columns` (the bias is per output, unchanged)."""
+    lin.weight = nn.Parameter(lin.weight.index_select(1, columns).clone(), requires_grad=False)
+    lin.in_features = lin.weight.shape[1]

@@ -30,6 +30,7 @@ class Gemma3(Llama):
     softcap_field = "final_logit_softcapping"
     norms_per_layer = 4
     qk_norms = True
+    attention_bias_fields = {"gemma3_text": "attention_bias"}  # the multimodal class's text config too
 
     @classmethod
     def count_extras(cls, cfg, hf_config) -> dict:

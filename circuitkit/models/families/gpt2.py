@@ -25,6 +25,9 @@ class GPT2(ModelAdapter):
     # Activations saved per layer (circuitkit.preflight.memory): GPT-2's tanh GELU saves 4·f.
     act_per_layer = (8.125, 4.0)
     recomputed_c_f = 1.0  # the recomputed or fused GELU keeps its input only
+    # c_proj always has a bias. transformers 5 dropped config.pruned_heads, and head_dim is n_embd / n_head.
+    kv_groups_removable = ("a layer cannot hold fewer heads (head_dim is n_embd / n_head, and transformers 5 no"
+                           " longer reads config.pruned_heads): removed heads are zeroed in W_O, not cut")
 
     @classmethod
     def linear_layout(cls, s: dict[str, Any]) -> list[tuple[str, str, tuple[int, int]]]:

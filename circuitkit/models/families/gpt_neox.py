@@ -25,6 +25,9 @@ class GPTNeoX(ModelAdapter):
     block_prefix = "gpt_neox.layers.{l}."
     # The MLP saves only the GELU input (1·f).
     act_per_layer = (5.125, 1.0)
+    attention_bias_fields = {"gpt_neox": "attention_bias"}  # query_key_value's and dense's biases
+    kv_groups_removable = ("a layer cannot hold fewer heads (head_dim is hidden_size / num_attention_heads):"
+                           " removed heads are zeroed in W_O, not cut")
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

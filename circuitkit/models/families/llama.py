@@ -40,6 +40,8 @@ class Llama(ModelAdapter):
     act_per_layer = (5.09, 3.0)
     norms_per_layer = 2  # d-wide norms of a block
     qk_norms = False  # per-head q/k norms of width head_dim (Gemma 3, Qwen3)
+    # attention_bias adds q/k/v/o biases; Mistral's and Qwen2's o_proj has none, whatever the config.
+    attention_bias_fields = {"llama": "attention_bias"}
 
     @classmethod
     def linear_layout(cls, s: dict[str, Any]) -> list[tuple[str, str, tuple[int, int]]]:

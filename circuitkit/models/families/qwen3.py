@@ -18,6 +18,7 @@ class Qwen3(Llama):
     # Llama's 5.09 plus what the per-head q/k norms save (1.6·N·d here).
     act_per_layer = (6.69, 3.0)
     qk_norms = True
+    attention_bias_fields = {"qwen3": "attention_bias"}
 
     @classmethod
     def count_extras(cls, cfg, hf_config) -> dict:

@@ -25,6 +25,7 @@ class Qwen3MoE(Qwen3):
     model_types = {"qwen3_moe": "Qwen3-MoE"}
     paths = {**Qwen3.paths, "mlp_out": None}
     fused_experts = True
+    attention_bias_fields = {"qwen3_moe": "attention_bias"}
     # Measured with scripts/tools/measure_act_coefficients.py on tiny-qwen3-moe's shape (d 64, top_k 2
     # of 4 experts, f = top_k·f_e): c_d holds the routed copies of the MLP input (top_k·d) and
     # the router's float32 probabilities (E per token), so it holds for that routing only; see
