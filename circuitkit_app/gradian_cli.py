@@ -14,6 +14,19 @@ from circuitkit.core.errors import UserError, run_entry
 from gradian import cli as gradian_cli
 
 
+def _check_page(page: Path, args) -> None:
+    """`rank --report PAGE`, checked before the ranking runs: a file path that is neither --out (the
+    rows the page is drawn from) nor anything the ranking reads, and writable."""
+    from circuitkit.core.io import check_not_an_input, check_writable
+
+    example = str(Path(args.out).with_suffix(".html")) if Path(args.out).suffix != ".html" else f"{args.out}.report.html"
+    if page.is_dir():
+        raise UserError(f"--report {str(page)!r} is a directory, but the page is one HTML file: give its file name,"
+                        f" e.g. {page / Path(example).name}.", exit_code=2)
+    check_not_an_input(page, "--report", [("--out", Path(args.out)), *gradian_cli.rank_inputs(args)], example)
+    check_writable(page, "--report")
+
+
 def _main(argv: list[str]) -> int:
     from circuitkit_app.report import write_rank_report
 
@@ -29,9 +42,7 @@ def _main(argv: list[str]) -> int:
             raise UserError("--report needs --out RANK.jsonl: the page is drawn from the ranked rows written there.",
                             exit_code=2)
         page = Path(args.report) if args.report else Path(args.out).with_suffix(".html")
-        from circuitkit.core.io import check_writable
-
-        check_writable(page, "--report")
+        _check_page(page, args)
         code = gradian_cli.rank_command(args)
         if code:
             return code

@@ -40,6 +40,7 @@ import torch
 
 from circuitkit.core.io import atomic_write_json
 from gradian.curvature import CURVATURE_DAMPING, MAX_FACTOR_WIDTH, FactorSums
+from gradian.index_files import REBUILD, IndexIntegrityError, read_recorded
 from gradian.projection import _MAX_FACTOR_RATIO, Projector, balanced_width, kronecker_factors
 from gradian.whitening import shared_file
 
@@ -202,33 +203,60 @@ def allocated_projector(shapes: Mapping[str, tuple[int, int]], kind: str, projec
 
     record = shared_file(index_dir, ALLOCATION_FILE, settings_json, read_settings, write, recorded,
                          "width allocation")
-    stored = json.loads((Path(index_dir) / ALLOCATION_FILE).read_text())
-    widths = stored.get("widths") or {}
-    missing = [n for n in shapes if not isinstance(widths.get(n), int)]
-    if missing:
-        raise ValueError(f"{Path(index_dir) / ALLOCATION_FILE} gives no width for {missing[0]}.")
+    widths = read_allocation(index_dir, record, list(shapes))
     record = {"kind": "spectrum", **record, **knobs, "budget": len(shapes) * projection_dim,
               "total": sum(widths[n] for n in shapes)}
     return Projector(shapes, kind, projection_dim, seed, widths={n: widths[n] for n in shapes}, allocation=record)
 
 
+def read_allocation(index_dir: Path, record: Mapping, names: list[str]) -> dict[str, int]:
+    """name -> width of `names` from ``allocation.json`` in `index_dir`, read only through its record's
+    sha256 (`gradian.index_files.read_recorded`: inside the index directory, unchanged since written).
+    IndexIntegrityError (exit code 1) naming the file when it is missing, linked outside the index,
+    changed, not JSON, or gives a module no width."""
+    path = Path(index_dir) / ALLOCATION_FILE
+    data = read_recorded(Path(index_dir), record, ALLOCATION_FILE, "the width allocation")
+    try:
+        stored = json.loads(data.decode("utf-8"))
+    except ValueError as err:  # UnicodeDecodeError is one
+        raise IndexIntegrityError(f"{path} (the width allocation) is not JSON ({err}); {REBUILD}.") from None
+    widths = stored.get("widths") if isinstance(stored, dict) else None
+    widths = widths if isinstance(widths, dict) else {}
+    missing = [n for n in names if not isinstance(widths.get(n), int) or isinstance(widths.get(n), bool)]
+    if missing:
+        raise IndexIntegrityError(f"{path} (the width allocation) gives no width for {missing[0]}; {REBUILD}.")
+    return {n: widths[n] for n in names}
+
+
+def check_allocation(index_dir: Path, proj: Mapping) -> None:
+    """A projection entry's allocation, as a query or a resume needs it: nothing for a uniform
+    projection; else a spectrum record whose ``allocation.json`` reads through its sha256 with a width
+    for every module (`read_allocation`). IndexIntegrityError naming the file and the problem otherwise.
+    (The widths used are the manifest's, which `projection_sha256` covers.)"""
+    record = proj.get("allocation")
+    if record is None:
+        return
+    if not isinstance(record, Mapping) or record.get("kind") != "spectrum":
+        raise IndexIntegrityError(f"{Path(index_dir) / 'manifest.json'}: projection.allocation {str(record)[:60]!r}"
+                                  f" is not a spectrum allocation record; {REBUILD}.")
+    modules = proj.get("modules")
+    read_allocation(index_dir, record, list(modules) if isinstance(modules, Mapping) else [])
+
+
 def allocation_problems(index_dir: Path, proj: Mapping) -> list[str]:
-    """What `gradian inspect --verify` reports of a projection's allocation record: its file missing or
-    changed, or widths that do not sum to the recorded total. [] for a uniform projection."""
+    """What `gradian inspect --verify` reports of a projection's allocation record: its file missing,
+    linked outside the index, changed, or not giving the manifest's widths (`check_allocation`), or
+    widths that do not sum to the recorded total. [] for a uniform projection."""
     record = proj.get("allocation")
     if record is None:
         return []
-    if not isinstance(record, Mapping) or record.get("kind") != "spectrum":
-        return [f"projection.allocation {str(record)[:60]!r} is not a spectrum allocation record"]
-    from circuitkit.core.io import sha256_file
-
     problems = []
-    path = Path(index_dir) / str(record.get("file"))
-    if record.get("file") != ALLOCATION_FILE or not path.is_file():
-        problems.append(f"{path.name} (the width allocation) is missing")
-    elif sha256_file(path) != record.get("sha256"):
-        problems.append(f"{path.name} has another sha256 than the manifest records: the width allocation was"
-                        " changed after it was written")
+    try:
+        check_allocation(index_dir, proj)
+    except IndexIntegrityError as err:
+        problems.append(str(err).split(f"; {REBUILD}")[0])
+    if not isinstance(record, Mapping) or record.get("kind") != "spectrum":
+        return problems
     widths = [e.get("width") for e in (proj.get("modules") or {}).values() if isinstance(e, Mapping)]
     if sum(w for w in widths if isinstance(w, int)) != record.get("total"):
         problems.append(f"the modules' widths sum to {sum(w for w in widths if isinstance(w, int))}, the allocation"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -95,7 +96,15 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
         return 0
     for problem in problems:
         print_error(problem, console, label="problem")
-    print_error(f"{index_dir}: {len(problems)} problem(s); rebuild the index into an empty grads.index_dir"
+    from gradian.allocation import ALLOCATION_FILE
+    from gradian.curvature import CURVATURE_FILE
+    from gradian.projection import WHITENING_FILE
+
+    # The index's files the problems name, so the last line says where they are.
+    named = [n for n in (*sorted(reader.manifest["shards"]), WHITENING_FILE, ALLOCATION_FILE, CURVATURE_FILE)
+             if any(n in p for p in problems)]
+    where = f" (in {', '.join(named[:5])}{' …' if len(named) > 5 else ''})" if named else ""
+    print_error(f"{index_dir}: {len(problems)} problem(s){where}; rebuild the index into an empty grads.index_dir"
                 " (or resume it with the same command if only shards are missing).", console)
     return 1
 
@@ -167,14 +176,34 @@ def _results_table(title: str, results: list[dict]) -> Table:
     return table
 
 
+def rank_inputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """What `gradian rank` reads (the queries, the index and its training data, the circuit): no file
+    it writes (--out, --report) may be one of them (`circuitkit.core.io.check_not_an_input`)."""
+    import json
+
+    inputs = [("--queries", Path(args.queries)), ("the index", Path(args.index))]
+    if args.circuit:
+        inputs.append(("--circuit", Path(args.circuit)))
+    try:
+        data = json.loads((Path(args.index) / "manifest.json").read_text()).get("data_file")
+    except (OSError, ValueError, AttributeError):
+        data = None  # the index's reader names what is wrong with it
+    if isinstance(data, str) and data:
+        inputs.append(("the index's training data", Path(data)))
+    return inputs
+
+
 def rank_command(args: argparse.Namespace) -> int:
     """`gradian rank`: print the top rows per query and for the aggregate; exit 2 on bad input.
 
     With --out every row goes to the file and the terminal gets a short summary (the first
     queries' first ranks and the aggregate's).
     """
+    from circuitkit.core.io import check_not_an_input
     from gradian.rank import rank
 
+    if args.out:
+        check_not_an_input(Path(args.out), "--out", rank_inputs(args))
     try:
         results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
                        out_path=args.out, verify=not args.no_verify, circuit=args.circuit,

@@ -258,11 +258,13 @@ def shards_digest(manifest: dict[str, Any]) -> str:
 
 def current_record(index_dir: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
     """The manifest's ``curvature`` entry if its file is there with that sha256 and it was made
-    from the shards the manifest lists now; else None."""
+    from the shards the manifest lists now; else None. A file linked outside the index directory
+    is refused (IndexIntegrityError, `gradian.index_files.confined_path`)."""
     from circuitkit.core.io import sha256_file
+    from gradian.index_files import confined_path
 
     record = manifest.get("curvature")
-    path = Path(index_dir) / CURVATURE_FILE
+    path = confined_path(index_dir, CURVATURE_FILE, what="the file of the curvature")
     if (not isinstance(record, dict) or record.get("file") != CURVATURE_FILE or not path.is_file()
             or record.get("shards_sha256") != shards_digest(manifest) or sha256_file(path) != record.get("sha256")):
         return None
@@ -282,7 +284,13 @@ def verify_curvature(reader) -> list[str]:
     if record is None:
         return [f"no {CURVATURE_FILE} recorded although the index is complete and holds K-FAC factors: resume the"
                 " index with the same command to write it"]
-    if current_record(index_dir, manifest) is None:
+    from gradian.index_files import REBUILD, IndexIntegrityError
+
+    try:
+        current = current_record(index_dir, manifest)
+    except IndexIntegrityError as err:  # linked outside the index directory
+        return [str(err).split(f"; {REBUILD}")[0]]
+    if current is None:
         return [f"{CURVATURE_FILE} is missing, changed after it was written, or was made from other shards than"
                 " the manifest lists: resume the index with the same command to rewrite it"]
     try:

@@ -40,7 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROJECT = "circuitkit"
+from circuitkit.core import DISTRIBUTION as PROJECT
+
 PACKAGES = ("torch", "transformers", "hydra-core", "omegaconf", "safetensors", "rich", "numpy")
 SEED_NOTE = "seed: from config key `seed` (default 0); projection matrices from `grads.projection_seed` (default 0)"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")

@@ -12,9 +12,10 @@ rewritten atomically (under a file lock shared by the workers) after every shard
 run resumes from the shards whose file and sha256 match the manifest, and the finished index
 is byte-identical to an uninterrupted one: nothing in it depends on time, order or worker.
 
-What the manifest names is not trusted: every shard it lists must be a plain file name inside
-the index directory (symlinks resolved), and a shard is checked against its sha256 as it is
-read (`IndexReader.shards(verify=True)`, the default). `IndexReader.verify()` checks the whole
+What the manifest names is not trusted: every file an index reads (the manifest, its shards,
+projection.safetensors, allocation.json, curvature.safetensors) must be a plain file name inside
+the index directory (symlinks resolved; `gradian.index_files`), and a shard is checked against
+its sha256 as it is read (`IndexReader.shards(verify=True)`, the default). `IndexReader.verify()` checks the whole
 index and lists every problem (`gradian inspect --verify`).
 """
 
@@ -37,6 +38,12 @@ from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
 from gradian.header import check_header
+from gradian.index_files import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
+    MANIFEST,
+    REBUILD,
+    IndexIntegrityError,
+    confined_path,
+)
 from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
@@ -51,7 +58,6 @@ from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 FORMAT_VERSION = 6
 # Optional shard tensors besides grads, norms and rows.
 OPTIONAL_TENSORS = ("sources", "second_moment")
-MANIFEST = "manifest.json"
 
 
 class IndexMismatchError(ValueError):
@@ -62,10 +68,6 @@ class StorageOverflowError(OverflowError):
     """Values do not fit the storage dtype (float16 tops out at 65504)."""
 
 
-class IndexIntegrityError(UserError, ValueError):
-    """The directory is not a readable index, or its files are not what its manifest says."""
-
-
 class ConcurrentWriterError(UserError, RuntimeError):
     """Another process holds the lock of a shard this worker was about to write."""
 
@@ -73,32 +75,11 @@ class ConcurrentWriterError(UserError, RuntimeError):
 # Header keys every reader needs, with their JSON types.
 _REQUIRED = {"format_version": int, "n_rows": int, "rows_per_shard": int, "storage_dtype": str, "shards": dict,
              "complete": bool}
-_REBUILD = "rebuild the index into an empty grads.index_dir with `gradian index` (or the grads stage)"
+_REBUILD = REBUILD
 
 
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
-
-
-def confined_path(index_dir: Path, name: object, manifest_path: Path | None = None) -> Path:
-    """`index_dir / name` if `name` is a plain file name that stays inside `index_dir`.
-
-    Refuses (IndexIntegrityError naming the entry) an absolute path, a path with a directory
-    part or `..`, and a symlink that resolves outside the index directory.
-    """
-    where = manifest_path or Path(index_dir) / MANIFEST
-    if not isinstance(name, str) or not name or name in (".", ".."):
-        raise IndexIntegrityError(f"{where}: shard entry {name!r} is not a file name; {_REBUILD}.")
-    if Path(name).is_absolute() or "/" in name or "\\" in name:
-        raise IndexIntegrityError(f"{where}: shard entry {name!r} is a path, not a file name in the index"
-                                  f" directory; an index only reads its own files. {_REBUILD[0].upper()}"
-                                  f"{_REBUILD[1:]}.")
-    root = Path(index_dir).resolve()
-    path = Path(index_dir) / name
-    if path.resolve().parent != root:
-        raise IndexIntegrityError(f"{where}: shard entry {name!r} is a link to {path.resolve()}, outside the"
-                                  f" index directory {root}; replace the link by the shard file itself.")
-    return path
 
 
 def read_manifest(index_dir: Path) -> dict[str, Any]:
@@ -116,6 +97,7 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise IndexIntegrityError(f"{index_dir} is not a gradient index (no {MANIFEST}); build one with"
                                   " `gradian index` or the pipeline's grads stage.", exit_code=2)
+    confined_path(index_dir, MANIFEST, what="the manifest")
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -596,14 +578,16 @@ class IndexReader:
         if "projection_sha256" not in self.manifest:
             return [f"no projection_sha256 (format_version {self.manifest['format_version']}): the projection"
                     " the rows were made with cannot be checked"]
-        try:
-            shapes = {n: tuple(e["shape"]) for n, e in proj["modules"].items()}
-            projector = Projector.from_description(shapes, proj, self.index_dir)
-        except (KeyError, TypeError, ValueError) as err:
-            return [f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
         from gradian.allocation import allocation_problems
 
         problems = allocation_problems(self.index_dir, proj)
+        try:
+            shapes = {n: tuple(e["shape"]) for n, e in proj["modules"].items()}
+            projector = Projector.from_description(shapes, proj, self.index_dir)
+        except IndexIntegrityError as err:  # the whitened projection's file, named as a shard would be
+            return [*problems, str(err).split(f"; {_REBUILD}")[0]]
+        except (KeyError, TypeError, ValueError) as err:
+            return [*problems, f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
         if self.manifest.get("row_width") != projector.total_width:
             problems.append(f"row_width {self.manifest.get('row_width')} is not the projection's width"
                             f" {projector.total_width}")

@@ -40,7 +40,7 @@ from circuitkit.core.io import (
 )
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
-from gradian.allocation import allocated_projector, allocation_problems
+from gradian.allocation import allocated_projector, check_allocation
 from gradian.capture import activation_mode, activation_numerics, per_example_gradients
 from gradian.corpus import TokenizedCorpus
 from gradian.curvature import (
@@ -58,15 +58,17 @@ from gradian.data import TokenPolicy, collate, length_limit
 from gradian.header import IndexHeader, header_json
 from gradian.index import (
     MANIFEST,
+    IndexIntegrityError,
     IndexMismatchError,
     IndexReader,
     IndexWriter,
     StorageOverflowError,
     read_manifest,
 )
+from gradian.index_files import read_recorded
 from gradian.memory import curvature_sides, estimate_grads
 from gradian.precondition import check_block_width
-from gradian.projection import Projector, projection_fingerprint
+from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 from gradian.restrict import restricted_sites, site_shapes
 from gradian.sources import DataError, Source, SourceSpec, resolve_format
 from gradian.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
@@ -283,6 +285,8 @@ def _data_dependent(shapes: dict[str, tuple[int, int]], grads: GradsConfig, inde
         if projector.kind == "whitened":
             projector = whitened_projector(projector, index_dir, {**base, "projection": projector.describe()}, compute,
                                            recorded.get("whitening"))
+    except IndexIntegrityError:  # a stored file that is not the recorded one: bad content (exit code 1)
+        raise
     except ValueError as err:
         raise ResumeMismatchError(str(err)) from None
     return projector
@@ -309,8 +313,10 @@ class ResumeMismatchError(UserError, IndexMismatchError):
 
 def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_dir: Path) -> None:
     """Refuse to resume an index whose manifest records other grads settings than asked, for the
-    settings known before the model loads (ResumeMismatchError, an IndexMismatchError, naming
-    each, as IndexWriter would)."""
+    settings known before the model loads (ResumeMismatchError, an IndexMismatchError, exit code 2,
+    naming each, as IndexWriter would); then one whose stored projection files (``allocation.json``,
+    ``projection.safetensors``) are missing, linked outside the index or changed since the manifest
+    recorded them (IndexIntegrityError, exit code 1: bad content, not a wrong config)."""
     asked = {"preconditioner": grads.preconditioner, "loss": grads.loss, "loss_reduction": grads.loss_reduction,
              "storage_dtype": grads.storage_dtype, "rows_per_shard": grads.rows_per_shard,
              "fisher": recorded_fisher(grads)}
@@ -327,21 +333,17 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
         had = allocation.get("kind", "uniform") if isinstance(allocation, dict) else "uniform"
         if had != grads.width_allocation:
             diffs.append(f"width_allocation: index has {had!r}, asked {grads.width_allocation!r}")
-        elif had != "uniform":
-            diffs += [f"width allocation: {p}" for p in allocation_problems(Path(index_dir), recorded)
-                      if "missing" in p or "changed" in p]
         whitening = recorded.get("whitening")
-        if kind == "whitened" and isinstance(whitening, dict):
-            if whitening.get("damping") != WHITEN_DAMPING:
-                diffs.append(f"whitening damping: index has {whitening.get('damping')!r}, this Gradian uses"
-                             f" {WHITEN_DAMPING!r}")
-            path = Path(index_dir) / str(whitening.get("file"))
-            if not path.is_file() or sha256_file(path) != whitening.get("sha256"):
-                diffs.append(f"whitened projection: {path.name} is missing or not the file the manifest records"
-                             f" (sha256 {str(whitening.get('sha256'))[:12]}…)")
+        if kind == "whitened" and isinstance(whitening, dict) and whitening.get("damping") != WHITEN_DAMPING:
+            diffs.append(f"whitening damping: index has {whitening.get('damping')!r}, this Gradian uses"
+                         f" {WHITEN_DAMPING!r}")
     if diffs:
         raise ResumeMismatchError(f"{index_dir} holds an index made differently: {'; '.join(diffs)}. Use another"
                                   " grads.index_dir, or delete this one to rebuild it.")
+    if isinstance(recorded, dict):  # the files the projection was made from, through their sha256
+        check_allocation(Path(index_dir), recorded)
+        if recorded.get("kind") == "whitened":
+            read_recorded(Path(index_dir), recorded.get("whitening"), WHITENING_FILE, "the whitened projection")
 
 
 def token_policy(grads: GradsConfig) -> TokenPolicy:

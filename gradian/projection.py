@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from circuitkit.core.config import GradsConfig, choices
+from gradian.index_files import REBUILD, IndexIntegrityError, read_recorded
 
 log = logging.getLogger(__name__)
 
@@ -427,24 +428,19 @@ def projection_fingerprint(projector: Projector) -> str:
 
 def load_whitened(index_dir: Path, record: Mapping, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """name -> (P_out, P_in) float32 of a whitened projection, from ``record["file"]`` in `index_dir`
-    (``p_out.m``, ``p_in.m`` in module order m), after checking its sha256 against ``record["sha256"]``.
-    ValueError naming the file when it is missing, changed or lacks a module."""
+    (``p_out.m``, ``p_in.m`` in module order m), read through `gradian.index_files.read_recorded` (inside
+    the index directory, with the sha256 of ``record["sha256"]``). IndexIntegrityError (exit code 1)
+    naming the file when it is missing, linked outside the index, changed or lacks a module."""
     from safetensors.torch import load
 
-    from circuitkit.core.io import sha256_file
-
-    name = record.get("file")
-    if name != WHITENING_FILE:
-        raise ValueError(f"the whitened projection names file {name!r}; only {WHITENING_FILE} is read.")
-    path = Path(index_dir) / WHITENING_FILE
-    if not path.is_file():
-        raise ValueError(f"{path} (the whitened projection's matrices) is missing.")
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
-        raise ValueError(f"{path} has sha256 {sha256_file(path)[:12]}…, the manifest records"
-                         f" {str(record.get('sha256'))[:12]}…: the whitened projection was changed after it was written.")
-    tensors = load(data)
+    data = read_recorded(Path(index_dir), record, WHITENING_FILE, "the whitened projection's matrices")
+    try:
+        tensors = load(data)
+    except Exception as err:  # noqa: BLE001 - bytes of the recorded sha256 that safetensors cannot parse
+        raise IndexIntegrityError(f"{Path(index_dir) / WHITENING_FILE} is not a safetensors file ({err});"
+                                  f" {REBUILD}.") from None
     missing = [k for m in range(len(names)) for k in (f"p_out.{m}", f"p_in.{m}") if k not in tensors]
     if missing:
-        raise ValueError(f"{path} holds no {missing[0]} ({len(names)} modules expected).")
+        raise IndexIntegrityError(f"{Path(index_dir) / WHITENING_FILE} holds no {missing[0]} ({len(names)} modules"
+                                  f" expected); {REBUILD}.")
     return {n: (tensors[f"p_out.{m}"], tensors[f"p_in.{m}"]) for m, n in enumerate(names)}

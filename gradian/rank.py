@@ -33,13 +33,15 @@ from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_bytes, check_writable
 from circuitkit.models.loading import context_length, load_model, weights_hash
+from gradian.allocation import check_allocation
 from gradian.capture import per_example_gradients
 from gradian.curvature import CURVATURE_DAMPING, KroneckerCurvature, has_kfac
 from gradian.data import _preview, collate, load_rows, policy_of
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.index_files import read_recorded
 from gradian.indexer import check_input_file, tokenizer_hash
 from gradian.precondition import DAMPING, Preconditioner
-from gradian.projection import Projector, projection_fingerprint
+from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 from gradian.restrict import site_shapes, sites_from_names
 from gradian.sources import DataError, Source, SourceSpec
 
@@ -170,8 +172,10 @@ def check_compatible(manifest: dict[str, Any], loaded, index_dir: str | Path | N
     modules with their shapes) recomputed on `loaded.model` for the modules the manifest lists,
     and the sha256 of the matrices that projection generates with the manifest's
     `projection_sha256` (so an edited seed or kind cannot pass). `index_dir`: where a whitened
-    projection's stored matrices are read (`gradian.whitening`; required for that kind).
-    Raises IndexMismatchError naming every differing key.
+    projection's stored matrices and a spectrum allocation's ``allocation.json`` are read
+    (`gradian.whitening`, `gradian.allocation`; required for the whitened kind).
+    Raises IndexMismatchError naming every differing key; IndexIntegrityError (exit code 1) when a
+    stored file is missing, linked outside the index or not the one the manifest records.
     """
     problems: list[str] = []
     ours = weights_hash(loaded.model)
@@ -186,6 +190,8 @@ def check_compatible(manifest: dict[str, Any], loaded, index_dir: str | Path | N
     if not isinstance(proj, dict) or "modules" not in proj:
         raise IndexMismatchError(f"the index manifest has no projection description (got {proj!r}); it cannot"
                                  " be ranked against.")
+    if index_dir is not None:
+        check_allocation(index_dir, proj)  # allocation.json, through its sha256 (IndexIntegrityError)
     names = list(proj["modules"])
     projector = None
     try:  # names are modules, or "module:head{h}" sites of a circuit-restricted index
@@ -195,6 +201,8 @@ def check_compatible(manifest: dict[str, Any], loaded, index_dir: str | Path | N
     else:
         try:
             projector = Projector.from_description(site_shapes(sites), proj, index_dir)
+        except IndexIntegrityError:  # the stored projection file is bad content, not a mismatch (exit code 1)
+            raise
         except ValueError as err:
             problems.append(f"projection: {err}")
         else:
@@ -477,6 +485,11 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
         _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads
     if score in KRONECKER_SCORES:
         _kronecker_check(IndexReader(index_dir))
+    proj = manifest.get("projection")
+    if isinstance(proj, dict):  # the stored projection files, before the model loads (IndexIntegrityError)
+        check_allocation(index_dir, proj)
+        if proj.get("kind") == "whitened":
+            read_recorded(Path(index_dir), proj.get("whitening"), WHITENING_FILE, "the whitened projection's matrices")
     if loaded is None:
         model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
                                              gguf_file=manifest.get("gguf_file"),

@@ -39,6 +39,7 @@ import torch
 
 from circuitkit.core.io import atomic_save_safetensors, file_lock, sha256_file
 from gradian.curvature import FactorSums
+from gradian.index_files import confined_path, read_recorded
 from gradian.projection import WHITENING_FILE, Projector
 
 log = logging.getLogger(__name__)
@@ -99,16 +100,16 @@ def shared_file(index_dir: Path, filename: str, settings: str, read_settings: Ca
     `write(path)` (atomically). Returns its record: file, sha256, bytes.
 
     recorded: the record an existing manifest holds for it, if any; a file that does not match it is
-    refused (ValueError), never silently replaced. A file no manifest records, made with other
-    settings (a run killed after the factor pass), is recomputed.
+    refused (IndexIntegrityError, exit code 1: `gradian.index_files.read_recorded`), never silently
+    replaced. A file no manifest records, made with other settings (a run killed after the factor
+    pass), is recomputed. A link out of the index directory is refused either way.
     """
     index_dir = Path(index_dir)
     index_dir.mkdir(parents=True, exist_ok=True)
-    path = index_dir / filename
+    path = confined_path(index_dir, filename, what=f"the file of the {what}")
     with file_lock(index_dir / LOCK):
-        if path.is_file() and recorded is not None and sha256_file(path) != recorded.get("sha256"):
-            raise ValueError(f"{path} is not the {what} the manifest records (sha256 differs): it was"
-                             " changed after it was written. Delete the index directory to rebuild it.")
+        if path.is_file() and recorded is not None:
+            read_recorded(index_dir, recorded, filename, f"the {what}")
         if path.is_file():
             if read_settings(path) == settings:
                 log.info("reusing the %s %s", what, path)

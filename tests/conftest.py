@@ -40,3 +40,19 @@ def induction_model_dir() -> Path:
     from circuitkit.fixtures.models import ensure_fixture
 
     return ensure_fixture("induction")
+
+
+@pytest.fixture(autouse=True)
+def _no_logging_handlers_left_behind():
+    """A test that runs an entry point in-process (Hydra configures logging) must not leave a
+    handler bound to its captured stream, which is closed once the test ends: a later test's log
+    record would print a 'Logging error' traceback into that test's captured stderr."""
+    import logging
+
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
+    before = {id(lg): list(lg.handlers) for lg in loggers}
+    yield
+    for lg in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
+        kept = before.get(id(lg), [])
+        for handler in [h for h in lg.handlers if h not in kept]:
+            lg.removeHandler(handler)

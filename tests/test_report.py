@@ -200,7 +200,7 @@ def test_sweep_page_compares_the_jobs(demo_run, tmp_path) -> None:
     assert data["sweep"]["swept"] == ["discovery.batch_size"]  # seed is the same in both jobs
     assert [j["status"] for j in data["sweep"]["jobs"]] == ["ok", "ok"]
     assert data["sweep"]["result_label"] == "pruning.faithfulness"
-    assert 'href="0/report.html"' in out.read_text()
+    assert 'href="./0/report.html"' in out.read_text()
 
 
 def test_edge_scope_circuit_page(tmp_path, induction_model_dir) -> None:

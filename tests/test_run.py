@@ -67,7 +67,7 @@ def test_multirun_sweep_writes_summary(tmp_path):
     assert a == pytest.approx(b, rel=1e-4)
     # one page comparing the jobs (the swept key against time, memory and the result), each job's own page linked
     page = (sweep / "report.html").read_text()
-    assert '"swept": ["discovery.batch_size"]' in page and 'href="0/report.html"' in page
+    assert '"swept": ["discovery.batch_size"]' in page and 'href="./0/report.html"' in page
     assert (sweep / "0" / "report.html").is_file() and (sweep / "1" / "report.html").is_file()
 
 

@@ -15,7 +15,7 @@ from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and 
 from circuitkit.models.loading import load_model
 from gradian.capture import token_losses
 from gradian.data import load_rows, policy_of
-from gradian.index import IndexMismatchError, IndexReader
+from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.indexer import build_index
 from gradian.projection import WHITENING_FILE, Projector
 from gradian.whitening import WHITEN_DAMPING
@@ -178,7 +178,7 @@ def test_resume_with_another_projection_or_a_changed_file_is_refused_before_the_
     data[-1] ^= 1
     (copy / WHITENING_FILE).write_bytes(bytes(data))
     cfg = _cfg(index.parent, *ARGS)
-    with pytest.raises(IndexMismatchError, match="projection.safetensors is missing or not the file the manifest"):
+    with pytest.raises(IndexIntegrityError, match=r"projection.safetensors \(the whitened projection\) has sha256"):
         build_index(cfg.model, cfg.grads, copy)
 
 
@@ -220,7 +220,7 @@ def test_rank_uses_the_stored_projection(index: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(index, copy)
     (copy / WHITENING_FILE).unlink()
-    with pytest.raises(IndexMismatchError, match="is missing"):
+    with pytest.raises(IndexIntegrityError, match="is missing"):
         rank(copy, queries, loaded=loaded)
 
 

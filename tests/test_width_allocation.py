@@ -20,7 +20,7 @@ from gradian.allocation import (
     effective_dimension,
     width_ladder,
 )
-from gradian.index import IndexMismatchError, IndexReader
+from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.indexer import build_index
 from gradian.projection import Projector, balanced_width
 
@@ -155,7 +155,7 @@ def test_resume_with_another_allocation_or_a_changed_file_is_refused(index: Path
     shutil.copytree(index, copy)
     text = (copy / ALLOCATION_FILE).read_text()
     (copy / ALLOCATION_FILE).write_text(text.replace('"floor_share"', '"floor_share" ', 1))
-    with pytest.raises(IndexMismatchError, match="the width allocation was changed after it was written"):
+    with pytest.raises(IndexIntegrityError, match=r"allocation.json \(the width allocation\) .* changed after it was written"):
         build_index(cfg.model, _cfg(index.parent, *ARGS).grads, copy)
     assert any("changed after it was written" in p for p in IndexReader(copy).verify())
     # An uniform index asked to resume with spectrum is refused too.

@@ -367,9 +367,9 @@ class Precision:
         if s is None or s.native:
             return None
         if self.requested == PRECISION_AUTO:
-            return (f"precision: no native bf16 on {s.device} ({s.how}); bf16 is {s.slowdown_text()}, so this run"
-                    " uses float32 (twice the weight bytes). Set model.precision=float32 to choose it yourself,"
-                    " or model.precision=bfloat16 to keep bf16.")
+            return (f"precision: no native bf16 on {s.device} ({s.how}): bf16 is {s.slowdown_text()}, so this run"
+                    " uses float32. Set model.precision=float32 to choose it yourself (model.precision=bfloat16"
+                    " keeps bf16).")
         return (f"precision: model.precision=bfloat16 on {s.device} without native bf16 ({s.how}): bf16 is"
                 f" {s.slowdown_text()}. Set model.precision=float32 (or auto) unless you need bf16 itself.")
 

@@ -17,7 +17,7 @@ import os
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,21 @@ def check_writable(path: Path, what: str, directory: bool = False) -> None:
     except OSError as err:
         raise UserError(f"{what}={str(path)!r}: cannot write into {ancestor}, which is not writable ({err.strerror});"
                         " choose a directory you can write to.", 2) from None
+
+
+def check_not_an_input(path: Path, what: str, inputs: Iterable[tuple[str, Path]], example: str = "") -> None:
+    """Refuse (UserError, exit 2), before anything is written, an output `path` that is one of the
+    command's `inputs` ((what it is, path) pairs: the same file by its resolved path or a hard link)
+    or lies inside one that is a directory (an index: a file added there is not its own)."""
+    target = Path(path).expanduser().resolve()
+    for label, given in inputs:
+        source = Path(given).expanduser().resolve()
+        same = target == source or (target.is_file() and source.is_file() and os.path.samefile(target, source))
+        if same or (source.is_dir() and source in target.parents):
+            where = "is" if same else "lies inside"
+            hint = f", e.g. {example}" if example else ""
+            raise UserError(f"{what} {str(path)!r} {where} {label} {str(given)!r}, which this command reads;"
+                            f" writing there would destroy it. Give another path{hint}.", 2)
 
 
 def first_non_utf8_line(path: Path) -> int | None:

@@ -65,11 +65,30 @@ def record_job_failure(job_dir: Path, message: str) -> None:
     atomic_write_json(path, manifest)
 
 
+def job_overrides(job_dir: Path) -> list[str]:
+    """A job's overrides as Hydra recorded them (`.hydra/overrides.yaml`: one 'key=value' string
+    each, a value may hold any character); ValueError naming the file and the job if it is not that."""
+    import yaml
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = Path(job_dir) / ".hydra" / "overrides.yaml"
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(path))
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
+        raise ValueError(f"{path} (job {Path(job_dir).name}) cannot be read ({' '.join(str(err).split())})") from None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ValueError(f"{path} (job {Path(job_dir).name}) is not Hydra's list of 'key=value' overrides")
+    return overrides
+
+
 def _job_row(job_dir: Path) -> dict[str, Any] | None:
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     if not overrides_file.is_file():
         return None
-    overrides = OmegaConf.to_container(OmegaConf.load(overrides_file))
+    try:
+        overrides = job_overrides(job_dir)
+    except ValueError as err:
+        return {"job": job_dir.name, "overrides": "", "status": "failed", "error": str(err)}
     row: dict[str, Any] = {"job": job_dir.name, "overrides": " ".join(overrides)}
     manifest_path = job_dir / MANIFEST
     try:

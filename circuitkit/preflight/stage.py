@@ -77,7 +77,7 @@ def check(cfg: AppConfig, stages: Sequence[Stage], console: Console | None = Non
     """
     console = console or Console(stderr=True)
     if line := resolve_precision(cfg.model.precision).advice():
-        console.print(line, markup=False, highlight=False)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)  # one line, also in a log
     free = free_memory_bytes()
     budget = int(cfg.preflight.headroom * free)
     estimates: dict[str, MemoryEstimate] = {}

@@ -27,12 +27,60 @@ log = logging.getLogger(__name__)
 REPORT = "report.html"
 
 
-def _out_path(out: Path | None, default: Path) -> Path:
-    from circuitkit.core.io import check_writable
+def _out_path(out: Path | None, default: Path, inputs: list[tuple[str, Path]], kept_dir: Path | None = None) -> Path:
+    """Where the page goes, checked before any work: a file path (not a directory), none of the
+    command's `inputs`, no file of `kept_dir` (the run or sweep directory) but a page, writable."""
+    from circuitkit.core.io import check_not_an_input, check_writable
 
     out = Path(out) if out is not None else default
+    example = str(out / REPORT) if out.is_dir() else str(default if default != out else out.with_name(REPORT))
+    if out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a directory, but the report is one HTML file: give its file name,"
+                        f" e.g. {example}.", exit_code=2)
+    check_not_an_input(out, "--out", inputs, example)
+    target = out.resolve()
+    if (kept_dir is not None and target.is_file() and target.suffix.lower() not in (".html", ".htm")
+            and Path(kept_dir).resolve() in target.parents):
+        raise UserError(f"--out {str(out)!r} is {target.name}, a file of {kept_dir}, not a page; writing the report"
+                        f" there would destroy it. Give another path, e.g. {example}.", exit_code=2)
     check_writable(out, "--out")
     return out
+
+
+def _index_data(index_dir: Path) -> list[tuple[str, Path]]:
+    """The training data file an index names, as an input no page may replace ([] if none is named)."""
+    import json
+
+    try:
+        data = json.loads((Path(index_dir) / "manifest.json").read_text()).get("data_file")
+    except (OSError, ValueError, AttributeError):
+        return []  # the index's own reader says what is wrong with it
+    return [("the index's training data", Path(data))] if isinstance(data, str) and data else []
+
+
+def _run_inputs(run_dir: Path, rank: Path | None, queries: Path | None) -> list[tuple[str, Path]]:
+    """What `circuitkit report RUN_DIR` reads: the manifest, every artifact it records, the run's
+    index and its data, --rank and --queries."""
+    from circuitkit.core.pipeline import MANIFEST, load_manifest
+
+    manifest = load_manifest(run_dir)
+    inputs = [("the run's manifest", run_dir / MANIFEST)]
+    for entry in (manifest.get("stages") or {}).values():
+        for rel in (entry.get("artifacts") or {}) if isinstance(entry, dict) else ():
+            inputs.append(("an artifact of the run", Path(rel) if Path(rel).is_absolute() else run_dir / rel))
+    grads = (manifest.get("config") or {}).get("grads") or {}
+    for index in {run_dir / "index", *([Path(grads["index_dir"])] if grads.get("index_dir") else [])}:
+        if (index / "manifest.json").is_file():
+            inputs += [("the run's index", index), *_index_data(index)]
+    inputs += [(name, Path(p)) for name, p in (("--rank", rank), ("--queries", queries)) if p is not None]
+    return inputs
+
+
+def _check_queries(queries: Path | None) -> None:
+    if queries is not None:
+        from gradian.indexer import check_input_file
+
+        check_input_file(Path(queries), "--queries")
 
 
 def write_run_report(run_dir: Path, out: Path | None = None, rank: Path | None = None,
@@ -44,7 +92,8 @@ def write_run_report(run_dir: Path, out: Path | None = None, rank: Path | None =
     from circuitkit_app.report.ranked import collect_rank
 
     run_dir = Path(run_dir)
-    out = _out_path(out, run_dir / REPORT)
+    _check_queries(queries)
+    out = _out_path(out, run_dir / REPORT, _run_inputs(run_dir, rank, queries), run_dir)
     view = collect_run(run_dir, top_edges)
     if rank is not None:
         index = (view.get("gradian") or {}).get("index")
@@ -62,7 +111,7 @@ def write_sweep_report(sweep_dir: Path, out: Path | None = None) -> Path:
     from circuitkit_app.report.sweep import collect_sweep
 
     sweep_dir = Path(sweep_dir)
-    out = _out_path(out, sweep_dir / REPORT)
+    out = _out_path(out, sweep_dir / REPORT, [], sweep_dir)
     view = collect_sweep(sweep_dir)
     return write_page(view, f"CircuitKit sweep: {sweep_dir}", out)
 
@@ -74,7 +123,9 @@ def write_rank_report(rank: Path, index: Path, queries: Path | None = None, out:
     from circuitkit_app.report.ranked import collect_rank
 
     rank = Path(rank)
-    out = _out_path(out, rank.with_suffix(".html"))
+    _check_queries(queries)
+    inputs = [("the rank file", rank), ("the index", Path(index)), *_index_data(Path(index))]
+    out = _out_path(out, rank.with_suffix(".html"), inputs + ([("--queries", Path(queries))] if queries else []))
     view: dict[str, Any] = {"kind": "rank", "gradian": {"index": index_view(Path(index)),
                                                         "rank": collect_rank(rank, Path(index), queries)}}
     return write_page(view, f"Gradian ranking: {rank.name}", out)

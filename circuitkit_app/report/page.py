@@ -19,6 +19,8 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+from circuitkit.core import DISTRIBUTION
+
 GENERATOR = "circuitkit report"
 
 
@@ -42,6 +44,19 @@ def _asset(name: str) -> str:
 
 def esc(value: Any) -> str:
     return html.escape("" if value is None else str(value))
+
+
+# Inside <script> the HTML parser ends the element at `</script` and changes state at `<!--` and
+# `<script` (the "double escaped" state, in which `</script>` no longer closes it), whatever the
+# type: JSON that holds `<` is not inert there. Written as \uXXXX they are the same JSON string.
+_SCRIPT_UNSAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
+                                "\u2029": "\\u2029"})
+
+
+def script_json(obj: Any) -> str:
+    """`obj` as JSON that can sit inside <script type="application/json"> whatever its strings hold:
+    `<`, `>`, `&` and U+2028/U+2029 written as \\u escapes (JSON.parse gives the same text back)."""
+    return json.dumps(obj, allow_nan=False).translate(_SCRIPT_UNSAFE)
 
 
 def _mib(b: Any) -> str:
@@ -177,7 +192,7 @@ def circuit_section(c: dict[str, Any]) -> str:
 <p class="note">{esc(embedded)} Drag to pan, scroll to zoom, hover a node or edge for its score and its spread over
 examples, click a head for its per-example scores. Line: q solid, k dashed, v dotted; blue carries the clean
 behaviour, red works against it; width grows with |score|. Layers with nothing drawn are folded.</p>
-<div id="circuit-graph" data-kept-heads="{c['heads_kept']}"></div>
+<div id="circuit-graph" data-kept-heads="{esc(c["heads_kept"])}"></div>
 <div id="layer-map"></div>
 <h3 id="faithfulness">Faithfulness</h3>
 <p>metric full {_num(m.get("full"))}, empty {_num(m.get("empty"))}, circuit {_num(m.get("circuit"))} on
@@ -242,10 +257,9 @@ def render(view: dict[str, Any], title: str) -> str:
     notes = "".join(f'<p class="warn">{esc(n)}</p>' for n in view.get("notes") or [])
     charts = {k: view.get(k) for k in ("attribution", "circuit", "sweep")}
     charts["memory"] = {k: (view.get("run") or {}).get(k) for k in ("memory_terms", "free_bytes")}
-    data = json.dumps(charts, allow_nan=False)
-    data = data.replace("</", "<\\/")
+    data = script_json(charts)
     try:
-        version = metadata.version("circuitkit")
+        version = metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:
         version = "?"
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")

@@ -3,8 +3,9 @@
 Per query: its text as tokens with the supervised ones marked, and its top training rows with
 their scores, source line and tokens (supervised ones marked), rebuilt from the index's data with
 the index's tokenizer and token policy (`gradian.tokens.indexed_rows`: what was indexed is what is
-shown). The rank file is checked line by line as it is read; the index's manifest through
-`IndexReader`.
+shown). The rank file is checked line by line as it is read, and against the index: each row's
+recorded source line and preview must be the index's (`check_same_index`); the index's manifest
+through `IndexReader`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def read_rank_file(path: Path) -> list[dict[str, Any]]:
                 continue
             try:
                 row = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
                 raise RankFileError(f"{path} line {number} is not JSON ({err}); is it a `gradian rank --out`"
                                     " file?") from None
             bad = [k for k, kinds in _FIELDS.items() if not isinstance(row, dict) or not isinstance(row.get(k), kinds)
@@ -48,6 +49,12 @@ def read_rank_file(path: Path) -> list[dict[str, Any]]:
             if bad:
                 raise RankFileError(f"{path} line {number} lacks {', '.join(bad)} (or has the wrong type); a"
                                     " `gradian rank --out` row has query, rank, row_id, score.")
+            try:
+                row["score"] = float(row["score"])
+            except OverflowError:
+                raise RankFileError(f"{path} line {number}: score {str(row['score'])[:24]}... ({len(str(row['score']))}"
+                                    " digits) does not fit a float; a `gradian rank --out` score is a float. Rank"
+                                    " again, or fix that line.") from None
             rows.append(row)
     if not rows:
         raise RankFileError(f"{path} holds no ranked rows.")
@@ -60,6 +67,20 @@ def _tokens(tokenizer: Any, input_ids: list[int], supervised: list[bool]) -> dic
     return {"tokens": shown, "more": max(0, len(input_ids) - MAX_TOKENS), "n_supervised": int(sum(supervised))}
 
 
+def check_same_index(rank_path: Path, index_dir: Path, results: list[dict[str, Any]], training: dict[int, Any]) -> None:
+    """The rank file was made against this index: each row's recorded source line and preview (what
+    `gradian rank --out` writes beside a row id) are those of the index's row with that id.
+    RankFileError (exit 1) naming both files otherwise: the page never shows another index's rows."""
+    for r in results:
+        row = training[r["row_id"]]
+        line, preview = r.get("source_line"), r.get("text_preview")
+        if (line is not None and line != row.line) or (preview is not None and preview != row.preview):
+            raise RankFileError(
+                f"{rank_path} was not ranked against {index_dir}: it gives row {r['row_id']} as source line {line}"
+                f" ({str(preview)[:40]!r}), the index's row {r['row_id']} is line {row.line} ({row.preview[:40]!r})."
+                f" Give the index the ranking was made with (--index), or rank again against {index_dir}.")
+
+
 def collect_rank(rank_path: Path, index_dir: Path, queries_path: Path | None = None) -> dict[str, Any]:
     """{"rank_file", "index_dir", "queries": [{"query", "text", "rows": [...]}, ...]} for the report.
 
@@ -67,8 +88,11 @@ def collect_rank(rank_path: Path, index_dir: Path, queries_path: Path | None = N
     """
     from gradian.data import load_rows, policy_of
     from gradian.index import IndexReader
+    from gradian.indexer import check_input_file
     from gradian.tokens import indexed_rows, load_index_tokenizer
 
+    if queries_path is not None:
+        check_input_file(Path(queries_path), "--queries")
     results = read_rank_file(rank_path)
     manifest = IndexReader(index_dir).manifest
     n_rows = manifest.get("n_rows", 0)
@@ -93,6 +117,7 @@ def collect_rank(rank_path: Path, index_dir: Path, queries_path: Path | None = N
     shown = [q for q in order if q != "aggregate"][:MAX_QUERIES] + (["aggregate"] if "aggregate" in by_query else [])
     needed = {r["row_id"] for q in shown for r in by_query[q]}
     training = indexed_rows(index_dir, needed, tokenizer)
+    check_same_index(rank_path, index_dir, [r for q in shown for r in by_query[q]], training)
     view = []
     for q in shown:
         view.append({"query": q, "text": queries.get(q), "rows": [

@@ -101,9 +101,10 @@ def diagnose(dataset: str, eval_dataset: str | None = None, run: str | None = No
                              " EOS and chat-template checks were skipped",
                              fix="pass --model NAME_OR_DIR (only its tokenizer is loaded)"))
     vocab = Vocabulary()
-    found += checks_data.duplicates(train, vocab)
+    words = checks_data.words_of(train)
+    found += checks_data.duplicates(train, vocab, words)
     if evals is not None:
-        found += checks_data.eval_overlap(train, evals, vocab)
+        found += checks_data.eval_overlap(train, evals, vocab, words)
     found += checks_config.learning_rate(settings, checks_log.peak_learning_rate(points))
     found += checks_config.epochs(settings, len(train.rows))
     found += checks_config.masking(settings, train)

@@ -150,7 +150,12 @@ def template_mismatch(data: ReadResult, tokenizer: Any, failed: list[tuple[int, 
     return out
 
 
-def duplicates(data: ReadResult, vocab: Vocabulary) -> list[Finding]:
+def words_of(data: ReadResult) -> list[list[str]]:
+    """The normalised words of each row's text (`row_text`), computed once for both checks that use them."""
+    return [normal_words(row_text(r)) for r in data.rows]
+
+
+def duplicates(data: ReadResult, vocab: Vocabulary, words: list[list[str]]) -> list[Finding]:
     """Rows equal to an earlier row (exactly), and rows equal after normalisation or whose word
     3-grams overlap an earlier row's by Jaccard >= 0.8 (near)."""
     first_of: dict[tuple, int] = {}
@@ -162,7 +167,6 @@ def duplicates(data: ReadResult, vocab: Vocabulary) -> list[Finding]:
         if j != i:
             exact.append((i, j))
             is_copy[i] = True
-    words = [normal_words(row_text(r)) for r in data.rows]
     first_norm: dict[str, int] = {}
     near: dict[int, tuple[int, float]] = {}
     for i, w in enumerate(words):
@@ -196,11 +200,10 @@ def duplicates(data: ReadResult, vocab: Vocabulary) -> list[Finding]:
     return out
 
 
-def eval_overlap(train: ReadResult, evals: ReadResult, vocab: Vocabulary) -> list[Finding]:
+def eval_overlap(train: ReadResult, evals: ReadResult, vocab: Vocabulary, train_words: list[list[str]]) -> list[Finding]:
     """Eval prompts that appear in training rows (contamination), and eval answers that appear in
     training prompts (leakage)."""
     out = []
-    train_words = [normal_words(row_text(r)) for r in train.rows]
     prompt_words = [normal_words(r.prompt) for r in train.rows]
     eval_prompts = [normal_words(r.prompt) for r in evals.rows]
     eval_answers = [normal_words(r.completion) for r in evals.rows]

@@ -88,7 +88,8 @@ def _lengths(tokenizer: Any, texts: list[str]) -> list[int]:
     out: list[int] = []
     for chunk in _chunks(texts, BATCH_ROWS):
         nonempty = [t for t in chunk if t]
-        ids = iter(tokenizer(nonempty, add_special_tokens=False)["input_ids"]) if nonempty else iter(())
+        ids = iter(tokenizer(nonempty, add_special_tokens=False, return_attention_mask=False,
+                                  return_token_type_ids=False)["input_ids"]) if nonempty else iter(())
         # An empty string gets no tokens, as in `_encode_prompt_completion` (it skips the call).
         out.extend(len(next(ids)) if t else 0 for t in chunk)
     return out

@@ -26,6 +26,10 @@
   const BEND = { q: 1, k: 2, v: -1.2, "": 0.6 };
   const LETTER = { q: "query", k: "key", v: "value", "": "input" };
   const fmt = (x) => (x === null || x === undefined ? "n/a" : Number(x).toPrecision(4));
+  // plotly reads its text as a small HTML subset (<br>, <b>, <a href>...): text from the run (override
+  // values, keys, names) goes in with & < > as entities, so it is shown as written, never as markup.
+  const ENTITY = { "&": "&amp;", "<": "&lt;", ">": "&gt;" };
+  const plain = (s) => String(s).replace(/[&<>]/g, (c) => ENTITY[c]);
   const config = { displaylogo: false, responsive: true };
 
   function headName(layer, head) { return "a" + layer + ".h" + head; }
@@ -256,8 +260,9 @@
     if (!stages.length) return;
     const names = [...new Set(stages.flatMap((s) => Object.keys(m.memory_terms[s])))];
     const traces = names.map((name) => ({
-      type: "bar", orientation: "h", name, y: stages, x: stages.map((s) => (m.memory_terms[s][name] || 0) / 2 ** 20),
-      hovertemplate: "%{y}: " + name + " %{x:.1f} MiB<extra></extra>",
+      type: "bar", orientation: "h", name: plain(name), y: stages.map(plain),
+      x: stages.map((s) => (m.memory_terms[s][name] || 0) / 2 ** 20),
+      hovertemplate: "%{y}: " + plain(name) + " %{x:.1f} MiB<extra></extra>",
     }));
     Plotly.newPlot(el, traces, {
       barmode: "stack", title: { text: "the preflight's peak estimate by term, MiB (made before the data exists, at the configured lengths)" +
@@ -275,12 +280,12 @@
       metrics.forEach(([field, label], j) => {
         const el = document.getElementById("sweep-" + i + "-" + j);
         const ok = s.jobs.filter((r) => r[field] !== null && r[field] !== undefined);
-        Plotly.newPlot(el, [{ type: "scatter", mode: "markers+lines", x: ok.map((r) => String(r.values[key])),
-          y: ok.map((r) => r[field]), text: ok.map((r) => "job " + r.job + ": " + r.overrides),
+        Plotly.newPlot(el, [{ type: "scatter", mode: "markers+lines", x: ok.map((r) => plain(r.values[key])),
+          y: ok.map((r) => r[field]), text: ok.map((r) => plain("job " + r.job + ": " + r.overrides)),
           marker: { size: 10, color: ok.map((r) => (r.status === "ok" ? BLUE : RED)) },
           hovertemplate: "%{text}<br>%{y}<extra></extra>" }], {
-          title: { text: label + " against " + key, font: { size: 13 } }, height: 300, margin: { t: 40 },
-          xaxis: { type: "category", title: { text: key } },
+          title: { text: plain(label + " against " + key), font: { size: 13 } }, height: 300, margin: { t: 40 },
+          xaxis: { type: "category", title: { text: plain(key) } },
         }, config);
       });
     });
