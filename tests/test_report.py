@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import html
 import json
 import re
 import shutil
@@ -158,6 +159,10 @@ def test_run_report_with_ranked_rows(demo_run, tmp_path) -> None:
     (["report", "{run}", "--queries", "q.jsonl"], "--queries goes with --rank"),
     (["report", "{run}", "--rank", "{run}/manifest.json"], "is not JSON"),
     (["report", "{run}", "--top-edges", "0"], "--top-edges 0"),
+    (["report", "{run}", "--top-edges", "1000000000"], "--top-edges 1000000000 is out of range"),
+    (["report", "{run}", "--out", "{run}"], "is a directory, but the report is one HTML file"),
+    (["report", "{run}", "--out", "{run}/manifest.json"], "which this command reads"),
+    (["report", "{run}", "--rank", "{run}/manifest.json", "--queries", "{missing}"], "--queries"),
 ])
 def test_report_errors_are_one_line_and_change_nothing(demo_run, tmp_path, capsys, args, message) -> None:
     from circuitkit_app.cli import main
@@ -216,3 +221,82 @@ def test_edge_scope_circuit_page(tmp_path, induction_model_dir) -> None:
     freq = graph["edge_kept_frequency"]
     assert len(freq) == graph["n_ranked"] > 0 and all(0.0 <= f <= 1.0 for f in freq)
     assert freq[0] > 0.5  # the strongest kept edge is kept in most resamples
+
+
+# Text a hostile run, job or row can hold: a comment/script opener that would put the HTML parser
+# in the "double escaped" state, a closing tag, an unbalanced apostrophe, the JS line separators.
+HOSTILE = "<!--<script>it's </script><img src=x onerror=window.X=1>\u2028\u2029"
+HOSTILE_JOB = "javascript:window.X=1;void(0)"
+
+
+def _hostile_sweep(demo_run: Path, tmp_path: Path) -> Path:
+    sweep = tmp_path / "sweep"
+    for job, value in (("0", HOSTILE), (HOSTILE_JOB, "plain")):
+        shutil.copytree(demo_run, sweep / job)
+        (sweep / job / ".hydra").mkdir(exist_ok=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(json.dumps([f"model.name={value}"]) + "\n")
+    return sweep
+
+
+def test_a_hostile_sweep_page_stays_inert(demo_run, tmp_path) -> None:
+    """Job folder names and override values reach the page as text: every link is a relative file
+    link or an anchor, and the data block is JSON that closes where it should and reads back."""
+    from circuitkit_app.report import write_sweep_report
+
+    out = write_sweep_report(_hostile_sweep(demo_run, tmp_path))
+    page = parse(out)
+    hrefs = [a["href"] for tag, a in page.tags if tag == "a" and "href" in a]
+    assert hrefs and all(h.startswith(("./", "#")) for h in hrefs), hrefs
+    assert "./javascript%3Awindow.X%3D1%3Bvoid%280%29/report.html" in hrefs
+    raw = page.scripts["report-data"]
+    assert not any(bad in raw for bad in ("<!--", "<script", "</script", "\u2028", "\u2029"))
+    data = json.loads(raw)  # the block ends where it should: it parses as a whole
+    values = {j["job"]: j["values"] for j in data["sweep"]["jobs"]}
+    assert values["0"]["model.name"] == HOSTILE and values[HOSTILE_JOB]["model.name"] == "plain"
+    assert data["sweep"]["swept"] == ["model.name"]
+    assert [tag for tag, _ in page.tags].count("img") == 0
+
+
+def test_a_run_with_hostile_text_keeps_one_data_block(demo_run, tmp_path) -> None:
+    """A model name holding `<!--<script>` leaves the page's scripts as written: the data block
+    parses and gives the name back."""
+    from circuitkit_app.report import write_run_report
+
+    run = tmp_path / "run"
+    shutil.copytree(demo_run, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["model"]["name"] = HOSTILE
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    out = write_run_report(run, out=tmp_path / "page.html")
+    page = parse(out)
+    json.loads(page.scripts["report-data"])
+    assert html.escape(HOSTILE) in out.read_text()  # shown as written, as text
+    assert not any("<!--" in text or "<script" in text for text in page.scripts.values())
+    assert [tag for tag, _ in page.tags].count("img") == 0
+
+
+def test_a_rank_file_of_another_index_is_refused(demo_run, tmp_path, capsys) -> None:
+    from circuitkit_app.gradian_cli import main
+
+    ranked = tmp_path / "r.jsonl"
+    assert main(["rank", "--index", str(demo_run / "index"), "--queries", str(QUERIES), "--top-k", "2",
+                 "--out", str(ranked)]) == 0
+    rows = [json.loads(line) for line in ranked.read_text().splitlines()]
+    rows[0]["text_preview"] = "a row of another index"
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["report", str(other), "--index", str(demo_run / "index"), "--out", str(tmp_path / "p.html")]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "was not ranked against" in err and "Traceback" not in err and not (tmp_path / "p.html").exists()
+
+
+def test_a_score_too_large_for_a_float_names_the_line(demo_run, tmp_path, capsys) -> None:
+    from circuitkit_app.gradian_cli import main
+
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"query": 0, "rank": 1, "row_id": 0, "score": 0.5}\n'
+                   '{"query": 0, "rank": 2, "row_id": 1, "score": ' + "9" * 400 + "}\n")
+    assert main(["report", str(big), "--index", str(demo_run / "index")]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{big} line 2" in err and "does not fit a float" in err and "Traceback" not in err

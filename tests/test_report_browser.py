@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,30 @@ def test_multirun_report_in_chromium(browser, tmp_path) -> None:
     # each job's own page, linked from the sweep's
     job = open_report(browser, sweep / "1" / "report.html")
     assert job.state()["ready"] and job.errors() == []
+
+
+def test_a_hostile_sweep_page_runs_no_script(browser, tmp_path, induction_model_dir) -> None:
+    """A job folder named `javascript:...` and override values holding `<!--<script>`, `</script>`,
+    an `<img onerror>` and U+2028: the page draws its charts with no console error, the job link
+    is a file link (clicking it runs nothing), and the values show as written."""
+    from circuitkit_app.report import write_sweep_report
+    from circuitkit_app.stage_list import run_pipeline
+
+    hostile = "<!--<script>it's </script><img src=x onerror=window.X=1>\u2028"
+    job_name = "javascript:window.X=1;void(0)"
+    _, cfg = compose(["stages=[data,attribution,pruning]"], config_name="demo")
+    sweep = tmp_path / "sweep"
+    run_pipeline(cfg, sweep / "0")
+    shutil.copytree(sweep / "0", sweep / job_name)
+    for job, value in (("0", hostile), (job_name, "plain")):
+        (sweep / job / ".hydra").mkdir(exist_ok=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(json.dumps([f"model.name={value}"]) + "\n")
+    opened = open_report(browser, write_sweep_report(sweep))
+    assert opened.state()["ready"] and opened.state()["error"] is None and opened.errors() == []
+    assert opened.page.locator(".js-plotly-plot").count() >= 1
+    assert hostile.replace("\u2028", "") in opened.page.inner_text("body").replace("\u2028", "")
+    link = opened.page.locator("a[href*='javascript']")
+    assert link.count() == 1 and link.get_attribute("href").startswith("./")
+    link.click()
+    assert opened.page.evaluate("typeof window.X") == "undefined"
+    opened.page.context.close()
