@@ -84,7 +84,8 @@ def _cmd_config(overrides: list[str]) -> int:
         sys.stdout.write(CONFIG_HELP)
         return 0
     cfg, _typed = compose(overrides)
-    Console().print(Syntax(OmegaConf.to_yaml(cfg), "yaml"))
+    # resolved: the values the run would use (conf/pruning/heads.yaml reads an environment variable)
+    Console().print(Syntax(OmegaConf.to_yaml(cfg, resolve=True), "yaml"))
     return 0
 
 

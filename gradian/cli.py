@@ -1,4 +1,4 @@
-"""`gradian` command line: index, rank, inspect, doctor.
+"""`gradian` command line: index, rank, inspect, report, doctor, diagnose, attribute.
 
     gradian index [overrides]  build a gradient index with the pipeline's config keys, e.g.
                                gradian index model=gpt2 grads.data_path=train.jsonl grads.index_dir=idx
@@ -8,6 +8,7 @@
                                --row N shows training row N's tokens and which are supervised
     gradian rank --index DIR --queries FILE [--top-k K] [--score auto|cosine|dot|influence|whitened|kfac|ekfac]
                  [--damping D] [--aggregate mean|max] [--out FILE] [--no-verify] [--append-eos true|false]
+                 [--adapter DIR|none]
                                training rows most similar (by gradient) to each query row and overall
                  [--report [FILE]]   also the ranked rows as a page (needs --out; default FILE: OUT.html)
     gradian report RANK.jsonl --index DIR [--queries FILE] [--out FILE]
@@ -18,6 +19,10 @@
                  [--trainer-log LOG.json|.jsonl] [--model M] [--max-seq-length N] [--json]
                                checks of a fine-tuning set, its trainer settings and logs (gradian.diagnose;
                                tokenizer only, no GPU): each finding's rows, evidence and fix; exit 1 on errors
+    gradian attribute --index DIR --eval-dataset EVAL.jsonl [--base-model M] [--adapter DIR] [--top-k K]
+                 [--query-loss contrastive|ce|margin] [--engines auto,dot] [--out OUT.json]
+                               which training rows broke a behaviour the base model had (gradian.attribute):
+                               the regression with a bootstrap CI, accused rows, their clusters
 
 Every command ends through `circuitkit.core.errors.run_entry`: an error prints one line naming the
 problem and the fix (CIRCUITKIT_DEBUG=1 shows the traceback), Ctrl-C exits 130.
@@ -207,7 +212,7 @@ def rank_command(args: argparse.Namespace) -> int:
     try:
         results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
                        out_path=args.out, verify=not args.no_verify, circuit=args.circuit,
-                       append_eos=args.append_eos, damping=args.damping)
+                       append_eos=args.append_eos, damping=args.damping, adapter=args.adapter)
     except UserError:
         raise
     except (ValueError, FileNotFoundError) as err:  # IndexMismatchError, DataError: the input is wrong
@@ -306,6 +311,10 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--append-eos", choices=("true", "false"), default=None,
                       help="the token policy the queries are meant for; refused unless it is the index's"
                            " (grads.append_eos); by default queries follow the index")
+    rank.add_argument("--adapter", default="index", metavar="DIR|none",
+                      help="the LoRA adapter of the queries' model: by default the one the index was built with"
+                           " (model.adapter, its recorded directory); another directory or none is refused unless it"
+                           " is the index's (same weights sha256, r, alpha, targets)")
     rank.add_argument("--circuit", default=None,
                       help="circuit.pt the queries are for; refused unless the index was built with it")
     rank.add_argument("--report", nargs="?", const="", default=None, metavar="FILE",
@@ -331,6 +340,9 @@ def _parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--max-seq-length", type=int, default=None, help="the trainer's length limit in tokens"
                           " (default: max_seq_length / max_length of the trainer args)")
     diagnose.add_argument("--json", action="store_true", help="print the findings as a JSON list instead of a table")
+    from gradian.attribute.command import add_parser as add_attribute
+
+    add_attribute(sub)
     sub.add_parser("doctor", help="versions, devices, backends and self-tests as Markdown ([--json])",
                    add_help=False)
     return parser
@@ -341,6 +353,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = _parser().parse_args(argv)
     if args.command == "rank":
         args.append_eos = None if args.append_eos is None else args.append_eos == "true"
+        args.adapter = None if args.adapter.lower() == "none" else args.adapter
     return args
 
 
@@ -363,6 +376,10 @@ def _main(argv: list[str]) -> int:
         return rank_command(args)
     if argv[0] == "diagnose":
         return diagnose_command(parser.parse_args(argv))
+    if argv[0] == "attribute":
+        from gradian.attribute.command import run as attribute_command
+
+        return attribute_command(parser.parse_args(argv))
     if argv[0] == "doctor":
         from gradian.doctor import main as doctor_main
 

@@ -47,6 +47,10 @@ class IndexHeader:
     parameter_share: float  # share of the model's parameters (elements) the index covers
     gguf_file: str | None = None  # model.gguf_file, when the model is a GGUF inside model.name
     fisher: str = "empirical"  # grads.fisher: the labels of the K-FAC / EK-FAC curvature's output gradients
+    # model.adapter's record (circuitkit.models.lora.AdapterSpec.record: directory name and path, weights
+    # file and its sha256, peft_type, r, lora_alpha, target_modules, base_model_name_or_path), or None
+    adapter: dict[str, Any] | None = None
+    base_name: str | None = None  # model.base_name: the model a full fine-tune in `model` was tuned from
 
     def to_json(self) -> dict[str, Any]:
         """The header's JSON fields, in the order manifest.json stores them."""
@@ -61,16 +65,17 @@ TYPES: dict[str, tuple[type, ...]] = {
     "data_sha256": (str, _NONE), "max_seq_length": (int,), "truncation_side": (str,), "on_truncation": (str,),
     "data_report": (dict, _NONE), "token_policy": (dict, _NONE), "row_width": (int,), "circuit": (dict, _NONE),
     "projection_sha256": (str, _NONE), "activations": (str,), "parameter_share": (float, int, _NONE),
-    "gguf_file": (str, _NONE), "fisher": (str,)}
+    "gguf_file": (str, _NONE), "fisher": (str,), "adapter": (dict, _NONE), "base_name": (str, _NONE)}
 assert list(TYPES) == [f.name for f in fields(IndexHeader)]
 
 # What a manifest of an older format version lacks, and what that version meant. Format
 # versions: 2 projection_sha256; 3 token_policy, loss, preconditioner; 4 activations;
-# 5 parameter_share, gguf_file; 6 fisher. (Before 2, the header was as it is in version 2 without its hash.)
+# 5 parameter_share, gguf_file; 6 fisher; 7 adapter, base_name. (Before 2, the header was as it is in
+# version 2 without its hash.)
 DEFAULTS_BEFORE: dict[str, tuple[int, Any]] = {
     "projection_sha256": (2, None), "token_policy": (3, None), "loss": (3, "ce"), "preconditioner": (3, "none"),
     "activations": (4, "model"), "parameter_share": (5, None), "gguf_file": (5, None),
-    "fisher": (6, "empirical"),
+    "fisher": (6, "empirical"), "adapter": (7, None), "base_name": (7, None),
 }
 
 
@@ -156,6 +161,14 @@ def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
                    f" ({state})"),
         ("size on disk", f"{summary['bytes'] / 2**20:.2f} MiB ({summary['bytes']} bytes)"),
     ]
+    adapter = summary.get("adapter")
+    if isinstance(adapter, dict):
+        rows.insert(1, ("adapter", f"LoRA {adapter.get('name')} (r {adapter.get('r')}, alpha {adapter.get('lora_alpha')},"
+                                   f" targets {adapter.get('target_modules')}), weights sha256"
+                                   f" {str(adapter.get('weights_sha256'))[:12]}…, made for"
+                                   f" {adapter.get('base_model_name_or_path')}"))
+    if summary.get("base_name"):
+        rows.insert(1, ("base model", f"{summary['base_name']} (model is its full fine-tune)"))
     share = summary.get("parameter_share")
     if isinstance(share, (int, float)):
         rows.insert(3, ("parameter share", f"{100 * share:.2f}% of the model's parameters"))

@@ -55,7 +55,7 @@ from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 # 4: the header records `activations` ("model" or "fused", gradian.capture.activation_numerics).
 # 5: the header is `gradian.header.IndexHeader`, checked field by field, and records
 #    `parameter_share` (the share of the model's parameters the index covers).
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 # Optional shard tensors besides grads, norms and rows.
 OPTIONAL_TENSORS = ("sources", "second_moment")
 

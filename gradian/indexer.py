@@ -380,7 +380,8 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
     Rows are read from the source a record at a time and kept tokenized on disk
     (`TokenizedCorpus`); each shard's rows are batched by length under the token budget
     (`plan_batches`) and stored in row order. `loaded`: an already loaded model
-    (circuitkit.models.loading.LoadedModel), else loaded here.
+    (circuitkit.models.loading.LoadedModel), else loaded here; with `model.adapter` its LoRA linears
+    are kept (`load_model(..., keep_adapter=True)`) and the manifest records the adapter.
     `circuit_path`: the circuit.pt that `grads.circuit` names (the pipeline resolves 'run' to
     its own circuit.pt); when given, only the circuit's kept heads and MLPs are indexed
     (`gradian.restrict`) and the manifest records the circuit.
@@ -400,7 +401,10 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
         # settings that the config alone decides (the rest is compared once the model is loaded).
         check_resume_settings(read_manifest(Path(index_dir)), grads, Path(index_dir))
     source = Source(SourceSpec.from_grads(grads, data_path))
-    loaded = loaded or load_model(model_cfg)
+    loaded = loaded or load_model(model_cfg, keep_adapter=True)
+    if getattr(model_cfg, "adapter", None) and not getattr(loaded, "adapter_kept", False):
+        raise ValueError("model.adapter is set but the model given to build_index has no LoRA linears (merged, or"
+                         " loaded without it): load it with load_model(cfg, keep_adapter=True).")
     tokenizer = loaded.tokenizer
     with console.status(f"reading and tokenizing {source.name}") as status:
         # The loaded model's own config decides the bound (check_grads_config may not have seen one offline).
@@ -468,6 +472,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         projection_sha256=projection_fingerprint(projector),
         activations=activation_numerics(activations),
         parameter_share=covered / n_params, gguf_file=model_cfg.gguf_file, fisher=fisher,
+        adapter=getattr(loaded, "lora", None), base_name=getattr(model_cfg, "base_name", None),
     ))
     console.print(f"the index covers {covered / n_params:.1%} of the model's parameters ({covered:,} of"
                   f" {n_params:,} weight elements)")

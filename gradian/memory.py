@@ -21,6 +21,7 @@ from circuitkit.core.device import DTYPES, model_dtype
 from circuitkit.core.pipeline import StageMemory
 from circuitkit.models.adapters import family
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
+from circuitkit.models.lora import lora_linear_shapes, read_adapter
 from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from gradian.capture import activation_mode, logit_chunk_rows
 from gradian.curvature import has_kfac, has_module
@@ -247,10 +248,12 @@ def whitening_pass_bytes(projector: Projector, n_tokens: int) -> int:
 
 def grads_projector(cfg: AppConfig, shape: dict[str, Any] | None = None) -> Projector:
     """The Projector of the modules `cfg.grads` selects, named from the model's shape alone:
-    `grads.module_filter` over the blocks' linear modules, or the sites of `grads.circuit`."""
+    `grads.module_filter` over the blocks' linear modules (a `model.adapter`'s LoRA linears among
+    them, their shapes read from its weights file), or the sites of `grads.circuit`."""
     g = cfg.grads
     shape = shape or shape_for(cfg.model)
-    modules = linear_module_shapes(shape, g.module_filter) if g.circuit is None else _circuit_shapes(cfg, shape)
+    lora = lora_linear_shapes(read_adapter(cfg.model.adapter)) if getattr(cfg.model, "adapter", None) else None
+    modules = linear_module_shapes(shape, g.module_filter, lora) if g.circuit is None else _circuit_shapes(cfg, shape)
     if g.width_allocation != "uniform" and g.projection_dim is not None:
         from gradian.allocation import provisional_widths  # the widths themselves come from the factor pass
 

@@ -33,6 +33,7 @@ from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_bytes, check_writable
 from circuitkit.models.loading import context_length, load_model, weights_hash
+from circuitkit.models.lora import AdapterError, read_adapter
 from gradian.allocation import check_allocation
 from gradian.capture import per_example_gradients
 from gradian.curvature import CURVATURE_DAMPING, KroneckerCurvature, has_kfac
@@ -239,6 +240,66 @@ def check_compatible(manifest: dict[str, Any], loaded, index_dir: str | Path | N
     return projector
 
 
+# What decides an adapter's weights: a difference in any of them makes its gradients another model's.
+ADAPTER_KEYS = ("weights_sha256", "r", "lora_alpha", "target_modules", "base_model_name_or_path")
+
+
+def _adapter_line(record: dict[str, Any]) -> str:
+    return (f"LoRA adapter {record.get('name')!r} ({record.get('path')}, weights sha256"
+            f" {str(record.get('weights_sha256'))[:12]}…, r {record.get('r')})")
+
+
+def compare_adapter(recorded: dict[str, Any] | None, ours: dict[str, Any] | None, what: str) -> None:
+    """Refuse queries with another adapter than the index's (another file, none, or one where the
+    index has none): IndexMismatchError naming both sides and each differing field. `ours`: the
+    adapter record of the queries' model (`AdapterSpec.record`), None for none; `what` names it."""
+    if recorded is None and ours is None:
+        return
+    if recorded is None:
+        raise IndexMismatchError(f"{what} is {_adapter_line(ours)}, but the index was built on the model without an"
+                                 " adapter: rank without one (--adapter none), or build an index with model.adapter set.")
+    if ours is None:
+        raise IndexMismatchError(f"the index was built with {_adapter_line(recorded)} and {what} has no adapter: rank"
+                                 " with that adapter (--adapter DIR, or leave --adapter out to use the index's).")
+    diffs = []
+    for key in ADAPTER_KEYS:
+        if recorded.get(key) != ours.get(key):
+            theirs, mine = recorded.get(key), ours.get(key)
+            if key == "weights_sha256":
+                theirs, mine = f"{str(theirs)[:12]}…", f"{str(mine)[:12]}…"
+            diffs.append(f"{key}: index has {theirs}, {what} has {mine}")
+    if diffs:
+        changed = " (the adapter's weights changed since the index was built)" if (
+            recorded.get("path") == ours.get("path") and len(diffs) == 1 and diffs[0].startswith("weights_sha256")) else ""
+        raise IndexMismatchError(f"the index was built with {_adapter_line(recorded)}, {what} is {ours.get('path')}"
+                                 f"{changed}: {'; '.join(diffs)}. Rank with the adapter the index was built with, or"
+                                 " rebuild the index with this one.")
+
+
+def asked_adapter(manifest: dict[str, Any], adapter: str | None = "index") -> str | None:
+    """The adapter directory the queries' model is loaded with, checked against the index's before
+    anything loads: "index" = the one the manifest records (refused if it is gone or its weights
+    changed), None = none, else that directory. IndexMismatchError naming the difference."""
+    recorded = manifest.get("adapter")
+    if adapter is None:
+        compare_adapter(recorded, None, "--adapter none")
+        return None
+    where = "the index's adapter" if adapter == "index" else "--adapter"
+    if adapter == "index":
+        if recorded is None:
+            return None
+        adapter = str(recorded.get("path"))
+    try:
+        spec = read_adapter(adapter, where)
+    except AdapterError as err:
+        if where == "--adapter":
+            raise
+        raise IndexMismatchError(f"the index was built with {_adapter_line(recorded)}, which cannot be read now ({err})"
+                                 " Give its directory with --adapter DIR.") from None
+    compare_adapter(recorded, spec.record(), where)
+    return str(spec.directory)
+
+
 def check_token_policy(manifest: dict[str, Any], append_eos: bool | None = None,
                        prepend_bos: bool | None | str = "index") -> None:
     """Refuse queries asked to be tokenized under another policy than the index's rows.
@@ -431,7 +492,7 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
          aggregate: str = "mean", out_path: str | Path | None = None,
          model_cfg: ModelConfig | None = None, loaded=None, verify: bool = True,
          circuit: str | Path | None = None, append_eos: bool | None = None,
-         damping: float | None = None) -> list[dict[str, Any]]:
+         damping: float | None = None, adapter: str | None = "index") -> list[dict[str, Any]]:
     """Rank the index's training rows against the rows of `queries_path` (JSONL).
 
     Loads the model the manifest names (or `model_cfg`; or an already loaded `loaded`), refuses
@@ -454,6 +515,11 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     "auto" (the default): ekfac on an index with K-FAC factors, else cosine (`default_score`).
     Query rows are tokenized with the index's token policy (manifest ``token_policy``);
     `append_eos`, when given, must be that policy's (IndexMismatchError otherwise).
+
+    `adapter`: the LoRA adapter the queries' model carries: "index" (the default) = the one the
+    manifest records, None = none, else a directory; with `model_cfg` its `adapter`, with `loaded`
+    its record. Anything but the index's adapter (another file, none, or its file changed since) is
+    refused before the model loads (IndexMismatchError naming the difference, `compare_adapter`).
     """
     _check_choice("score", score, ("auto", *SCORES))
     _check_choice("aggregate", aggregate, AGGREGATES)
@@ -490,11 +556,19 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
         check_allocation(index_dir, proj)
         if proj.get("kind") == "whitened":
             read_recorded(Path(index_dir), proj.get("whitening"), WHITENING_FILE, "the whitened projection's matrices")
+    if loaded is not None:
+        compare_adapter(manifest.get("adapter"), getattr(loaded, "lora", None), "the loaded model's adapter")
+        if getattr(loaded, "lora", None) and not getattr(loaded, "adapter_kept", False):
+            raise IndexMismatchError("the loaded model has its LoRA adapter merged into its weights; Gradian's queries"
+                                     " need its LoRA linears kept: load_model(cfg, keep_adapter=True).")
+    elif model_cfg is not None:
+        asked_adapter(manifest, model_cfg.adapter or None)
+    else:
+        model_cfg = ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
+                                gguf_file=manifest.get("gguf_file"), precision=manifest.get("precision", "bfloat16"),
+                                adapter=asked_adapter(manifest, adapter))
     if loaded is None:
-        model_cfg = model_cfg or ModelConfig(name=manifest["model"], revision=manifest.get("revision"),
-                                             gguf_file=manifest.get("gguf_file"),
-                                             precision=manifest.get("precision", "bfloat16"))
-        loaded = load_model(model_cfg)
+        loaded = load_model(model_cfg, keep_adapter=True)
     projector = check_compatible(manifest, loaded, index_dir)
     q_grads, q_rows = query_gradients(manifest, loaded, projector, queries_path)
     top = stream_topk(index_dir, q_grads, top_k, score, aggregate, verify=verify, damping=damping)

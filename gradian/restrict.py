@@ -34,7 +34,8 @@ from torch import nn
 from circuitkit.core.circuit_file import circuit_sha256, kept_components, load_circuit
 from circuitkit.core.config import GradsConfig, choices
 from circuitkit.core.errors import UserError
-from circuitkit.models.linear_modules import module_shape
+from circuitkit.models.linear_modules import module_shape, modules_by_name
+from circuitkit.models.lora import canonical_name, unwrap_linear
 
 log = logging.getLogger(__name__)
 _HEAD_SUFFIX = re.compile(r"^(?P<module>.+):head(?P<head>\d+)$")
@@ -63,18 +64,19 @@ def site_shapes(sites: list[Site]) -> dict[str, tuple[int, int]]:
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
-    return {id(m): n for n, m in model.named_modules()}
+    """id -> canonical name (a kept LoRA adapter's base linear by its target's name)."""
+    return {id(m): canonical_name(n) for n, m in model.named_modules()}
 
 
 def _mlp_out(adapter, layer: int) -> nn.Module:
     """The MLP's output linear (the family's `mlp_output_linear`); one clear error when the
     family's MLP has none (mixture-of-experts weights fused in 3-D tensors)."""
     out = adapter.mlp_output_linear(layer)
-    if out is None:
-        raise ValueError(f"the MLPs of this {adapter.family} model have no output linear to index (their"
-                         " experts' weights are fused 3-D tensors, which Gradian does not index): set"
-                         " grads.circuit_mlps=none to index the circuit's heads only.")
-    return out
+    if out is not None:
+        return unwrap_linear(out)  # a kept LoRA adapter's target: its base linear
+    raise ValueError(f"the MLPs of this {adapter.family} model have no output linear to index (their"
+                     " experts' weights are fused 3-D tensors, which Gradian does not index): set"
+                     " grads.circuit_mlps=none to index the circuit's heads only.")
 
 
 def circuit_sites(model: nn.Module, adapter, head_mask: torch.Tensor, mlp_mask: torch.Tensor | None) -> list[Site]:
@@ -90,7 +92,7 @@ def circuit_sites(model: nn.Module, adapter, head_mask: torch.Tensor, mlp_mask: 
     dh = adapter.head_dim
     sites: list[Site] = []
     for layer in range(adapter.n_layers):
-        z_input = adapter.z_input(layer)
+        z_input = unwrap_linear(adapter.z_input(layer))
         for h in head_mask[layer].nonzero().flatten().tolist():
             sites.append(Site(f"{names[id(z_input)]}:head{h}", z_input, slice(h * dh, (h + 1) * dh)))
         if mlp_mask is not None and bool(mlp_mask[layer]):
@@ -107,7 +109,7 @@ def sites_from_names(model: nn.Module, adapter, names: list[str]) -> list[Site]:
 
     Raises ValueError naming the first name the model does not have.
     """
-    modules = dict(model.named_modules())
+    modules = modules_by_name(model)
     dh = adapter.head_dim
     sites = []
     for name in names:

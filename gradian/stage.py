@@ -45,7 +45,8 @@ def _grads(ctx: RunContext) -> StageResult:
                           markup=False)
         shutil.rmtree(index_dir)
     circuit_path = circuit_for_grads(ctx)
-    summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model(), circuit_path=circuit_path)
+    summary = build_index(ctx.cfg.model, g, index_dir, ctx.console, loaded=ctx.model(keep_adapter=True),
+                          circuit_path=circuit_path)
     files = [index_dir / "manifest.json", *(index_dir / name for name in summary.get("shard_files", []))]
     ctx.console.print(f"index {index_dir}: {summary['rows_stored']} of {summary['n_rows']} rows,"
                       f" {summary['bytes'] / 2**20:.2f} MiB")

@@ -69,6 +69,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.models.gguf": MODELS,  # GGUF files as a model source (header, provenance, conversion)
     "circuitkit.models.fetch": MODELS,  # `circuitkit fetch`: real models shipped in PyPI wheels
     "circuitkit.models.linear_modules": MODELS,
+    "circuitkit.models.lora": MODELS,  # model.adapter: PEFT LoRA adapters (the one module that imports peft)
     "circuitkit.models.recompute": MODELS,  # activations recomputed in the backward (exact)
     "circuitkit.preflight": MODELS,  # the preflight room: model shapes, memory terms, the stage
     "circuitkit.preflight.memory": MODELS,  # reads model shapes (HF config.json); the generic memory terms
@@ -88,6 +89,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.tasks.text": CIRCUIT,
     "circuitkit.discovery.tasks.sva": CIRCUIT,  # subject-verb agreement across an attractor
     "circuitkit.discovery.pruning.pillars": CIRCUIT,  # the verdict: baselines, necessity, robustness, ...
+    "circuitkit.discovery.pruning.verdict": CIRCUIT,  # the pillars measured on the pruning stage's circuit
     "circuitkit.discovery.tasks.corruptions": CIRCUIT,  # corrupted prompts generated for a jsonl task
     "circuitkit.discovery.tasks.capitals": CIRCUIT,  # factual recall: capital cities
     "circuitkit.discovery.attribution": CIRCUIT,
@@ -109,6 +111,8 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.pruning.stability": CIRCUIT,  # Jaccard of the kept set over resamples of the examples
     "circuitkit.discovery.export.mib": CIRCUIT,  # MIB's metrics, export and folder check
     "circuitkit.discovery.attribution.eap_activations": CIRCUIT,
+    "circuitkit.discovery.attribution.eap_gp": CIRCUIT,  # EAP-IG along a gradient-guided path (GradPath)
+    "circuitkit.discovery.attribution.acdc": CIRCUIT,  # ACDC: iterative edge removal by patching
     "circuitkit.discovery.circuit": CIRCUIT,
     "circuitkit.discovery.circuit_graph": CIRCUIT,
     "circuitkit.discovery.plots": CIRCUIT,
@@ -116,6 +120,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.export.hf": CIRCUIT,  # the pruned Hugging Face checkpoint (issue 42)
     "circuitkit.discovery.export.hf_stage": CIRCUIT,  # the export stage
     "circuitkit.discovery.stages": CIRCUIT,
+    "circuitkit.discovery.data_lengths": CIRCUIT,  # the stages' estimates at the tokenized prompts (the preflight)
     # gradian
     "gradian": GRADIAN,
     "gradian.capture": GRADIAN,
@@ -146,6 +151,17 @@ LAYERS: dict[str, str] = {
     "gradian.diagnose.checks_data": GRADIAN,
     "gradian.diagnose.checks_config": GRADIAN,
     "gradian.diagnose.checks_log": GRADIAN,
+    # `gradian attribute`: which training rows broke a behaviour (evaluation, queries, engines, clusters)
+    "gradian.attribute": GRADIAN,
+    "gradian.attribute.evaluate": GRADIAN,
+    "gradian.attribute.regression": GRADIAN,
+    "gradian.attribute.queries": GRADIAN,
+    "gradian.attribute.engines": GRADIAN,
+    "gradian.attribute.rows": GRADIAN,
+    "gradian.attribute.clusters": GRADIAN,
+    "gradian.attribute.result": GRADIAN,
+    "gradian.attribute.run": GRADIAN,
+    "gradian.attribute.command": GRADIAN,  # its arguments and tables; gradian.cli hands it the command
     # entry points: circuitkit_app/ (above both domains) and gradian's own command
     "circuitkit_app": ENTRY,
     "circuitkit_app.stage_list": ENTRY,  # the one list of stages: circuit discovery's and gradian's

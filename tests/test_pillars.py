@@ -76,3 +76,13 @@ def test_the_verdict_table_has_a_definition_per_row():
     assert [r["pillar"] for r in rows] == ["faithfulness", "baseline_random", "necessity", "robustness"]
     assert rows[1]["value"] == 99.0 and "100 random circuits" in rows[1]["detail"]
     assert rows[3]["value"] == 0.7 and all(r["definition"] for r in rows)
+
+
+def test_a_pillar_not_measured_keeps_its_row_with_the_reason():
+    rows = verdict_rows({"faithfulness": 0.9, "robustness": {"abc": float("nan"), "fresh": 0.6}},
+                        {"generalization": "no held-out templates", "robustness": "seed 0"})
+    by_name = {r["pillar"]: r for r in rows}
+    assert list(by_name) == ["faithfulness", "robustness", "generalization"]  # others: no figure, no note
+    assert by_name["robustness"]["value"] == 0.6  # the lowest finite figure
+    assert by_name["robustness"]["detail"] == "abc nan, fresh 0.600; seed 0"
+    assert by_name["generalization"]["value"] is None and by_name["generalization"]["detail"] == "no held-out templates"

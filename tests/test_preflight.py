@@ -41,6 +41,11 @@ def test_check_memory_prints_the_budget_table_without_loading(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for name in ("gpt2", "llama1b", "llama3b", "gemma4b"):
         assert name in proc.stderr
+    out = " ".join(proc.stderr.split())
+    # every circuit stage, each saying which length it was estimated at; the tokenizer is not here
+    assert "attribution: estimated at 4 pairs x 128 tokens" in out and "pruning: estimated at 4 held-out pairs" in out
+    assert "seq_len=128 as configured: the tokenizer of google/gemma-3-4b-it is not on this machine" in out
+    assert "largest discovery.batch_size that fits every stage:" in out
 
 
 def test_preflight_passes_and_attribution_records_estimate_next_to_measured(tmp_path):
@@ -86,6 +91,7 @@ def test_discover_smart_picks_a_batch_that_fits_and_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["config"]["discovery"]["batch_size"] == 8  # everything fits: capped at num_examples
+    assert "every stage fits the whole num_examples=8 in one batch" in " ".join(proc.stderr.split())
     assert [s for s, e in manifest["stages"].items() if e["status"] == "ok"] == [
         "preflight", "data", "attribution", "pruning"]
 

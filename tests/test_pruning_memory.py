@@ -11,6 +11,7 @@ import circuitkit.discovery.pruning.edges as pruning_edges
 from circuitkit.core.config import PruningConfig, compose
 from circuitkit.core.device import measure_peak, module_bytes
 from circuitkit.discovery.attribution.eap import AttributionScores, graph_of
+from circuitkit.discovery.data_lengths import PRUNING_AT_DATA
 from circuitkit.discovery.pruning.heads import prune
 from circuitkit.discovery.pruning.memory import (
     PRUNING_MEMORY,
@@ -87,7 +88,8 @@ def test_edge_records_past_the_budget_are_not_counted(monkeypatch):
 
 def test_the_pruning_stage_declares_its_estimate_and_the_preflight_reads_it():
     stage = next(s for s in CIRCUIT_STAGES if s.name == "pruning")
-    assert stage.memory is PRUNING_MEMORY
+    # at the tokenized prompts (circuitkit.discovery.data_lengths), the advice PRUNING_MEMORY's
+    assert stage.memory is PRUNING_AT_DATA and PRUNING_MEMORY.advice is pruning_advice
     _, cfg = compose(["model=llama1b", "pruning.scope=edges", "discovery.level=edge", "discovery.batch_size=8",
                       "discovery.data_params.eval_examples=64", "discovery.data_params.seq_len=512"])
     free = 40 * 2**30

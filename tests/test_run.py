@@ -77,7 +77,7 @@ def test_discover_circuit_from_a_plain_dict(tmp_path):
         "model": {"name": "builtin:tiny-gpt2", "precision": "float32"},
         "discovery": {"algorithm": "eap-ig", "task": "induction", "level": "node", "ig_steps": 3, "batch_size": 4,
                       "data_params": {"num_examples": 8, "eval_examples": 4, "seq_len": 16}},
-        "pruning": {"target_sparsity": 0.25, "scope": "heads"},
+        "pruning": {"target_sparsity": 0.25, "scope": "heads", "random_baselines": 0},  # the verdict: test_verdict.py
         "output_path": str(out),
     })
     assert out.is_file() and (tmp_path / "circuit_run" / "manifest.json").is_file()

@@ -197,7 +197,7 @@ def test_discover_circuit_on_shards_names_the_pending_ones_then_returns_the_circ
     base = {"stages": ["data", "attribution", "pruning"], "model": {"precision": "float32"},
             "discovery": {"level": "node", "ig_steps": 2, "batch_size": 2, "num_shards": 2,
                           "data_params": {"num_examples": 6, "eval_examples": 2, "seq_len": 16}},
-            "pruning": {"graph": False}, "output_path": str(tmp_path / "circuit.pt")}
+            "pruning": {"graph": False, "random_baselines": 0}, "output_path": str(tmp_path / "circuit.pt")}
     first = {**base, "discovery": {**base["discovery"], "shard_index": 0}}
     with pytest.raises(ValueError, match="attribution shard 0 of 2 finished, but other shards were still running"):
         discover_circuit(first, run_dir=tmp_path / "sweep" / "0")

@@ -33,6 +33,10 @@ fields (`Circuit`, in the order they are stored):
                       reference_faithfulness, n_heads_kept}
                                                         the kept heads' faithfulness under the ablations
                                                         weights can hold, beside pruning.ablation's
+    verdict {scope, n_heads, seed, figures, notes, rows [{pillar, value, detail, definition}]}
+                                                        the pillars (baselines, necessity, robustness,
+                                                        generalization, stability) measured by the
+                                                        pruning stage's evaluator; absent in older files
 
 Format versions: 1, untyped (fields as above, some absent in older files); 2, written by
 `save_circuit` from a `Circuit`. The reader takes both and checks the type of every field it
@@ -107,6 +111,7 @@ class Circuit:
     mib: dict[str, Any] | None = None  # MIB's (CPR from signed ranking, CMD from |score|) pair, both curves
     head_means: torch.Tensor | None = None  # (L, H*head_dim): per-head mean z, one vector per head
     weight_ablations: dict[str, Any] | None = None  # faithfulness under mean / zero (a weight export's)
+    verdict: dict[str, Any] | None = None  # the pillars, rows and raw figures (circuitkit.discovery.pruning.verdict)
     format_version: int = FORMAT_VERSION
 
     # Read-only mapping access for callers written against the untyped dict (`c["head_mask"]`,
@@ -130,7 +135,7 @@ _ORDER = ("edge_mask", "mean_z", "upstream_nodes", "downstream_nodes", "graph", 
           "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity", "n_removed",
           "n_heads_removed", "metrics", "curve", "cpr", "cmd", "n_eval_examples", "config", "versions",
           "imported_from", "curve_definition", "selection", "stability", "task", "corruption", "heldout_templates",
-          "mib", "head_means", "weight_ablations")
+          "mib", "head_means", "weight_ablations", "verdict")
 _FIELD_TYPES: dict[str, Any] = {
     "edge_mask": _TENSOR, "mean_z": _TENSOR, "upstream_nodes": list, "downstream_nodes": list, "graph": dict,
     "mlp_mask": _TENSOR, "prepend_bos": bool, "d_model": int, "model_name": str, "model_revision": str,
@@ -140,7 +145,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "metrics": dict, "curve": list, "cpr": _NUMBER, "cmd": _NUMBER, "n_eval_examples": int, "config": dict,
     "versions": dict, "imported_from": dict, "curve_definition": str, "selection": str, "stability": dict,
     "task": str, "corruption": str, "heldout_templates": dict, "mib": dict,
-    "head_means": _TENSOR, "weight_ablations": dict}
+    "head_means": _TENSOR, "weight_ablations": dict, "verdict": dict}
 # Written as None when unset (readers of format 1 saw the key); the others are left out when unset.
 _STORED_WHEN_NONE = {"mean_z", "graph", "mlp_mask", "prepend_bos", "d_model", "model_revision", "mlp_scores",
                      "embed_score", "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity",
@@ -251,8 +256,28 @@ def _check(path: Path, raw: dict[str, Any]) -> Circuit:
                                " (one row per layer, n_heads x head_dim wide).")
     if raw.get("mlp_mask") is not None and raw["mlp_mask"].shape[0] != mask.shape[0]:
         raise CircuitFileError(f"{path}: mlp_mask has {raw['mlp_mask'].shape[0]} layers, head_mask {mask.shape[0]}.")
+    if raw.get("verdict") is not None:
+        _check_verdict(path, raw["verdict"])
     known = {k: v for k, v in raw.items() if k in _FIELD_TYPES and not (k == "scope" and v is None)}
     return Circuit(**known, format_version=version)
+
+
+VERDICT_ROW = ("pillar", "value", "detail", "definition")
+
+
+def _check_verdict(path: Path, verdict: dict[str, Any]) -> None:
+    """The verdict's rows are what `show` and the report print: each {pillar, value, detail, definition},
+    text but the value (a number, or None for a pillar not measured)."""
+    rows = verdict.get("rows")
+    if not isinstance(rows, list):
+        raise CircuitFileError(f"{path}: verdict holds no list of rows; the file is not a CircuitKit circuit.")
+    for i, row in enumerate(rows):
+        if (not isinstance(row, dict) or set(row) != set(VERDICT_ROW)
+                or not all(isinstance(row[k], str) for k in ("pillar", "detail", "definition"))
+                or not (row["value"] is None or _is(row["value"], _NUMBER))):
+            raise CircuitFileError(f"{path}: verdict row {i} is {row!r:.200}, expected {{{', '.join(VERDICT_ROW)}}}"
+                                   " (value a number or None, the others text); the file is not a CircuitKit"
+                                   " circuit.")
 
 
 def load_circuit(path: Path) -> Circuit:

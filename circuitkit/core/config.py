@@ -88,6 +88,13 @@ class ModelConfig:
     gguf_file: Optional[str] = _f(None, "a GGUF file inside model.name (a directory or hub id), loaded through"
                                   " transformers and dequantized to float32; null = model.name is not a GGUF")
     revision: Optional[str] = _f(None, "hub revision (branch, tag or commit); null = default branch")
+    adapter: Optional[str] = _f(None, "a PEFT LoRA adapter directory (what save_pretrained wrote: adapter_config.json"
+                                " and adapter_model.safetensors) applied on top of model.name; circuit discovery runs"
+                                " on the merged weights, Gradian keeps the LoRA linears (grads.module_filter=[adapter]"
+                                " selects them). Needs peft (pip install 'circuitkit-gradian[peft]'); null = none")
+    base_name: Optional[str] = _f(None, "for a full fine-tune in model.name: the model it was tuned from (hub name,"
+                                  " local directory or builtin:NAME, loaded at its default revision), recorded in the"
+                                  " run manifest and the index; null = none")
     precision: str = _f("auto", "weight dtype: auto = bfloat16 where the device computes it natively (CUDA"
                         " compute capability 8.0+, MPS on macOS 14+, a CPU with AVX512-BF16 or AMX), else float32;"
                         " bfloat16, float16, float32 = that dtype everywhere",
@@ -149,14 +156,18 @@ class DataParams:
 
 
 # The attribution methods that integrate along a path: they read discovery.ig_steps and ig_rule.
-IG_ALGORITHMS = ("eap-ig", "eap-ig-activations")
+IG_ALGORITHMS = ("eap-ig", "eap-ig-activations", "eap-gp")
+# eap-gp builds its path one point after another: only the rules whose points are path points.
+GRADPATH_RULES = ("right", "left")
 
 
 @dataclass
 class DiscoveryConfig:
     algorithm: str = _f("eap-ig", "attribution method (eap-ig = EAP-IG-inputs; eap-ig-activations: IG along each layer's"
-                        " own activations, ig_steps x (2 x layers + 1) passes per batch)",
-                        choices=("eap", "eap-ig", "clean-corrupted", "exact", "eap-ig-activations"))
+                        " own activations, ig_steps x (2 x layers + 1) passes per batch; eap-gp: EAP-IG along a"
+                        " gradient-guided path (GradPath), ig_steps passes, ig_rule right or left; acdc: iterative"
+                        " edge (node) removal by patching, one forward over all examples per edge tested)",
+                        choices=("eap", "eap-ig", "clean-corrupted", "exact", "eap-ig-activations", "eap-gp", "acdc"))
     level: str = _f("node", "score nodes or edges", choices=("node", "edge"))
     task: str = _f("induction", "task that supplies clean/corrupted pairs",
                    choices=("induction", "ioi", "greater_than", "mmlu", "jsonl", "sva", "capitals"))
@@ -165,6 +176,9 @@ class DiscoveryConfig:
     ig_rule: str = _f("right", "EAP-IG quadrature rule; ig_steps is its number of passes (the reference EAP-IG:"
                       " right at node level, left at edge level)",
                       choices=("right", "midpoint", "trapezoid", "gauss_legendre", "left"))
+    acdc_threshold: float = _f(0.01, "algorithm=acdc: an edge (node) is removed when removing it changes the metric by"
+                               " less than this, in the metric's units (m(circuit) - m(circuit without it) < threshold);"
+                               " larger = smaller circuit", ge=0.0)
     batch_size: int = _f(4, "examples per forward/backward pass", ge=1)
     num_shards: int = _f(1, "jobs splitting the attribution examples (contiguous ranges; merged by the last to finish)", ge=1)
     shard_index: int = _f(0, "this job's share of the attribution examples, 0 <= shard_index < num_shards", ge=0)
@@ -203,6 +217,12 @@ class PruningConfig:
                         choices=("top_k", "bootstrap", "edge_pruning", "ip", "positive", "mean_rank", "vote", "mask"))
     bootstrap_resamples: int = _f(100, "resamples of the attribution examples for selection=bootstrap and the"
                                   " stability report (Jaccard of the kept set); 0 = no stability report", ge=0)
+    random_baselines: int = _f(100, "the verdict's baselines (circuit.pt `verdict`, `circuitkit show`, the report):"
+                               " the circuit's percentile among this many random circuits with its per-layer head"
+                               " counts, beside the magnitude and Wanda circuits of its size, all measured on the"
+                               " held-out pairs (one pass over them per random circuit); under 100 the percentile"
+                               " is coarse; 0 = no baselines (necessity, robustness, generalization and stability"
+                               " are still measured); at most 10000", ge=0, le=10_000)
     mask_steps: Optional[int] = _f(None, "selection=edge_pruning or mask: optimizer steps on the mask (one forward"
                                    " and backward of one attribution batch each); null = 40 at scope=heads, 20 at"
                                    " scope=edges (SmolLM2 induction: 20 head-mask steps keep 0.74 at 27 heads, 40"
@@ -252,7 +272,7 @@ class GradsConfig:
                           " supervise the template's end-of-turn tokens (false: only what the rows wrote)")
     prepend_bos: Optional[bool] = _f(None, "prompt/completion rows start with BOS: true, false, or null = as the"
                                      " tokenizer does by itself (chat rows: as the template writes)")
-    module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (the index size, and the peak a little: activations kept from the first selected module on, capture buffers)")
+    module_filter: Optional[list[str]] = _f(None, "name patterns of linear modules; null = all in the blocks (the index size, and the peak a little: activations kept from the first selected module on, capture buffers). With model.adapter: adapter (or lora_A, lora_B) = the LoRA linears, which a base module's pattern does not select")
     projection: str = _f("kronecker_orthogonal", "random projection kind: kronecker_orthogonal = Kronecker factors with"
                          " orthonormal rows, kronecker = Rademacher (±1) factors, dense = one Gaussian matrix,"
                          " whitened = kronecker_orthogonal after each module's damped full K-FAC whitening (a"
@@ -547,6 +567,9 @@ def _check_cross_fields(cfg: AppConfig) -> None:
     if g.shard_index >= g.num_shards:
         raise ConfigError(f"Config key 'grads.shard_index' = {g.shard_index} must be < grads.num_shards"
                           f" = {g.num_shards} (workers are numbered 0..num_shards-1).")
+    if g.module_filter and "adapter" in g.module_filter and not cfg.model.adapter:
+        raise ConfigError("Config key 'grads.module_filter' names 'adapter' (the linears of a LoRA adapter), but"
+                          " model.adapter is null: set model.adapter=DIR, or drop 'adapter' from the filter.")
     if g.data_row_range is not None and (len(g.data_row_range) != 2 or not 0 <= g.data_row_range[0] < g.data_row_range[1]):
         raise ConfigError(f"Config key 'grads.data_row_range' = {list(g.data_row_range)} must be [start, end] with"
                           " 0 <= start < end (records start..end-1), or null for all.")
@@ -567,6 +590,13 @@ def _check_cross_fields(cfg: AppConfig) -> None:
     if d.algorithm in IG_ALGORITHMS and d.ig_rule == "trapezoid" and d.ig_steps == 1:
         raise ConfigError("Config key 'discovery.ig_steps' = 1 is too few for discovery.ig_rule=trapezoid (its"
                           " points include both ends, α = 0 and α = 1): set ig_steps >= 2, or ig_rule=right for EAP.")
+    if d.algorithm == "eap-gp" and d.ig_rule not in GRADPATH_RULES:
+        raise ConfigError(f"Config key 'discovery.ig_rule' = {d.ig_rule!r} does not apply to discovery.algorithm=eap-gp,"
+                          " which builds its path one point after another from the gradients: it must be one of"
+                          f" {', '.join(GRADPATH_RULES)} (right is the default).")
+    if d.algorithm == "acdc" and d.num_shards > 1:
+        raise ConfigError(f"Config key 'discovery.num_shards' = {d.num_shards} cannot split discovery.algorithm=acdc:"
+                          " it decides each edge on the metric over all the examples; set num_shards=1.")
 
 
 def validate(cfg: DictConfig | Mapping[str, Any] | AppConfig) -> AppConfig:

@@ -133,14 +133,23 @@ class RunContext:
             raise PipelineError("record() is only available while a pipeline stage runs.")
         self._record(values)
 
-    def model(self):
-        """The LoadedModel for `cfg.model`, loaded on first use."""
+    def model(self, keep_adapter: bool = False):
+        """The LoadedModel for `cfg.model`, loaded on first use.
+
+        `keep_adapter`: with `model.adapter`, the view whose LoRA linears are kept as modules
+        (Gradian) rather than merged into the weights (`circuitkit.models.loading.load_model`); one
+        view is held at a time, so asking for the other releases it and loads again.
+        """
+        kept = keep_adapter and bool(getattr(self.cfg.model, "adapter", None))
+        if self._loaded is not None and bool(getattr(self._loaded, "adapter_kept", False)) != kept:
+            self._loaded = None  # the other view: released before the next one loads
         if self._loaded is None:
             if self._load_model is None:
                 raise PipelineError("this pipeline was assembled without a model loader.")
             used = resolve_precision(self.cfg.model.precision).used
             with self.console.status(f"Loading {self.cfg.model.name} ({used})"):
-                self._loaded = self._load_model(self.cfg.model)
+                self._loaded = (self._load_model(self.cfg.model, keep_adapter=True) if kept
+                                else self._load_model(self.cfg.model))
         return self._loaded
 
     def resident_bytes(self) -> int:

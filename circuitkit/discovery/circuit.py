@@ -34,7 +34,7 @@ from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.placement import input_device
 
 __all__ = ["FORMAT_VERSION", "Circuit", "CircuitFileError", "apply_circuit", "circuit_sha256", "kept_components",
-           "load_circuit", "run_circuit_path", "save_circuit", "show_circuit"]
+           "load_circuit", "run_circuit_path", "save_circuit", "show_circuit", "verdict_table"]
 
 
 @contextmanager
@@ -90,6 +90,25 @@ def weight_ablation_rows(c: Circuit) -> list[tuple[str, str]]:
              f" --ablation {name}`") for name in ("mean", "zero") if name in w]
 
 
+def verdict_value(row: dict[str, Any]) -> str:
+    """A verdict row's value as printed: the random baseline's percentile to 0.1, a faithfulness to 0.001."""
+    value = row["value"]
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if row["pillar"] == "baseline_random" else f"{value:.3f}"
+
+
+def verdict_table(verdict: dict[str, Any]) -> Table:
+    """The verdict (circuit.pt `verdict`) as a table: pillar, value, detail, definition."""
+    scope = verdict.get("scope", "heads")
+    table = Table(title=escape(f"verdict ({scope}, {verdict.get('n_heads', '?')} heads)"))
+    for col, justify in (("pillar", "left"), ("value", "right"), ("detail", "left"), ("definition", "left")):
+        table.add_column(col, justify=justify)
+    for row in verdict["rows"]:
+        table.add_row(escape(row["pillar"]), verdict_value(row), escape(row["detail"]), escape(row["definition"]))
+    return table
+
+
 def show_circuit(path: Path, console: Console | None = None) -> None:
     """Print a summary table and the kept heads of circuit.pt."""
     c = load_circuit(path)
@@ -118,6 +137,11 @@ def show_circuit(path: Path, console: Console | None = None) -> None:
     for key, value in rows:
         summary.add_row(key, escape(value))
     console.print(summary)
+    if c.get("verdict"):
+        console.print(verdict_table(c["verdict"]))
+    else:
+        console.print("no verdict: this circuit.pt was written before the pruning stage measured one (or imported);"
+                      " run the pruning stage again for it.", markup=False)
     kept = Table(title="kept heads (by score)")
     for col in ("layer", "head", "score"):
         kept.add_column(col, justify="right")

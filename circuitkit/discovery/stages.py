@@ -26,13 +26,20 @@ from circuitkit.discovery.attribution.checks import (
     check_scores_fit_model,
 )
 from circuitkit.discovery.attribution.eap import graph_of
-from circuitkit.discovery.attribution.memory import ATTRIBUTION_MEMORY, attribution_estimate
 from circuitkit.discovery.attribution.metrics import answer_forward
-from circuitkit.discovery.circuit import Circuit, load_circuit, run_circuit_path, save_circuit
+from circuitkit.discovery.circuit import Circuit, load_circuit, run_circuit_path, save_circuit, verdict_table
 from circuitkit.discovery.circuit_graph import write_circuit_graph
+from circuitkit.discovery.data_lengths import (
+    ATTRIBUTION_AT_DATA,
+    PRUNING_AT_DATA,
+    attribution_at,
+    pairs_lengths,
+    split_sizes,
+)
 from circuitkit.discovery.plots import faithfulness_curve, head_heatmap
 from circuitkit.discovery.pruning.heads import circuit_fields, prune
-from circuitkit.discovery.pruning.memory import PRUNING_MEMORY, pruning_estimate
+from circuitkit.discovery.pruning.memory import pruning_estimate
+from circuitkit.discovery.pruning.verdict import circuit_verdict, robustness_pairs
 from circuitkit.discovery.tasks import (
     SAMPLE_FILES,
     TaskData,
@@ -48,17 +55,6 @@ DATA_FILE = "data.safetensors"
 HELDOUT_TEMPLATES_FILE = "data_heldout_templates.safetensors"  # pairs from templates attribution never saw
 SCORES_FILE = "scores.safetensors"
 HEATMAP_FILE = "head_scores.png"
-
-
-def split_sizes(n_rows: int, n_attr: int, n_eval: int) -> tuple[int, int]:
-    """Attribution / held-out counts: as configured, or in the same ratio when a data file has
-    fewer rows than asked for (at least one of each)."""
-    if n_rows >= n_attr + n_eval:
-        return n_attr, n_eval
-    if n_rows < 2:
-        raise ValueError(f"the task yielded {n_rows} example(s); attribution and faithfulness need at least 2.")
-    attr = min(n_rows - 1, max(1, round(n_rows * n_attr / (n_attr + n_eval))))
-    return attr, n_rows - attr
 
 
 def _data(ctx: RunContext) -> StageResult:
@@ -179,8 +175,8 @@ def _attribution(ctx: RunContext) -> StageResult:
     pairs, n_attr = task_data(ctx)
     data = pairs[:n_attr]
     meta = {"model": ctx.cfg.model.name, "task": d.task, "prepend_bos": str(d.data_params.prepend_bos).lower()}
-    estimate = attribution_estimate(ctx.cfg, batch_size=min(d.batch_size, len(data)),
-                                    seq_len=int(data.clean_ids.shape[1])).total_bytes
+    # at the batches it runs: pairs grouped by length, each cut to its longest (data_lengths)
+    estimate = attribution_at(ctx.cfg, pairs_lengths(data.lengths(), int(data.clean_ids.shape[1]))).total_bytes
     shard_files, shard_summary = [], {}
     if d.num_shards > 1:  # this job's sums; the last shard to finish merges (circuitkit.discovery.attribution.shards)
         from circuitkit.discovery.attribution.shards import run_attribution_shard
@@ -268,8 +264,14 @@ def _pruning(ctx: RunContext) -> StageResult:
     heldout = heldout_template_data(ctx)
     estimate = pruning_estimate(ctx.cfg, batch_size=min(d.batch_size, len(held_out)), seq_len=int(data.clean_ids.shape[1]),
                                 n_eval=len(held_out), n_attr=n_attr, n_templates=len(heldout or ()),
+                                templates_seq_len=int(heldout.clean_ids.shape[1]) if heldout else None,
                                 weights_loaded=True).total_bytes
     found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size, heldout=heldout)
+    loaded = ctx.model()
+    pairs = robustness_pairs(d.task, d.data_params, loaded.tokenizer, loaded.path, n_attr, len(data), ctx.cfg.seed,
+                             context_length(loaded.model.config))
+    verdict, verdict_wall_s = circuit_verdict(adapter, found, p, d.metric, d.task, held_out, data[:n_attr],
+                                              d.batch_size, ctx.cfg.seed, pairs, heldout)
     other = found.extra.get("heldout_templates")
     corruption = corruption_of(d.task, d.data_params)
     kept, head_mask, achieved = found.selection.mask, found.head_mask, found.selection.achieved_sparsity
@@ -293,7 +295,7 @@ def _pruning(ctx: RunContext) -> StageResult:
         "achieved_sparsity": achieved, "n_removed": found.selection.n_removed,
         "n_heads_removed": int((~head_mask).sum()), "metrics": found.metrics, "curve": curve, "cpr": cpr, "cmd": cmd, "n_eval_examples": len(held_out),
         **circuit_fields(found), "task": d.task, "corruption": corruption,
-        "config": to_dict(ctx.cfg), "versions": package_versions(),
+        "config": to_dict(ctx.cfg), "versions": package_versions(), "verdict": verdict,
     }))
     unit = "heads" if p.scope == "heads" else "edges"
     table = Table(title=f"circuit: {int(kept.sum())} of {found.n_total} {unit} kept"
@@ -314,6 +316,7 @@ def _pruning(ctx: RunContext) -> StageResult:
     if stable:
         ctx.console.print(f"stability: Jaccard of the kept set {stable['jaccard_mean']:.3f} (5th percentile"
                           f" {stable['jaccard_p5']:.3f}) over {stable['n_resamples']} resamples of the examples")
+    ctx.console.print(verdict_table(verdict))
     graph_files = []
     if p.graph:
         graph_files = write_circuit_graph(load_circuit(out_path), ctx.run_dir / "circuit_graph.png",
@@ -328,7 +331,9 @@ def _pruning(ctx: RunContext) -> StageResult:
         **({"corruption": corruption} if corruption else {}),
         **({"faithfulness_heldout_templates": other["faithfulness"], "heldout_templates": other} if other else {}),
         **({"stability_jaccard_mean": stable["jaccard_mean"], "stability_jaccard_p5": stable["jaccard_p5"],
-            "stability_resamples": stable["n_resamples"]} if stable else {})}, estimated_peak_bytes=estimate)
+            "stability_resamples": stable["n_resamples"]} if stable else {}),
+        "verdict": {row["pillar"]: row["value"] for row in verdict["rows"]}, "verdict_wall_s": verdict_wall_s["total"]},
+        estimated_peak_bytes=estimate)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -404,7 +409,7 @@ CIRCUIT_STAGES = (
     Stage("data", ("model", "discovery.task", "discovery.data_params", "seed"), _data, inputs=_data_inputs,
           check=_check_data),
     Stage("attribution", ("model", "discovery"), _attribution, inputs=_attribution_inputs,
-          check=_check_attribution, memory=ATTRIBUTION_MEMORY),
+          check=_check_attribution, memory=ATTRIBUTION_AT_DATA),
     Stage("pruning", ("pruning", "output_path"), _pruning, inputs=_pruning_inputs, check=_check_pruning,
-          memory=PRUNING_MEMORY),
+          memory=PRUNING_AT_DATA),
 )

@@ -5,6 +5,13 @@ projects), `linear_module_shapes` / `circuit_module_shapes` name the same module
 model's shape alone (what the memory estimate counts, before any weight is loaded), from the
 family's `linear_layout` (`circuitkit.models.families`). Their names agree for every family; `tests/test_gradian_memory.py` compares them on each fixture.
 `module_pattern_matches` is the filter's one matching rule.
+
+A model with a LoRA adapter kept (`circuitkit.models.lora`, Gradian's view) has, inside each target,
+its base linear and the adapter's two linears. They are named as an index records them
+(`canonical_name`): the base linear by its target's name, the adapter's `<target>.lora_A` (r, d_in)
+and `<target>.lora_B` (d_out, r). The adapter's linears are selected only by a pattern that names
+them (one containing `lora_`, e.g. `lora_A`, `*.lora_B`) or by the alias `adapter` (all of them), and
+by an empty filter; a base module's pattern (`attn`) selects its base weight only.
 """
 
 from __future__ import annotations
@@ -16,36 +23,18 @@ from typing import Any
 from torch import nn
 
 from circuitkit.models.families import family
-from circuitkit.models.families.base import ATTENTION
+from circuitkit.models.families.base import ATTENTION, is_linear, module_shape
+from circuitkit.models.lora import ADAPTER_ALIAS, LORA_KINDS, canonical_name, is_lora_name, strip_lora
 from circuitkit.preflight.memory import shape_dict
 
 
-def _conv1d_type() -> type | None:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers is a dependency, but keep it optional here
-        return None
-    return Conv1D
-
-
-def is_linear(module: nn.Module) -> bool:
-    """nn.Linear or transformers' Conv1D (GPT-2's linear layer, weight stored (in, out))."""
-    conv1d = _conv1d_type()
-    return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
-
-
-def module_shape(module: nn.Module) -> tuple[int, int]:
-    """(d_out, d_in) of a linear module in nn.Linear orientation, whatever its weight layout.
-
-    nn.Linear stores W as (d_out, d_in); Conv1D stores it transposed, (d_in, d_out).
-    """
-    if isinstance(module, nn.Linear):
-        return module.out_features, module.in_features
-    conv1d = _conv1d_type()
-    if conv1d is not None and isinstance(module, conv1d):
-        d_in, d_out = module.weight.shape
-        return int(d_out), int(d_in)
-    raise TypeError(f"{type(module).__name__} is not a linear module (nn.Linear or Conv1D).")
+def modules_by_name(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module by its canonical name (`canonical_name`); where a PEFT layer and its base
+    linear share one, the linear (what a name in an index means)."""
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():  # a parent comes before its children: the linear wins
+        out[canonical_name(name)] = module
+    return out
 
 
 def module_shapes(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, tuple[int, int]]:
@@ -58,6 +47,9 @@ def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) ->
 
     `patterns` are substrings ("down_proj") or fnmatch globs on the full module name
     ("*.mlp.c_proj", "model.layers.1.*"); None or [] selects every linear module in the blocks.
+    Names are canonical (`canonical_name`): with a kept LoRA adapter the base linear of a target
+    keeps the target's name, and its LoRA linears (`<target>.lora_A`, `.lora_B`) are selected only
+    by `adapter` or a pattern containing `lora_` (`filter_matches`), or by an empty filter.
     The embedding and unembedding are never selected (they are not in `adapter.blocks`).
     Order is forward order: blocks in layer order, modules in registration order inside each.
 
@@ -69,7 +61,7 @@ def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) ->
         prefix = names[id(block)]
         for sub, module in block.named_modules(prefix=prefix):
             if is_linear(module):
-                candidates.append((sub, module))
+                candidates.append((canonical_name(sub), module))
     if not candidates:
         raise ValueError(f"No linear modules found in the blocks of {type(model).__name__}.")
     if not patterns:
@@ -79,15 +71,21 @@ def select_modules(model: nn.Module, adapter, patterns: Sequence[str] | None) ->
             kinds = sorted({".".join(p for p in n.split(".") if not p.isdigit()) for n, _ in fused})
             raise ValueError(_experts_refused(f"{share:.1%} of the model's parameters are", kinds))
         return candidates
-    chosen = [(n, m) for n, m in candidates if any(module_pattern_matches(n, p) for p in patterns)]
+    if ADAPTER_ALIAS in patterns and not any(is_lora_name(n) for n, _ in candidates):
+        raise ValueError(f"grads.module_filter names {ADAPTER_ALIAS!r}, the linears of a LoRA adapter, but the model"
+                         " has no adapter: set model.adapter, or drop it from the filter.")
+    chosen = [(n, m) for n, m in candidates if filter_matches(n, patterns)]
     if not chosen:
         # Show distinct module "kinds" (name without the layer index) first: more useful than
         # the first few names, which all belong to layer 0.
         kinds = sorted({".".join(p for p in n.split(".") if not p.isdigit()) for n, _ in candidates})
+        lora = any(is_lora_name(n) for n, _ in candidates)
         raise ValueError(
             f"grads.module_filter {list(patterns)} matches no linear module in the transformer blocks."
             f" Patterns are substrings or fnmatch globs of the full name. Available (e.g.):"
-            f" {', '.join(n for n, _ in candidates[:6])}; kinds: {', '.join(kinds[:12])}.")
+            f" {', '.join(n for n, _ in candidates[:6])}; kinds: {', '.join(kinds[:12])}"
+            + (f". The LoRA adapter's linears: a pattern with lora_ (lora_A, lora_B) or {ADAPTER_ALIAS}" if lora else "")
+            + ".")
     return chosen
 
 
@@ -96,6 +94,20 @@ def _experts_refused(what: str, kinds: list[str]) -> str:
             " Gradian does not index; an index of every linear module would leave them out: set"
             " grads.module_filter to the modules to index (e.g. [attn], the attention projections) to index the"
             " rest knowingly.")
+
+
+def filter_matches(name: str, patterns: Sequence[str]) -> bool:
+    """Whether grads.module_filter `patterns` select the module `name` (canonical): the adapter's
+    LoRA linears only by the alias `adapter` or a pattern containing `lora_`, every other module by
+    `module_pattern_matches`."""
+    lora = is_lora_name(name)
+    for pattern in patterns:
+        if pattern == ADAPTER_ALIAS:
+            if lora:
+                return True
+        elif (not lora or "lora_" in pattern) and module_pattern_matches(name, pattern):
+            return True
+    return False
 
 
 def module_pattern_matches(name: str, pattern: str) -> bool:
@@ -111,9 +123,13 @@ def _layout(s: dict[str, Any]) -> tuple[str, list[tuple[str, str, tuple[int, int
     return fam.prefix(s.get("model_type")), fam.linear_layout(s)
 
 
-def linear_module_shapes(shape: dict[str, Any], patterns: list[str] | None = None) -> dict[str, tuple[int, int]]:
+def linear_module_shapes(shape: dict[str, Any], patterns: list[str] | None = None,
+                         lora: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
     """Linear modules of the blocks as name -> (d_out, d_in), from the shape alone (no model),
-    filtered like grads.module_filter; names follow the Hugging Face modules of each family."""
+    filtered like grads.module_filter; names follow the Hugging Face modules of each family.
+    `lora`: a kept LoRA adapter's linears, `<target>.lora_A` / `.lora_B` -> (d_out, d_in)
+    (`circuitkit.models.lora.lora_linear_shapes`), placed after their target as `select_modules`
+    finds them."""
     s = shape_dict(shape)
     prefix, layout = _layout(s)
     if not patterns and family(s["family"]).fused_experts:
@@ -122,8 +138,9 @@ def linear_module_shapes(shape: dict[str, Any], patterns: list[str] | None = Non
     for layer in range(s["n_layers"]):
         for suffix, _, dims in layout:
             name = prefix.format(l=layer) + suffix
-            if not patterns or any(module_pattern_matches(name, p) for p in patterns):
-                out[name] = dims
+            for one, one_dims in [(name, dims), *((f"{name}.{k}", (lora or {}).get(f"{name}.{k}")) for k in LORA_KINDS)]:
+                if one_dims is not None and (not patterns or filter_matches(one, patterns)):
+                    out[one] = one_dims
     return out
 
 
@@ -163,7 +180,7 @@ def block_role(name: str, shape: dict[str, Any]) -> tuple[int, str]:
     if not layer_text.isdigit():
         return 0, ATTENTION
     roles = {path: role for path, role, _ in layout}
-    return int(layer_text), roles.get(suffix.split(":", 1)[0], ATTENTION)
+    return int(layer_text), roles.get(strip_lora(suffix.split(":", 1)[0]), ATTENTION)
 
 
 def parameter_share(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> float:

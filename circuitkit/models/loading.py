@@ -6,10 +6,15 @@ built locally (seconds, cached) and then loaded from its directory the same way;
 `fetched:NAME` a real model installed by `circuitkit fetch NAME` (`circuitkit.models.fetch`).
 A GGUF file (`model.name=FILE.gguf`, or `model.gguf_file` inside `model.name`) goes to
 `from_pretrained(directory, gguf_file=FILE)`, which dequantizes it (`circuitkit.models.gguf`).
+`model.adapter` (a PEFT LoRA adapter directory) is applied on top of the loaded model
+(`circuitkit.models.lora`): merged into its weights, or, for Gradian (`keep_adapter=True`), with
+its LoRA linears kept. `model.base_name` names the model a full fine-tune was tuned from
+(`load_base_model`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -28,6 +33,7 @@ from circuitkit.models.adapters import ModelAdapter, get_adapter
 from circuitkit.models.families import IMAGE_TEXT_MODEL_TYPES
 from circuitkit.models.fetch import FETCHED_PREFIX, resolve_fetched
 from circuitkit.models.gguf import GGUFError, check_gguf, gguf_reference, provenance, read_source
+from circuitkit.models.lora import attach_adapter, read_adapter, require_peft
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,8 @@ class LoadedModel:
     name: str
     revision: str | None
     path: str  # what from_pretrained was given
+    lora: dict | None = None  # model.adapter's record (`AdapterSpec.record`), when one is applied
+    adapter_kept: bool = False  # True: its LoRA linears are modules of `model` (Gradian's view), else merged
 
     @property
     def device(self) -> torch.device:
@@ -118,7 +126,18 @@ def pretrained_args(cfg: ModelConfig) -> tuple[str, dict]:
 def model_source(cfg: ModelConfig, sha256_of=None) -> dict:
     """Where the analysed model comes from, for the run's manifest: its kind (builtin, fetched, local,
     hub, gguf) and, for a GGUF or a converted directory, the file, quantization, sha256 and that the
-    analysed weights are its float32 dequantization. `sha256_of(path)` hashes a file (cached)."""
+    analysed weights are its float32 dequantization; `adapter` (model.adapter's record: directory,
+    weights sha256, r, lora_alpha, target modules, base model) and `base_name` when set.
+    `sha256_of(path)` hashes a file (cached)."""
+    out = _base_source(cfg, sha256_of)
+    if getattr(cfg, "adapter", None):
+        out["adapter"] = read_adapter(cfg.adapter).record()
+    if getattr(cfg, "base_name", None):
+        out["base_name"] = cfg.base_name
+    return out
+
+
+def _base_source(cfg: ModelConfig, sha256_of=None) -> dict:
     name = cfg.name
     if gguf_reference(name, cfg.gguf_file) is not None:
         directory, kwargs = pretrained_args(cfg)
@@ -254,10 +273,15 @@ def placement_kwargs(cfg: ModelConfig) -> dict:
     return out
 
 
-def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedModel:
+def load_model(cfg: ModelConfig, device: torch.device | None = None, keep_adapter: bool = False) -> LoadedModel:
     """Load `cfg.name` at `cfg.revision`, frozen, in eval mode, on `device`, in the dtype
     `resolve_precision(cfg.precision, device)` gives (auto: bfloat16 where `device` computes it
     natively, else float32).
+
+    With `cfg.adapter` (a PEFT LoRA adapter directory) the adapter is applied after the model
+    loads, checked against it first (`circuitkit.models.lora`): merged into the weights, or with
+    its LoRA linears kept as modules when `keep_adapter` (Gradian, whose module filter can select
+    them). The same function either way; an adapter made for another model is one line, exit 2.
 
     Parameters never require grad: CircuitKit only takes activation gradients.
     """
@@ -307,8 +331,59 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     model.eval()
     if cfg.device_map is None:  # with a device map, accelerate has placed every layer already
         model.to(device)
+    lora = None
+    if getattr(cfg, "adapter", None):
+        spec = read_adapter(cfg.adapter)
+        model = attach_adapter(model, spec, cfg.name, keep_adapter, path)
+        lora = spec.record()
     tokenizer = load_tokenizer(cfg)
-    return LoadedModel(model, tokenizer, get_adapter(model), cfg.name, cfg.revision, path)
+    return LoadedModel(model, tokenizer, get_adapter(model), cfg.name, cfg.revision, path, lora,
+                       bool(lora) and keep_adapter)
+
+
+def base_model_config(cfg: ModelConfig) -> ModelConfig:
+    """The config of `cfg.base_name` (the model a full fine-tune in `cfg.name` was tuned from): the
+    same precision, attention and placement, its default revision, no adapter. UserError when
+    `model.base_name` is not set."""
+    if not getattr(cfg, "base_name", None):
+        raise UserError(f"model.base_name is not set: give the model {cfg.name!r} was fine-tuned from (hub name,"
+                        " local directory or builtin:NAME).", 2)
+    return dataclasses.replace(cfg, name=cfg.base_name, base_name=None, adapter=None, gguf_file=None, revision=None)
+
+
+def load_base_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedModel:
+    """The base model of a full fine-tune (`model.base_name`), loaded as `load_model` loads
+    `model.name`, after `check_base_model` (the two must share an architecture and shape)."""
+    check_base_model(cfg)
+    return load_model(base_model_config(cfg), device)
+
+
+def check_base_model(cfg: ModelConfig) -> None:
+    """`model.base_name` resolves and, where both configs are on this machine, has the tuned model's
+    architecture and shape (ModelReferenceError naming both otherwise)."""
+    if not getattr(cfg, "base_name", None):
+        return
+    base_cfg = base_model_config(cfg)
+    try:
+        pretrained_args(base_cfg)
+    except ModelReferenceError as err:
+        raise ModelReferenceError(str(err).replace("model.name", "model.base_name", 1)) from None
+    tuned, base = load_hf_config(cfg), load_hf_config(base_cfg)
+    if tuned is None or base is None:
+        return  # a hub model not cached yet: loading it says so
+    from circuitkit.models.families import family_of_config
+
+    def describe(hf) -> tuple[str | None, dict | None]:
+        text = getattr(hf, "text_config", None) or hf
+        try:
+            return getattr(text, "model_type", None), family_of_config(hf).read_dims(text)
+        except (ValueError, AttributeError, TypeError):
+            return getattr(text, "model_type", None), None
+    (tuned_type, tuned_dims), (base_type, base_dims) = describe(tuned), describe(base)
+    if tuned_type != base_type or tuned_dims != base_dims:
+        raise ModelReferenceError(f"model.base_name={cfg.base_name!r} ({base_type}, {base_dims}) is not the"
+                                  f" architecture of model.name={cfg.name!r} ({tuned_type}, {tuned_dims}): a full"
+                                  " fine-tune keeps its base model's shape; give the model it was tuned from.")
 
 
 # Config attributes that hold a model's context length, by family (GPT-2: n_positions).
@@ -346,20 +421,26 @@ def weights_hash(model: nn.Module) -> str:
 
 def check_model(cfg: ModelConfig) -> None:
     """The pre-run check every stage that loads the model shares: the reference resolves (and a
-    GGUF file exists and has a supported architecture)."""
+    GGUF file exists and has a supported architecture); `model.adapter` is a LoRA adapter directory
+    and peft is installed; `model.base_name` resolves and has the model's shape."""
     pretrained_args(cfg)
+    if getattr(cfg, "adapter", None):
+        read_adapter(cfg.adapter)
+        require_peft()
+    check_base_model(cfg)
 
 
 def model_inputs(cfg: ModelConfig) -> dict[str, Path | str]:
     """The model as a stage input: a local or builtin directory (every file: weights, config,
     tokenizer), a local GGUF file, or a hub id at its resolved revision."""
+    adapter = {"model.adapter": read_adapter(cfg.adapter).directory} if getattr(cfg, "adapter", None) else {}
     path, kwargs = pretrained_args(cfg)
     if kwargs.get("gguf_file"):
         local = Path(path) / kwargs["gguf_file"]
-        return {"model": local} if local.is_file() else {"model": f"{hub_revision(path, cfg.revision)}/{local.name}"}
+        return {"model": local if local.is_file() else f"{hub_revision(path, cfg.revision)}/{local.name}", **adapter}
     if cfg.name.startswith((BUILTIN_PREFIX, FETCHED_PREFIX)) or is_local_path(cfg.name):
-        return {"model": Path(resolve_model_path(cfg.name))}
-    return {"model": hub_revision(cfg.name, cfg.revision)}
+        return {"model": Path(resolve_model_path(cfg.name)), **adapter}
+    return {"model": hub_revision(cfg.name, cfg.revision), **adapter}
 
 
 def model_context(cfg: ModelConfig) -> int | None:

@@ -49,6 +49,9 @@ class MemoryEstimate:
     terms: dict[str, int] = field(default_factory=dict)
     phase: str = ""  # which part of the algorithm the peak falls in
     index_bytes: int = 0  # on-disk bytes (estimate_grads): not device memory, not in total_bytes
+    # The batch the estimate was taken at and why (`circuitkit.discovery.data_lengths`): tokens, rows,
+    # source ("tokenized" or "configured") and `line`, which the preflight prints and the manifest keeps.
+    lengths: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:

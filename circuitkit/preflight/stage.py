@@ -14,6 +14,9 @@ EAP-IG's time/accuracy from the measured table (`circuitkit.discovery.attributio
 On a device without native bf16 it prints one line: the default (`model.precision=auto`) runs in
 float32 there, an explicit bfloat16 is kept; the line gives the measured or expected slowdown and
 the key to set. The estimates read the dtype the run uses (`circuitkit.core.device.model_dtype`).
+A stage whose estimate says which batch it was taken at (`MemoryEstimate.lengths`: the circuit
+stages estimate at the tokenized prompts, `circuitkit.discovery.data_lengths`) gets one line
+naming its length and why, also recorded in the manifest (`{stage}_lengths`).
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ def check(cfg: AppConfig, stages: Sequence[Stage], console: Console | None = Non
         if stage.memory is None or (estimate := stage.memory.estimate(cfg)) is None:
             continue
         estimates[stage.name] = estimate
+        if line := estimate.lengths.get("line"):  # which batch the estimate is for, and why that length
+            console.print(f"{stage.name}: {line}", markup=False, highlight=False, soft_wrap=True)
         if split or estimate.total_bytes <= budget:
             continue
         tips = stage.memory.advice(cfg, budget)
@@ -139,6 +144,8 @@ def summary(estimates: dict[str, MemoryEstimate], free: int, budget: int) -> dic
     for stage, e in estimates.items():
         out[f"{stage}_estimated_bytes"] = e.total_bytes
         out[f"{stage}_terms"] = dict(e.terms)
+        if e.lengths:
+            out[f"{stage}_lengths"] = dict(e.lengths)
     return out
 
 

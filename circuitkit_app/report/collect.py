@@ -191,6 +191,15 @@ def _circuit_graph(circuit, per_example: dict[str, torch.Tensor], top_edges: int
             "layer_totals": _layer_totals(circuit, g) if circuit.get("edge_scores") is not None else None}
 
 
+def _verdict_view(verdict: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The verdict's rows as circuit.pt stores them (values finite or None), its scope and head count."""
+    if not verdict:
+        return None
+    return {"scope": verdict.get("scope"), "n_heads": verdict.get("n_heads"),
+            "rows": [{"pillar": r["pillar"], "value": _finite(r["value"]), "detail": r["detail"],
+                      "definition": r["definition"]} for r in verdict["rows"]]}
+
+
 def _circuit_section(circuit, per_example: dict[str, torch.Tensor], top_edges: int, default_edges: int) -> dict:
     heads = circuit["head_mask"].bool()
     out: dict[str, Any] = {
@@ -207,7 +216,8 @@ def _circuit_section(circuit, per_example: dict[str, torch.Tensor], top_edges: i
         "curve_definition": circuit.get("curve_definition"), "n_eval_examples": circuit.get("n_eval_examples"),
         "stability": circuit.get("stability"), "kept_frequency": None,
         "corruption": circuit.get("corruption"), "heldout_templates": circuit.get("heldout_templates"),
-        "graph": _circuit_graph(circuit, per_example, top_edges, default_edges)}
+        "graph": _circuit_graph(circuit, per_example, top_edges, default_edges),
+        "verdict": _verdict_view(circuit.get("verdict"))}
     stable, per_head = circuit.get("stability"), per_example.get("head")
     if stable and per_head is not None and circuit.get("scope") != "edges" and tuple(per_head.shape[1:]) == tuple(
             heads.shape):

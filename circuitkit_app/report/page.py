@@ -202,6 +202,18 @@ behaviour, red works against it; width grows with |score|. Layers with nothing d
 </section>"""
 
 
+def verdict_section(v: dict[str, Any]) -> str:
+    """The verdict table (circuit.pt `verdict`): one row per pillar, with its definition."""
+    rows = [[r["pillar"], "not measured" if r["value"] is None else
+             f"{r['value']:.1f}" if r["pillar"] == "baseline_random" else f"{r['value']:.3f}",
+             r["detail"], r["definition"]] for r in v["rows"]]
+    return f"""<section id="verdict"><h2>Verdict</h2>
+<p>The circuit against circuits chosen without the task's attribution, whether the model needs it, and how it holds
+under other corruptions and prompts: each figure a faithfulness measured like the circuit's own (same held-out pairs,
+metric and ablation), on {esc(v.get("scope"))} ({esc(v.get("n_heads"))} heads).</p>
+{table(["pillar", "value", "detail", "definition"], rows, {1})}</section>"""
+
+
 def index_section(index: dict[str, Any]) -> str:
     return (f'<h3>Index {esc(index["index_dir"])}</h3>'
             f'{table(["", ""], index["rows"])}')
@@ -254,6 +266,9 @@ def render(view: dict[str, Any], title: str) -> str:
             nav.append(f'<a href="#{key}">{label}</a>')
             if key == "circuit":
                 nav.append('<a href="#faithfulness">Faithfulness</a>')
+                if view[key].get("verdict"):
+                    sections.append(verdict_section(view[key]["verdict"]))
+                    nav.append('<a href="#verdict">Verdict</a>')
     notes = "".join(f'<p class="warn">{esc(n)}</p>' for n in view.get("notes") or [])
     charts = {k: view.get(k) for k in ("attribution", "circuit", "sweep")}
     charts["memory"] = {k: (view.get("run") or {}).get(k) for k in ("memory_terms", "free_bytes")}

@@ -1,4 +1,4 @@
-"""Attribution: EAP / EAP-IG / clean-corrupted gradients, and exact patching as the oracle."""
+"""Attribution: EAP / EAP-IG / EAP-GP / clean-corrupted gradients, ACDC, and exact patching as the oracle."""
 
 from __future__ import annotations
 
@@ -28,7 +28,16 @@ def run_attribution(adapter: ModelAdapter, data: TaskData, cfg: DiscoveryConfig,
     per_example = getattr(cfg, "per_example", False)
     if cfg.algorithm == "exact":
         return exact_patching(adapter, data, cfg.level, cfg.metric, cfg.batch_size, progress, sums=sums)
-    if cfg.algorithm == "eap-ig-activations":
+    if cfg.algorithm == "acdc":
+        from circuitkit.discovery.attribution.acdc import acdc
+
+        return acdc(adapter, data, cfg.level, cfg.metric, cfg.acdc_threshold, cfg.batch_size, progress, sums=sums)
+    if cfg.algorithm == "eap-gp":
+        from circuitkit.discovery.attribution.eap_gp import attribute_gradpath
+
+        scores = attribute_gradpath(adapter, data, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,
+                                    ig_rule=cfg.ig_rule, sums=sums, per_example=per_example)
+    elif cfg.algorithm == "eap-ig-activations":
         from circuitkit.discovery.attribution.eap_activations import attribute_activations
 
         scores = attribute_activations(adapter, data, cfg.level, cfg.metric, cfg.ig_steps, cfg.batch_size, progress,

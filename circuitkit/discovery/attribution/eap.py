@@ -103,23 +103,29 @@ def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, ans
     L = adapter.n_layers
     rec = RecordedRun(z=[None] * L, mlp=[None] * L, attn_total=[None] * L)
     with HookSet() as hk:
-        def embed_hook(module, args, kwargs):
-            rec.embed = first_input(args, kwargs).detach()
-        hk.pre(adapter.blocks[0], embed_hook, with_kwargs=True)
-        for layer in range(L):
-            def z_hook(module, args, layer=layer):
-                rec.z[layer] = args[0].detach()
-            hk.pre(adapter.z_input(layer), z_hook)
-
-            def mlp_hook(module, args, out, layer=layer):
-                rec.mlp[layer] = first_output(out).detach()
-            hk.post(adapter.mlp_write(layer), mlp_hook)
-            if edges and adapter.post_attn_norm(layer) is not None:
-                def total_hook(module, args, layer=layer):
-                    rec.attn_total[layer] = args[0].detach()
-                hk.pre(adapter.post_attn_norm(layer), total_hook)
+        record_writes(adapter, hk, rec, edges)
         rec.logits = answer_forward(adapter.model, ids, mask, answer_pos)
     return rec
+
+
+def record_writes(adapter: ModelAdapter, hk: HookSet, rec: RecordedRun, edges: bool) -> None:
+    """Hooks that fill `rec` (embed, z, mlp and, with `edges` on post-norm models, attn_total)
+    with what the next forward computes (ACDC records its patched runs' writes with them)."""
+    def embed_hook(module, args, kwargs):
+        rec.embed = first_input(args, kwargs).detach()
+    hk.pre(adapter.blocks[0], embed_hook, with_kwargs=True)
+    for layer in range(adapter.n_layers):
+        def z_hook(module, args, layer=layer):
+            rec.z[layer] = args[0].detach()
+        hk.pre(adapter.z_input(layer), z_hook)
+
+        def mlp_hook(module, args, out, layer=layer):
+            rec.mlp[layer] = first_output(out).detach()
+        hk.post(adapter.mlp_write(layer), mlp_hook)
+        if edges and adapter.post_attn_norm(layer) is not None:
+            def total_hook(module, args, layer=layer):
+                rec.attn_total[layer] = args[0].detach()
+            hk.pre(adapter.post_attn_norm(layer), total_hook)
 
 
 def record_head_runs(adapter: ModelAdapter, data: TaskData, batch_size: int, corrupted: bool = True
@@ -219,8 +225,10 @@ class _GradientSums:
 
 
 def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: TaskData, metric: str,
-                  clean_answer: torch.Tensor, grad_sums: _GradientSums) -> None:
-    """One forward+backward at input embedding e_k, adding the needed gradients to `grad_sums`."""
+                  clean_answer: torch.Tensor, grad_sums: _GradientSums) -> torch.Tensor:
+    """One forward+backward at input embedding e_k, adding the needed gradients to `grad_sums`.
+
+    Returns the metric at e_k per example (B,), float32, detached (EAP-GP steers its path by it)."""
     L = adapter.n_layers
     edges = grad_sums.edges
     # Edge level: each layer's norm inputs and the gradients of its Q/K/V and MLP-input paths.
@@ -264,6 +272,7 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
         for layer in range(L):
             grad_sums.add_layer_inputs(layer, saved["x_attn"][layer], saved["qkv"][layer],
                                   saved["x_mlp"][layer], saved["g_mlp_in"][layer])
+    return values.detach().float()
 
 
 def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, grad_sums: _GradientSums, n_points: int,

@@ -10,6 +10,8 @@ downstream of v responds. Costs one forward per node or per edge and batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from rich.progress import Progress
 
@@ -51,11 +53,15 @@ def _node_patches(adapter: ModelAdapter, corrupted: dict):
         yield "mlp", layer, patch_mlp
 
 
-def _edge_patch(adapter: ModelAdapter, graph, column: int, delta_u: torch.Tensor):
-    """install(hk) that shifts downstream input `column` by -delta_u (B, T, d_model)."""
+def _edge_patch(adapter: ModelAdapter, graph, column: int, delta_u: torch.Tensor | Callable[[], torch.Tensor]):
+    """install(hk) that shifts downstream input `column` by -delta_u (B, T, d_model).
+
+    `delta_u` may be a function called when the hook fires (ACDC: a shift made of the live run's
+    own upstream writes, `circuitkit.discovery.attribution.acdc`)."""
+    shift = delta_u if callable(delta_u) else (lambda: delta_u)
     if column == graph.logits_column:
         def install(hk):
-            hk.pre(adapter.final_norm, lambda m, a, k: replace_first(a, k, first_input(a, k) - delta_u.to(first_input(a, k).dtype)),
+            hk.pre(adapter.final_norm, lambda m, a, k: replace_first(a, k, first_input(a, k) - shift().to(first_input(a, k).dtype)),
                    with_kwargs=True)
         return install
     layer, j = divmod(column, graph.per_layer_inputs)
@@ -64,7 +70,7 @@ def _edge_patch(adapter: ModelAdapter, graph, column: int, delta_u: torch.Tensor
         spec = adapter.norm_spec(adapter.mlp_norm(layer))
 
         def install(hk):
-            hk.post(adapter.mlp_norm(layer), lambda m, args, out: spec.apply(args[0] - delta_u).to(out.dtype))
+            hk.post(adapter.mlp_norm(layer), lambda m, args, out: spec.apply(args[0] - shift()).to(out.dtype))
         return install
     key, head = ("q", j) if j < H else (("k", j - H) if j < H + KV else ("v", j - H - KV))
     w = adapter.qkv_weights(layer)
@@ -82,7 +88,7 @@ def _edge_patch(adapter: ModelAdapter, graph, column: int, delta_u: torch.Tensor
                 parts = site.split(out)
                 if key not in parts:
                     return None
-                new = spec.apply(x_live["x"] - delta_u) @ weight.T
+                new = spec.apply(x_live["x"] - shift()) @ weight.T
                 if bias is not None:
                     new = new + bias[head].float()
                 patched = parts[key].clone()

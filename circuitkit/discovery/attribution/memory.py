@@ -15,6 +15,7 @@ import torch
 from circuitkit.core.config import AppConfig
 from circuitkit.core.device import model_dtype
 from circuitkit.core.pipeline import StageMemory
+from circuitkit.discovery.attribution.graph import Graph
 from circuitkit.discovery.attribution.quadrature import integration_rule
 from circuitkit.discovery.attribution.tradeoffs import advice_line
 from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
@@ -46,7 +47,8 @@ LOGIT_COPIES = 4
 
 def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
                          algorithm: str = "eap-ig", level: str = "node", ig_steps: int | None = 5,
-                         attn_implementation: str = "sdpa", ig_rule: str = "right") -> MemoryEstimate:
+                         attn_implementation: str = "sdpa", ig_rule: str = "right",
+                         num_examples: int | None = None) -> MemoryEstimate:
     """Peak device bytes of one attribution batch (`circuitkit.discovery.attribution.eap.attribute`).
 
     Terms (notation in the module docstring; float32 is 4 bytes):
@@ -70,7 +72,12 @@ def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: in
     ig_steps = 1 peaks a little lower (measured: 2-9 % less); from 2 points on ig_steps changes
     time only, not the peak: the m passes run one after another
     and reuse the same sums. `exact` runs no backward: weights, the two cached runs, Δ and
-    one no-grad forward.
+    one no-grad forward. `eap-gp` is EAP-IG's estimate plus its path buffers (the previous
+    point, the steering gradient and the next point: 3·N·d·4). `acdc` runs no backward either:
+    weights, the corrupted runs of all `num_examples` examples (every test reruns them all) with
+    their answer logits, the clean answer logits, and one no-grad forward with the removed edges
+    patched (at edge level: the forward's own writes, held until it ends, the differences of the
+    patched upstream writes, at most n_up·N·d·4, and one layer's live and corrupted head writes).
     """
     s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
@@ -90,8 +97,25 @@ def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: in
         terms["delta buffer"] = delta
         terms["forward temporaries"] = int(N * p * (FWD_TMP_D * d + FWD_TMP_F * f))
         return MemoryEstimate(terms, phase="exact: no-grad forward with cached runs and Δ")
-    # eap-ig-activations: the same passes one after another (m per interpolated group), one group's sums live
-    n_points = integration_rule("eap-ig" if algorithm == "eap-ig-activations" else algorithm, ig_steps, ig_rule).passes
+    if algorithm == "acdc":
+        n_all = max(num_examples or batch_size, batch_size)  # the walk keeps every batch's corrupted run
+        terms["cached corrupted runs (all examples)"] = ((node_values // B) + V) * n_all * p  # + answer logits
+        terms["clean answer logits (all examples)"] = n_all * V * FP32
+        terms["forward temporaries"] = int(N * p * (FWD_TMP_D * d + FWD_TMP_F * f))
+        if edges:
+            # this forward's writes stay referenced until it ends (the shifts read them); one
+            # difference per patched upstream row; one layer's live and corrupted head writes
+            terms["live writes held"] = node_values * p
+            terms["patched write differences"] = n_up * N * d * FP32
+            terms["patch temporaries"] = (2 * H + 2) * N * d * FP32
+        else:  # each removed head's hook copies its layer's z: the input and one copy alive
+            terms["patch temporaries"] = 2 * H * dh * N * p
+        return MemoryEstimate(terms, phase="acdc: one no-grad forward with the removed edges patched")
+    if algorithm == "eap-gp":
+        terms["path buffers"] = 3 * N * d * FP32
+    # eap-ig-activations and eap-gp: the same passes one after another (eap-ig's points), one set of sums live
+    rule_of = "eap-ig" if algorithm in ("eap-ig-activations", "eap-gp") else algorithm
+    n_points = integration_rule(rule_of, ig_steps, ig_rule).passes
     acts = N * p * (ACT_BASE * d + L * (c_d * d + c_f * f))
     if attn_implementation == "eager":
         acts += EAGER_ATTN_PER_LAYER * L * B * H * seq_len**2 * p
@@ -133,7 +157,7 @@ def attribution_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len:
     shape = shape_for(cfg.model)
     dtype_bytes = model_dtype(cfg.model).itemsize  # the dtype the run uses (auto resolved)
     return estimate_attribution(shape, dtype_bytes, batch_size or d.batch_size, seq_len or d.data_params.seq_len,
-                                d.algorithm, d.level, d.ig_steps)
+                                d.algorithm, d.level, d.ig_steps, num_examples=d.data_params.num_examples)
 
 
 def largest_fitting_batch(cfg: AppConfig, budget_bytes: int, limit: int = 1024) -> int:
@@ -170,6 +194,21 @@ def ig_advice(cfg: AppConfig) -> str | None:
         return (f"eap-ig-activations runs ig_steps x (2 x layers + 1) = {m} x {2 * L + 1} = {m * (2 * L + 1)}"
                 f" forward+backward passes per batch ({2 * L + 1}x EAP-IG-inputs at the same ig_steps); its peak"
                 " is one such pass's")
+    if d.algorithm == "eap-gp":
+        m = integration_rule("eap-ig", d.ig_steps, d.ig_rule).passes
+        return (f"eap-gp runs ig_steps = {m} forward+backward passes per batch, as EAP-IG, along a path it builds"
+                " from their gradients (no extra pass); its peak is EAP-IG's plus 3 float32 copies of the input"
+                " embeddings")
+    if d.algorithm == "acdc":
+        s = shape_for(cfg.model)
+        L, H, KV = s["n_layers"], s["n_heads"], s["n_kv_heads"]
+        n_up, n_in = 1 + L * (H + 1), L * (H + 2 * KV + 1)
+        tested = (Graph(L, H, KV, False).n_edges if d.level == "edge" else L * (H + 1) + 1)
+        batches = -(-d.data_params.num_examples // d.batch_size)
+        return (f"acdc runs one forward over all {d.data_params.num_examples} examples per {d.level} tested: at most"
+                f" {tested} tests x {batches} batches = {tested * batches} forward passes (edges into a node that no"
+                f" longer reaches the logits are removed without one; graph {n_up} x {n_in + 1}); its peak is one"
+                " forward's plus the corrupted runs of every example")
     return advice_line(d.algorithm, d.level, d.ig_steps, d.ig_rule, cfg.preflight.ig_error_budget)
 
 

@@ -265,6 +265,8 @@ class PrunedCircuit:
     cmd: float
     ablation_values: dict  # stored in circuit.pt: mean_z (heads) or the edge mask and node lists
     extra: dict = field(default_factory=dict)  # circuit.pt fields of issue 28: see `circuit_fields`
+    # Head scope: the Evaluator that measured `metrics` (the verdict reuses it; not stored).
+    evaluator: Evaluator | None = field(default=None, repr=False)
 
 
 # MIB's evaluation scores an importances submission twice (mttk/MIB-circuit-track-autoeval,
@@ -439,4 +441,4 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
                                       "circuit": h_circuit, "faithfulness": faithfulness(h_circuit, h_full, h_empty)}
     return PrunedCircuit(selection, kept.numel() if valid is None else int(valid.sum()), head_mask, mlp_mask,
                          {"full": m_full, "empty": m_empty, "circuit": m_circuit, "faithfulness": f},
-                         curve, cpr, cmd, stored, extra)
+                         curve, cpr, cmd, stored, extra, evaluate if p.scope == "heads" else None)

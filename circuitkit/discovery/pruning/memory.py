@@ -167,7 +167,7 @@ def _evaluator(m: _Shape, base: int, n: int, batch_size: int, budget: int | None
 def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int, n_eval: int,
                      scope: str = "heads", ablation: str = "corrupted", selection: str = "top_k",
                      n_attr: int | None = None, mask_steps: int = 20, record_budget_bytes: int | None = None,
-                     n_templates: int = 0) -> MemoryEstimate:
+                     n_templates: int = 0, templates_seq_len: int | None = None) -> MemoryEstimate:
     """Peak device bytes of the pruning stage (`circuitkit.discovery.pruning.heads.prune`).
 
     Terms (notation in `circuitkit.preflight.memory`; N = B·T, u = N·d·4, for one batch of B pairs):
@@ -194,7 +194,8 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
     forward+backward, and the held-out templates' evaluator (`n_templates` pairs), the last two
     on top of the held-out records. `record_budget_bytes`: RECORD_SHARE of the free memory
     (None: unbounded); an evaluator built while another's records are alive gets RECORD_SHARE
-    of what those left.
+    of what those left. `templates_seq_len`: the padded width of the held-out templates' pairs
+    (default seq_len).
     """
     m = _Shape(shape, dtype_bytes, seq_len, scope, ablation)
     phases: list[tuple[int, str, dict[str, int]]] = []
@@ -243,7 +244,8 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
         phases.append((means + held + opt + grad, "mask: forward+backward of the soft head mask",
                        {"recorded runs": means + held, "mask recorded runs": opt, "mask gradient (saved)": grad}))
     if n_templates > 0:
-        _evaluator(m, means + held, n_templates, batch_size, left(record_budget_bytes, held),
+        templates_m = _Shape(shape, dtype_bytes, templates_seq_len or seq_len, scope, ablation)
+        _evaluator(templates_m, means + held, n_templates, batch_size, left(record_budget_bytes, held),
                    "the held-out templates", phases)
     total, phase, terms = max(phases, key=lambda ph: ph[0])
     return MemoryEstimate({"weights": m.s["n_params"] * dtype_bytes, **{k: int(v) for k, v in terms.items()}},
@@ -253,13 +255,14 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
 def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int | None = None,
                      n_eval: int | None = None, n_attr: int | None = None,
                      free_bytes: int | None = None, n_templates: int | None = None,
-                     weights_loaded: bool = False) -> MemoryEstimate:
+                     weights_loaded: bool = False, templates_seq_len: int | None = None) -> MemoryEstimate:
     """Estimated peak of the pruning stage for `cfg`: discovery.batch_size held-out pairs per
     batch, discovery.data_params.seq_len tokens (the length assumed before tokenizing),
     eval_examples held out, the held-out templates' pairs (`heldout_template_count`), and edge
     records bounded by RECORD_SHARE of the memory free once the weights are loaded: `free_bytes`
     (default: the device's free memory now) less the weights unless `weights_loaded` (the stage
-    itself, where the free memory already excludes them)."""
+    itself, where the free memory already excludes them). The tokenized lengths of the run's pairs,
+    when known, come as `seq_len` and `templates_seq_len` (`circuitkit.discovery.data_lengths`)."""
     d, p = cfg.discovery, cfg.pruning
     shape = shape_for(cfg.model)
     dtype_bytes = model_dtype(cfg.model).itemsize  # the dtype the run uses (auto resolved)
@@ -272,17 +275,20 @@ def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int
         n_templates = heldout_template_count(d.task, d.data_params)
     return estimate_pruning(shape, dtype_bytes, batch_size or d.batch_size, seq_len or d.data_params.seq_len,
                             n_eval or d.data_params.eval_examples, p.scope, p.ablation, selection,
-                            n_attr or d.data_params.num_examples, mask_steps_of(p), budget, n_templates)
+                            n_attr or d.data_params.num_examples, mask_steps_of(p), budget, n_templates,
+                            templates_seq_len)
 
 
-def pruning_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
-    """Knobs that bring the pruning peak under `budget_bytes`, in the order to try them."""
+def pruning_advice(cfg: AppConfig, budget_bytes: int, **at: Any) -> list[str]:
+    """Knobs that bring the pruning peak under `budget_bytes`, in the order to try them. `at`:
+    arguments of `pruning_estimate` that the run's data fixes (seq_len, n_attr, n_templates,
+    templates_seq_len: `circuitkit.discovery.data_lengths`)."""
     d, p = cfg.discovery, cfg.pruning
     free = int(budget_bytes / cfg.preflight.headroom)
     tips = []
 
     def fits(**kw: Any) -> bool:
-        return pruning_estimate(cfg, free_bytes=free, **kw).total_bytes <= budget_bytes
+        return pruning_estimate(cfg, free_bytes=free, **{**at, **kw}).total_bytes <= budget_bytes
 
     best = largest_fitting(lambda b: fits(batch_size=b), d.batch_size)
     if 0 < best < d.batch_size:
@@ -294,7 +300,7 @@ def pruning_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
     if p.selection == "mask" or (p.scope == "edges" and p.selection == "edge_pruning"):
         tips.append("pruning.selection=top_k (no second recorded evaluator, no backward over the mask)")
     if best == 0:
-        seq = d.data_params.seq_len
+        seq = at.get("seq_len") or d.data_params.seq_len
         while seq > 8 and not fits(batch_size=1, seq_len=seq):
             seq //= 2
         if fits(batch_size=1, seq_len=seq):

@@ -22,14 +22,16 @@ verdict compare like with like:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
-from circuitkit.discovery.attribution.eap import cached_run
+from circuitkit.discovery.attribution.metrics import answer_forward
 from circuitkit.discovery.pruning.heads import faithfulness
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.hooks import HookSet
 from circuitkit.models.placement import input_device
 
 PILLARS = ("baseline_random", "baseline_magnitude", "baseline_wanda", "necessity", "robustness", "generalization",
@@ -43,7 +45,8 @@ DEFINITIONS = {
                       " the task's tokens, summed per head)",
     "necessity": "faithfulness of the full model with only the circuit's heads ablated (low = the model needs"
                  " the circuit)",
-    "robustness": "faithfulness of the circuit on pairs made with the task's other corruption(s)",
+    "robustness": "faithfulness of the circuit on the held-out prompts corrupted by the task's other corruption(s)"
+                  " (the lowest, when several)",
     "generalization": "faithfulness of the circuit on the task's held-out templates",
     "stability": "Jaccard of the kept set over resamples of the attribution examples",
 }
@@ -73,24 +76,36 @@ def random_baseline(evaluate: Callable[[torch.Tensor], float], kept: torch.Tenso
 
 
 def magnitude_scores(adapter: ModelAdapter) -> torch.Tensor:
-    """(L, H): ||W_O[h]||_F, the Frobenius norm of each head's slice of the output projection."""
-    return torch.stack([adapter.o_weights(layer)[0].detach().float().flatten(1).norm(dim=1)
+    """(L, H) on the CPU: ||W_O[h]||_F, the Frobenius norm of each head's slice of the output projection."""
+    return torch.stack([adapter.o_weights(layer)[0].detach().float().flatten(1).norm(dim=1).cpu()
                         for layer in range(adapter.n_layers)])
 
 
 @torch.no_grad()
 def wanda_scores(adapter: ModelAdapter, data: TaskData, batch_size: int) -> torch.Tensor:
     """(L, H): Wanda's per-weight score |W_ij| * ||x_j||_2 (x = the output projection's input z over
-    every real token of the clean prompts), summed over each head's weights."""
+    every real token of the clean prompts), summed over each head's weights.
+
+    The squares of z are summed by a hook as each batch runs: nothing of the run is kept, so this
+    costs one plain forward per batch."""
     L, H, dh = adapter.n_layers, adapter.n_heads, adapter.head_dim
     sq = [torch.zeros(H * dh) for _ in range(L)]
     device = input_device(adapter.model)
-    for batch in data.batches(batch_size):
-        b = batch.to(device)
-        run = cached_run(adapter, b.clean_ids, b.attention_mask, b.answer_pos, edges=False)
-        real = b.attention_mask.bool()
+    real: list[torch.Tensor] = []  # the batch's attention mask, read by the hooks
+
+    def add(layer: int):
+        def hook(module, args):
+            z = args[0]  # (B, T, H * dh)
+            sq[layer] += z[real[0].to(z.device)].float().pow(2).sum(0).cpu()
+        return hook
+
+    with HookSet() as hooks:
         for layer in range(L):
-            sq[layer] += run.z[layer][real].float().pow(2).sum(0).cpu()  # (H * dh,)
+            hooks.pre(adapter.z_input(layer), add(layer))
+        for batch in data.batches(batch_size):
+            b = batch.to(device)
+            real[:] = [b.attention_mask.bool()]
+            answer_forward(adapter.model, b.clean_ids, b.attention_mask, b.answer_pos)  # logits at the answer only
     scores = torch.zeros(L, H)
     for layer in range(L):
         w = adapter.o_weights(layer)[0].detach().float().abs().cpu()  # (H, d_model, dh)
@@ -105,11 +120,19 @@ def top_heads_like(scores: torch.Tensor, k: int) -> torch.Tensor:
     return mask.view(scores.shape)
 
 
-def verdict_rows(figures: dict) -> list[dict]:
-    """The verdict table: one row per measured pillar, {pillar, value, detail, definition}."""
+def verdict_rows(figures: dict, notes: dict[str, str] | None = None) -> list[dict]:
+    """The verdict table: one row per measured pillar, {pillar, value, detail, definition}.
+
+    `notes` ({pillar: text}): appended to a measured pillar's detail; a pillar with no figure but
+    a note gets a row whose value is None and whose detail is the note (why it was not measured).
+    A value taken from a dict (robustness by corruption) is its lowest finite figure.
+    """
+    notes = notes or {}
     rows = []
     for name in ("faithfulness", *PILLARS):
         if figures.get(name) is None:
+            if name in notes:
+                rows.append({"pillar": name, "value": None, "detail": notes[name], "definition": DEFINITIONS[name]})
             continue
         value = figures[name]
         detail = ""
@@ -120,6 +143,8 @@ def verdict_rows(figures: dict) -> list[dict]:
                 value = value["percentile"]
             else:
                 detail = ", ".join(f"{k} {v:.3f}" for k, v in value.items())
-                value = min(value.values()) if value else None
+                value = min((v for v in value.values() if math.isfinite(v)), default=float("nan")) if value else None
+        if name in notes:
+            detail = f"{detail}; {notes[name]}" if detail else notes[name]
         rows.append({"pillar": name, "value": value, "detail": detail, "definition": DEFINITIONS[name]})
     return rows

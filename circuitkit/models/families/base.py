@@ -109,6 +109,34 @@ def norm_spec(module: nn.Module) -> NormSpec:
     raise UnsupportedArchitectureError(f"Unknown normalisation layer {name}.")
 
 
+def _conv1d_type() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency, but keep it optional here
+        return None
+    return Conv1D
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear or transformers' Conv1D (GPT-2's linear layer, weight stored (in, out))."""
+    conv1d = _conv1d_type()
+    return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
+
+
+def module_shape(module: nn.Module) -> tuple[int, int]:
+    """(d_out, d_in) of a linear module in nn.Linear orientation, whatever its weight layout.
+
+    nn.Linear stores W as (d_out, d_in); Conv1D stores it transposed, (d_in, d_out).
+    """
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    conv1d = _conv1d_type()
+    if conv1d is not None and isinstance(module, conv1d):
+        d_in, d_out = module.weight.shape
+        return int(d_out), int(d_in)
+    raise TypeError(f"{type(module).__name__} is not a linear module (nn.Linear or Conv1D).")
+
+
 def linear_param_count(d_out: int, d_in: int, bias: bool) -> int:
     return d_out * d_in + (d_out if bias else 0)
 
