@@ -40,10 +40,14 @@ class Finding:
     count: int = 0
     rows: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    # Every position behind `count` (`rows` keeps the first SHOWN): what joins findings to other
+    # row sets (`gradian attribute`'s clusters); not part of `as_dict`.
+    all_rows: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES or self.source not in SOURCES:
             raise ValueError(f"finding {self.id}: severity {self.severity!r} / source {self.source!r}")
+        self.all_rows = list(self.all_rows or self.rows)
         self.rows = list(self.rows[:SHOWN])
         self.steps = list(self.steps[:SHOWN])
         self.evidence = clip(self.evidence, EVIDENCE_CHARS)

@@ -1,0 +1,150 @@
+"""`gradian attribute`'s arguments and terminal tables (`gradian.cli` hands the command over here).
+
+Importing this module loads no torch (`gradian --help` stays fast): the work is imported when the
+command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from circuitkit.core.errors import UserError, error_console
+
+SHOWN_ITEMS = 10  # flipped items shown on the terminal (all are in --out)
+SHOWN_ROWS = 20  # accused rows shown on the terminal
+SHOWN_LINES = 8  # line numbers shown per cluster
+
+
+def _t(value: object) -> Text:
+    """A cell shown as written (`[INST]` is text, not rich markup)."""
+    return Text(str(value))
+
+
+def add_parser(sub) -> None:
+    """The `attribute` subcommand's arguments (on `gradian.cli`'s subparsers)."""
+    p = sub.add_parser("attribute", help="which training rows broke a behaviour the base model had")
+    p.add_argument("--index", required=True, help="the gradient index of the fine-tuning data (its model is the tuned"
+                   " model, with the adapter it records)")
+    p.add_argument("--eval-dataset", required=True, help="JSONL of {prompt, completion} eval items; the completion"
+                   " is the answer")
+    p.add_argument("--base-model", default=None, metavar="NAME_OR_DIR",
+                   help="the model before fine-tuning (default: the index's model without its adapter, or its"
+                        " model.base_name for a full fine-tune)")
+    p.add_argument("--adapter", default="index", metavar="DIR|none",
+                   help="the tuned model's LoRA adapter; by default the index's (another one is refused)")
+    p.add_argument("--top-k", type=int, default=40, help="training rows accused (default 40)")
+    p.add_argument("--query-loss", choices=("contrastive", "ce", "margin"), default="contrastive",
+                   help="contrastive (default): ∇[ℓ(answer) − ℓ(what the tuned model says)]; ce: ∇ℓ(answer);"
+                        " margin: ∇ of the answer tokens' negated log-odds")
+    p.add_argument("--engines", default="auto", metavar="E1,E2",
+                   help="comma-separated scoring engines, the first accuses, the others report their agreement:"
+                        " auto (gradian rank's default score), dot, cosine, influence, kfac, ekfac")
+    p.add_argument("--out", default=None, help="write the whole result as JSON here (atomic; not one of the inputs)")
+    p.add_argument("--seed", type=int, default=0, help="the paired bootstrap's seed (default 0)")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    p.add_argument("--no-verify", action="store_true", help="skip checking each shard's sha256 while streaming")
+
+
+def _regression_table(result) -> Table:
+    r = result.regression
+    pct = f"{100 * r['confidence']:g} % CI"
+    table = Table(title=_t(f"the regression on {result.eval_dataset} ({r['n_items']} items)"), show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row(_t("accuracy (greedy reproduces the answer)"),
+                  _t(f"base {r['base_accuracy']:.3f} -> tuned {r['tuned_accuracy']:.3f}"))
+    table.add_row(_t("accuracy drop"), _t(f"{r['accuracy_drop']:+.3f} ({pct} [{r['accuracy_ci'][0]:+.3f},"
+                                           f" {r['accuracy_ci'][1]:+.3f}])"))
+    table.add_row(_t("answer log-prob drop (nats)"), _t(f"{r['logprob_drop']:+.3f} ({pct} [{r['logprob_ci'][0]:+.3f},"
+                                                         f" {r['logprob_ci'][1]:+.3f}])"))
+    table.add_row(_t("first-token accuracy"), _t(f"base {r['base_first_token_accuracy']:.3f} -> tuned"
+                                                  f" {r['tuned_first_token_accuracy']:.3f}"))
+    table.add_row(_t("flipped right -> wrong"), _t(f"{len(r['flipped'])} (wrong -> right: {len(r['fixed'])})"))
+    table.add_row(_t("bootstrap"), _t(f"{r['resamples']} paired resamples, seed {r['seed']}"))
+    return table
+
+
+def _flipped_table(result) -> Table:
+    flipped = [it for it in result.items if it["flipped"]]
+    table = Table(title=_t(f"flipped items (first {min(SHOWN_ITEMS, len(flipped))} of {len(flipped)})"))
+    for column in ("line", "prompt", "answer", "tuned says", "base margin"):
+        table.add_column(column, overflow="fold")
+    for it in flipped[:SHOWN_ITEMS]:
+        table.add_row(_t(it["line"]), _t(it["prompt"]), _t(repr(it["answer"])), _t(repr(it["tuned_says"])),
+                      _t(f"{it['base']['margin']:.2f}"))
+    return table
+
+
+def _accused_table(result) -> Table:
+    shown = result.accused[:SHOWN_ROWS]
+    table = Table(title=_t(f"accused training rows ({result.engines[0]}, {result.query['query_loss']} queries; first"
+                           f" {len(shown)} of {len(result.accused)}; score < 0: training on the row pushed the"
+                           " model off the answers)"))
+    for column, justify in (("rank", "right"), ("row", "right"), ("line", "right"), ("score", "right"),
+                            ("cluster", "right"), ("text", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    for a in shown:
+        table.add_row(_t(a["rank"]), _t(a["row_id"]), _t("-" if a["line"] is None else a["line"]),
+                      _t(f"{a['score']:.4g}"), _t("-" if a["cluster"] is None else a["cluster"]),
+                      _t(a["text_preview"] if a["text_preview"] is not None else "(training data not available)"))
+    return table
+
+
+def _clusters_table(clusters: list[dict[str, Any]]) -> Table:
+    table = Table(title=_t("clusters of the accused rows"), show_lines=True)
+    for column in ("cluster", "share", "rows", "top terms", "lines", "diagnose findings"):
+        table.add_column(column, overflow="fold")
+    for c in clusters:
+        lines = ", ".join(map(str, c["lines"][:SHOWN_LINES])) + (" …" if len(c["lines"]) > SHOWN_LINES else "")
+        found = "\n".join(f["text"] for f in c["findings"]) or "-"
+        table.add_row(_t(c["cluster"]), _t(f"{100 * c['share']:.1f} %"), _t(c["n_rows"]), _t(", ".join(c["top_terms"])),
+                      _t(lines), _t(found))
+    return table
+
+
+def print_result(result, console: Console | None = None) -> None:
+    """The result on the terminal: the regression, and when attributed the flipped items, the
+    accused rows, the engines' agreement, the clusters and the base-model blame."""
+    out, err = console or Console(), error_console()
+    out.print(_regression_table(result))
+    if not result.attributed:
+        err.print(Text(f"nothing to attribute: {result.reason}"))
+        return
+    out.print(_flipped_table(result))
+    out.print(_accused_table(result))
+    for a in result.agreement:
+        rho = "n/a" if a["spearman"] is None else f"{a['spearman']:.3f}"
+        flag = ": LOW CONFIDENCE, the engines disagree on the accused rows" if a["low_confidence"] else ""
+        out.print(Text(f"agreement {a['against']} vs {a['engine']}: top-{a['k']} overlap {a['top_k_overlap']:.2f},"
+                       f" Spearman {rho}{flag}"))
+    if result.clusters:
+        out.print(_clusters_table(result.clusters))
+    if result.clusters_note:
+        err.print(Text(f"note: {result.clusters_note}"))
+    out.print(Text(result.base_blame["summary"]))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`gradian attribute`: 0 whether or not there was something to attribute; UserError otherwise."""
+    from gradian.attribute.run import attribute
+    from gradian.index import IndexMismatchError
+
+    if args.adapter is not None and args.adapter.lower() == "none":
+        args.adapter = None
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    try:
+        result = attribute(args.index, args.eval_dataset, base_model=args.base_model, adapter=args.adapter,
+                           top_k=args.top_k, query_loss=args.query_loss, engines=engines, out_path=args.out,
+                           seed=args.seed, resamples=args.bootstrap, verify=not args.no_verify,
+                           console=error_console())
+    except IndexMismatchError as mismatch:  # another model, adapter or projection than the index's
+        raise UserError(str(mismatch), exit_code=2) from mismatch
+    print_result(result)
+    if args.out:
+        error_console().print(Text(f"wrote the result ({len(result.accused)} accused rows) to {args.out}"))
+    return 0
