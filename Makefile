@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo demo-gpt2 demo-real fetch-smollm2 test test-slow lint bench peers bench-peers fixtures clean
+.PHONY: setup demo demo-gpt2 demo-real fetch-smollm2 test test-slow lint bench peers bench-peers bench-lexsi fixtures clean
 
 setup: $(VENV)/.installed
 
@@ -74,6 +74,12 @@ peers:
 bench-peers: setup peers
 	mkdir -p outputs
 	$(BIN)/python scripts/bench/bench_peers.py --json outputs/bench_peers.json
+
+# CircuitKit against Lexsi Labs' CircuitKIT 0.2.0 (its own venv, .venv-lexsi); ~2 h on 2 shared cores.
+bench-lexsi: setup
+	PEERS=lexsi PYTHON=$(PYTHON) bash scripts/peers/setup_peers.sh
+	mkdir -p outputs
+	$(BIN)/python scripts/bench/bench_lexsi.py --guide gpt2-small,smollm2 --json outputs/bench_lexsi.json
 
 clean:
 	rm -rf outputs multirun .cache .pytest_cache

@@ -241,7 +241,8 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
                           projector: Projector, batch: Mapping[str, torch.Tensor],
                           loss_reduction: str = "sum", loss: str = "ce",
                           activations: str = "auto", factors=None, fisher: str = "empirical",
-                          row_ids: Sequence[int] | None = None, fisher_seed: int = 0) -> PerExampleGradients:
+                          row_ids: Sequence[int] | None = None, fisher_seed: int = 0,
+                          factored=None) -> PerExampleGradients:
     """Projected per-example gradients of `modules` for one batch, from one forward+backward.
 
     batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
@@ -260,6 +261,8 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     from a generator seeded by `fisher_seed` and its id in `row_ids` (B,), so the factors do not
     depend on the batching. The returned rows keep the data's labels either way; the sampled
     rows come as ``.fisher_rows`` (name -> (B, width)), for the EK-FAC eigenvalues.
+    `factored`: a `gradian.factored.FactoredRows`: each block is stored as its rank-c factors
+    [U | V] (B, c (k_o + k_i)) instead of the dense (B, k_o k_i) block; None: dense.
 
     Parameters must be frozen (requires_grad False): the backward computes activation
     gradients only. An example's row does not depend on the rest of its batch: padding
@@ -309,6 +312,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     rows: dict[str, torch.Tensor] = {}
     fisher_rows: dict[str, torch.Tensor] = {}
     second_pass = [False]  # true while the sampled-label backward runs (fisher="sampled")
+    combine = projector.combine if factored is None else factored.combine
     handles = []
 
     def make_hooks(group: list[tuple[str, slice | None]]):
@@ -341,13 +345,13 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
                     if second_pass[0]:  # sampled labels: the factors and the sampled rows only
                         xp = x_proj.pop(name)
                         factors.add(name, xp, dp)
-                        fisher_rows[name] = projector.combine(name, xp, dp)
+                        fisher_rows[name] = combine(name, xp, dp)
                         continue
                     # The true Fisher's backward still needs xp: keep it for the second pass.
                     xp = x_proj[name] if true_fisher else x_proj.pop(name)
                     if factors is not None and not true_fisher:
                         factors.add(name, xp, dp)
-                    rows[name] = projector.combine(name, xp, dp)
+                    rows[name] = combine(name, xp, dp)
 
             out.register_hook(grad_hook)
             return out

@@ -20,9 +20,11 @@
                                checks of a fine-tuning set, its trainer settings and logs (gradian.diagnose;
                                tokenizer only, no GPU): each finding's rows, evidence and fix; exit 1 on errors
     gradian attribute --index DIR --eval-dataset EVAL.jsonl [--base-model M] [--adapter DIR] [--top-k K]
-                 [--query-loss contrastive|ce|margin] [--engines auto,dot] [--out OUT.json]
+                 [--query-loss contrastive|ce|margin] [--engines auto,dot] [--out OUT.json] [--span-min-tokens N]
+                 [--verify --lr LR --epochs E|--steps S [--batch-size B] [--train-seed S] [--train-data FILE]]
                                which training rows broke a behaviour the base model had (gradian.attribute):
-                               the regression with a bootstrap CI, accused rows, their clusters
+                               the regression with a bootstrap CI, accused rows, the sentences of long ones,
+                               their clusters; --verify retrains without them and against a random control
 
 Every command ends through `circuitkit.core.errors.run_entry`: an error prints one line naming the
 problem and the fix (CIRCUITKIT_DEBUG=1 shows the traceback), Ctrl-C exits 130.

@@ -203,8 +203,11 @@ def _fisher_rows(reader):
 
 def ekfac_eigenvalues(reader, q_in: list[torch.Tensor], q_out: list[torch.Tensor]) -> list[torch.Tensor]:
     """Λ*_m = Σ_rows (Q_outᵀ G Q_in)² / n per module (k_o, k_i) float64, from the stored rows, or,
-    for an index with fisher "sampled", from the shards' rows of the sampled labels."""
-    shapes = factor_shapes(reader.manifest)
+    for an index with fisher "sampled", from the shards' rows of the sampled labels; factored rows
+    (`gradian.factored`) are rotated as their factors, Q_outᵀ U and Q_inᵀ V."""
+    from gradian.factored import layout_of, rotated_squares  # it imports this module
+
+    shapes, layout = factor_shapes(reader.manifest), layout_of(reader.manifest)
     sums = [torch.zeros(k_o, k_i, dtype=torch.float64) for k_o, k_i in shapes]
     n = 0
     offsets = [0]
@@ -213,10 +216,14 @@ def ekfac_eigenvalues(reader, q_in: list[torch.Tensor], q_out: list[torch.Tensor
     if reader.manifest.get("fisher", "empirical") == "sampled":
         blocks = _fisher_rows(reader)
     else:
-        blocks = (grads for _rows, grads, _norms in reader.shards(verify=False))
+        blocks = (grads for _rows, grads, _norms in reader.shards(verify=False, factored=True))
     for grads in blocks:
         n += grads.shape[0]
+        parts = None if layout is None else layout.split(grads)
         for m, (k_o, k_i) in enumerate(shapes):
+            if parts is not None:
+                sums[m] += rotated_squares(*parts[m], q_out[m], q_in[m])
+                continue
             block = grads[:, offsets[m]:offsets[m + 1]].double().reshape(-1, k_o, k_i)
             rotated = q_out[m].T @ block @ q_in[m]
             sums[m] += (rotated * rotated).sum(0)

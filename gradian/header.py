@@ -51,6 +51,8 @@ class IndexHeader:
     # file and its sha256, peft_type, r, lora_alpha, target_modules, base_model_name_or_path), or None
     adapter: dict[str, Any] | None = None
     base_name: str | None = None  # model.base_name: the model a full fine-tune in `model` was tuned from
+    row_format: str = "dense"  # grads.row_format: dense blocks, or rank-row_rank factors (gradian.factored)
+    row_rank: int | None = None  # grads.row_rank with factored rows, else None
 
     def to_json(self) -> dict[str, Any]:
         """The header's JSON fields, in the order manifest.json stores them."""
@@ -65,17 +67,19 @@ TYPES: dict[str, tuple[type, ...]] = {
     "data_sha256": (str, _NONE), "max_seq_length": (int,), "truncation_side": (str,), "on_truncation": (str,),
     "data_report": (dict, _NONE), "token_policy": (dict, _NONE), "row_width": (int,), "circuit": (dict, _NONE),
     "projection_sha256": (str, _NONE), "activations": (str,), "parameter_share": (float, int, _NONE),
-    "gguf_file": (str, _NONE), "fisher": (str,), "adapter": (dict, _NONE), "base_name": (str, _NONE)}
+    "gguf_file": (str, _NONE), "fisher": (str,), "adapter": (dict, _NONE), "base_name": (str, _NONE),
+    "row_format": (str,), "row_rank": (int, _NONE)}
 assert list(TYPES) == [f.name for f in fields(IndexHeader)]
 
 # What a manifest of an older format version lacks, and what that version meant. Format
 # versions: 2 projection_sha256; 3 token_policy, loss, preconditioner; 4 activations;
-# 5 parameter_share, gguf_file; 6 fisher; 7 adapter, base_name. (Before 2, the header was as it is in
-# version 2 without its hash.)
+# 5 parameter_share, gguf_file; 6 fisher; 7 adapter, base_name; 8 row_format, row_rank. (Before 2, the
+# header was as it is in version 2 without its hash.)
 DEFAULTS_BEFORE: dict[str, tuple[int, Any]] = {
     "projection_sha256": (2, None), "token_policy": (3, None), "loss": (3, "ce"), "preconditioner": (3, "none"),
     "activations": (4, "model"), "parameter_share": (5, None), "gguf_file": (5, None),
     "fisher": (6, "empirical"), "adapter": (7, None), "base_name": (7, None),
+    "row_format": (8, "dense"), "row_rank": (8, None),
 }
 
 
@@ -147,6 +151,8 @@ def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("modules", f"{len(modules)}: {', '.join(modules[:4])}{' …' if len(modules) > 4 else ''}"),
         ("widths", _widths_line(proj)),
         ("row width", f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
+        ("row format", "dense (each module's k_o x k_i block)" if summary.get("row_format", "dense") == "dense" else
+         f"{summary.get('row_format')}, rank {summary.get('row_rank')}: U (k_o x c), V (k_i x c) per module, G ~ U Vᵀ"),
         ("circuit", "none (unrestricted)" if not summary.get("circuit") else
          f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
          f" MLPs {summary['circuit']['mlps']}"),

@@ -37,6 +37,7 @@ import torch
 from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
+from gradian.factored import layout_of, projector_layout, row_format_problems
 from gradian.header import check_header
 from gradian.index_files import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
     MANIFEST,
@@ -55,7 +56,10 @@ from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 # 4: the header records `activations` ("model" or "fused", gradian.capture.activation_numerics).
 # 5: the header is `gradian.header.IndexHeader`, checked field by field, and records
 #    `parameter_share` (the share of the model's parameters the index covers).
-FORMAT_VERSION = 7
+# 8: the header records `row_format` and `row_rank`: `grads` of a factored index are each module's
+#    rank-c factors [U | V] (gradian.factored), its norms those of U Vᵀ; readers that predate it refuse
+#    the version rather than multiply factors as dense rows.
+FORMAT_VERSION = 8
 # Optional shard tensors besides grads, norms and rows.
 OPTIONAL_TENSORS = ("sources", "second_moment")
 
@@ -127,6 +131,9 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
         problems = check_header(manifest, str(path))
         if problems:
             raise IndexIntegrityError(f"{problems[0]}; {_REBUILD}.")
+    problems = row_format_problems(manifest, str(path))
+    if problems:  # each names its fix (an unknown format: upgrade; a damaged record: rebuild)
+        raise IndexIntegrityError(f"{problems[0]}.")
     for name, entry in manifest["shards"].items():
         confined_path(index_dir, name, path)
         rows = entry.get("rows") if isinstance(entry, dict) else None
@@ -262,7 +269,10 @@ class IndexWriter:
             raise StorageOverflowError(
                 f"rows {which} of shard {k} {why}; nothing of this shard was written. Set"
                 " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
-        norms = stored.float().norm(dim=1)
+        layout = layout_of(self.header)
+        if layout is not None and second_moment_blocks is not None:
+            raise ValueError("factored rows (grads.row_format=factored) hold no dense blocks to sum second moments of.")
+        norms = stored.float().norm(dim=1) if layout is None else layout.norms(stored)  # of what the row stands for
         with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
             if not got:
                 raise self._busy(k)
@@ -499,13 +509,22 @@ class IndexReader:
                 raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {_REBUILD}.") from None
         return out
 
-    def shards(self, verify: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def shards(self, verify: bool = True,
+               factored: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(rows (n,), grads (n, width) float32, norms (n,)) per shard, in row order.
 
         verify: check each shard's sha256 against the manifest on the bytes read (one read per
         shard, no second pass). Either way the row ids, shapes and dtypes must match the
         manifest. Raises IndexIntegrityError naming the shard and what differs.
+        factored: the caller reads factored rows (`gradian.factored.layout_of`); a factored index
+        is refused otherwise (IndexMismatchError), before any shard is read.
         """
+        layout = layout_of(self.manifest)
+        if layout is not None and not factored:
+            raise IndexMismatchError(
+                f"{self.index_dir} stores factored rows (grads.row_format=factored, row_rank {layout.rank}: each"
+                " module's U and V, not its dense block), which this reader cannot multiply as dense rows. Rank it"
+                " with `gradian rank` (cosine, dot, kfac, ekfac), or rebuild it with grads.row_format=dense.")
         for name in sorted(self.manifest["shards"]):
             tensors = self._load(name, verify)
             problems = self._check_tensors(name, tensors)
@@ -535,7 +554,9 @@ class IndexReader:
                 continue
             found = self._check_tensors(name, tensors)
             if not found:
-                recomputed = tensors["grads"].float().norm(dim=1)
+                layout = layout_of(self.manifest)
+                stored = tensors["grads"].float()
+                recomputed = stored.norm(dim=1) if layout is None else layout.norms(stored)
                 if not torch.allclose(recomputed, tensors["norms"], rtol=1e-5, atol=1e-6):
                     found.append(f"{name} norms are not the norms of its stored grads")
                 if "second_moment" in tensors:
@@ -588,9 +609,11 @@ class IndexReader:
             return [*problems, str(err).split(f"; {_REBUILD}")[0]]
         except (KeyError, TypeError, ValueError) as err:
             return [*problems, f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
-        if self.manifest.get("row_width") != projector.total_width:
-            problems.append(f"row_width {self.manifest.get('row_width')} is not the projection's width"
-                            f" {projector.total_width}")
+        layout = layout_of(self.manifest)
+        width = projector.total_width if layout is None else projector_layout(projector, layout.rank).width
+        if self.manifest.get("row_width") != width:
+            problems.append(f"row_width {self.manifest.get('row_width')} is not the projection's width {width}"
+                            + ("" if layout is None else f" factored at rank {layout.rank}"))
         fingerprint = projection_fingerprint(projector)
         if fingerprint != self.manifest["projection_sha256"]:
             problems.append(f"projection_sha256 {str(self.manifest['projection_sha256'])[:12]}… is not that of the"

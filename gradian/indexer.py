@@ -55,6 +55,7 @@ from gradian.curvature import (
     shards_digest,
 )
 from gradian.data import TokenPolicy, collate, length_limit
+from gradian.factored import factored_rows
 from gradian.header import IndexHeader, header_json
 from gradian.index import (
     MANIFEST,
@@ -169,6 +170,7 @@ def check_grads_config(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Pa
     try:
         check_block_width(grads.projection_dim, grads.preconditioner)
         check_width_allocation(grads)
+        check_row_format(grads)
         if has_kfac(grads.preconditioner) and grads.projection_dim is not None:
             check_kfac(grads.projection, {})  # dense rows: refused before the model loads
     except ValueError as err:
@@ -198,6 +200,22 @@ def check_width_allocation(grads: GradsConfig) -> None:
         raise ValueError(f"grads.width_allocation={grads.width_allocation} gives modules different widths, and"
                          f" grads.preconditioner={grads.preconditioner} stores one second moment per module of"
                          " equal width. Use grads.preconditioner=kfac (or none), or grads.width_allocation=uniform.")
+
+
+def check_row_format(grads: GradsConfig) -> None:
+    """What grads.row_format=factored (`gradian.factored`) cannot store: ValueError naming the keys."""
+    if grads.row_format == "dense":
+        return
+    if grads.projection == "dense" and grads.projection_dim is not None:
+        raise ValueError("grads.row_format=factored stores each module's projected gradient as factors of its"
+                         " (k_o, k_i) matrix; grads.projection=dense projects vec(G) to a vector with no matrix"
+                         " left to factor. Set grads.projection=kronecker_orthogonal (or kronecker, whitened), or"
+                         " grads.row_format=dense.")
+    if has_module(grads.preconditioner):
+        raise ValueError(f"grads.row_format=factored with grads.preconditioner={grads.preconditioner}: the module"
+                         " preconditioner stores each module's second moment of dense rows (k x k per shard) for"
+                         " --score influence / whitened. Set grads.preconditioner=kfac (or none), or"
+                         " grads.row_format=dense.")
 
 
 def fisher_tensors(fisher_rows: torch.Tensor | None, storage_dtype: str, first_row: int) -> dict[str, torch.Tensor]:
@@ -304,6 +322,11 @@ def recorded_fisher(grads: GradsConfig) -> str:
     return grads.fisher if has_kfac(grads.preconditioner) else "empirical"
 
 
+def recorded_rank(grads: GradsConfig) -> int | None:
+    """What the header records of grads.row_rank: the rank of factored rows, None for dense ones."""
+    return grads.row_rank if grads.row_format == "factored" else None
+
+
 class ResumeMismatchError(UserError, IndexMismatchError):
     """The config asks for other settings than the index it would resume was made with (exit 2:
     the config is wrong, nothing was written)."""
@@ -319,7 +342,7 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
     recorded them (IndexIntegrityError, exit code 1: bad content, not a wrong config)."""
     asked = {"preconditioner": grads.preconditioner, "loss": grads.loss, "loss_reduction": grads.loss_reduction,
              "storage_dtype": grads.storage_dtype, "rows_per_shard": grads.rows_per_shard,
-             "fisher": recorded_fisher(grads)}
+             "fisher": recorded_fisher(grads), "row_format": grads.row_format, "row_rank": recorded_rank(grads)}
     diffs = [f"{k}: index has {manifest.get(k)!r}, asked {v!r}" for k, v in asked.items()
              if k in manifest and manifest[k] != v]
     recorded = manifest.get("projection")
@@ -458,6 +481,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                                     {"weights_sha256": weights_sha256, "tokenizer_sha256": tokenizer_sha256,
                                      "data_sha256": data_sha256, "report": report.summary()})
         _check_kfac_widths(projector, grads)
+    factored = factored_rows(grads, projector)  # None: dense blocks
+    row_width = projector.total_width if factored is None else factored.layout(projector).width
     header = header_json(IndexHeader(
         model=model_cfg.name, revision=model_cfg.revision, precision=str(model_dtype).removeprefix("torch."),
         weights_sha256=weights_sha256, tokenizer_sha256=tokenizer_sha256,
@@ -467,12 +492,13 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         data_sha256=data_sha256,
         max_seq_length=report.max_seq_length, truncation_side=grads.truncation_side,
         on_truncation=grads.on_truncation, data_report=report.summary(),
-        token_policy=report.policy.resolve(tokenizer), row_width=projector.total_width,
+        token_policy=report.policy.resolve(tokenizer), row_width=row_width,
         circuit=circuit,
         projection_sha256=projection_fingerprint(projector),
         activations=activation_numerics(activations),
         parameter_share=covered / n_params, gguf_file=model_cfg.gguf_file, fisher=fisher,
         adapter=getattr(loaded, "lora", None), base_name=getattr(model_cfg, "base_name", None),
+        row_format=grads.row_format, row_rank=recorded_rank(grads),
     ))
     console.print(f"the index covers {covered / n_params:.1%} of the model's parameters ({covered:,} of"
                   f" {n_params:,} weight elements)")
@@ -485,8 +511,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
         projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,
         activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
-        fisher=fisher, factor_pass=grads.width_allocation != "uniform")
-    check_shard_buffer(grads, corpus.n_rows, projector.total_width, len(shapes),
+        fisher=fisher, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
+    check_shard_buffer(grads, corpus.n_rows, row_width, len(shapes),
                        list(curvature_sides(projector).values()))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
@@ -500,7 +526,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             start, end = writer.row_range(k)
             rows = corpus.rows(start, end)
             row_lengths = [len(r.input_ids) for r in rows]
-            grads_out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
+            grads_out = torch.empty(len(rows), row_width, dtype=torch.float32)
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
             fisher_out = torch.empty_like(grads_out) if fisher == "sampled" else None
             for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length, overhead):
@@ -508,7 +534,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                 batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
                 got = per_example_gradients(model, adapter, modules, projector, batch, grads.loss_reduction,
                                             grads.loss, activations, factors, fisher=fisher,
-                                            row_ids=[start + i for i in plan], fisher_seed=grads.projection_seed)
+                                            row_ids=[start + i for i in plan], fisher_seed=grads.projection_seed,
+                                            factored=factored)
                 grads_out[plan] = got.row().cpu()
                 if fisher_out is not None:
                     fisher_out[plan] = got.fisher_rows.cpu()

@@ -25,6 +25,7 @@ from circuitkit.models.lora import lora_linear_shapes, read_adapter
 from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from gradian.capture import activation_mode, logit_chunk_rows
 from gradian.curvature import has_kfac, has_module
+from gradian.factored import stored_width
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, Projector
 from gradian.width_table import width_note
 
@@ -115,7 +116,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                    supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
                    n_rows: int = 0, activations: str = "model", preconditioner: str = "none",
                    rows_per_shard: int | None = None, fisher: str = "empirical",
-                   loss: str = "ce", factor_pass: bool = False) -> MemoryEstimate:
+                   loss: str = "ce", factor_pass: bool = False, stored_width: int | None = None) -> MemoryEstimate:
     """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
@@ -170,7 +171,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
 
     `index_bytes` (attribute, not in the total: it is disk) is
     `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)` plus `preconditioner_index_bytes`
-    for ceil(n_rows / rows_per_shard) shards (one when rows_per_shard is None).
+    for ceil(n_rows / rows_per_shard) shards (one when rows_per_shard is None); `stored_width`,
+    when given, replaces Σ width there (factored rows, `gradian.factored.stored_width`).
     """
     s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
@@ -215,7 +217,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         terms["K-FAC factor scratch"] = max(N * (k_i + k_o) * 8 + (k_i * k_i + k_o * k_o) * 8
                                             for k_o, k_i in curvature_sides(projector).values())
     if has_kfac(preconditioner) and fisher == "sampled":
-        terms["sampled-label pass"] = Ns * V * FP32 + B * width * FP32
+        terms["sampled-label pass"] = Ns * V * FP32 + B * (stored_width or width) * FP32
     if kind == "whitened":
         terms["whitening factor pass"] = whitening_pass_bytes(projector, N)
     elif factor_pass:  # grads.width_allocation=spectrum: the same pass, before the widths are known
@@ -223,6 +225,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     est = MemoryEstimate(terms, phase=f"{loss} loss backward" if terms["block temporaries"] == 0
                          else "backward of a recomputed activation" if recomputed else "forward of the last block")
     n_shards = max(1, -(-n_rows // rows_per_shard)) if rows_per_shard else 1
+    width = stored_width or width  # the stored rows (factored: c (k_o + k_i) per module)
     est.index_bytes = (grads_index_bytes(n_rows, width, storage_dtype_bytes)
                        + preconditioner_index_bytes(projector, preconditioner, n_shards))
     if has_kfac(preconditioner) and fisher == "sampled":  # the sampled-label rows, beside the rows
@@ -277,7 +280,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
                           DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype),
                           g.preconditioner, g.rows_per_shard, g.fisher, g.loss,
-                          factor_pass=g.width_allocation != "uniform")
+                          factor_pass=g.width_allocation != "uniform", stored_width=stored_width(g, projector))
 
 
 def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:

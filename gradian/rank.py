@@ -12,8 +12,9 @@ disk). ``influence`` and ``whitened`` use the per-module second moments an index
 ``grads.preconditioner: module`` holds (`gradian.precondition`): qᵀ A g, and that divided by
 ‖q‖_A ‖g‖_A. ``kfac`` and ``ekfac`` use the K-FAC factors an index built with
 ``grads.preconditioner: kfac`` holds (`gradian.curvature`): qᵀ (F + λI)⁻¹ g with K-FAC's or
-EK-FAC's F. ``aggregate`` turns the Q per-query scores of a row into one (``mean`` or ``max``) and
-ranks the rows by it as well.
+EK-FAC's F. An index of factored rows (``grads.row_format: factored``) is scored from its factors
+(`gradian.factored.FactoredScorer`) with the same dense queries. ``aggregate`` turns the Q
+per-query scores of a row into one (``mean`` or ``max``) and ranks the rows by it as well.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from gradian.allocation import check_allocation
 from gradian.capture import per_example_gradients
 from gradian.curvature import CURVATURE_DAMPING, KroneckerCurvature, has_kfac
 from gradian.data import _preview, collate, load_rows, policy_of
+from gradian.factored import FactoredScorer, layout_of
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.index_files import read_recorded
 from gradian.indexer import check_input_file, tokenizer_hash
@@ -90,7 +92,8 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
                 aggregate: str = "mean", verify: bool = True, damping: float | None = None) -> dict[str, torch.Tensor]:
     """Top-k training rows per query and for the aggregate, streaming the index's shards.
 
-    query_grads: (Q, width) float32, projected query gradients (width = the index's row width).
+    query_grads: (Q, width) float32, projected query gradients (width = the index's row width; for
+    factored rows, `gradian.factored`, the dense width of the blocks the factors stand for).
     Returns ``query_scores`` (Q, k') float32 and ``query_rows`` (Q, k') long: per query, the best
     rows in descending score (ties: lower row id first); ``aggregate_scores`` (k',) and
     ``aggregate_rows`` (k',): rows ranked by the mean or max over queries of their scores;
@@ -108,7 +111,8 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     if top_k < 1:
         raise ValueError(f"top_k={top_k}; it must be >= 1.")
     reader = IndexReader(index_dir)
-    width = reader.manifest.get("row_width")
+    layout = layout_of(reader.manifest)  # factored rows (gradian.factored): the queries stay dense blocks
+    width = reader.manifest.get("row_width") if layout is None else layout.dense_width
     q = query_grads.float()
     if q.ndim != 2 or q.shape[0] < 1:
         raise ValueError(f"query_grads must be (Q >= 1, width), got shape {tuple(q.shape)}.")
@@ -129,12 +133,15 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     if score in ("cosine", "whitened"):
         # Unit query vectors: then cosine = (q̂ · g) / |g| per row, one matmul per shard.
         q = q / q.norm(dim=1, keepdim=True).clamp_min(_EPS)
+    # Factored rows: Gram products with the exactly factored queries, or Σ U ⊙ (q̃ V) for the
+    # preconditioned (full-rank) ones of kfac / ekfac.
+    factored = None if layout is None else FactoredScorer(layout, q, low_rank=score not in KRONECKER_SCORES)
     per_query, combined = _TopK(q.shape[0], top_k), _TopK(1, top_k)
-    for rows, grads, norms in reader.shards(verify=verify):
+    for rows, grads, norms in reader.shards(verify=verify, factored=factored is not None):
         if score == "whitened":
             grads = precond.whiten(grads)
             norms = grads.norm(dim=1)
-        scores = q @ grads.T  # (Q, n)
+        scores = q @ grads.T if factored is None else factored(grads)  # (Q, n)
         if score in ("cosine", "whitened"):
             scores /= norms.float().clamp_min(_EPS)
         per_query.push(scores, rows)
@@ -154,6 +161,10 @@ def _kronecker_check(reader: IndexReader) -> None:
 
 
 def _preconditioner(reader: IndexReader, damping: float | None):
+    if layout_of(reader.manifest) is not None:
+        raise IndexMismatchError(f"{reader.index_dir} stores factored rows (grads.row_format=factored), which hold no"
+                                 " module second moments: --score influence or whitened needs a dense index built with"
+                                 " grads.preconditioner=module. Rank with cosine, dot, kfac or ekfac.")
     if reader.second_moment_blocks is None:
         raise IndexMismatchError(f"{reader.index_dir} was built with grads.preconditioner="
                                  f"{reader.manifest.get('preconditioner', 'none')}: it holds no second moments for"

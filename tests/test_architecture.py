@@ -139,6 +139,7 @@ LAYERS: dict[str, str] = {
     "gradian.stage": GRADIAN,
     "gradian.precondition": GRADIAN,
     "gradian.curvature": GRADIAN,
+    "gradian.factored": GRADIAN,  # grads.row_format=factored: rank-c factors of each module's block, their scores
     "gradian.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
     "gradian.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths from the curvature spectrum
     "gradian.width_table": GRADIAN,  # the preflight's width line: disk per width and what each measured
@@ -160,6 +161,9 @@ LAYERS: dict[str, str] = {
     "gradian.attribute.rows": GRADIAN,
     "gradian.attribute.clusters": GRADIAN,
     "gradian.attribute.result": GRADIAN,
+    "gradian.attribute.spans": GRADIAN,  # one gradient per sentence of a long accused row
+    "gradian.attribute.retrain": GRADIAN,  # the plain trainer --verify (and the planted fixture) fine-tune with
+    "gradian.attribute.verify": GRADIAN,  # --verify: retrained without the accused rows, and a random control
     "gradian.attribute.run": GRADIAN,
     "gradian.attribute.command": GRADIAN,  # its arguments and tables; gradian.cli hands it the command
     # entry points: circuitkit_app/ (above both domains) and gradian's own command

@@ -222,14 +222,14 @@ def test_discovery_runs_on_the_adapted_weights(adapted_run, adapters) -> None:
 
 
 def test_gradian_index_and_rank_with_the_adapter(adapted_run, adapters) -> None:
-    from gradian.index import IndexReader
+    from gradian.index import FORMAT_VERSION, IndexReader
     from gradian.rank import rank
 
     index_dir = adapted_run / "index"
     manifest = IndexReader(index_dir).manifest
     assert manifest["adapter"] == read_adapter(str(adapters["a"])).record()
     assert all(n.endswith(("lora_A", "lora_B")) for n in manifest["projection"]["modules"])
-    assert len(manifest["projection"]["modules"]) == 8 and manifest["format_version"] == 7
+    assert len(manifest["projection"]["modules"]) == 8 and manifest["format_version"] == FORMAT_VERSION
     queries = adapted_run / "queries.jsonl"
     queries.write_text(json.dumps(ROWS[3]) + "\n" + json.dumps(ROWS[12]) + "\n")
     results = rank(index_dir, queries, top_k=3, score="cosine")  # the index's adapter, from its manifest

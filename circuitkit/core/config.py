@@ -297,6 +297,13 @@ class GradsConfig:
                      " the data's labels)", choices=("empirical", "sampled"))
     storage_dtype: str = _f("float16", "dtype of stored rows (on-disk index size only, not the peak)",
                           choices=("float16", "bfloat16", "float32"))
+    row_format: str = _f("dense", "how each module's projected gradient G (k_o x k_i) is stored: dense = G itself;"
+                         " factored = rank-c factors U (k_o x c), V (k_i x c), c = row_rank, with G ~ U V^T:"
+                         " c (k_o + k_i) values, exact for a row with at most c positions carrying gradient, else"
+                         " G's best rank-c approximation (gradian.factored). Kronecker projections or raw rows, not"
+                         " dense; not with preconditioner module", choices=("dense", "factored"))
+    row_rank: int = _f(8, "c, the rank of each module's factors with row_format=factored (at most min(k_o, k_i)"
+                       " of every module; unused with dense)", ge=1, le=4096)
     batch_tokens: Optional[int] = _f(None, "token budget of one batch: rows x longest row (padding included);"
                                      " null = batch_size x max_seq_length", ge=1)
     group_by_length: bool = _f(True, "batch rows of similar length together (false: batches in source order)")

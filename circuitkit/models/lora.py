@@ -16,6 +16,9 @@ given in one of two views, the same function either way:
   `<target>.base_layer` and the adapter's linears `<target>.lora_A.default`; `canonical_name` turns
   them into `<target>` and `<target>.lora_A` / `<target>.lora_B`, the names an index records.
 
+`new_adapter` wraps a model in a fresh, trainable LoRA adapter of a given adapter_config.json
+(`gradian attribute --verify` retrains the adapter without the accused rows).
+
 Before peft touches the model, `check_adapter_fits` compares every LoRA tensor of the file with
 the module it adapts: an adapter trained on another base model (a module it lacks, another
 shape) is one line naming both, exit code 2.
@@ -23,6 +26,7 @@ shape) is one line naming both, exit code 2.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -121,12 +125,12 @@ def read_adapter(directory: str, what: str = "model.adapter") -> AdapterSpec:
     return AdapterSpec(path.resolve(), weights.resolve(), config)
 
 
-def require_peft():
-    """The `peft` package, or one line saying how to install it."""
+def require_peft(what: str = "model.adapter"):
+    """The `peft` package, or one line saying how to install it (`what` names who needs it)."""
     try:
         import peft
     except ImportError:
-        raise AdapterError(f"model.adapter needs peft, which is not installed: {PEFT_INSTALL}") from None
+        raise AdapterError(f"{what} needs peft, which is not installed: {PEFT_INSTALL}") from None
     return peft
 
 
@@ -235,6 +239,47 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, model_name: str, keep: b
     out.requires_grad_(False)
     out.eval()
     return out
+
+
+# ----------------------------------------------------------------------------- a new adapter, to train
+
+# adapter_config.json's keys that say where and how an adapter was saved, not what it is.
+_SAVED_ONLY = ("peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode")
+
+
+def lora_config(config: dict[str, Any], what: str = "--verify"):
+    """peft's LoraConfig of `config` (adapter_config.json's keys: r, lora_alpha, target_modules, ...;
+    the keys of where it was saved are ignored). AdapterError, one line, when peft is missing or
+    refuses the values."""
+    peft = require_peft(what)
+    known = {f.name for f in dataclasses.fields(peft.LoraConfig) if f.init}
+    kwargs = {k: v for k, v in config.items() if k in known and k not in _SAVED_ONLY}
+    try:
+        return peft.LoraConfig(**kwargs)
+    except Exception as err:  # noqa: BLE001 - peft's refusals of a value become one line
+        raise AdapterError(f"{what}: peft refuses a LoRA adapter with {_shown(kwargs)} ({_first_line(err)}); fix"
+                           " the setting (--lora-r, --lora-alpha, --target-modules).") from None
+
+
+def _shown(config: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={config.get(k)!r}" for k in ("r", "lora_alpha", "target_modules"))
+
+
+def new_adapter(model: nn.Module, config: dict[str, Any], what: str = "--verify") -> nn.Module:
+    """`model` wrapped in a new, trainable LoRA adapter shaped as `config` says (`lora_config`). Its
+    lora_A is drawn from torch's global generator, as peft does (lora_B = 0): seed it first. Only
+    the LoRA weights require grad; `model`'s target linears are replaced in place. Returns peft's
+    model, whose `save_pretrained` writes an adapter directory. AdapterError (one line) when peft
+    is missing or cannot build that adapter on this model (a target module it lacks)."""
+    peft = require_peft(what)
+    settings = lora_config(config, what)
+    try:
+        with warnings.catch_warnings():  # peft asks transformers 5 a deprecated question; nothing for the user
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            return peft.get_peft_model(model, settings)
+    except Exception as err:  # noqa: BLE001 - peft's refusals (targets, shapes) become one line
+        raise AdapterError(f"{what}: peft cannot build a LoRA adapter with {_shown(config)} on this model"
+                           f" ({_first_line(err)}); fix the setting (--lora-r, --lora-alpha, --target-modules).") from None
 
 
 # ----------------------------------------------------------------------------- names in the kept view

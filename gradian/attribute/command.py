@@ -48,6 +48,24 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="the paired bootstrap's seed (default 0)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
     p.add_argument("--no-verify", action="store_true", help="skip checking each shard's sha256 while streaming")
+    p.add_argument("--span-min-tokens", type=int, default=64, metavar="N",
+                   help="accused rows with at least N supervised tokens get one gradient per sentence, and the"
+                        " sentence that carries their score is shown (default 64; 0: no drill-down)")
+    v = p.add_argument_group("--verify: retrain without the accused rows (and, as a control, without as many random"
+                             " rows) and measure the share of the regression each recovers")
+    v.add_argument("--verify", action="store_true", help="retrain twice and score both models on the eval set")
+    v.add_argument("--train-data", default=None, metavar="FILE", help="the fine-tune's data (default: the index's)")
+    v.add_argument("--lr", type=float, default=None, help="the fine-tune's learning rate (AdamW, constant; required)")
+    v.add_argument("--epochs", type=int, default=None, help="passes over the rows (or --steps; one is required)")
+    v.add_argument("--steps", type=int, default=None, help="optimizer steps (or --epochs)")
+    v.add_argument("--batch-size", type=int, default=None, help="rows per step (default 8)")
+    v.add_argument("--train-seed", type=int, default=0, help="the fine-tune's seed: LoRA init and row order (default 0)")
+    v.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default: the adapter's adapter_config.json)")
+    v.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: adapter_config.json)")
+    v.add_argument("--target-modules", default=None, metavar="M1,M2",
+                   help="LoRA target modules, comma-separated (default: adapter_config.json)")
+    v.add_argument("--verify-dir", default=None, metavar="DIR",
+                   help="keep the two retrained models here (default: a temporary directory, removed)")
 
 
 def _regression_table(result) -> Table:
@@ -107,9 +125,47 @@ def _clusters_table(clusters: list[dict[str, Any]]) -> Table:
     return table
 
 
+def _spans_table(spans: dict[str, Any]) -> Table:
+    table = Table(title=_t(f"where the blame sits in the long accused rows (>= {spans['min_tokens']} supervised"
+                           f" tokens; the sentence of most negative {spans['engine']} score)"))
+    for column, justify in (("row", "right"), ("line", "right"), ("sentences", "right"), ("share", "right"),
+                            ("tokens", "right"), ("sentence", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    for r in spans["rows"]:
+        top = r["sentences"][r["top"]]
+        share = "-" if top["share"] is None else f"{100 * top['share']:.0f} %"
+        table.add_row(_t(r["row_id"]), _t("-" if r["line"] is None else r["line"]), _t(len(r["sentences"])),
+                      _t(share), _t(f"{top['token_span'][0]}-{top['token_span'][1]}"), _t(top["text"]))
+    return table
+
+
+def _verify_table(verify: dict[str, Any]) -> Table:
+    s = verify["settings"]
+    length = f"{s['steps']} steps" if s["steps"] is not None else f"{s['epochs']} epochs"
+    how = f"{s['kind']}, lr {s['lr']:g}, {length}, batch {s['batch_size']}, seed {s['seed']}"
+    table = Table(title=_t(f"--verify: the fine-tune redone ({how}) on {verify['rows']} rows"))
+    for column in ("model", "rows", "accuracy", "answer log-prob", "recovered (accuracy)", "recovered (log-prob)",
+                   "flipped items right again", "same mistake as tuned"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.0f} %"
+    for name in ("base", "tuned"):
+        ref = verify["reference"][name]
+        table.add_row(_t(name), _t("-"), _t(f"{ref['accuracy']:.3f}"), _t(f"{ref['logprob_mean']:.2f}"),
+                      _t("100 %" if name == "base" else "0 %"), _t("100 %" if name == "base" else "0 %"), _t("-"), _t("-"))
+    for r in verify["runs"]:
+        table.add_row(_t(r["label"]), _t(r["rows_trained"]), _t(f"{r['accuracy']:.3f}"), _t(f"{r['logprob_mean']:.2f}"),
+                      _t(pct(r["recovered_accuracy"])), _t(pct(r["recovered_logprob"])),
+                      _t(f"{r['flipped_right_again']} of {r['flipped']}"),
+                      _t(f"{r['flipped_same_mistake']} of {r['flipped']}"))
+    return table
+
+
 def print_result(result, console: Console | None = None) -> None:
     """The result on the terminal: the regression, and when attributed the flipped items, the
-    accused rows, the engines' agreement, the clusters and the base-model blame."""
+    accused rows, the engines' agreement, the sentences of long accused rows, the clusters, the
+    base-model blame and --verify's retrains."""
     out, err = console or Console(), error_console()
     out.print(_regression_table(result))
     if not result.attributed:
@@ -122,26 +178,50 @@ def print_result(result, console: Console | None = None) -> None:
         flag = ": LOW CONFIDENCE, the engines disagree on the accused rows" if a["low_confidence"] else ""
         out.print(Text(f"agreement {a['against']} vs {a['engine']}: top-{a['k']} overlap {a['top_k_overlap']:.2f},"
                        f" Spearman {rho}{flag}"))
+    if result.spans and result.spans["rows"]:
+        out.print(_spans_table(result.spans))
+    if result.spans and result.spans["note"]:
+        err.print(Text(f"note: {result.spans['note']}"))
     if result.clusters:
         out.print(_clusters_table(result.clusters))
     if result.clusters_note:
         err.print(Text(f"note: {result.clusters_note}"))
     out.print(Text(result.base_blame["summary"]))
+    if result.verify is not None:
+        if result.verify["runs"]:
+            out.print(_verify_table(result.verify))
+        out.print(Text(f"--verify: {result.verify['summary']}"))
 
 
 def run(args: argparse.Namespace) -> int:
     """`gradian attribute`: 0 whether or not there was something to attribute; UserError otherwise."""
     from gradian.attribute.run import attribute
+    from gradian.attribute.verify import VerifyOptions
     from gradian.index import IndexMismatchError
 
     if args.adapter is not None and args.adapter.lower() == "none":
         args.adapter = None
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    training = {k: getattr(args, k) for k in ("train_data", "lr", "epochs", "steps", "batch_size", "lora_r",
+                                              "lora_alpha", "target_modules", "verify_dir")}
+    if args.train_seed != 0:
+        training["train_seed"] = args.train_seed
+    given = [f"--{k.replace('_', '-')}" for k, v in training.items() if v is not None]
+    if given and not args.verify:
+        raise UserError(f"{', '.join(given)} set how --verify retrains; add --verify, or leave them out (without"
+                        " --verify nothing is retrained).", exit_code=2)
+    retrain = None
+    if args.verify:
+        targets = None if args.target_modules is None else [m.strip() for m in args.target_modules.split(",")
+                                                              if m.strip()]
+        retrain = VerifyOptions(lr=args.lr, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
+                                train_seed=args.train_seed, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                                target_modules=targets, train_data=args.train_data, keep_dir=args.verify_dir)
     try:
         result = attribute(args.index, args.eval_dataset, base_model=args.base_model, adapter=args.adapter,
                            top_k=args.top_k, query_loss=args.query_loss, engines=engines, out_path=args.out,
                            seed=args.seed, resamples=args.bootstrap, verify=not args.no_verify,
-                           console=error_console())
+                           span_min_tokens=args.span_min_tokens, retrain=retrain, console=error_console())
     except IndexMismatchError as mismatch:  # another model, adapter or projection than the index's
         raise UserError(str(mismatch), exit_code=2) from mismatch
     print_result(result)

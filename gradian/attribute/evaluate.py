@@ -157,7 +157,7 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
-def _logits(adapter, h: torch.Tensor) -> torch.Tensor:
+def final_logits(adapter, h: torch.Tensor) -> torch.Tensor:
     """Float32 logits of final hidden states h (N, d), soft-capped as the model's head does."""
     z = adapter.unembed(h).float()
     cap = adapter.logit_softcap
@@ -187,7 +187,7 @@ def score_items(loaded, items: Sequence[EvalItem], batch_size: int = EVAL_BATCH)
         is_first[1:] = ex[1:] != ex[:-1]
         for c in range(0, len(ex), chunk):
             sl = slice(c, c + chunk)
-            logp = torch.log_softmax(_logits(adapter, hidden[ex[sl], pos[sl]]), dim=-1)  # (rows, V)
+            logp = torch.log_softmax(final_logits(adapter, hidden[ex[sl], pos[sl]]), dim=-1)  # (rows, V)
             tok = logp.gather(1, targets[sl, None])[:, 0]
             others = logp.scatter(1, targets[sl, None], float("-inf")).amax(dim=1)
             hit = logp.argmax(dim=1) == targets[sl]
@@ -221,7 +221,7 @@ def greedy_continuations(loaded, items: Sequence[EvalItem], batch_size: int = EV
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             hidden = adapter.base(input_ids=ids, attention_mask=mask).last_hidden_state
             last = mask.sum(dim=1) - 1  # (B,) each item's last real position
-            nxt = _logits(adapter, hidden[torch.arange(len(open_), device=device), last]).argmax(dim=-1).tolist()
+            nxt = final_logits(adapter, hidden[torch.arange(len(open_), device=device), last]).argmax(dim=-1).tolist()
             for b, token in zip(open_, nxt, strict=True):
                 said[b].append(int(token))
                 seqs[b].append(int(token))

@@ -24,7 +24,18 @@ Keys, in order:
     agreement       [{engine, against, spearman, top_k_overlap, k, low_confidence}]
     clusters        `gradian.attribute.clusters.cluster_rows`, or null with `clusters_note`
     clusters_note   why there are no clusters or findings (null when there are)
+    spans           the sentences of the long accused rows (`gradian.attribute.spans.drill_down`:
+                    min_tokens, engine, rows [{row_id, line, score, score_recomputed, n_supervised,
+                    top, sentences [{text, chars, token_span, n_tokens, score, share}]}], skipped,
+                    note), or null (--span-min-tokens 0, or nothing attributed)
+    verify          `--verify`'s retrains (`gradian.attribute.verify.run_verify`: settings, rows,
+                    left_out, control_seed, unmatched_lines, reference, runs [{name, label,
+                    rows_left_out, rows_trained, steps, final_loss, train_wall_s, accuracy,
+                    logprob_mean, recovered_accuracy, recovered_logprob, flipped_right_again,
+                    flipped_same_mistake, flipped, model_dir}], holds, summary), or null without --verify
     wall_s
+
+Version 2 added `spans` and `verify`; a version 1 file reads with both null.
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ from typing import Any
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_json
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+ADDED_IN = {"spans": 2, "verify": 2}  # key -> the format version that added it
 
 
 @dataclass
@@ -62,6 +74,8 @@ class AttributionResult:
     agreement: list[dict[str, Any]] = field(default_factory=list)
     clusters: list[dict[str, Any]] | None = None
     clusters_note: str | None = None
+    spans: dict[str, Any] | None = None
+    verify: dict[str, Any] | None = None
     wall_s: float = 0.0
     format_version: int = FORMAT_VERSION
 
@@ -78,20 +92,22 @@ def write_result(path: str | Path, result: AttributionResult) -> Path:
 
 def read_result(path: str | Path) -> AttributionResult:
     """The one reader: the result at `path`, every key checked (UserError, exit code 1, naming
-    the first problem: not JSON, another format version, a missing or unknown key)."""
+    the first problem: not JSON, an unknown format version, a missing or unknown key). A file of an
+    older version reads with the keys added since (`ADDED_IN`) null, as the current version."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise UserError(f"{path}: not a `gradian attribute --out` result ({err}).", exit_code=1) from None
-    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
-        version = data.get("format_version") if isinstance(data, dict) else None
-        raise UserError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}: write it again with this"
-                        " version's `gradian attribute --out`.", exit_code=1)
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
+        raise UserError(f"{path}: format_version {version!r}, expected 1 to {FORMAT_VERSION}: write it again with"
+                        " this version's `gradian attribute --out`.", exit_code=1)
     names = [f.name for f in fields(AttributionResult)]
-    missing = [n for n in names if n not in data]
-    unknown = [k for k in data if k not in names]
+    later = {n for n, added in ADDED_IN.items() if added > version}  # absent from an older file
+    missing = [n for n in names if n not in data and n not in later]
+    unknown = [k for k in data if k not in names or k in later]
     if missing or unknown:
         raise UserError(f"{path}: {'missing keys ' + ', '.join(missing) if missing else ''}"
                         f"{'; ' if missing and unknown else ''}{'unknown keys ' + ', '.join(unknown) if unknown else ''};"
                         " it is not what `gradian attribute --out` writes.", exit_code=1)
-    return AttributionResult(**data)
+    return AttributionResult(**{**data, "format_version": FORMAT_VERSION})

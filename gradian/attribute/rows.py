@@ -41,22 +41,28 @@ def record_text(obj: Any) -> str:
     return ""
 
 
-def read_texts(source: Source, positions: Iterable[int]) -> dict[int, str]:
-    """Full texts of the records at `positions`, read in one pass up to the last one asked."""
+def read_records(source: Source, positions: Iterable[int]) -> dict[int, Any]:
+    """The records at `positions` (source position -> the record as `Source.records` gives it), read in
+    one pass up to the last one asked; a source that stops being readable leaves the rest out (logged)."""
     wanted = set(positions)
-    out: dict[int, str] = {}
+    out: dict[int, Any] = {}
     if not wanted:
         return out
     last = max(wanted)
     try:
         for position, _where, obj in source.records():
             if position in wanted:
-                out[position] = record_text(obj)
+                out[position] = obj
             if position >= last:
                 break
     except DataError as err:
         log.warning("the training data stops being readable at %s: later rows have no text.", err)
     return out
+
+
+def read_texts(source: Source, positions: Iterable[int]) -> dict[int, str]:
+    """Full texts of the records at `positions` (`record_text`), read in one pass."""
+    return {position: record_text(obj) for position, obj in read_records(source, positions).items()}
 
 
 def training_findings(manifest: dict[str, Any], tokenizer) -> tuple[list[Any], str | None]:

@@ -7,14 +7,18 @@
     3. ranking                    every indexed row scored by each engine (`engines`); the first
                                   engine's most negative rows are accused, the others say how far
                                   they agree
-    4. clusters                   of the accused rows, with the `gradian diagnose` findings they
+    4. spans                      the sentences of long accused rows, each with its own gradient
+                                  and score (`spans`)
+    5. clusters                   of the accused rows, with the `gradian diagnose` findings they
                                   share (`clusters`, `rows`)
-    5. base-model blame           items the base model got wrong already or barely right (`regression`)
+    6. base-model blame           items the base model got wrong already or barely right (`regression`)
+    7. --verify                   the fine-tune redone without the accused rows and without as many
+                                  random rows, both scored on the eval set (`verify`, `retrain`)
 
 The tuned model is the index's (`model`, with the adapter it records); the base model is that model
 without its adapter, or `--base-model`, or the index's `model.base_name` for a full fine-tune.
 Everything that can be refused without a model (arguments, the eval set's rows, the index, where
-`--out` goes) is refused before one loads.
+`--out` goes, --verify's settings and data) is refused before one loads.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from rich.console import Console
 
 from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
-from circuitkit.core.io import check_not_an_input, sha256_file
+from circuitkit.core.io import check_not_an_input, check_writable, sha256_file
 from circuitkit.models.loading import (
     ModelReferenceError,
     check_base_model,
@@ -43,6 +47,7 @@ from circuitkit.models.loading import (
 from circuitkit.models.lora import read_adapter
 from gradian.attribute import clusters as clustering
 from gradian.attribute import engines as scoring
+from gradian.attribute import spans as drilling
 from gradian.attribute.evaluate import (
     EvalItem,
     ItemScores,
@@ -56,6 +61,7 @@ from gradian.attribute.queries import QUERY_LOSSES, query_gradients, query_recor
 from gradian.attribute.regression import BOOTSTRAP_RESAMPLES, THIN_MARGIN, base_blame, measure_regression
 from gradian.attribute.result import AttributionResult, write_result
 from gradian.attribute.rows import read_texts, row_lines, training_findings
+from gradian.attribute.verify import VerifyOptions, plan_verify, run_verify
 from gradian.data import policy_of
 from gradian.index import IndexMismatchError, IndexReader
 from gradian.indexer import check_input_file, tokenizer_hash
@@ -169,14 +175,18 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
               adapter: str | None = "index", top_k: int = DEFAULT_TOP_K, query_loss: str = "contrastive",
               engines: list[str] | tuple[str, ...] = ("auto",), out_path: str | Path | None = None, seed: int = 0,
               resamples: int = BOOTSTRAP_RESAMPLES, thin_margin: float = THIN_MARGIN, verify: bool = True,
+              span_min_tokens: int = drilling.DEFAULT_MIN_TOKENS, retrain: VerifyOptions | None = None,
               console: Console | None = None) -> AttributionResult:
     """Measure the tuned model's regression on `eval_path` against its base model and, when it is
     outside the noise band, rank the index's training rows by how much they caused it.
 
     `adapter`: "index" (the index's recorded adapter), None (none), or a directory (refused unless it
     is the index's). `engines`: engine names (`gradian.attribute.engines`, "auto" = gradian rank's
-    default score); the first accuses. `seed` / `resamples`: the paired bootstrap's. Writes the result
-    to `out_path` (atomic JSON) when given. Raises UserError (exit code 2: an argument or a model that
+    default score); the first accuses. `seed` / `resamples`: the paired bootstrap's (`seed` also draws
+    --verify's control rows). `verify`: check each shard's sha256 while streaming. `span_min_tokens`:
+    accused rows with at least this many supervised tokens are drilled into (0: none). `retrain`:
+    --verify's settings (None: nothing is retrained). Writes the result to `out_path` (atomic JSON)
+    when given. Raises UserError (exit code 2: an argument or a model that
     does not fit; 1: bad file content) and IndexMismatchError (another model than the index's).
     """
     start = time.perf_counter()
@@ -187,6 +197,8 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
         raise UserError(f"--top-k {top_k}: it must be >= 1.", exit_code=2)
     if resamples < 100:
         raise UserError(f"--bootstrap {resamples}: at least 100 resamples are needed for a 95 % interval.", exit_code=2)
+    if span_min_tokens < 0:
+        raise UserError(f"--span-min-tokens {span_min_tokens}: give 0 (no drill-down) or more.", exit_code=2)
     check_input_file(Path(eval_path), "--eval-dataset")
     if out_path is not None:
         check_output_file(Path(out_path), "--out")
@@ -196,6 +208,12 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     names = scoring.resolve_engines(list(engines), manifest)
     rows = read_eval_rows(eval_path)
     base_cfg, how = _base_config(manifest, base_model)
+    plan = None
+    if retrain is not None:
+        if retrain.keep_dir:
+            check_not_an_input(Path(retrain.keep_dir), "--verify-dir", attribute_inputs(index_dir, eval_path, adapter))
+            check_writable(Path(retrain.keep_dir), "--verify-dir", directory=True)
+        plan = plan_verify(manifest, base_cfg, retrain, seed, adapter if adapter not in (None, "index") else None)
     if tokenizer_hash(load_tokenizer(base_cfg)) != manifest.get("tokenizer_sha256"):
         raise IndexMismatchError(f"the base model {base_cfg.name!r} ({how}) has another tokenizer than the index's"
                                  " model: their answers' log-probabilities are not comparable; give the model the"
@@ -226,10 +244,18 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     result = AttributionResult(
         attributed=False, reason=regression.reason, index=str(index_dir), eval_dataset=str(eval_path),
         eval_sha256=eval_sha, models=models, query=query_record(query_loss, manifest), engines=names,
-        damping={}, seeds={"bootstrap": seed}, regression=regression.as_dict(), base_blame=blame.as_dict(),
+        damping={}, seeds={"bootstrap": seed, **({"control": seed, "train": plan.settings.seed} if plan else {})},
+        regression=regression.as_dict(), base_blame=blame.as_dict(),
         items=_item_records(items, base_scores, tuned_scores, regression.flipped, said), top_k=top_k)
     if regression.significant:
-        _rank(result, reader, tuned, projector, flipped, said_ids, query_loss, names, top_k, verify, say)
+        _rank(result, reader, tuned, projector, flipped, said_ids, query_loss, names, top_k, verify, say,
+              span_min_tokens)
+        if plan is not None and result.accused:
+            tokenizer = tuned.tokenizer
+            del tuned  # the retrains load their own models
+            _release_memory()
+            result.verify = run_verify(plan, manifest, tokenizer, {a["row_id"]: a["line"] for a in result.accused},
+                                       items, base_scores, tuned_scores, regression.flipped, said_ids, say)
     result.wall_s = time.perf_counter() - start
     if out_path is not None:
         write_result(out_path, result)
@@ -237,8 +263,9 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
 
 
 def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flipped: list[EvalItem],
-          said_ids: list[list[int]], query_loss: str, names: list[str], top_k: int, verify: bool, say) -> None:
-    """Steps 2-4 (module docstring), filled into `result`."""
+          said_ids: list[list[int]], query_loss: str, names: list[str], top_k: int, verify: bool, say,
+          span_min_tokens: int) -> None:
+    """Steps 2-5 (module docstring), filled into `result`."""
     manifest = reader.manifest
     say(f"query gradients of {len(flipped)} regressed items ({query_loss}); scoring every row with"
         f" {', '.join(names)} …", markup=False, highlight=False)
@@ -262,6 +289,9 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
     result.accused = [{"rank": i, "row_id": r.row_id, "line": r.line, "score": r.score,
                        "text_preview": preview(r.text) if r.text is not None else None, "cluster": None}
                       for i, r in enumerate(rows, start=1)]
+    if span_min_tokens > 0 and rows:
+        result.spans = drilling.drill_down(tuned, projector, engines[0], manifest, reader.index_dir,
+                                           [(r.row_id, r.line, r.score) for r in rows], span_min_tokens)
     missing = clustering.sklearn_missing()
     if missing:
         result.clusters_note = missing

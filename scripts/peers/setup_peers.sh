@@ -5,8 +5,10 @@
 #   .venv-autocircuit  auto-circuit with transformer-lens<3 and transformers 4.x (torch 2.13.0)
 #   .venv-kronfluence  kronfluence 1.0.1 (EK-FAC influence) with transformers 5.x (torch 2.13.0)
 #   .venv-tlens4       transformer-lens 4.3.0 (TransformerBridge attribution patching; transformers>=5.9)
+#   .venv-lexsi        Lexsi Labs' CircuitKIT 0.2.0 (PyPI `circuitkit`, transformer-lens 3.8.0; torch 2.13.0).
+#                      It imports as `circuitkit`, like this project: its own venv, never the project's.
 #
-# PEERS="kronfluence tlens4" builds only the venvs named (peers, autocircuit, kronfluence, tlens4);
+# PEERS="kronfluence tlens4" builds only the venvs named (peers, autocircuit, kronfluence, tlens4, lexsi);
 # default: all of them.
 #
 # Workarounds (docs/benchmarks.md, "Peers"):
@@ -18,6 +20,11 @@
 #   needs numpy 2: pyarrow is held below 23.
 # * kronfluence 1.0.1 requires torchvision, which it imports only for its vision examples: it is
 #   installed with --no-deps, like bergson, and its other requirements separately.
+# * Lexsi's circuitkit 0.2.0 needs nothing worked around: one `pip install` with torch held at the
+#   2.13.0 CPU wheel by the constraint (~2 min from the local mirror, a 2.2 GB venv: it pulls
+#   transformer-lens 3.8.0, transformers 5.x, spacy, sentence-transformers, evaluate, bert-score,
+#   torch-pruning; `pip check` is clean). It must stay out of the project venv: both import as
+#   `circuitkit`. What running it on a local model takes is in scripts/peers/worker_lexsi.py.
 # Each venv is rebuilt only when this script changes (a stamp file records the script's hash).
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
@@ -25,7 +32,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 STAMP=$(sha256sum "$0" | cut -c1-16)
 TORCH=torch==2.13.0
 
-PEERS=${PEERS:-peers autocircuit kronfluence tlens4}
+PEERS=${PEERS:-peers autocircuit kronfluence tlens4 lexsi}
 
 fresh() {  # fresh VENV: true when VENV needs (re)building; then it is removed and recreated
   [[ " $PEERS " == *" ${1#.venv-} "* ]] || return 1
@@ -70,9 +77,14 @@ if fresh .venv-tlens4; then
   touch ".venv-tlens4/.peers-$STAMP"
 fi
 
-for venv in .venv-peers .venv-autocircuit .venv-kronfluence .venv-tlens4; do
+if fresh .venv-lexsi; then
+  .venv-lexsi/bin/python -m pip install --quiet -c "$CONSTRAINT" circuitkit==0.2.0
+  touch ".venv-lexsi/.peers-$STAMP"
+fi
+
+for venv in .venv-peers .venv-autocircuit .venv-kronfluence .venv-tlens4 .venv-lexsi; do
   [[ -x "$venv/bin/python" ]] || continue
   echo "$venv:"
   "$venv/bin/python" -m pip list --format=freeze 2>/dev/null \
-    | grep -iE '^(torch|transformers|transformer-lens|auto-circuit|bergson|traker|dattri|kronfluence|numpy)==' | sed 's/^/  /'
+    | grep -iE '^(torch|transformers|transformer-lens|auto-circuit|bergson|traker|dattri|kronfluence|circuitkit|numpy)==' | sed 's/^/  /'
 done

@@ -8,7 +8,7 @@ peak resident memory added):
 
     python worker_lexsi.py MODEL_DIR TASK_FILE OUT_JSON --algorithm eap|eap-ig [--level node]
                            [--steps 5] [--batch 4] [--dtype float32] [--n-pairs N]
-                           [--sparsity 0.3] [--no-faithfulness]
+                           [--sparsity 0.3] [--sizes 7,14,28] [--no-faithfulness]
 
 MODEL_DIR: a local HF causal-LM directory (GPT-2 or any architecture transformer-lens 3.8
 converts, e.g. Llama / SmolLM2). TASK_FILE, either
@@ -32,7 +32,8 @@ What is called (Lexsi's source, circuitkit/...):
   faithfulness: what `ck.faithfulness` does with its default two pillars: the pruned set
   (applications/pruning/node_pruner.get_nodes_to_prune at --sparsity), the circuit graph
   rebuilt from |scores| (api._reconstruct_circuit_graph), then Pillar 1 (causal patching) and
-  Pillar 2 (zero ablation) on the same pairs.
+  Pillar 2 (zero ablation) on the same pairs; with --sizes, also Pillar 1 of the circuit of its
+  k best heads by |score| (scope heads, every MLP kept), for each k.
 
 The model directory is never modified: it is mirrored by symlinks into a temporary directory
 (a neutral name: Lexsi refuses local paths containing "llama" or "gemma"), and a GPT-2
@@ -235,27 +236,52 @@ def verify_tokens(model, pairs: Pairs, dl) -> bool:
 
 # -- the run --------------------------------------------------------------------------------
 
-def faithfulness(model, graph, dl, task_spec, algorithm: str, sparsity: float) -> dict:
-    """Lexsi's two basic pillars for the circuit its own pruning keeps at `sparsity` (as ck.faithfulness)."""
-    from circuitkit.api import _convert_eap_scores_to_ck_format, _make_eval_metric, _reconstruct_circuit_graph
-    from circuitkit.applications.pruning.node_pruner import get_nodes_to_prune
+def _pillars(model, node_scores: dict, algorithm: str, scope: str, sparsity: float, dl, metric,
+             ablation: bool) -> dict:
+    """Lexsi's circuit at (scope, sparsity), rebuilt as api._reconstruct_circuit_graph does, and its
+    Pillar 1 (causal patching) and, with `ablation`, Pillar 2 (zero ablation) on the pairs."""
+    from circuitkit.api import _reconstruct_circuit_graph
     from circuitkit.evaluation.pillars import Pillar1_CausalPatching, Pillar2_Ablation
+
+    discovery_cfg = {"algorithm": algorithm, "task": "ioi", "level": "node"}
+    pruning_cfg = {"target_sparsity": sparsity, "scope": scope}
+    circuit = _reconstruct_circuit_graph(model, {"node_scores": node_scores}, discovery_cfg, pruning_cfg, "cpu")
+    patching = Pillar1_CausalPatching.run(model, circuit, dl, metric, device="cpu", quiet=True)
+    keys = ("score", "raw_ratio", "raw_score", "clean_score", "corrupt_score", "status")
+    out = {"circuit_nodes": [n for n in circuit.nodes if circuit.nodes[n].in_graph and n not in ("input", "logits")],
+           "patching": {k: patching.get(k) for k in keys}}
+    if ablation:
+        zero = Pillar2_Ablation.run(model, circuit, dl, metric, intervention="zero", device="cpu", quiet=True,
+                                    clean_score=patching["clean_score"], corrupt_score=patching["corrupt_score"])
+        out["ablation"] = {k: zero.get(k) for k in keys}
+    return out
+
+
+def faithfulness(model, graph, dl, task_spec, algorithm: str, sparsity: float, sizes: list[int]) -> dict:
+    """Lexsi's own faithfulness figures for its scores.
+
+    default: what `ck.faithfulness` reports for the circuit its own pruning keeps at `sparsity`
+    (node_pruner.get_nodes_to_prune, scope both; the graph rebuilt at the pruned share of the
+    scoreable nodes), Pillars 1 and 2. sizes: for each k, the circuit of its k best heads by |score|
+    (api._reconstruct_circuit_graph at scope heads, every MLP kept), Pillar 1.
+    """
+    from circuitkit.api import _convert_eap_scores_to_ck_format, _make_eval_metric
+    from circuitkit.applications.pruning.node_pruner import get_nodes_to_prune
 
     t0 = time.perf_counter()
     node_scores = _convert_eap_scores_to_ck_format(graph)  # |score|, keyed "A0.0" / "MLP 0"
+    metric = _make_eval_metric(task_spec)  # per-example logit difference (loss=False, mean=False)
     pruned = get_nodes_to_prune(node_scores, target_sparsity=sparsity, pruning_scope="both")
     n_scoreable = model.cfg.n_layers * (model.cfg.n_heads + 1)
-    discovery_cfg = {"algorithm": algorithm, "task": "ioi", "level": "node"}
-    pruning_cfg = {"target_sparsity": len(pruned) / n_scoreable, "scope": "both"}
-    circuit = _reconstruct_circuit_graph(model, {"node_scores": node_scores}, discovery_cfg, pruning_cfg, "cpu")
-    metric = _make_eval_metric(task_spec)  # per-example logit difference (loss=False, mean=False)
-    patching = Pillar1_CausalPatching.run(model, circuit, dl, metric, device="cpu", quiet=True)
-    ablation = Pillar2_Ablation.run(model, circuit, dl, metric, intervention="zero", device="cpu", quiet=True,
-                                    clean_score=patching["clean_score"], corrupt_score=patching["corrupt_score"])
-    kept = [n for n in circuit.nodes if circuit.nodes[n].in_graph and n not in ("input", "logits")]
-    keys = ("score", "raw_ratio", "raw_score", "clean_score", "corrupt_score", "status")
-    return {"sparsity_requested": sparsity, "pruned": pruned, "circuit_nodes": kept,
-            "patching": {k: patching.get(k) for k in keys}, "ablation": {k: ablation.get(k) for k in keys},
+    default = _pillars(model, node_scores, algorithm, "both", len(pruned) / n_scoreable, dl, metric, ablation=True)
+    n_heads = model.cfg.n_layers * model.cfg.n_heads
+    by_size = {}
+    for k in sizes:
+        # _compute_n_topn keeps int(n_heads * (1 - sparsity)) heads: this sparsity gives exactly k
+        at_k = _pillars(model, node_scores, algorithm, "heads", 1 - (k + 0.5) / n_heads, dl, metric, ablation=False)
+        at_k["n_heads_kept"] = sum(1 for n in at_k["circuit_nodes"] if n.startswith("a"))
+        by_size[str(k)] = at_k
+    return {"sparsity_requested": sparsity, "pruned": pruned, **default, "by_size": by_size,
             "seconds": time.perf_counter() - t0,
             "definition": "F = (m_circuit - m_corrupt) / (m_clean - m_corrupt), clipped to [0, 1] (raw_ratio "
                           "unclipped), m = mean logit difference; patching: edges out of the circuit get the "
@@ -302,8 +328,9 @@ def run(args: argparse.Namespace) -> dict:
                 cpu_seconds = time.process_time() - cpu0
             L, H = model.cfg.n_layers, model.cfg.n_heads
             # Lexsi's metric is a batch mean and attribute_node divides the summed scores by the pair
-            # count again, so its scores are per-pair means / batch size (checked against a plain
-            # transformer-lens reference): times the batch size here, the means other workers report.
+            # count again, so its scores are per-pair means / batch size: times the batch size here, the
+            # means other workers report (EAP head scores then equal CircuitKit's to float32 round-off,
+            # tests/test_bench_lexsi.py).
             scores = graph.nodes_scores.float() * args.batch
             head = [[float(scores[graph.forward_index(graph.nodes[f"a{layer}.h{h}"], attn_slice=False)])
                      for h in range(H)] for layer in range(L)]
@@ -336,7 +363,8 @@ def run(args: argparse.Namespace) -> dict:
                 "head_ranking": ranking,
             }
             if not args.no_faithfulness:
-                result["faithfulness"] = faithfulness(model, graph, dl, task_spec, args.algorithm, args.sparsity)
+                result["faithfulness"] = faithfulness(model, graph, dl, task_spec, args.algorithm, args.sparsity,
+                                                      args.sizes)
     return result
 
 
@@ -354,6 +382,8 @@ def main() -> None:
     parser.add_argument("--n-pairs", type=int, default=None, help="use the first N pairs (default all)")
     parser.add_argument("--sparsity", type=float, default=0.3,
                         help="fraction Lexsi prunes for its faithfulness figure (its default 0.3)")
+    parser.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                        help="also Lexsi's patching faithfulness of its k best heads, for each k (e.g. 7,14,28)")
     parser.add_argument("--no-faithfulness", action="store_true")
     args = parser.parse_args()
     result = run(args)
