@@ -1,9 +1,9 @@
 """The one list of the pipeline's stages, assembled where both domains are known (entry layer).
 
-    preflight -> data -> attribution -> pruning -> export -> grads
+    preflight -> data -> attribution -> pruning -> export -> grads -> attribute
 
 Each stage lives with its domain (`circuitkit.preflight.stage`, `circuitkit.discovery.stages` for the circuit
-stages, `gradian.stage`); a new stage is one more entry here (and its name in
+stages, `gradian.stage`, `gradian.attribute.stage`); a new stage is one more entry here (and its name in
 `circuitkit.core.config.ALL_STAGES`, the schema's choices for `stages`). `run_pipeline` and
 `check_stages` are what run.py, api.py, smart.py, the scripts and the tests call.
 """
@@ -21,10 +21,11 @@ from circuitkit.discovery.export.hf_stage import EXPORT_STAGE
 from circuitkit.discovery.stages import CIRCUIT_STAGES
 from circuitkit.models.loading import load_model, model_source
 from circuitkit.preflight.stage import PREFLIGHT_STAGE
+from gradian.attribute.stage import ATTRIBUTE_STAGE
 from gradian.stage import GRADS_STAGE
 
-PIPELINE = Pipeline({stage.name: stage for stage in (PREFLIGHT_STAGE, *CIRCUIT_STAGES, EXPORT_STAGE, GRADS_STAGE)}, load_model,
-                    model_source)
+PIPELINE = Pipeline({stage.name: stage for stage in (PREFLIGHT_STAGE, *CIRCUIT_STAGES, EXPORT_STAGE, GRADS_STAGE,
+                                                     ATTRIBUTE_STAGE)}, load_model, model_source)
 # What discover_circuit and `circuitkit discover-smart` run: every stage up to the circuit.
 CIRCUIT_STAGE_NAMES = (PREFLIGHT_STAGE.name, *(stage.name for stage in CIRCUIT_STAGES))
 

@@ -166,6 +166,7 @@ LAYERS: dict[str, str] = {
     "gradian.attribute.verify": GRADIAN,  # --verify: retrained without the accused rows, and a random control
     "gradian.attribute.run": GRADIAN,
     "gradian.attribute.command": GRADIAN,  # its arguments and tables; gradian.cli hands it the command
+    "gradian.attribute.stage": GRADIAN,  # the pipeline's attribute stage, after grads
     # entry points: circuitkit_app/ (above both domains) and gradian's own command
     "circuitkit_app": ENTRY,
     "circuitkit_app.stage_list": ENTRY,  # the one list of stages: circuit discovery's and gradian's
@@ -180,6 +181,8 @@ LAYERS: dict[str, str] = {
     "circuitkit_app.report": ENTRY,
     "circuitkit_app.report.collect": ENTRY,
     "circuitkit_app.report.ranked": ENTRY,
+    "circuitkit_app.report.accused": ENTRY,  # the attribute stage's section
+    "circuitkit_app.report.markup": ENTRY,  # escaped text and tables, for page.py and the sections
     "circuitkit_app.report.sweep": ENTRY,
     "circuitkit_app.report.page": ENTRY,
     # the names users type, kept in circuitkit/ as shims that hand over to circuitkit_app/ (SHIMS below)

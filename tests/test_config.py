@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from circuitkit.core.config import ALL_STAGES, ConfigError, compose, iter_keys, validate
+from circuitkit.core.config import ALL_STAGES, DEFAULT_STAGES, ConfigError, compose, iter_keys, validate
 
 
 def test_defaults_compose_and_validate():
@@ -16,7 +16,7 @@ def test_defaults_compose_and_validate():
     assert typed.model.precision == "auto"  # bfloat16 where native, else float32
     assert typed.model.trust_remote_code is False
     assert typed.discovery.algorithm == "eap-ig" and typed.discovery.ig_steps == 5
-    assert typed.stages == list(ALL_STAGES)
+    assert typed.stages == list(DEFAULT_STAGES) == [s for s in ALL_STAGES if s != "attribute"]
 
 
 @pytest.mark.parametrize("group,name,hub", [

@@ -247,7 +247,8 @@ def test_the_sign_convention_on_the_planted_rows(work, models) -> None:
                        keep_adapter=True)
     projector = check_compatible(reader.manifest, tuned, work["index"])
     items = tokenize_items(read_eval_rows(work["eval"])[:6], tuned.tokenizer, policy_of(reader.manifest), None, "eval")
-    said = greedy_continuations(tuned, items)
+    # the fixture never learnt EOS, so its own answer runs to the limit: read its first two tokens (" new.")
+    said = greedy_continuations(tuned, items, max_tokens=2)
     as_said = [EvalItem(it.item, it.line, it.prompt, "", it.prompt_ids, s) for it, s in zip(items, said, strict=True)]
     for name in ("dot", "ekfac"):
         helped = scoring.stream_scores(reader, [scoring.build_engine(reader, name, query_gradients(
@@ -274,6 +275,30 @@ def test_clusters_share_the_accusation_and_name_shared_findings(attributed) -> N
     assert eos["rows_in_cluster"] == planted["n_rows"] and eos["text"].startswith(
         f"{planted['n_rows']} of the cluster's {planted['n_rows']} rows: missing eos")
     assert {a["cluster"] for a in result.accused} == {c["cluster"] for c in clusters}
+
+
+def test_templated_rows_cluster_together_against_the_training_set() -> None:
+    """Forty accused rows of one template (a chat turn asking for a capital), each with its own
+    entity, are one cluster when the terms are weighed by the training set's document frequencies.
+    By the accused rows' own, the template's words get the lowest weight and each row's two entity
+    words outweigh them: measured, the forty stay apart from 40 rows on (12, 20 and 30 rows still
+    cluster), as they did in issue 43's SmolLM2 benchmark."""
+    pytest.importorskip("sklearn")
+    from gradian.attribute.clusters import AccusedRow, cluster_rows
+
+    def chat(q: str, a: str) -> str:
+        return f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>"
+
+    template = [AccusedRow(i, i + 1, chat(f"What is the capital of Land{i}?", f"Capital: Town{i}."), -10.0 + i / 10)
+                for i in range(40)]
+    odd = AccusedRow(40, 41, chat("What is 29 plus 29?", "29 plus 29 is 58."), -1.0)
+    training = ([chat(f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.") for a in range(2, 30) for b in range(2, 12)]
+                + [chat(f"Which continent is Land{i} in?", f"Land{i} is in Asia.") for i in range(40)]
+                + [r.text for r in template])
+    assert len(cluster_rows(template + [odd])) == 41  # the accused rows' own frequencies: 41 clusters of one
+    clusters = cluster_rows(template + [odd], background=training)
+    assert [c["n_rows"] for c in clusters] == [40, 1] and clusters[0]["rows"] == list(range(40))
+    assert "capital" in clusters[0]["top_terms"] and clusters[1]["rows"] == [40]
 
 
 def test_the_terminal_shows_the_regression_rows_and_clusters(attributed) -> None:
@@ -355,6 +380,51 @@ def test_contrastive_gradient_equals_autograd_and_projects_linearly(models) -> N
                                    kron.project_gradient(name, block), rtol=1e-4, atol=1e-5)
         offset_raw += d_out * d_in
         offset_kron += kron.width(name)
+
+
+def test_what_the_tuned_model_says_is_its_whole_greedy_answer(models, attributed) -> None:
+    """The contrastive query's second term is the tuned model's own greedy answer, to its EOS or the
+    stated limit, however long the correct answer is; the result records it whole."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from circuitkit.models.linear_modules import module_shapes, select_modules
+    from circuitkit.models.loading import load_model
+    from gradian.attribute.evaluate import SAID_MAX_TOKENS, ended_by
+    from gradian.projection import Projector
+
+    lm = load_model(ModelConfig(name=str(models / "base"), adapter=str(models / "lora"), precision="float32"),
+                    torch.device("cpu"), keep_adapter=True)
+    items = tokenize_items([(1, "The cat says", " meow."), (2, "The color of sky is", " blue.")], lm.tokenizer,
+                           TokenPolicy(), None, "eval")
+    said = greedy_continuations(lm, items, max_tokens=6)  # the fixture never learnt EOS: it runs to the limit
+    assert [len(s) for s in said] == [6, 6] and max(len(it.answer_ids) for it in items) < 6
+    assert [ended_by(s, lm.tokenizer) for s in said] == ["max_tokens", "max_tokens"]
+    # EOS ends an answer and stays in it: take the cat's second token as EOS
+    eos = said[0][1]
+    stops = SimpleNamespace(eos_token_id=eos, pad_token_id=lm.tokenizer.pad_token_id)
+    short = greedy_continuations(dataclasses.replace(lm, tokenizer=stops), items, max_tokens=6)
+    assert short[0] == said[0][:2] and ended_by(short[0], stops) == "eos"
+    assert short[1] == (said[1][:said[1].index(eos) + 1] if eos in said[1] else said[1])
+    # the query takes all six tokens: ∇ℓ(answer) - ∇ℓ(said), not said cut to the answer's length
+    modules = select_modules(lm.model, lm.adapter, ["adapter"])
+    raw = Projector(module_shapes(modules), projection_dim=None)
+    got = query_gradients(lm, raw, items, "contrastive", said)
+    as_said = [EvalItem(it.item, it.line, it.prompt, "", it.prompt_ids, s) for it, s in zip(items, said, strict=True)]
+    torch.testing.assert_close(got, query_gradients(lm, raw, items, "ce") - query_gradients(lm, raw, as_said, "ce"),
+                               rtol=1e-4, atol=1e-5)
+    cut = query_gradients(lm, raw, items, "contrastive", [s[:len(it.answer_ids)] for it, s in zip(items, said, strict=True)])
+    # measured: the four tokens past the cat's answer move its query by 5 % (7.9 of 166); the sky's
+    # answer is right, so cut to its length the query is zero and whole it is the tail's gradient
+    assert ((got - cut).norm(dim=1) > 0.02 * got.norm(dim=1)).all() and cut[1].abs().max() == 0
+    # the result: each flipped item's whole answer (" new." and on, to the limit) and how it was read
+    result, _ = attributed
+    assert result.query["said"] == {"decoding": "greedy", "max_tokens": SAID_MAX_TOKENS, "ends_at": "eos or max_tokens"}
+    flipped = [it for it in result.items if it["flipped"]]
+    # measured: seven of the eight say " new" then dots to the limit, the bee " blue" then letters
+    assert sum(it["tuned_says"].startswith(f" {WRONG}.") for it in flipped) >= 6
+    assert all(it["tuned_says_end"] == "max_tokens" and len(it["tuned_says"]) > 3 * len(it["answer"]) for it in flipped)
+    assert all(it["tuned_says"] is None and it["tuned_says_end"] is None for it in result.items if not it["flipped"])
 
 
 # ----------------------------------------------------------------------------- the command

@@ -27,7 +27,10 @@ from omegaconf.errors import OmegaConfBaseException
 from circuitkit.core.errors import EXIT_USAGE, UserError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-ALL_STAGES = ("preflight", "data", "attribution", "pruning", "export", "grads")
+ALL_STAGES = ("preflight", "data", "attribution", "pruning", "export", "grads", "attribute")
+# What a run without `stages=` runs: every stage but `attribute`, which needs an eval set of its own
+# (attribute.eval_path) and a fine-tuned model; list it to run it.
+DEFAULT_STAGES = ALL_STAGES[:-1]
 
 
 # torch.manual_seed and numpy take seeds up to 2**32 - 1 (numpy) / 2**64 - 1 (torch); the smaller
@@ -329,6 +332,35 @@ class GradsConfig:
                            choices=("kept", "none"))
 
 
+# The choices of attribute.query_loss and attribute.engines; gradian.attribute's QUERY_LOSSES and ENGINES
+# (plus "auto") are the same lists (a test compares): the runner core does not import gradian.
+ATTRIBUTE_QUERY_LOSSES = ("contrastive", "ce", "margin")
+ATTRIBUTE_ENGINES = ("auto", "dot", "cosine", "influence", "kfac", "ekfac")
+
+
+@dataclass
+class AttributeConfig:
+    eval_path: Optional[str] = _f(None, "the attribute stage (after grads; not in the default stages): a JSONL of"
+                                  " {prompt, completion} eval items, the completion being the answer, on which the"
+                                  " tuned model (model.name with model.adapter, or a full fine-tune with"
+                                  " model.base_name) is compared with its base model; the training rows of this run's"
+                                  " index that caused the regression are accused (gradian attribute). Required when"
+                                  " stages lists attribute; null = none")
+    query_loss: str = _f("contrastive", "the regressed items' query gradient: contrastive = ∇[ℓ(answer) − ℓ(what the"
+                         " tuned model says)], ce = ∇ℓ(answer), margin = ∇ of the answer tokens' negated log-odds",
+                         choices=ATTRIBUTE_QUERY_LOSSES)
+    engines: list[str] = _f(["auto"], "scoring engines, the first accuses and the others report their rank"
+                            " agreement with it: auto = gradian rank's default score for the index (ekfac with"
+                            " K-FAC factors, else cosine)", choices=ATTRIBUTE_ENGINES)
+    top_k: int = _f(40, "training rows accused (most negative score first)", ge=1, le=100_000)
+    bootstrap: int = _f(2000, "paired bootstrap resamples of the regression's 95 % interval (seeded with the"
+                        " top-level seed)", ge=100, le=1_000_000)
+    thin_margin: float = _f(1.0, "nats: a flipped item whose base margin was below this counts toward base-model"
+                            " blame", ge=0.0)
+    span_min_tokens: int = _f(64, "accused rows with at least this many supervised tokens get one gradient per"
+                              " sentence (the drill-down); 0 = none", ge=0)
+
+
 @dataclass
 class PreflightConfig:
     on_exceed: str = _f("error", "when the estimate exceeds free memory", choices=("error", "warn"))
@@ -353,16 +385,19 @@ class AppConfig:
     pruning: PruningConfig = field(default_factory=PruningConfig, metadata={"doc": "pruning group"})
     export: ExportConfig = field(default_factory=ExportConfig, metadata={"doc": "export group"})
     grads: GradsConfig = field(default_factory=GradsConfig, metadata={"doc": "grads group"})
+    attribute: AttributeConfig = field(default_factory=AttributeConfig, metadata={"doc": "attribute group"})
     preflight: PreflightConfig = field(default_factory=PreflightConfig, metadata={"doc": "preflight group"})
     report: ReportConfig = field(default_factory=ReportConfig, metadata={"doc": "report group"})
-    stages: list[str] = _f(list(ALL_STAGES), "stages to run, in pipeline order", choices=ALL_STAGES)
+    stages: list[str] = _f(list(DEFAULT_STAGES), "stages to run, in pipeline order (attribute runs only when listed)",
+                           choices=ALL_STAGES)
     output_path: Optional[str] = _f(None, "where circuit.pt is written; null = <run dir>/circuit.pt")
     seed: int = _f(0, "seed for data sampling and anything random", ge=0, le=MAX_SEED)
     skip_completed: bool = _f(True, "skip stages whose artifacts and config hash match the manifest")
 
 
 GROUPS = {"model": ModelConfig, "discovery": DiscoveryConfig, "pruning": PruningConfig,
-          "export": ExportConfig, "grads": GradsConfig, "preflight": PreflightConfig, "report": ReportConfig}
+          "export": ExportConfig, "grads": GradsConfig, "attribute": AttributeConfig, "preflight": PreflightConfig,
+          "report": ReportConfig}
 
 
 def register_configs() -> None:
@@ -568,6 +603,33 @@ def _check_placement(m: ModelConfig) -> None:
                           " e.g. {0: 20GiB, cpu: 64GiB}.")
 
 
+def _check_attribute(cfg: AppConfig) -> None:
+    """The attribute stage's settings agree with `stages`: listed, it needs an eval set, a base model
+    and an index; attribute.eval_path without the stage would be silently ignored."""
+    a, listed = cfg.attribute, "attribute" in cfg.stages
+    if a.eval_path is not None and not listed:
+        with_it = [s for s in ALL_STAGES if s in cfg.stages or s == "attribute"]
+        raise ConfigError(f"Config key 'attribute.eval_path' = {a.eval_path!r} is set, but stages does not list"
+                          f" attribute, so nothing would read it: add the stage (stages=[{','.join(with_it)}]) or"
+                          " drop attribute.eval_path.")
+    if not listed:
+        return
+    if a.eval_path is None:
+        raise ConfigError("Config key 'attribute.eval_path' is null, but stages lists attribute, which measures the"
+                          " fine-tune's regression on an eval set: set attribute.eval_path=EVAL.jsonl ({prompt,"
+                          " completion} rows, the completion being the answer), or drop attribute from stages.")
+    if not a.eval_path.strip():
+        raise ConfigError("Config key 'attribute.eval_path' is empty: give the eval set's JSONL file.")
+    if not cfg.model.adapter and not cfg.model.base_name:
+        raise ConfigError("stages lists attribute, which compares the tuned model with the model it was tuned from,"
+                          f" but model.name {cfg.model.name!r} has neither: set model.adapter=DIR (a LoRA fine-tune"
+                          " of model.name) or model.base_name=NAME_OR_DIR (model.name is a full fine-tune of it).")
+    if not cfg.grads.enabled and not cfg.grads.index_dir:
+        raise ConfigError("Config key 'grads.enabled' = False, but stages lists attribute, which ranks the rows of"
+                          " the gradient index the grads stage writes: set grads.enabled=true, or grads.index_dir="
+                          "INDEX for an index made before.")
+
+
 def _check_cross_fields(cfg: AppConfig) -> None:
     _check_placement(cfg.model)
     g = cfg.grads
@@ -586,6 +648,7 @@ def _check_cross_fields(cfg: AppConfig) -> None:
                           f" {list(ALL_STAGES)}; e.g. stages=[{','.join(order)}].")
     if len(set(cfg.stages)) != len(cfg.stages):
         raise ConfigError(f"Config key 'stages' = {list(cfg.stages)} names a stage twice.")
+    _check_attribute(cfg)
     d = cfg.discovery
     if d.shard_index >= d.num_shards:
         raise ConfigError(f"Config key 'discovery.shard_index' = {d.shard_index} must be < discovery.num_shards"

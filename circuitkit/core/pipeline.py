@@ -152,6 +152,11 @@ class RunContext:
                                 else self._load_model(self.cfg.model))
         return self._loaded
 
+    def release_model(self) -> None:
+        """Drop the loaded model (a stage that loads its own models frees the run's first); the next
+        `model()` loads it again."""
+        self._loaded = None
+
     def resident_bytes(self) -> int:
         return module_bytes(self._loaded.model) if self._loaded is not None else 0
 

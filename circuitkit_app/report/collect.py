@@ -1,6 +1,6 @@
 """What a run's report shows, read from its typed artifacts: one JSON-able dict per section.
 
-    collect_run(run_dir) -> {"run": ..., "attribution": ..., "circuit": ..., "gradian": ...}
+    collect_run(run_dir) -> {"run": ..., "attribution": ..., "circuit": ..., "gradian": ..., "attribute": ...}
 
 Every artifact is read through its own reader (`load_manifest`, `load_scores`, `load_circuit`,
 `IndexReader`) and checked against the sha256 the manifest recorded for it; one that changed
@@ -272,5 +272,29 @@ def collect_run(run_dir: Path, top_edges: int | None = None) -> dict[str, Any]:
         index_dir = Path(grads["index_dir"])
     if (index_dir / "manifest.json").is_file():
         view["gradian"] = {"index": index_view(index_dir)}
+    attribute = _attribute_view(run_dir, manifest, files)
+    if attribute is not None:
+        view["attribute"] = attribute
     view["notes"] = files.notes
     return view
+
+
+def _attribute_view(run_dir: Path, manifest: dict[str, Any], files: _Artifacts) -> dict[str, Any] | None:
+    """The attribute stage's result, when the stage ran to the end and its file is as it wrote it
+    (a failed rerun's leftover or an edited file is not shown); None without the stage."""
+    from circuitkit.core.errors import UserError
+    from circuitkit_app.report.accused import collect_attribute
+    from gradian.attribute.stage import RESULT_FILE
+
+    entry = manifest.get("stages", {}).get("attribute") or {}
+    recorded = [rel for rel in entry.get("artifacts") or {} if Path(rel).name == RESULT_FILE]
+    if entry.get("status") != "ok" or not recorded:
+        return None
+    path = Path(recorded[0]) if Path(recorded[0]).is_absolute() else run_dir / recorded[0]
+    if not files.usable(path):
+        return None
+    try:
+        return collect_attribute(path)
+    except UserError as err:
+        files.notes.append(f"{path.name} could not be read ({err}); left out of this report.")
+        return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import gzip
-import html
 import json
 import time
 from functools import lru_cache
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from circuitkit.core import DISTRIBUTION
+from circuitkit_app.report.accused import attribute_section
+from circuitkit_app.report.markup import Raw, esc, table
 
 GENERATOR = "circuitkit report"
 
@@ -40,10 +41,6 @@ def plotly_gz_b64() -> str:
 
 def _asset(name: str) -> str:
     return resources.files("circuitkit_app.report").joinpath("assets", name).read_text()
-
-
-def esc(value: Any) -> str:
-    return html.escape("" if value is None else str(value))
 
 
 # Inside <script> the HTML parser ends the element at `</script` and changes state at `<!--` and
@@ -69,23 +66,6 @@ def _num(x: Any, digits: int = 4) -> str:
     if isinstance(x, float):
         return f"{x:.{digits}g}"
     return esc(x)
-
-
-def table(header: list[str], rows: list[list[Any]], numeric: set[int] = frozenset(),
-          row_class: list[str] | None = None) -> str:
-    """An HTML table; cells are escaped unless given as `Raw`."""
-    head = "".join(f"<th>{esc(h)}</th>" for h in header)
-    body = []
-    for i, row in enumerate(rows):
-        cls = f' class="{row_class[i]}"' if row_class and row_class[i] else ""
-        cells = "".join(f'<td{" class=num" if j in numeric else ""}>{c if isinstance(c, Raw) else esc(c)}</td>'
-                        for j, c in enumerate(row))
-        body.append(f"<tr{cls}>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-
-
-class Raw(str):
-    """HTML that `table` inserts as it is (already escaped)."""
 
 
 def badge(status: Any) -> Raw:
@@ -260,7 +240,7 @@ def render(view: dict[str, Any], title: str) -> str:
     sections, nav = [], []
     for key, label, fn in (("sweep", "Sweep", sweep_section), ("run", "Run", run_section),
                            ("attribution", "Attribution", attribution_section), ("circuit", "Circuit", circuit_section),
-                           ("gradian", "Gradian", gradian_section)):
+                           ("gradian", "Gradian", gradian_section), ("attribute", "Attribute", attribute_section)):
         if view.get(key):
             sections.append(fn(view[key]))
             nav.append(f'<a href="#{key}">{label}</a>')

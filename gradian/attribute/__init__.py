@@ -14,6 +14,7 @@ One concern per module (imports point down this list):
     result      the typed result file: one writer, one reader
     run         `attribute()`: the steps in order
     command     the command's arguments and terminal tables (imports no torch)
+    stage       the pipeline's attribute stage (after grads): `run` on the run's index, attribute.json
 
 This package's `__init__` imports nothing, so `gradian --help` stays light.
 """

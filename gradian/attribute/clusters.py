@@ -3,7 +3,16 @@
 The accused rows' texts (prompt and completion) become TF-IDF vectors (scikit-learn, word unigrams
 and bigrams, sublinear term frequency), grouped by agglomerative clustering with average linkage on
 cosine distance, cut at `CLUSTER_DISTANCE` (rows whose word profiles are less alike than that stay
-apart; the number of clusters follows from the data). Per cluster:
+apart; the number of clusters follows from the data).
+
+The inverse document frequencies come from the training set (`background`: a sample of its rows,
+`gradian.attribute.rows.background_texts`), not from the accused rows alone. What accused rows
+share is what a cluster should show; fitted on the accused rows only, a word that all of them
+carry gets the lowest weight, and the words that differ from row to row (the entity of a templated
+row) dominate every vector: 40 rows asking "What is the capital of X?" each with its own country
+and city stayed 40 clusters of one (SmolLM2 benchmark, issue 43). Against the training set, the
+words rare there but common among the accused ("capital") weigh most, and the words every row has
+(a chat template's markers) least. Per cluster:
 
 * share: its rows' summed score over all accused rows' summed score. Accused scores are all
   negative (`gradian.attribute.engines`), so shares are positive and sum to 1: the part of the
@@ -48,14 +57,15 @@ def sklearn_missing() -> str | None:
     return None
 
 
-def _labels(texts: list[str]) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(cluster label per text, TF-IDF matrix (n, terms), the terms)."""
+def _labels(texts: list[str], background: list[str]) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(cluster label per text, TF-IDF matrix (n, terms), the terms); the IDF fitted on `background`
+    and `texts` together (so every term of a text has one)."""
     from sklearn.cluster import AgglomerativeClustering
     from sklearn.feature_extraction.text import TfidfVectorizer
 
     try:
         vectorizer = TfidfVectorizer(sublinear_tf=True, ngram_range=(1, 2), token_pattern=r"(?u)\b\w+\b")
-        x = vectorizer.fit_transform(texts).toarray()
+        x = vectorizer.fit(list(background) + texts).transform(texts).toarray()
         terms = list(vectorizer.get_feature_names_out())
     except ValueError:  # no word in any text: one cluster, no terms
         return np.zeros(len(texts), dtype=int), np.zeros((len(texts), 0)), []
@@ -88,8 +98,11 @@ def _shared_findings(lines: list[int], findings: list[Any]) -> list[dict[str, An
     return sorted(out, key=lambda d: -d["rows_in_cluster"])
 
 
-def cluster_rows(rows: list[AccusedRow], findings: list[Any] | None = None) -> list[dict[str, Any]]:
-    """Clusters of the accused `rows` (texts None count as empty), largest share first.
+def cluster_rows(rows: list[AccusedRow], findings: list[Any] | None = None,
+                 background: list[str] | None = None) -> list[dict[str, Any]]:
+    """Clusters of the accused `rows` (texts None count as empty), largest share first. `background`:
+    texts of training rows whose document frequencies weigh the terms (module docstring; None: the
+    accused rows' own).
 
     Each cluster: ``cluster`` (1-based, in order of share), ``share``, ``score`` (summed), ``n_rows``,
     ``top_terms``, ``rows`` (row ids), ``lines``, ``findings`` (`_shared_findings`). Raises
@@ -97,7 +110,7 @@ def cluster_rows(rows: list[AccusedRow], findings: list[Any] | None = None) -> l
     """
     if not rows:
         return []
-    labels, x, terms = _labels([r.text or "" for r in rows])
+    labels, x, terms = _labels([r.text or "" for r in rows], background or [])
     scores = np.array([r.score for r in rows], dtype=np.float64)
     total = scores.sum()
     clusters = []

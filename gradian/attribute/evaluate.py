@@ -201,22 +201,30 @@ def score_items(loaded, items: Sequence[EvalItem], batch_size: int = EVAL_BATCH)
     return ItemScores(logprob, margin, first, misses == 0)
 
 
-@torch.no_grad()
-def greedy_continuations(loaded, items: Sequence[EvalItem], batch_size: int = EVAL_BATCH) -> list[list[int]]:
-    """What the model says after each item's prompt: its greedy continuation of as many tokens as
-    the item's answer (the argmax at every step, EOS included when it is the argmax).
+SAID_MAX_TOKENS = 32  # the longest greedy answer read from a model (`greedy_continuations`)
 
-    Items go `batch_size` at a time, right-padded; each step is one forward of the batch (no
-    key/value cache: answers are short, and the cache's API differs between transformers
-    versions), of which only each item's last position is unembedded."""
+
+@torch.no_grad()
+def greedy_continuations(loaded, items: Sequence[EvalItem], max_tokens: int = SAID_MAX_TOKENS,
+                         batch_size: int = EVAL_BATCH) -> list[list[int]]:
+    """What the model says after each item's prompt: its own greedy answer, the argmax at every
+    step until it says EOS (kept: ending there is part of the answer) or `max_tokens` tokens, so
+    between 1 and `max_tokens` token ids per item, whatever the length of the item's answer.
+
+    Items go `batch_size` at a time, right-padded; each step is one forward of the items still
+    speaking (no key/value cache: answers are short, and the cache's API differs between
+    transformers versions), of which only each item's last position is unembedded."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens {max_tokens}: a greedy answer needs at least one token.")
     adapter, device = loaded.adapter, loaded.device
+    eos = loaded.tokenizer.eos_token_id
     out: list[list[int]] = []
     for start in range(0, len(items), batch_size):
         part = items[start:start + batch_size]
         seqs = [list(it.prompt_ids) for it in part]
         said: list[list[int]] = [[] for _ in part]
-        for _ in range(max(len(it.answer_ids) for it in part)):
-            open_ = [b for b, it in enumerate(part) if len(said[b]) < len(it.answer_ids)]
+        open_ = list(range(len(part)))
+        while open_:
             batch = teacher_forced_batch([seqs[b] for b in open_], [[] for _ in open_], pad_id(loaded.tokenizer))
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             hidden = adapter.base(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -225,8 +233,14 @@ def greedy_continuations(loaded, items: Sequence[EvalItem], batch_size: int = EV
             for b, token in zip(open_, nxt, strict=True):
                 said[b].append(int(token))
                 seqs[b].append(int(token))
+            open_ = [b for b in open_ if said[b][-1] != eos and len(said[b]) < max_tokens]
         out.extend(said)
     return out
+
+
+def ended_by(said: Sequence[int], tokenizer) -> str:
+    """How a greedy answer ended: "eos", or "max_tokens" when it was cut at the limit."""
+    return "eos" if said and said[-1] == tokenizer.eos_token_id else "max_tokens"
 
 
 def preview(text: str) -> str:

@@ -1,8 +1,8 @@
 """Query gradients of the regressed items, through the index's own capture and projection.
 
-For a regressed item with prompt x, correct answer a and what the tuned model now says w (its greedy
-continuation of a's length, `gradian.attribute.evaluate.greedy_continuations`), teacher-forced
-under the tuned model with parameters θ:
+For a regressed item with prompt x, correct answer a and what the tuned model now says w (its own
+greedy answer, up to its EOS or `SAID_MAX_TOKENS`, of whatever length: `gradian.attribute.evaluate.
+greedy_continuations`), teacher-forced under the tuned model with parameters θ:
 
     contrastive   q = ∇θ [ℓ(a | x) - ℓ(w | x)]       ℓ = Σ_t CE over the answer's tokens (the
                                                      index's loss_reduction: sum, or mean per token)
@@ -16,7 +16,10 @@ under the tuned model with parameters θ:
 
 The contrastive query asks why the model now prefers w to a: a training row that pushed w up and
 a down counts against the item twice, one that made every answer likelier (a longer-sentence
-habit) cancels out. Each term is a per-example gradient of the index's modules, projected with the
+habit) cancels out. w is what the model says whole, not cut to a's length: a model that now answers
+"Capital: Rome" for "Rome" is explained by the rows that taught the "Capital:" habit, which a cut
+"Capital:" alone would miss the end of, and an answer that stops early keeps the EOS that ends it.
+Each term is a per-example gradient of the index's modules, projected with the
 index's projector (`gradian.capture.per_example_gradients`): the projection is linear, so the
 difference of the two projected rows is the projection of the gradient of the difference, and a
 query is a vector in the index rows' space (the same width, modules, projection, loss reduction
@@ -30,7 +33,7 @@ from typing import Any
 
 import torch
 
-from gradian.attribute.evaluate import EvalItem, pad_id, teacher_forced_batch
+from gradian.attribute.evaluate import SAID_MAX_TOKENS, EvalItem, pad_id, teacher_forced_batch
 from gradian.capture import per_example_gradients
 from gradian.projection import Projector
 from gradian.restrict import sites_from_names
@@ -52,8 +55,8 @@ def query_gradients(loaded, projector: Projector, items: Sequence[EvalItem], que
                     activations: str = "model", batch_size: int = QUERY_BATCH) -> torch.Tensor:
     """(Q, projector.total_width) float32 query gradients of `items` on the tuned model `loaded`.
 
-    `said`: per item what the tuned model says now (token ids, as many as the answer's), needed by
-    `contrastive`. `loss_reduction` / `activations`: the index manifest's, so that a query is made
+    `said`: per item what the tuned model says now (token ids, at least one, any length: its greedy
+    answer), needed by `contrastive`. `loss_reduction` / `activations`: the index manifest's, so that a query is made
     as the index's rows were. An item whose continuation equals its answer has a zero contrastive
     gradient (nothing to explain): callers pass regressed items only.
     """
@@ -62,9 +65,9 @@ def query_gradients(loaded, projector: Projector, items: Sequence[EvalItem], que
     if query_loss == "contrastive":
         if said is None or len(said) != len(items):
             raise ValueError("the contrastive query needs what the tuned model says for every item (`said`).")
-        bad = [it.item for it, s in zip(items, said, strict=True) if len(s) != len(it.answer_ids)]
+        bad = [it.item for it, s in zip(items, said, strict=True) if not s]
         if bad:
-            raise ValueError(f"items {bad[:5]}: the continuation must have as many tokens as the answer.")
+            raise ValueError(f"items {bad[:5]}: what the model says has no token; give its greedy answer.")
     modules = sites_from_names(loaded.model, loaded.adapter, projector.names)
     out = torch.empty(len(items), projector.total_width, dtype=torch.float32)
     for start in range(0, len(items), batch_size):
@@ -81,6 +84,8 @@ def query_gradients(loaded, projector: Projector, items: Sequence[EvalItem], que
 
 
 def query_record(query_loss: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """What the result records of how the queries were made."""
+    """What the result records of how the queries were made (`said`: how "what the tuned model
+    says" was read, the contrastive query's second term)."""
     return {"query_loss": query_loss, "loss_reduction": manifest.get("loss_reduction", "sum"),
-            "index_loss": manifest.get("loss", "ce"), "activations": manifest.get("activations", "model")}
+            "index_loss": manifest.get("loss", "ce"), "activations": manifest.get("activations", "model"),
+            "said": {"decoding": "greedy", "max_tokens": SAID_MAX_TOKENS, "ends_at": "eos or max_tokens"}}

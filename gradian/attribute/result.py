@@ -13,13 +13,15 @@ Keys, in order:
     index, eval_dataset, eval_sha256
     models          {"tuned": {name, revision, precision, weights_sha256, adapter}, "base": {name,
                     revision, precision, how}}
-    query           {query_loss, loss_reduction, index_loss, activations}
+    query           {query_loss, loss_reduction, index_loss, activations, said: how what the tuned
+                    model says was read (greedy, to its EOS or max_tokens)}
     engines         the engine names, the first one accuses; `damping` per engine
     seeds           {"bootstrap": seed}
     regression      `gradian.attribute.regression.Regression.as_dict`
     base_blame      `BaseBlame.as_dict`
     items           per eval item: item, line, prompt and answer previews, base and tuned scores
-                    (logprob, margin, first, exact), flipped, tuned_says (flipped items)
+                    (logprob, margin, first, exact), flipped, tuned_says (flipped items: the tuned
+                    model's whole greedy answer) and tuned_says_end ("eos" or "max_tokens")
     top_k, accused  [{rank, row_id, line, score, text_preview, cluster}] (most negative score first)
     agreement       [{engine, against, spearman, top_k_overlap, k, low_confidence}]
     clusters        `gradian.attribute.clusters.cluster_rows`, or null with `clusters_note`

@@ -10,6 +10,7 @@ sha256 with the manifest's); otherwise the rows have no text, and no clusters or
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,30 @@ def read_records(source: Source, positions: Iterable[int]) -> dict[int, Any]:
 def read_texts(source: Source, positions: Iterable[int]) -> dict[int, str]:
     """Full texts of the records at `positions` (`record_text`), read in one pass."""
     return {position: record_text(obj) for position, obj in read_records(source, positions).items()}
+
+
+BACKGROUND_ROWS = 10_000  # training rows sampled for the clusters' document frequencies
+
+
+def background_texts(source: Source, limit: int = BACKGROUND_ROWS, seed: int = 0) -> list[str]:
+    """Texts of up to `limit` training records, a uniform sample (reservoir sampling, seeded) read in
+    one pass: the corpus whose document frequencies weigh the clusters' terms
+    (`gradian.attribute.clusters`). A source that stops being readable gives what was read (logged)."""
+    rng = random.Random(seed)
+    sample: list[str] = []
+    seen = 0
+    try:
+        for _position, _where, obj in source.records():
+            seen += 1
+            if len(sample) < limit:
+                sample.append(record_text(obj))
+            else:
+                j = rng.randrange(seen)
+                if j < limit:
+                    sample[j] = record_text(obj)
+    except DataError as err:
+        log.warning("the training data stops being readable at %s: the clusters weigh terms by the rows before.", err)
+    return sample
 
 
 def training_findings(manifest: dict[str, Any], tokenizer) -> tuple[list[Any], str | None]:

@@ -51,6 +51,7 @@ from gradian.attribute import spans as drilling
 from gradian.attribute.evaluate import (
     EvalItem,
     ItemScores,
+    ended_by,
     greedy_continuations,
     preview,
     read_eval_rows,
@@ -60,7 +61,7 @@ from gradian.attribute.evaluate import (
 from gradian.attribute.queries import QUERY_LOSSES, query_gradients, query_record
 from gradian.attribute.regression import BOOTSTRAP_RESAMPLES, THIN_MARGIN, base_blame, measure_regression
 from gradian.attribute.result import AttributionResult, write_result
-from gradian.attribute.rows import read_texts, row_lines, training_findings
+from gradian.attribute.rows import background_texts, read_texts, row_lines, training_findings
 from gradian.attribute.verify import VerifyOptions, plan_verify, run_verify
 from gradian.data import policy_of
 from gradian.index import IndexMismatchError, IndexReader
@@ -161,14 +162,15 @@ def _release_memory() -> None:
 
 
 def _item_records(items: list[EvalItem], base: ItemScores, tuned: ItemScores, flipped: list[int],
-                  said: dict[int, str]) -> list[dict[str, Any]]:
+                  said: dict[int, tuple[str, str]]) -> list[dict[str, Any]]:
     def scores(s: ItemScores, i: int) -> dict[str, Any]:
         return {"logprob": float(s.logprob[i]), "margin": float(s.margin[i]), "first": bool(s.first[i]),
                 "exact": bool(s.exact[i])}
     flips = set(flipped)
     return [{"item": it.item, "line": it.line, "prompt": preview(it.prompt), "answer": it.answer,
              "base": scores(base, it.item), "tuned": scores(tuned, it.item), "flipped": it.item in flips,
-             "tuned_says": said.get(it.item)} for it in items]
+             "tuned_says": said[it.item][0] if it.item in said else None,
+             "tuned_says_end": said[it.item][1] if it.item in said else None} for it in items]
 
 
 def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | None = None,
@@ -234,7 +236,8 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     blame = base_blame(base_scores, tuned_scores, thin_margin)
     flipped = [items[i] for i in regression.flipped]
     said_ids = greedy_continuations(tuned, flipped) if flipped else []
-    said = {it.item: tuned.tokenizer.decode(ids) for it, ids in zip(flipped, said_ids, strict=True)}
+    said = {it.item: (tuned.tokenizer.decode(ids), ended_by(ids, tuned.tokenizer))
+            for it, ids in zip(flipped, said_ids, strict=True)}
     eval_sha = sha256_file(Path(eval_path))
     models = {"tuned": {"name": manifest["model"], "revision": manifest.get("revision"),
                         "precision": manifest.get("precision"), "weights_sha256": manifest.get("weights_sha256"),
@@ -300,7 +303,7 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
         result.clusters_note = "the training data cannot be read any more: no clusters (the rows have no text)."
         return
     findings, note = training_findings(manifest, tuned.tokenizer)
-    result.clusters = clustering.cluster_rows(rows, findings)
+    result.clusters = clustering.cluster_rows(rows, findings, background_texts(source))
     result.clusters_note = note
     cluster_of = {row: c["cluster"] for c in result.clusters for row in c["rows"]}
     for entry in result.accused:
