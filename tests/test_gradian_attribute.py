@@ -327,6 +327,8 @@ def test_base_blame_counts_wrong_and_thin_base_items(models, work) -> None:
     blame = base_blame(scores, tuned, thin_margin=100.0)  # every base margin counts as thin here
     assert (blame.tuned_wrong, blame.base_wrong_too, blame.thin_flipped) == (3, [1, 2], [0])
     assert measure_regression(scores, tuned).flipped == [0]
+    pushed = type(scores)(scores.logprob, torch.full_like(scores.margin, -200.0), scores.first, tuned.exact)
+    assert base_blame(scores, pushed, thin_margin=100.0).thin_flipped == []  # confidently wrong: the fine-tune's
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -355,8 +355,8 @@ class AttributeConfig:
     top_k: int = _f(40, "training rows accused (most negative score first)", ge=1, le=100_000)
     bootstrap: int = _f(2000, "paired bootstrap resamples of the regression's 95 % interval (seeded with the"
                         " top-level seed)", ge=100, le=1_000_000)
-    thin_margin: float = _f(1.0, "nats: a flipped item whose base margin was below this counts toward base-model"
-                            " blame", ge=0.0)
+    thin_margin: float = _f(1.0, "nats: a flipped item whose base margin was below this, and that the tuned model"
+                            " gets wrong by less than this, counts toward base-model blame", ge=0.0)
     span_min_tokens: int = _f(64, "accused rows with at least this many supervised tokens get one gradient per"
                               " sentence (the drill-down); 0 = none", ge=0)
 

@@ -120,7 +120,7 @@ class BaseBlame:
 
     tuned_wrong: int  # items the tuned model gets wrong
     base_wrong_too: list[int]  # of those, wrong in the base model already
-    thin_flipped: list[int]  # flipped items whose base margin was below `thin_margin`
+    thin_flipped: list[int]  # flipped items with base margin < thin_margin and tuned margin > -thin_margin
     thin_margin: float
     summary: str
 
@@ -129,14 +129,21 @@ class BaseBlame:
 
 
 def base_blame(base: ItemScores, tuned: ItemScores, thin_margin: float = THIN_MARGIN) -> BaseBlame:
-    """Which of the tuned model's wrong items the base model is the likelier culprit for."""
+    """Which of the tuned model's wrong items the base model is the likelier culprit for: those it got
+    wrong already, and flipped items that were a coin flip on both sides (base margin below
+    `thin_margin`, and the tuned model wrong by less than `thin_margin`). A flipped item the tuned
+    model gets confidently wrong (its margin at or below -thin_margin) was pushed by the fine-tune,
+    however thin the base margin: on SmolLM2's planted yardstick 20 of 35 flipped items had thin
+    base margins, and every one of them repeated the planted mistake."""
     b, t = base.exact.numpy(), tuned.exact.numpy()
     wrong = np.flatnonzero(~t)
     already = np.flatnonzero(~b & ~t).tolist()
     flipped = b & ~t
-    thin = np.flatnonzero(flipped & (base.margin.numpy() < thin_margin)).tolist()
+    thin = np.flatnonzero(flipped & (base.margin.numpy() < thin_margin)
+                          & (tuned.margin.numpy() > -thin_margin)).tolist()
     n_flipped = int(flipped.sum())
     summary = (f"the base model is the likelier culprit for {len(already) + len(thin)} of the tuned model's"
                f" {len(wrong)} wrong item(s): {len(already)} were wrong before tuning, {len(thin)} of the"
-               f" {n_flipped} flipped item(s) had a thin base margin (< {thin_margin:g} nats).")
+               f" {n_flipped} flipped item(s) were a coin flip (base margin < {thin_margin:g} nats, and the tuned"
+               f" model wrong by less than that).")
     return BaseBlame(len(wrong), already, thin, thin_margin, summary)
