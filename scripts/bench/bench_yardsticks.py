@@ -39,6 +39,12 @@ Every (fisher, projection) pair builds its own indexes; the tables show them as 
 fisher" column (rows of JSON files from before these options read as "kronecker, empirical").
 A projection written KIND+spectrum (kronecker_orthogonal+spectrum) also sets
 grads.width_allocation=spectrum; its rows record the modules' widths.
+
+--row-formats dense,factored:C (issue 44) also builds every projected index with factored rows
+(grads.row_format=factored, grads.row_rank=C) at the projection width whose rank-C factors store as
+many numbers per module as the dense width does (yardsticks_factored.equal_bytes_width): its rows
+sit under the dense width with a setup label "..., factored c=C @W'", and a last table sets each
+beside its dense row (recall@10 / LDS, mean ± sd over seeds, bytes per row, rank time ratio).
 """
 
 from __future__ import annotations
@@ -64,6 +70,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_planted_facts import fine_tuned_model, make_corpus, write_jsonl  # noqa: E402
 from planted_facts_b import make_corpus_b  # noqa: E402
+from yardsticks_factored import (  # noqa: E402
+    comparison_markdown,
+    equal_bytes_width,
+    parse_row_formats,
+    row_format_label,
+)
 
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
 from gradian.index import IndexReader  # noqa: E402
@@ -179,7 +191,12 @@ DEFAULT_SETUP = setup_label("kronecker", "empirical")  # rows of JSON files writ
 def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str], work: Path,
                   console: Console, batch_size: int = 16, wanted: tuple[str, ...] = SCORES,
                   dampings: tuple[float, ...] = (DAMPING,), raw_too: bool = True,
-                  fisher: str = "empirical", projection: str = "kronecker") -> list[dict[str, Any]]:
+                  fisher: str = "empirical", projection: str = "kronecker",
+                  row_formats: tuple[tuple[str, int | None], ...] = (("dense", None),)) -> list[dict[str, Any]]:
+    """Rows of every (loss, width, seed, row format) index's scores; `row_formats` ("factored", c) builds
+    the width's index also with factored rows at the equal-bytes width (`equal_bytes_width`), recorded
+    under the dense width with its setup label saying so (issue 44)."""
+    from circuitkit.models.linear_modules import module_shapes, select_modules
     from circuitkit.models.loading import load_model
 
     model_cfg = ModelConfig(name=ys.model_dir, precision=ys.precision)
@@ -187,19 +204,26 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
     quiet = Console(stderr=True, quiet=True)
     modules = getattr(ys, "modules", MODULES)
     out = []
-    plan = ([(loss, None, 0) for loss in losses] if raw_too else []) + [
-        (loss, w, s) for loss in losses for w in widths for s in range(seeds)]
+    plan = ([(loss, None, 0, "dense", None) for loss in losses] if raw_too else []) + [
+        (loss, w, s, fmt, rank) for loss in losses for w in widths for s in range(seeds) for fmt, rank in row_formats]
     kind, _, allocation = projection.partition("+")  # "kronecker_orthogonal+spectrum": grads.width_allocation
-    for loss, width, seed in plan:
+    shapes = module_shapes(select_modules(loaded.model, loaded.adapter, modules))
+    for loss, width, seed, row_format, rank in plan:
         raw = width is None
-        # per-module widths (spectrum) have no equal-width module second moments
-        module = not raw and not allocation and width <= 4096 and {"influence", "whitened"} & set(wanted)
+        factored = row_format == "factored"
+        # factored rows store the dense width's bytes at a wider projection
+        built_width = equal_bytes_width(width, rank, shapes) if factored else width
+        # per-module widths (spectrum) have no equal-width module second moments; factored rows none at all
+        module = (not raw and not factored and not allocation and width <= 4096
+                  and {"influence", "whitened"} & set(wanted))
         precond = "module+kfac" if module else "kfac"
         grads = GradsConfig(data_path=str(ys.docs), batch_size=batch_size, module_filter=modules,
-                            projection=kind, projection_dim=width, projection_seed=seed,
+                            projection=kind, projection_dim=built_width, projection_seed=seed,
                             storage_dtype="float32", loss=loss, preconditioner=precond, fisher=fisher,
-                            width_allocation=(allocation or "uniform") if width else "uniform")
-        index_dir = work / f"{ys.name}_{loss}_{width or 'raw'}_{seed}_{projection}_{fisher}"
+                            width_allocation=(allocation or "uniform") if width else "uniform",
+                            row_format=row_format, **({"row_rank": rank} if factored else {}))
+        label = row_format_label(row_format, rank, built_width)
+        index_dir = work / f"{ys.name}_{loss}_{width or 'raw'}_{seed}_{projection}_{fisher}{label.replace(' ', '_')}"
         start = time.perf_counter()
         build_index(model_cfg, grads, index_dir, quiet, loaded=loaded)
         index_s = time.perf_counter() - start
@@ -213,7 +237,7 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
                 for damping in (dampings if score in ("kfac", "ekfac") else (None,)):
                     matrix, seconds = score_matrix(index_dir, q, score, ys.n_docs, damping)
                     out.append({"yardstick": ys.name, "style": style, "loss": loss, "width": width or "raw",
-                                "setup": setup_label(projection if width else "kronecker", fisher),
+                                "setup": setup_label(projection if width else "kronecker", fisher) + label,
                                 "seed": seed, "score": score if damping is None else damped_label(score, damping),
                                 "stream_s": seconds, "index_s": index_s, "bytes": sizes,
                                 **({"widths": [e["width"] for e in manifest["projection"]["modules"].values()]}
@@ -226,7 +250,7 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
                             "setup": setup_label("kronecker", fisher),
                             "score": "influence", "stream_s": time.perf_counter() - start, "index_s": index_s,
                             "bytes": sizes, **ys.evaluate(style, matrix)})
-        console.print(f"[dim]{ys.name}: loss {loss}, width {width or 'raw'}, seed {seed} done"
+        console.print(f"[dim]{ys.name}: loss {loss}, width {width or 'raw'}{label}, seed {seed} done"
                       f" (index {index_s:.1f} s)[/dim]")
         if not raw:
             import shutil
@@ -665,6 +689,11 @@ def main(argv: list[str] | None = None) -> int:
                         " (default kronecker, as every table before the fourth round: the product's default is"
                         " kronecker_orthogonal since); a kind with '+spectrum' (kronecker_orthogonal+spectrum) also"
                         " sets grads.width_allocation=spectrum")
+    p.add_argument("--row-formats", default="dense",
+                   help="grads.row_format of the projected indexes, a comma list of dense, factored:C (C: grads.row_rank);"
+                        " a factored index of width W is built at the projection width whose rank-C factors store W"
+                        " numbers per module, as the dense k_o x k_i = W block does (equal bytes per row; issue 44). Factored"
+                        " rows rank cosine, kfac, ekfac only")
     p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence, traker)")
     p.add_argument("--peer-dim", type=int, default=4096, help="traker's projected width (all modules together)")
     p.add_argument("--kronfluence-empirical", action="store_true",
@@ -682,12 +711,16 @@ def main(argv: list[str] | None = None) -> int:
         if any(s["yardstick"] == "B" for s in summary):
             print_costs(summary, Console(width=200))
         print(markdown(summary))
+        n_docs = {k: v for path in args.from_json for k, v in json.loads(path.read_text()).get("n_docs", {}).items()}
+        if n_docs and any("factored" in s.get("setup", "") for s in summary):
+            print(comparison_markdown(summary, n_docs))
         return 0
     global MODULES
     MODULES = None if args.modules == "all" else [m for m in args.modules.split(",") if m]
     wanted_scores = tuple(x for x in args.scores.split(",") if x)
     dampings = tuple(float(d) for d in args.dampings.split(",") if d)
-    gradian_kw = {"wanted": wanted_scores, "dampings": dampings, "raw_too": not args.no_raw}
+    gradian_kw = {"wanted": wanted_scores, "dampings": dampings, "raw_too": not args.no_raw,
+                  "row_formats": tuple(parse_row_formats(args.row_formats))}
     fishers = [f for f in args.fisher.split(",") if f]
     projections = [x for x in args.projections.split(",") if x]
     bad = [x for x in fishers if x not in ("empirical", "sampled")] + [
@@ -718,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     fine_tunes = {}
+    n_docs: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="yardsticks_") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -732,12 +766,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raise SystemExit(f"--yardsticks: unknown {name!r} (A, B, LDS)")
             fine_tunes[name] = ys.fine_tune
+            n_docs[name] = ys.n_docs
             if not args.no_gradian:
                 rows += gradian_on(ys, widths, args.seeds)
             rows += peers_on(ys)
             console.print(f"yardstick {name}: {time.perf_counter() - t0:.0f} s")
             if args.json:  # partial results survive a later failure
-                args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes}, indent=1))
+                args.json.write_text(json.dumps({"rows": rows, "fine_tune": fine_tunes, "n_docs": n_docs}, indent=1))
         smollm2_sets = [("S", args.smollm2, lambda d: smollm2_yardstick(work, d, args.smollm2_facts, args.smollm2_epochs,
                                                                            console)),
                         ("S2", args.smollm2_chat, lambda d: smollm2_chat_yardstick(work, d, args.smollm2_chat_facts,
@@ -748,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             ys = build(model_dir)
             fine_tunes[name] = ys.fine_tune
+            n_docs[name] = ys.n_docs
             if not args.no_gradian:
                 rows += gradian_on(ys, [int(w) for w in args.smollm2_widths.split(",")], args.smollm2_seeds, batch_size=4,
                                    raw_too=args.smollm2_raw)
@@ -761,10 +797,12 @@ def main(argv: list[str] | None = None) -> int:
         print_costs(summary, console)
     print(markdown(summary))
     print(setup_costs(summary))
+    if any("factored" in s.get("setup", "") for s in summary):
+        print(comparison_markdown(summary, n_docs))
     machine = f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
     console.print(f"{machine}; wall time {time.perf_counter() - start:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "rows": rows, "fine_tune": fine_tunes,
+        args.json.write_text(json.dumps({"summary": summary, "rows": rows, "fine_tune": fine_tunes, "n_docs": n_docs,
                                          "machine": machine, "args": vars(args) | {"work": str(args.work)}},
                                         indent=1, default=str))
     return 0
