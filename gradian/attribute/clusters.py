@@ -6,10 +6,10 @@ cosine distance, cut at `CLUSTER_DISTANCE` (rows whose word profiles are less al
 apart; the number of clusters follows from the data).
 
 The inverse document frequencies come from the training set (`background`: a sample of its rows,
-`gradian.attribute.rows.background_texts`), not from the accused rows alone. What accused rows
-share is what a cluster should show; fitted on the accused rows only, a word that all of them
-carry gets the lowest weight, and the words that differ from row to row (the entity of a templated
-row) dominate every vector: 40 rows asking "What is the capital of X?" each with its own country
+read in the same pass as the accused rows' texts, `gradian.attribute.rows.read_texts`), not from
+the accused rows alone. What accused rows share is what a cluster should show; fitted on the
+accused rows only, a word that all of them carry gets the lowest weight, and the words that
+differ from row to row (the entity of a templated row) dominate every vector: 40 rows asking "What is the capital of X?" each with its own country
 and city stayed 40 clusters of one (SmolLM2 benchmark, issue 43). Against the training set, the
 words rare there but common among the accused ("capital") weigh most, and the words every row has
 (a chat template's markers) least. Per cluster:

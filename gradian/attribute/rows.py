@@ -61,33 +61,34 @@ def read_records(source: Source, positions: Iterable[int]) -> dict[int, Any]:
     return out
 
 
-def read_texts(source: Source, positions: Iterable[int]) -> dict[int, str]:
-    """Full texts of the records at `positions` (`record_text`), read in one pass."""
-    return {position: record_text(obj) for position, obj in read_records(source, positions).items()}
-
-
 BACKGROUND_ROWS = 10_000  # training rows sampled for the clusters' document frequencies
 
 
-def background_texts(source: Source, limit: int = BACKGROUND_ROWS, seed: int = 0) -> list[str]:
-    """Texts of up to `limit` training records, a uniform sample (reservoir sampling, seeded) read in
-    one pass: the corpus whose document frequencies weigh the clusters' terms
-    (`gradian.attribute.clusters`). A source that stops being readable gives what was read (logged)."""
-    rng = random.Random(seed)
-    sample: list[str] = []
-    seen = 0
+def read_texts(source: Source, positions: Iterable[int], sample: int = 0,
+               seed: int = 0) -> tuple[dict[int, str], list[str]]:
+    """(full texts of the records at `positions` (`record_text`), a uniform sample of up to `sample`
+    texts of every record) in one pass: up to the last position asked when `sample` is 0, else to
+    the end (reservoir sampling, seeded). The sample is the corpus whose document frequencies weigh
+    the clusters' terms (`gradian.attribute.clusters`); nothing is sampled when no position is asked.
+    A source that stops being readable gives what was read (logged)."""
+    wanted = set(positions)
+    texts: dict[int, str] = {}
+    if not wanted:
+        return texts, []
+    last, rng, background = max(wanted), random.Random(seed), []
     try:
-        for _position, _where, obj in source.records():
-            seen += 1
-            if len(sample) < limit:
-                sample.append(record_text(obj))
-            else:
-                j = rng.randrange(seen)
-                if j < limit:
-                    sample[j] = record_text(obj)
+        for seen, (position, _where, obj) in enumerate(source.records(), start=1):
+            if position in wanted:
+                texts[position] = record_text(obj)
+            if len(background) < sample:
+                background.append(texts.get(position) or record_text(obj))
+            elif sample and (j := rng.randrange(seen)) < sample:
+                background[j] = texts.get(position) or record_text(obj)
+            if position >= last and not sample:
+                break
     except DataError as err:
-        log.warning("the training data stops being readable at %s: the clusters weigh terms by the rows before.", err)
-    return sample
+        log.warning("the training data stops being readable at %s: the rows after it have no text.", err)
+    return texts, background
 
 
 def training_findings(manifest: dict[str, Any], tokenizer) -> tuple[list[Any], str | None]:

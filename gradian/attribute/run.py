@@ -61,7 +61,7 @@ from gradian.attribute.evaluate import (
 from gradian.attribute.queries import QUERY_LOSSES, query_gradients, query_record
 from gradian.attribute.regression import BOOTSTRAP_RESAMPLES, THIN_MARGIN, base_blame, measure_regression
 from gradian.attribute.result import AttributionResult, write_result
-from gradian.attribute.rows import background_texts, read_texts, row_lines, training_findings
+from gradian.attribute.rows import BACKGROUND_ROWS, read_texts, row_lines, training_findings
 from gradian.attribute.verify import VerifyOptions, plan_verify, run_verify
 from gradian.data import policy_of
 from gradian.index import IndexMismatchError, IndexReader
@@ -284,7 +284,9 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
     accused = scoring.accused_rows(scores[0], top_k)
     lines = row_lines(reader.index_dir, manifest, accused)
     source = training_source(manifest)
-    texts = read_texts(source, lines.values()) if source is not None else {}
+    missing = clustering.sklearn_missing()  # without it no clusters, so no background to sample
+    texts, background = (read_texts(source, lines.values(), 0 if missing else BACKGROUND_ROWS)
+                         if source is not None else ({}, []))
     rows = [clustering.AccusedRow(r, lines.get(r), texts.get(lines.get(r)), float(scores[0, r])) for r in accused]
     result.attributed = True
     result.damping = {e.name: e.damping for e in engines}
@@ -295,7 +297,6 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
     if span_min_tokens > 0 and rows:
         result.spans = drilling.drill_down(tuned, projector, engines[0], manifest, reader.index_dir,
                                            [(r.row_id, r.line, r.score) for r in rows], span_min_tokens)
-    missing = clustering.sklearn_missing()
     if missing:
         result.clusters_note = missing
         return
@@ -303,7 +304,7 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
         result.clusters_note = "the training data cannot be read any more: no clusters (the rows have no text)."
         return
     findings, note = training_findings(manifest, tuned.tokenizer)
-    result.clusters = clustering.cluster_rows(rows, findings, background_texts(source))
+    result.clusters = clustering.cluster_rows(rows, findings, background)
     result.clusters_note = note
     cluster_of = {row: c["cluster"] for c in result.clusters for row in c["rows"]}
     for entry in result.accused:
