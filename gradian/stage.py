@@ -37,7 +37,7 @@ def _grads(ctx: RunContext) -> StageResult:
     if not g.enabled:
         ctx.console.print("grads.enabled=false: gradient indexing skipped")
         return StageResult([], {"status": "skipped"})
-    index_dir = Path(g.index_dir) if g.index_dir else ctx.run_dir / "index"
+    index_dir = run_index_dir(ctx.cfg, ctx.run_dir)
     if not g.index_dir and ctx.changed_inputs and index_dir.is_dir():
         # The run's own index was made from inputs that changed since (data file, model, circuit):
         # it is stale, not resumable. A user-chosen index_dir is never deleted (Gradian refuses it).
@@ -59,6 +59,11 @@ def _grads(ctx: RunContext) -> StageResult:
                                "complete": summary["complete"], "padding_share": summary.get("padding_share"),
                                "circuit_sha256": restricted["sha256"] if restricted else None},
                        estimated_peak_bytes=summary["estimated_peak_bytes"])
+
+
+def run_index_dir(cfg: AppConfig, run_dir: Path) -> Path:
+    """The index the grads stage writes (and the attribute stage reads): grads.index_dir, or <run dir>/index."""
+    return Path(cfg.grads.index_dir).expanduser() if cfg.grads.index_dir else Path(run_dir) / "index"
 
 
 def grads_data_file(cfg: AppConfig) -> Path:
@@ -87,8 +92,8 @@ def _check_grads(cfg: AppConfig) -> None:
         return
     check_model(cfg.model)
     if cfg.grads.index_dir:  # a write probe: permission bits say nothing to root on a read-only mount
-        check_writable(Path(cfg.grads.index_dir), "grads.index_dir", directory=True)
-    check_grads_config(cfg.model, cfg.grads, cfg.grads.index_dir)
+        check_writable(Path(cfg.grads.index_dir).expanduser(), "grads.index_dir", directory=True)
+    check_grads_config(cfg.model, cfg.grads, Path(cfg.grads.index_dir).expanduser() if cfg.grads.index_dir else None)
 
 
 GRADS_STAGE = Stage("grads", ("model", "grads"), _grads, inputs=_grads_inputs, check=_check_grads,

@@ -21,14 +21,9 @@ from circuitkit.core.errors import UserError
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
 from circuitkit.models.loading import check_model, model_inputs
 from gradian.indexer import check_input_file
-from gradian.stage import grads_data_file
+from gradian.stage import grads_data_file, run_index_dir
 
 RESULT_FILE = "attribute.json"
-
-
-def run_index_dir(cfg: AppConfig, run_dir: Path) -> Path:
-    """The index the grads stage writes: grads.index_dir, or <run dir>/index."""
-    return Path(cfg.grads.index_dir).expanduser() if cfg.grads.index_dir else Path(run_dir) / "index"
 
 
 def _base_model(cfg: AppConfig) -> str | None:
