@@ -47,7 +47,9 @@ from typing import Any
 import torch
 
 from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
+from gradian.signs import SIGNS, packed_width
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +176,13 @@ def row_format_problems(manifest: Mapping[str, Any], where: str) -> list[str]:
     if fmt not in ROW_FORMATS:
         return [f"{where}: row_format {fmt!r} is not one this Gradian reads ({', '.join(ROW_FORMATS)}); upgrade"
                 " circuitkit"]
-    if fmt == "dense":
-        return [] if rank is None else [f"{where}: row_rank {rank!r} with dense rows; rebuild the index"]
+    if fmt in ("dense", SIGNS):
+        if rank is not None:
+            return [f"{where}: row_rank {rank!r} with {fmt} rows; rebuild the index"]
+        if fmt == SIGNS and manifest.get("preconditioner", "none") != "none":
+            return [f"{where}: sign rows with preconditioner {manifest.get('preconditioner')!r} (no curvature is"
+                    " computed from signs); rebuild the index"]
+        return []
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         return [f"{where}: row_rank {rank!r} of factored rows is not an integer >= 1; rebuild the index"]
     if (manifest.get("projection") or {}).get("kind") == "dense":
@@ -187,7 +194,7 @@ def factored_rows(grads: GradsConfig, projector) -> FactoredRows | None:
     """What the indexer stores per module for `projector`'s rows: None (dense) or FactoredRows.
     UserError (exit code 2) naming grads.row_rank when it exceeds a module's min(k_o, k_i): U Vᵀ is
     already exact there. Warns when the factors take no less room than the dense blocks."""
-    if grads.row_format == "dense":
+    if grads.row_format != "factored":
         return None
     layout = projector_layout(projector, grads.row_rank)
     for name, (k_o, k_i) in zip(projector.shapes, layout.sides, strict=True):
@@ -203,10 +210,18 @@ def factored_rows(grads: GradsConfig, projector) -> FactoredRows | None:
 
 
 def stored_width(grads: GradsConfig, projector) -> int:
-    """Values per stored row: the projection's width, or the factors' with grads.row_format=factored."""
+    """Values per stored row: the projection's width, the factors' with grads.row_format=factored, or
+    the packed bytes with signs (`gradian.signs`, one byte per value: `stored_value_bytes`)."""
+    if grads.row_format == SIGNS:
+        return packed_width(projector.total_width)
     if grads.row_format == "dense" or (grads.projection == "dense" and grads.projection_dim is not None):
         return projector.total_width
     return projector_layout(projector, grads.row_rank).width
+
+
+def stored_value_bytes(grads: GradsConfig) -> int:
+    """Bytes of one stored value: grads.storage_dtype's, or 1 for sign rows (`stored_width` counts bytes)."""
+    return 1 if grads.row_format == SIGNS else DTYPES[grads.storage_dtype].itemsize
 
 
 def _query_factors(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:

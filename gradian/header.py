@@ -51,7 +51,8 @@ class IndexHeader:
     # file and its sha256, peft_type, r, lora_alpha, target_modules, base_model_name_or_path), or None
     adapter: dict[str, Any] | None = None
     base_name: str | None = None  # model.base_name: the model a full fine-tune in `model` was tuned from
-    row_format: str = "dense"  # grads.row_format: dense blocks, or rank-row_rank factors (gradian.factored)
+    # grads.row_format: dense blocks, rank-row_rank factors (gradian.factored) or sign bits (gradian.signs)
+    row_format: str = "dense"
     row_rank: int | None = None  # grads.row_rank with factored rows, else None
 
     def to_json(self) -> dict[str, Any]:
@@ -150,9 +151,9 @@ def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
                        f", matrices sha256 {str(summary.get('projection_sha256'))[:12]}…"),
         ("modules", f"{len(modules)}: {', '.join(modules[:4])}{' …' if len(modules) > 4 else ''}"),
         ("widths", _widths_line(proj)),
-        ("row width", f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
-        ("row format", "dense (each module's k_o x k_i block)" if summary.get("row_format", "dense") == "dense" else
-         f"{summary.get('row_format')}, rank {summary.get('row_rank')}: U (k_o x c), V (k_i x c) per module, G ~ U Vᵀ"),
+        ("row width", f"{summary.get('row_width')} bytes (packed sign bits)" if summary.get("row_format") == "signs"
+         else f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
+        ("row format", _row_format_line(summary)),
         ("circuit", "none (unrestricted)" if not summary.get("circuit") else
          f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
          f" MLPs {summary['circuit']['mlps']}"),
@@ -179,3 +180,12 @@ def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if isinstance(share, (int, float)):
         rows.insert(3, ("parameter share", f"{100 * share:.2f}% of the model's parameters"))
     return rows
+
+
+def _row_format_line(summary: dict[str, Any]) -> str:
+    fmt = summary.get("row_format", "dense")
+    if fmt == "dense":
+        return "dense (each module's k_o x k_i block)"
+    if fmt == "signs":
+        return "signs: one bit per projected coordinate, scored by n - 2 x Hamming distance"
+    return f"{fmt}, rank {summary.get('row_rank')}: U (k_o x c), V (k_i x c) per module, G ~ U Vᵀ"

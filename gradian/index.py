@@ -46,6 +46,7 @@ from gradian.index_files import (  # noqa: F401  (IndexIntegrityError, confined_
     confined_path,
 )
 from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
+from gradian.signs import coordinates, is_signs, pack, packed_width
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 # 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
@@ -59,7 +60,9 @@ from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 # 8: the header records `row_format` and `row_rank`: `grads` of a factored index are each module's
 #    rank-c factors [U | V] (gradian.factored), its norms those of U Vᵀ; readers that predate it refuse
 #    the version rather than multiply factors as dense rows.
-FORMAT_VERSION = 8
+# 9: row_format may be `signs`: `grads` are packed sign bits (uint8, gradian.signs), norms √n; readers
+#    that predate it refuse the version rather than read bytes as numbers.
+FORMAT_VERSION = 9
 # Optional shard tensors besides grads, norms and rows.
 OPTIONAL_TENSORS = ("sources", "second_moment")
 
@@ -258,9 +261,17 @@ class IndexWriter:
         start, end = self.row_range(k)
         if rows.tolist() != list(range(start, end)):
             raise ValueError(f"shard {k} must hold rows {start}..{end - 1}, got {rows.tolist()[:5]}...")
-        dtype = DTYPES[self.header["storage_dtype"]]
-        stored = grads.float().to(dtype)
-        bad = ~torch.isfinite(stored).all(dim=1)
+        signs = is_signs(self.header)
+        if signs:  # one bit per coordinate (gradian.signs); every ±1 row has norm √n
+            if second_moment_blocks is not None:
+                raise ValueError("sign rows (grads.row_format=signs) hold no magnitudes to sum second moments of.")
+            try:
+                stored = pack(grads)
+            except ValueError as err:
+                raise StorageOverflowError(f"shard {k}: {err} Nothing of this shard was written.") from None
+        else:
+            stored = grads.float().to(DTYPES[self.header["storage_dtype"]])
+        bad = torch.zeros(stored.shape[0], dtype=torch.bool) if signs else ~torch.isfinite(stored).all(dim=1)
         if bad.any():
             finite_before = torch.isfinite(grads.float()).all(dim=1)
             which = rows[bad].tolist()[:10]
@@ -272,7 +283,8 @@ class IndexWriter:
         layout = layout_of(self.header)
         if layout is not None and second_moment_blocks is not None:
             raise ValueError("factored rows (grads.row_format=factored) hold no dense blocks to sum second moments of.")
-        norms = stored.float().norm(dim=1) if layout is None else layout.norms(stored)  # of what the row stands for
+        norms = (torch.full((stored.shape[0],), math.sqrt(grads.shape[1]), dtype=torch.float32) if signs
+                 else stored.float().norm(dim=1) if layout is None else layout.norms(stored))  # of what the row stands for
         with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
             if not got:
                 raise self._busy(k)
@@ -296,7 +308,8 @@ class IndexWriter:
         return path
 
 
-_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64,
+                       "U8": torch.uint8}
 
 
 def _tensors_from_buffer(buf) -> dict[str, torch.Tensor]:
@@ -448,9 +461,11 @@ class IndexReader:
         want = (end - start, width) if isinstance(width, int) else (end - start,) + tuple(grads.shape[1:])
         if tuple(grads.shape) != want or grads.ndim != 2:
             problems.append(f"{name} grads have shape {tuple(grads.shape)}, the manifest says {want}")
-        dtype = DTYPES[self.manifest["storage_dtype"]]
+        signs = is_signs(self.manifest)
+        dtype = torch.uint8 if signs else DTYPES[self.manifest["storage_dtype"]]
         if grads.dtype != dtype:
-            problems.append(f"{name} grads are {grads.dtype}, the manifest says {self.manifest['storage_dtype']}")
+            problems.append(f"{name} grads are {grads.dtype}, the manifest says "
+                            + ("packed sign bits (uint8)" if signs else str(self.manifest["storage_dtype"])))
         sources = tensors.get("sources")
         if sources is not None and (sources.dtype != torch.int64 or sources.shape != (end - start,)):
             problems.append(f"{name} sources are {sources.dtype} {tuple(sources.shape)}, expected int64"
@@ -509,8 +524,8 @@ class IndexReader:
                 raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {_REBUILD}.") from None
         return out
 
-    def shards(self, verify: bool = True,
-               factored: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def shards(self, verify: bool = True, factored: bool = False,
+               signs: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(rows (n,), grads (n, width) float32, norms (n,)) per shard, in row order.
 
         verify: check each shard's sha256 against the manifest on the bytes read (one read per
@@ -518,7 +533,15 @@ class IndexReader:
         manifest. Raises IndexIntegrityError naming the shard and what differs.
         factored: the caller reads factored rows (`gradian.factored.layout_of`); a factored index
         is refused otherwise (IndexMismatchError), before any shard is read.
+        signs: the caller reads packed sign rows (`gradian.signs`), handed out as the stored uint8
+        bytes; a sign index is refused otherwise, the same way.
         """
+        if is_signs(self.manifest) and not signs:
+            raise IndexMismatchError(
+                f"{self.index_dir} stores sign rows (grads.row_format=signs: one bit per coordinate, no magnitudes),"
+                " which this reader cannot use as float rows. Rank it with `gradian rank` (cosine or dot), or"
+                " rebuild it with grads.row_format=dense.")
+        stored_dtype = torch.uint8 if is_signs(self.manifest) else torch.float32
         layout = layout_of(self.manifest)
         if layout is not None and not factored:
             raise IndexMismatchError(
@@ -531,7 +554,7 @@ class IndexReader:
             if problems:
                 raise IndexIntegrityError(f"{self.index_dir}: {'; '.join(problems)}; {_REBUILD}.")
             # Copies, so no tensor handed out keeps the shard's file mapped.
-            yield (tensors["rows"].clone(), tensors["grads"].to(torch.float32, copy=verify),
+            yield (tensors["rows"].clone(), tensors["grads"].to(stored_dtype, copy=verify),
                    tensors["norms"].clone())
             del tensors
 
@@ -556,7 +579,8 @@ class IndexReader:
             if not found:
                 layout = layout_of(self.manifest)
                 stored = tensors["grads"].float()
-                recomputed = stored.norm(dim=1) if layout is None else layout.norms(stored)
+                recomputed = (torch.full_like(tensors["norms"], math.sqrt(coordinates(self.manifest)))
+                              if is_signs(self.manifest) else stored.norm(dim=1) if layout is None else layout.norms(stored))
                 if not torch.allclose(recomputed, tensors["norms"], rtol=1e-5, atol=1e-6):
                     found.append(f"{name} norms are not the norms of its stored grads")
                 if "second_moment" in tensors:
@@ -611,9 +635,12 @@ class IndexReader:
             return [*problems, f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
         layout = layout_of(self.manifest)
         width = projector.total_width if layout is None else projector_layout(projector, layout.rank).width
+        if is_signs(self.manifest):
+            width = packed_width(width)
         if self.manifest.get("row_width") != width:
             problems.append(f"row_width {self.manifest.get('row_width')} is not the projection's width {width}"
-                            + ("" if layout is None else f" factored at rank {layout.rank}"))
+                            + ("" if layout is None else f" factored at rank {layout.rank}")
+                            + (" (bytes of packed sign bits)" if is_signs(self.manifest) else ""))
         fingerprint = projection_fingerprint(projector)
         if fingerprint != self.manifest["projection_sha256"]:
             problems.append(f"projection_sha256 {str(self.manifest['projection_sha256'])[:12]}… is not that of the"

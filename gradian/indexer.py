@@ -55,7 +55,7 @@ from gradian.curvature import (
     shards_digest,
 )
 from gradian.data import TokenPolicy, collate, length_limit
-from gradian.factored import factored_rows
+from gradian.factored import factored_rows, stored_value_bytes
 from gradian.header import IndexHeader, header_json
 from gradian.index import (
     MANIFEST,
@@ -71,6 +71,7 @@ from gradian.memory import curvature_sides, estimate_grads
 from gradian.precondition import check_block_width
 from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 from gradian.restrict import restricted_sites, site_shapes
+from gradian.signs import SIGNS, packed_width
 from gradian.sources import DataError, Source, SourceSpec, resolve_format
 from gradian.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
 
@@ -203,8 +204,17 @@ def check_width_allocation(grads: GradsConfig) -> None:
 
 
 def check_row_format(grads: GradsConfig) -> None:
-    """What grads.row_format=factored (`gradian.factored`) cannot store: ValueError naming the keys."""
+    """What grads.row_format=factored (`gradian.factored`) or signs (`gradian.signs`) cannot store:
+    ValueError naming the keys."""
     if grads.row_format == "dense":
+        return
+    if grads.row_format == SIGNS:
+        if grads.preconditioner != "none":
+            raise ValueError(f"grads.row_format=signs with grads.preconditioner={grads.preconditioner}: sign rows keep"
+                             " one bit per coordinate, no magnitudes, so no second moment or K-FAC curvature can be"
+                             " computed from them or applied to them. Set grads.preconditioner=none (with"
+                             " grads.projection=whitened the signs are already those of K-FAC-whitened gradients),"
+                             " or grads.row_format=dense.")
         return
     if grads.projection == "dense" and grads.projection_dim is not None:
         raise ValueError("grads.row_format=factored stores each module's projected gradient as factors of its"
@@ -260,18 +270,21 @@ def finalize_curvature(index_dir: Path) -> Path | None:
 
 def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, activations: str, fisher: str,
                  pad_id: int, overhead: int, shapes: dict[str, tuple[int, int]]):
-    """compute() -> (the full K-FAC factor sums of every row, the row count): one factor pass
-    (`gradian.whitening.factor_pass`, in row order, the rows' batch plan), run at most once however
-    many data-dependent choices (the width allocation, the whitened projection) ask for it."""
+    """compute() -> (the full K-FAC factor sums of the rows `factor_row_ids` picks, their count): one
+    factor pass (`gradian.whitening.factor_pass`, in row order, the rows' batch plan), run at most once
+    however many data-dependent choices (the width allocation, the whitened projection) ask for it."""
     done: list = []
+    ids = factor_row_ids(corpus.n_rows, grads.factor_rows)
 
     def batches():
-        for start in range(0, corpus.n_rows, grads.rows_per_shard):
-            rows = corpus.rows(start, min(start + grads.rows_per_shard, corpus.n_rows))
+        for first in range(0, len(ids), grads.rows_per_shard):
+            chunk = ids[first:first + grads.rows_per_shard]
+            rows = ([r for i in chunk for r in corpus.rows(i, i + 1)] if len(ids) < corpus.n_rows
+                    else corpus.rows(chunk[0], chunk[-1] + 1))
             lengths = [len(r.input_ids) for r in rows]
             for plan in plan_batches(lengths, grads.batch_size, grads.batch_tokens, grads.group_by_length, overhead):
                 batch = {key: t.to(loaded.device) for key, t in collate([rows[i] for i in plan], pad_id).items()}
-                yield batch, [start + i for i in plan]
+                yield batch, [chunk[i] for i in plan]
 
     def run_batch(probe, batch, row_ids, sums) -> None:
         per_example_gradients(loaded.model, loaded.adapter, modules, probe, batch, grads.loss_reduction, grads.loss,
@@ -279,11 +292,20 @@ def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, a
 
     def compute():
         if not done:
-            log.info("factor pass over the %d rows", corpus.n_rows)
+            log.info("factor pass over %d of the %d rows", len(ids), corpus.n_rows)
             done.append(factor_pass(shapes, batches(), run_batch))
-        return done[0], corpus.n_rows
+        return done[0], len(ids)
 
     return compute
+
+
+def factor_row_ids(n_rows: int, factor_rows: int | None) -> list[int]:
+    """The rows the factor pass reads (grads.factor_rows): every row, or an evenly spaced sample of
+    at most `factor_rows`, every ceil(n_rows / factor_rows)-th row from the first (no randomness: the
+    same rows in every worker and rerun)."""
+    if factor_rows is None or factor_rows >= n_rows:
+        return list(range(n_rows))
+    return list(range(0, n_rows, -(-n_rows // factor_rows)))
 
 
 def _data_dependent(shapes: dict[str, tuple[int, int]], grads: GradsConfig, index_dir: Path, compute,
@@ -293,7 +315,8 @@ def _data_dependent(shapes: dict[str, tuple[int, int]], grads: GradsConfig, inde
     it with the same settings, else computed from the factor pass and written there."""
     recorded = (read_manifest(Path(index_dir)).get("projection") or {}) if (Path(index_dir) / MANIFEST).is_file() else {}
     base = {**facts, "loss": grads.loss, "loss_reduction": grads.loss_reduction, "fisher": fisher,
-            "activations": activation_numerics(activations)}
+            "activations": activation_numerics(activations),
+            **({} if grads.factor_rows is None else {"factor_rows": grads.factor_rows})}
     try:
         if grads.width_allocation == "spectrum":
             projector = allocated_projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed,
@@ -482,7 +505,9 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                                      "data_sha256": data_sha256, "report": report.summary()})
         _check_kfac_widths(projector, grads)
     factored = factored_rows(grads, projector)  # None: dense blocks
-    row_width = projector.total_width if factored is None else factored.layout(projector).width
+    # What a row holds while it is computed (float32), and what is stored of it: sign rows are packed bytes.
+    buffer_width = projector.total_width if factored is None else factored.layout(projector).width
+    row_width = packed_width(buffer_width) if grads.row_format == SIGNS else buffer_width
     header = header_json(IndexHeader(
         model=model_cfg.name, revision=model_cfg.revision, precision=str(model_dtype).removeprefix("torch."),
         weights_sha256=weights_sha256, tokenizer_sha256=tokenizer_sha256,
@@ -509,10 +534,10 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     worst_rows = min(rows_within_budget(grads.batch_size, budget, longest), corpus.n_rows)
     estimate = estimate_grads(
         adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
-        projector, DTYPES[grads.storage_dtype].itemsize, corpus.n_rows,
+        projector, stored_value_bytes(grads), corpus.n_rows,
         activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
         fisher=fisher, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
-    check_shard_buffer(grads, corpus.n_rows, row_width, len(shapes),
+    check_shard_buffer(grads, corpus.n_rows, buffer_width, len(shapes),
                        list(curvature_sides(projector).values()))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
@@ -526,7 +551,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             start, end = writer.row_range(k)
             rows = corpus.rows(start, end)
             row_lengths = [len(r.input_ids) for r in rows]
-            grads_out = torch.empty(len(rows), row_width, dtype=torch.float32)
+            grads_out = torch.empty(len(rows), buffer_width, dtype=torch.float32)
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
             fisher_out = torch.empty_like(grads_out) if fisher == "sampled" else None
             for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length, overhead):

@@ -17,7 +17,7 @@ from typing import Any
 from circuitkit.core.batching import rows_within_budget
 from circuitkit.core.circuit_file import grads_circuit_path, kept_components, load_circuit
 from circuitkit.core.config import AppConfig
-from circuitkit.core.device import DTYPES, model_dtype
+from circuitkit.core.device import model_dtype
 from circuitkit.core.pipeline import StageMemory
 from circuitkit.models.adapters import family
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
@@ -25,7 +25,7 @@ from circuitkit.models.lora import lora_linear_shapes, read_adapter
 from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 from gradian.capture import activation_mode, logit_chunk_rows
 from gradian.curvature import has_kfac, has_module
-from gradian.factored import stored_width
+from gradian.factored import stored_value_bytes, stored_width
 from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, Projector
 from gradian.width_table import width_note
 
@@ -278,7 +278,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
     rows = rows_within_budget(batch_size or g.batch_size, g.batch_tokens, seq)
     dtype = model_dtype(cfg.model)  # the dtype the run uses (auto resolved)
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
-                          DTYPES[g.storage_dtype].itemsize, n_rows, activation_mode(g.activations, dtype),
+                          stored_value_bytes(g), n_rows, activation_mode(g.activations, dtype),
                           g.preconditioner, g.rows_per_shard, g.fisher, g.loss,
                           factor_pass=g.width_allocation != "uniform", stored_width=stored_width(g, projector))
 

@@ -13,7 +13,8 @@ disk). ``influence`` and ``whitened`` use the per-module second moments an index
 ‖q‖_A ‖g‖_A. ``kfac`` and ``ekfac`` use the K-FAC factors an index built with
 ``grads.preconditioner: kfac`` holds (`gradian.curvature`): qᵀ (F + λI)⁻¹ g with K-FAC's or
 EK-FAC's F. An index of factored rows (``grads.row_format: factored``) is scored from its factors
-(`gradian.factored.FactoredScorer`) with the same dense queries. ``aggregate`` turns the Q
+(`gradian.factored.FactoredScorer`) with the same dense queries; an index of sign rows (``signs``) by
+n - 2 x the Hamming distance to the signed queries (`gradian.signs`; cosine and dot only). ``aggregate`` turns the Q
 per-query scores of a row into one (``mean`` or ``max``) and ranks the rows by it as well.
 """
 
@@ -46,11 +47,13 @@ from gradian.indexer import check_input_file, tokenizer_hash
 from gradian.precondition import DAMPING, Preconditioner
 from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 from gradian.restrict import site_shapes, sites_from_names
+from gradian.signs import SignScorer, coordinates, is_signs
 from gradian.sources import DataError, Source, SourceSpec
 
 log = logging.getLogger(__name__)
 
 SCORES = ("cosine", "dot", "influence", "whitened", "kfac", "ekfac")
+SIGN_SCORES = ("cosine", "dot")  # what sign rows (gradian.signs) can be scored by
 PRECONDITIONED_SCORES = ("influence", "whitened")  # the module second moments (gradian.precondition)
 KRONECKER_SCORES = ("kfac", "ekfac")  # the K-FAC factors (gradian.curvature)
 CURVATURE_SCORES = PRECONDITIONED_SCORES + KRONECKER_SCORES
@@ -112,7 +115,11 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
         raise ValueError(f"top_k={top_k}; it must be >= 1.")
     reader = IndexReader(index_dir)
     layout = layout_of(reader.manifest)  # factored rows (gradian.factored): the queries stay dense blocks
-    width = reader.manifest.get("row_width") if layout is None else layout.dense_width
+    signs = is_signs(reader.manifest)  # sign rows (gradian.signs): the queries are signed the same way
+    if signs and score not in SIGN_SCORES:
+        raise IndexMismatchError(_signs_refusal(reader.index_dir, score))
+    width = (coordinates(reader.manifest) if signs else reader.manifest.get("row_width") if layout is None
+             else layout.dense_width)
     q = query_grads.float()
     if q.ndim != 2 or q.shape[0] < 1:
         raise ValueError(f"query_grads must be (Q >= 1, width), got shape {tuple(q.shape)}.")
@@ -136,13 +143,17 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     # Factored rows: Gram products with the exactly factored queries, or Σ U ⊙ (q̃ V) for the
     # preconditioned (full-rank) ones of kfac / ekfac.
     factored = None if layout is None else FactoredScorer(layout, q, low_rank=score not in KRONECKER_SCORES)
+    signed = SignScorer(q) if signs else None  # n - 2 x Hamming distance; cosine divides by n (|q̂| = 1 above)
     per_query, combined = _TopK(q.shape[0], top_k), _TopK(1, top_k)
-    for rows, grads, norms in reader.shards(verify=verify, factored=factored is not None):
+    for rows, grads, norms in reader.shards(verify=verify, factored=factored is not None, signs=signs):
         if score == "whitened":
             grads = precond.whiten(grads)
             norms = grads.norm(dim=1)
-        scores = q @ grads.T if factored is None else factored(grads)  # (Q, n)
-        if score in ("cosine", "whitened"):
+        if signed is not None:
+            scores = signed(grads) / (signed.n if score == "cosine" else 1.0)
+        else:
+            scores = q @ grads.T if factored is None else factored(grads)  # (Q, n)
+        if score in ("cosine", "whitened") and signed is None:
             scores /= norms.float().clamp_min(_EPS)
         per_query.push(scores, rows)
         agg = scores.mean(dim=0) if aggregate == "mean" else scores.amax(dim=0)
@@ -150,6 +161,12 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
         del scores, grads  # release the shard before the next one is read
     return {"query_scores": per_query.values, "query_rows": per_query.rows,
             "aggregate_scores": combined.values[0], "aggregate_rows": combined.rows[0]}
+
+
+def _signs_refusal(index_dir, score: str) -> str:
+    return (f"--score {score} on {index_dir}: it stores sign rows (grads.row_format=signs, one bit per coordinate), which"
+            f" carry no magnitudes for {score}. Rank it with --score cosine or dot (n - 2 x Hamming distance; with"
+            " grads.projection=whitened the signs are already K-FAC-whitened), or rebuild it with grads.row_format=dense.")
 
 
 def _kronecker_check(reader: IndexReader) -> None:
@@ -558,6 +575,8 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     if damping is not None and not (math.isfinite(damping) and damping > 0):
         raise UserError(f"--damping {damping}: it must be a finite number > 0 (a share of each module's mean eigenvalue).",
                         exit_code=2)
+    if is_signs(manifest) and score not in SIGN_SCORES:
+        raise UserError(_signs_refusal(index_dir, score), exit_code=2)
     if score in PRECONDITIONED_SCORES and IndexReader(index_dir).second_moment_blocks is None:
         _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads
     if score in KRONECKER_SCORES:

@@ -140,6 +140,7 @@ LAYERS: dict[str, str] = {
     "gradian.precondition": GRADIAN,
     "gradian.curvature": GRADIAN,
     "gradian.factored": GRADIAN,  # grads.row_format=factored: rank-c factors of each module's block, their scores
+    "gradian.signs": GRADIAN,  # grads.row_format=signs: rows packed one bit per coordinate, their Hamming scores
     "gradian.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
     "gradian.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths from the curvature spectrum
     "gradian.width_table": GRADIAN,  # the preflight's width line: disk per width and what each measured

@@ -300,11 +300,18 @@ class GradsConfig:
                      " the data's labels)", choices=("empirical", "sampled"))
     storage_dtype: str = _f("float16", "dtype of stored rows (on-disk index size only, not the peak)",
                           choices=("float16", "bfloat16", "float32"))
+    factor_rows: Optional[int] = _f(None, "rows the factor pass reads before any row is written (projection whitened,"
+                                    " width_allocation spectrum): null = every row (a second pass over the data);"
+                                    " m = an evenly spaced sample of at most m rows (every ceil(n/m)-th), recorded"
+                                    " in the stored matrices' settings", ge=1)
     row_format: str = _f("dense", "how each module's projected gradient G (k_o x k_i) is stored: dense = G itself;"
                          " factored = rank-c factors U (k_o x c), V (k_i x c), c = row_rank, with G ~ U V^T:"
                          " c (k_o + k_i) values, exact for a row with at most c positions carrying gradient, else"
                          " G's best rank-c approximation (gradian.factored). Kronecker projections or raw rows, not"
-                         " dense; not with preconditioner module", choices=("dense", "factored"))
+                         " dense; not with preconditioner module; signs = one bit per projected coordinate (its sign,"
+                         " 1/32 of float32's bytes), scored by n - 2 x Hamming distance (gradian.signs): rank with"
+                         " cosine or dot, preconditioner none (use projection whitened for a K-FAC-preconditioned"
+                         " score; storage_dtype does not apply)", choices=("dense", "factored", "signs"))
     row_rank: int = _f(8, "c, the rank of each module's factors with row_format=factored (at most min(k_o, k_i)"
                        " of every module; unused with dense)", ge=1, le=4096)
     batch_tokens: Optional[int] = _f(None, "token budget of one batch: rows x longest row (padding included);"

@@ -1,0 +1,99 @@
+"""Sign rows (`grads.row_format: signs`): one bit per projected coordinate.
+
+A stored row keeps only the sign of each coordinate of the projected gradient g (n coordinates,
+every module's block in row order): bit j is 1 where g_j >= 0, packed little-endian into 64-bit
+words, so a row takes 8 · ceil(n / 64) bytes instead of n · 2 (float16) or n · 4 (float32). Every
+query is signed the same way, and a row's score is the inner product of the two ±1 vectors,
+
+    dot(q, g)    = n - 2 · popcount(bits_q XOR bits_g)      (an integer in [-n, n])
+    cosine(q, g) = dot / n                                   (every ±1 row has norm √n)
+
+computed with XOR and a population count on the packed words (`np.bitwise_count`): the rows are
+never unpacked. What the signs stand for depends on the projection:
+
+* ``whitened`` (the preset `conf/grads/signs.yaml`): the coordinates are a random orthogonal
+  projection of the damped K-FAC-whitened gradient, so the share of equal signs estimates the
+  angle between whitened gradients (1 - θ/π, sign random projections: Charikar 2002), i.e. a
+  K-FAC-preconditioned cosine, at 1/32 of the float32 row's bytes per coordinate. Wider
+  projections are what the bytes buy (docs/benchmarks/gradian-indexing.md, "Sign rows").
+* ``kronecker_orthogonal`` / ``kronecker``: the same for the raw gradients' cosine.
+
+Sign rows hold no magnitudes, so nothing that needs them reads them: the module second moments
+and K-FAC factors (`grads.preconditioner` must be none), and the scores influence, whitened, kfac
+and ekfac; every reader that would multiply them as float rows refuses the index
+(`IndexReader.shards(signs=False)`, the default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+SIGNS = "signs"
+WORD_BYTES = 8  # rows are packed into 64-bit words
+
+
+def is_signs(manifest: Mapping[str, Any]) -> bool:
+    """Whether an index manifest (or header) records sign rows."""
+    return manifest.get("row_format", "dense") == SIGNS
+
+
+def packed_width(n: int) -> int:
+    """Bytes of a packed row of n coordinates: whole 64-bit words."""
+    return WORD_BYTES * math.ceil(n / 64)
+
+
+def coordinates(manifest: Mapping[str, Any]) -> int:
+    """n, the coordinates a sign row of this manifest stands for: Σ over modules of the projected width."""
+    modules = (manifest.get("projection") or {}).get("modules") or {}
+    return sum(int(e["width"]) for e in modules.values())
+
+
+def pack(rows: torch.Tensor) -> torch.Tensor:
+    """(N, n) real -> (N, packed_width(n)) uint8: bit j set where rows[:, j] >= 0 (padding bits 0).
+
+    ValueError naming the rows when a value is not finite (a NaN has no sign)."""
+    values = rows.detach().float().cpu()
+    bad = ~torch.isfinite(values).all(dim=1)
+    if bad.any():
+        raise ValueError(f"rows {bad.nonzero().flatten().tolist()[:10]} hold values that are not finite: they have no"
+                         " sign.")
+    n = values.shape[1]
+    bits = np.zeros((values.shape[0], 8 * packed_width(n)), dtype=bool)
+    bits[:, :n] = (values >= 0).numpy()
+    return torch.from_numpy(np.packbits(bits, axis=1, bitorder="little"))
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The ±1 float32 rows (N, n) a packed (N, packed_width(n)) uint8 tensor stands for."""
+    bits = np.unpackbits(packed.numpy(), axis=1, bitorder="little")[:, :n]
+    return torch.from_numpy(bits.astype(np.float32) * 2 - 1)
+
+
+def _words(packed: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(packed.numpy()).view(np.uint64)
+
+
+class SignScorer:
+    """dot = n - 2 · Hamming distance of each signed query to each packed row (`__call__`:
+    (N, packed) uint8 rows -> (Q, N) float32), one XOR and popcount pass per query."""
+
+    def __init__(self, queries: torch.Tensor) -> None:
+        self.n = int(queries.shape[1])
+        self.width = packed_width(self.n)
+        self.queries = _words(pack(queries))  # (Q, words)
+
+    def __call__(self, packed_rows: torch.Tensor) -> torch.Tensor:
+        if packed_rows.dtype != torch.uint8 or packed_rows.ndim != 2 or packed_rows.shape[1] != self.width:
+            raise ValueError(f"sign rows must be (N, {self.width}) uint8 for {self.n} coordinates, got"
+                             f" {tuple(packed_rows.shape)} {packed_rows.dtype}.")
+        words = _words(packed_rows)
+        out = np.empty((self.queries.shape[0], words.shape[0]), dtype=np.float32)
+        for i, q in enumerate(self.queries):
+            differ = np.bitwise_count(words ^ q).sum(axis=1, dtype=np.int64)
+            out[i] = self.n - 2 * differ
+        return torch.from_numpy(out)
