@@ -45,6 +45,9 @@ grads.width_allocation=spectrum; its rows record the modules' widths.
 many numbers per module as the dense width does (yardsticks_factored.equal_bytes_width): its rows
 sit under the dense width with a setup label "..., factored c=C @W'", and a last table sets each
 beside its dense row (recall@10 / LDS, mean ± sd over seeds, bytes per row, rank time ratio).
+--row-formats signs:P builds sign rows (grads.row_format=signs, projection P, preconditioner none) at
+16 x the dense width: the bytes of the product's float16 dense row (yardsticks_factored.sign_width);
+they rank by cosine only and the last table sets them beside the dense row's every score.
 """
 
 from __future__ import annotations
@@ -71,10 +74,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_planted_facts import fine_tuned_model, make_corpus, write_jsonl  # noqa: E402
 from planted_facts_b import make_corpus_b  # noqa: E402
 from yardsticks_factored import (  # noqa: E402
+    compact,
     comparison_markdown,
     equal_bytes_width,
     parse_row_formats,
     row_format_label,
+    sign_width,
 )
 
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
@@ -139,7 +144,7 @@ def stored_bytes(index_dir: Path) -> dict[str, int]:
                 size = 1
                 for d in t.get_shape():
                     size *= d
-                size *= {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}[t.get_dtype()]
+                size *= {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U8": 1}[t.get_dtype()]
                 part = "rows" if key in ("grads", "norms", "rows", "sources") else (
                     "second_moment" if key == "second_moment" else "kfac")
                 out[part] += size
@@ -210,15 +215,16 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
     shapes = module_shapes(select_modules(loaded.model, loaded.adapter, modules))
     for loss, width, seed, row_format, rank in plan:
         raw = width is None
-        factored = row_format == "factored"
-        # factored rows store the dense width's bytes at a wider projection
-        built_width = equal_bytes_width(width, rank, shapes) if factored else width
+        factored, signs = row_format == "factored", row_format == "signs"
+        # factored rows store the dense width's bytes at a wider projection; sign rows a float16 row's
+        built_width = (equal_bytes_width(width, rank, shapes) if factored else sign_width(width, shapes) if signs
+                       else width)
         # per-module widths (spectrum) have no equal-width module second moments; factored rows none at all
-        module = (not raw and not factored and not allocation and width <= 4096
+        module = (not raw and not factored and not signs and not allocation and width <= 4096
                   and {"influence", "whitened"} & set(wanted))
-        precond = "module+kfac" if module else "kfac"
+        precond = "none" if signs else "module+kfac" if module else "kfac"
         grads = GradsConfig(data_path=str(ys.docs), batch_size=batch_size, module_filter=modules,
-                            projection=kind, projection_dim=built_width, projection_seed=seed,
+                            projection=rank if signs else kind, projection_dim=built_width, projection_seed=seed,
                             storage_dtype="float32", loss=loss, preconditioner=precond, fisher=fisher,
                             width_allocation=(allocation or "uniform") if width else "uniform",
                             row_format=row_format, **({"row_rank": rank} if factored else {}))
@@ -229,7 +235,8 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
         index_s = time.perf_counter() - start
         manifest = IndexReader(index_dir).manifest
         projector = check_compatible(manifest, loaded, index_dir)
-        scores = [s for s in wanted if s in ("cosine", "kfac", "ekfac") or (module and s in ("influence", "whitened"))]
+        scores = ["cosine"] if signs else [
+            s for s in wanted if s in ("cosine", "kfac", "ekfac") or (module and s in ("influence", "whitened"))]
         sizes = stored_bytes(index_dir)
         for style, path in ys.queries.items():
             q, _ = query_gradients(manifest, loaded, projector, path, batch_size=batch_size)
@@ -712,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
             print_costs(summary, Console(width=200))
         print(markdown(summary))
         n_docs = {k: v for path in args.from_json for k, v in json.loads(path.read_text()).get("n_docs", {}).items()}
-        if n_docs and any("factored" in s.get("setup", "") for s in summary):
+        if n_docs and any(compact(s) for s in summary):
             print(comparison_markdown(summary, n_docs))
         return 0
     global MODULES
@@ -797,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         print_costs(summary, console)
     print(markdown(summary))
     print(setup_costs(summary))
-    if any("factored" in s.get("setup", "") for s in summary):
+    if any(compact(s) for s in summary):
         print(comparison_markdown(summary, n_docs))
     machine = f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
     console.print(f"{machine}; wall time {time.perf_counter() - start:.0f} s")

@@ -15,20 +15,39 @@ from typing import Any
 
 from gradian.projection import kronecker_factors
 
+SIGN_PROJECTIONS = ("whitened", "kronecker_orthogonal", "kronecker")
+# Sign rows are compared with the product's default row: float16, 2 bytes = 16 bits per value.
+SIGN_BITS_PER_VALUE = 16
 
-def parse_row_formats(text: str) -> list[tuple[str, int | None]]:
-    """``"dense,factored:8"`` -> [("dense", None), ("factored", 8)]; SystemExit on anything else."""
-    out: list[tuple[str, int | None]] = []
+
+def parse_row_formats(text: str) -> list[tuple[str, int | str | None]]:
+    """``"dense,factored:8,signs:whitened"`` -> [("dense", None), ("factored", 8), ("signs", "whitened")];
+    SystemExit on anything else."""
+    out: list[tuple[str, int | str | None]] = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        fmt, _, rank = item.partition(":")
-        if fmt == "dense" and not rank:
+        fmt, _, arg = item.partition(":")
+        if fmt == "dense" and not arg:
             out.append(("dense", None))
-        elif fmt == "factored" and rank.isdigit() and int(rank) >= 1:
-            out.append(("factored", int(rank)))
+        elif fmt == "factored" and arg.isdigit() and int(arg) >= 1:
+            out.append(("factored", int(arg)))
+        elif fmt == "signs" and arg in SIGN_PROJECTIONS:
+            out.append(("signs", arg))
         else:
-            raise SystemExit(f"--row-formats: {item!r} is not dense or factored:C (C >= 1, the rank); e.g."
-                             " --row-formats dense,factored:8")
+            raise SystemExit(f"--row-formats: {item!r} is not dense, factored:C (C >= 1, the rank) or signs:P (P, the"
+                             f" sign index's projection: {', '.join(SIGN_PROJECTIONS)}); e.g."
+                             " --row-formats dense,factored:8,signs:whitened")
     return out
+
+
+def sign_width(dense_width: int, shapes: Mapping[str, tuple[int, int]]) -> int:
+    """The projection width whose sign rows take the bytes of a float16 dense row of `dense_width`
+    (16 bits per value); ValueError when a module has fewer weights than that."""
+    width = SIGN_BITS_PER_VALUE * dense_width
+    small = {n: s for n, s in shapes.items() if s[0] * s[1] < width}
+    if small:
+        raise ValueError(f"sign rows at the bytes of dense width {dense_width} need {width} coordinates per module;"
+                         f" {small} have fewer weights. Use a smaller width.")
+    return width
 
 
 def equal_bytes_width(dense_width: int, rank: int, shapes: Mapping[str, tuple[int, int]]) -> int:
@@ -57,9 +76,17 @@ def equal_bytes_width(dense_width: int, rank: int, shapes: Mapping[str, tuple[in
                      f" {side_sum}. Try another rank (--row-formats factored:C) or dense width.")
 
 
-def row_format_label(fmt: str, rank: int | None, width: int | None = None) -> str:
-    """The suffix of a row's setup label: '' for dense rows, ', factored c=8 @4096' for factored ones."""
+def row_format_label(fmt: str, rank: int | str | None, width: int | None = None) -> str:
+    """The suffix of a row's setup label: '' for dense rows, ', factored c=8 @4096' for factored ones,
+    ', signs whitened @16384' for sign rows (`rank`: their projection)."""
+    if fmt == "signs":
+        return f", signs {rank} @{width}"
     return "" if fmt == "dense" else f", factored c={rank} @{width}"
+
+
+def compact(entry: Mapping[str, Any]) -> bool:
+    """Whether a summary row is of factored or sign rows (its setup label says so)."""
+    return ", factored" in entry.get("setup", "") or ", signs" in entry.get("setup", "")
 
 
 def _cell(entry: Mapping[str, Any], key: str) -> str:
@@ -73,19 +100,23 @@ def comparison_markdown(summary: list[dict[str, Any]], n_docs: Mapping[str, int]
     lines = ["| yardstick | loss | width | score | rows | metric | mean ± sd (seeds) | bytes / row | rank time ratio |",
              "|---|---|---:|---|---|---|---:|---:|---:|"]
     dense = {(s["yardstick"], s["style"], s["loss"], s["width"], s["score"]): s for s in summary
-             if "factored" not in s.get("setup", "") and s["width"] not in ("raw", "full")}
+             if not compact(s) and s["width"] not in ("raw", "full")}
     for s in summary:
         setup = s.get("setup", "")
         key = (s["yardstick"], s["style"], s["loss"], s["width"], s["score"])
-        base = dense.get(key)
-        if "factored" not in setup or base is None:
+        # sign rows (cosine only) stand beside the dense row's every score
+        bases = ([b for k, b in dense.items() if k[:4] == key[:4]] if ", signs" in setup
+                 else [dense[key]] if key in dense else [])
+        if not compact(s) or not bases:
             continue
         metric = "lds" if "lds" in s else "r10"
         name = "LDS" if metric == "lds" else "recall@10"
         where = f"{s['yardstick']} {s['style']}"
         docs = n_docs[s["yardstick"]]
-        lines.append(f"| {where} | {s['loss']} | {s['width']} | {s['score']} | dense | {name} | {_cell(base, metric)} |"
-                     f" {base['bytes']['rows'] / docs:.0f} | 1.00 |")
+        base = bases[0]
+        for b in bases:
+            lines.append(f"| {where} | {s['loss']} | {s['width']} | {b['score']} | dense | {name} | {_cell(b, metric)} |"
+                         f" {b['bytes']['rows'] / docs:.0f} | 1.00 |")
         lines.append(f"| {where} | {s['loss']} | {s['width']} | {s['score']} | {setup.rsplit(', ', 1)[-1]} | {name} |"
                      f" {_cell(s, metric)} | {s['bytes']['rows'] / docs:.0f} | {s['stream_s'] / base['stream_s']:.2f} |")
     return "\n".join(lines)
