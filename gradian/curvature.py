@@ -92,20 +92,26 @@ def check_kfac(kind: str, factors: dict[str, tuple[int, int]]) -> None:
 
 
 class FactorSums:
-    """Per-module Σ a aᵀ and Σ s sᵀ (float64) and the position count of one shard's batches."""
+    """Per-module Σ a aᵀ and Σ s sᵀ (float64) and the position count of one shard's batches.
 
-    def __init__(self, names: list[str]) -> None:
+    `batch_dtype`: the dtype of each batch's products before they are added to the float64 totals:
+    float64 for the index's stored factors; the whitening's factor pass over raw (d, d) factors uses
+    float32 (`gradian.whitening.factor_pass`: one batch's few thousand positions lose nothing a
+    damped curvature estimate keeps, at about half the time of a float64 product)."""
+
+    def __init__(self, names: list[str], batch_dtype: torch.dtype = torch.float64) -> None:
         self.names = list(names)
         self.a: dict[str, torch.Tensor] = {}
         self.s: dict[str, torch.Tensor] = {}
         self.tokens = 0
+        self.batch_dtype = batch_dtype
 
     def add(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> None:
         """xp (B, T, k_i), dp (B, T, k_o): the projected inputs and output gradients of one batch,
         zero at padding (padding adds nothing)."""
-        a = xp.reshape(-1, xp.shape[-1]).double()
-        s = dp.reshape(-1, dp.shape[-1]).double()
-        a_sum, s_sum = (a.T @ a).cpu(), (s.T @ s).cpu()
+        a = xp.reshape(-1, xp.shape[-1]).to(self.batch_dtype)
+        s = dp.reshape(-1, dp.shape[-1]).to(self.batch_dtype)
+        a_sum, s_sum = (a.T @ a).cpu().double(), (s.T @ s).cpu().double()
         # Exactly symmetric (a blocked matmul may sum (i, j) and (j, i) in another order).
         a_sum, s_sum = (a_sum + a_sum.T) / 2, (s_sum + s_sum.T) / 2
         self.a[name] = a_sum if name not in self.a else self.a[name] + a_sum

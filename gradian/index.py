@@ -150,9 +150,15 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One line per differing key; long values (a projection's module list) cut to their start."""
     keys = sorted(set(old) | set(new))
-    return [f"{k}: index has {old.get(k)!r}, asked {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+    return [f"{k}: index has {_short(old.get(k))}, asked {_short(new.get(k))}" for k in keys if old.get(k) != new.get(k)]
 
 
 @dataclass
@@ -265,10 +271,17 @@ class IndexWriter:
         if signs:  # one bit per coordinate (gradian.signs); every ±1 row has norm √n
             if second_moment_blocks is not None:
                 raise ValueError("sign rows (grads.row_format=signs) hold no magnitudes to sum second moments of.")
-            try:
-                stored = pack(grads)
-            except ValueError as err:
-                raise StorageOverflowError(f"shard {k}: {err} Nothing of this shard was written.") from None
+            n = coordinates(self.header)
+            if grads.dtype == torch.uint8:  # packed already (the indexer packs each batch)
+                stored = grads
+            else:
+                try:
+                    stored = pack(grads)
+                except ValueError as err:
+                    raise StorageOverflowError(f"shard {k}: {err} Nothing of this shard was written.") from None
+            if tuple(stored.shape[1:]) != (packed_width(n),):
+                raise ValueError(f"shard {k}: sign rows of {stored.shape[1:]} bytes, the header's {n} coordinates"
+                                 f" pack into {packed_width(n)}.")
         else:
             stored = grads.float().to(DTYPES[self.header["storage_dtype"]])
         bad = torch.zeros(stored.shape[0], dtype=torch.bool) if signs else ~torch.isfinite(stored).all(dim=1)
@@ -283,7 +296,7 @@ class IndexWriter:
         layout = layout_of(self.header)
         if layout is not None and second_moment_blocks is not None:
             raise ValueError("factored rows (grads.row_format=factored) hold no dense blocks to sum second moments of.")
-        norms = (torch.full((stored.shape[0],), math.sqrt(grads.shape[1]), dtype=torch.float32) if signs
+        norms = (torch.full((stored.shape[0],), math.sqrt(n), dtype=torch.float32) if signs
                  else stored.float().norm(dim=1) if layout is None else layout.norms(stored))  # of what the row stands for
         with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
             if not got:

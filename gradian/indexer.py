@@ -71,7 +71,7 @@ from gradian.memory import curvature_sides, estimate_grads
 from gradian.precondition import check_block_width
 from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
 from gradian.restrict import restricted_sites, site_shapes
-from gradian.signs import SIGNS, packed_width
+from gradian.signs import SIGNS, pack, packed_width
 from gradian.sources import DataError, Source, SourceSpec, resolve_format
 from gradian.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
 
@@ -125,15 +125,16 @@ def _check_readable(path: Path, what: str) -> None:
 
 
 def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks: int = 1,
-                       factor_sides: list[tuple[int, int]] | None = None) -> int:
-    """A shard's float32 rows stay in host memory until the shard is written: refuse a shard that
+                       factor_sides: list[tuple[int, int]] | None = None, value_bytes: int = 4) -> int:
+    """A shard's rows (float32 values, or `value_bytes` 1: packed sign bytes, row_width of them) stay
+    in host memory until the shard is written: refuse a shard that
     cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
     With grads.preconditioner=module the shard's second moments (`n_blocks` of k x k float32) and
     one block's float64 scratch (rows x k) come on top; with kfac the float64 factor sums:
     Σ (k_o² + k_i²) · 8 over `factor_sides` ((k_o, k_i) per module, `gradian.memory.curvature_sides`),
     else bounded from the width alone. Returns the buffer's bytes."""
     rows = min(grads.rows_per_shard, n_rows)
-    need = rows * row_width * 4
+    need = rows * row_width * value_bytes
     if has_kfac(grads.preconditioner) and grads.fisher == "sampled":
         need += rows * row_width * 4  # the sampled-label rows, for the EK-FAC eigenvalues
     if has_module(grads.preconditioner):
@@ -147,9 +148,10 @@ def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks
         need += n_blocks * 2 * side * side * 8 if grads.projection_dim is None else n_blocks * 4 * k * 8
     available = free_memory_bytes(torch.device("cpu"))
     if need > available:
-        fits = max(1, available // (2 * row_width * 4))
+        fits = max(1, available // (2 * row_width * value_bytes))
+        what = "float32 values" if value_bytes == 4 else "bytes of packed sign bits"
         raise UserError(
-            f"grads.rows_per_shard={grads.rows_per_shard}: a shard holds {rows} rows of {row_width:,} float32 values"
+            f"grads.rows_per_shard={grads.rows_per_shard}: a shard holds {rows} rows of {row_width:,} {what}"
             f" ({need / 2**30:.1f} GiB) in host memory until it is written, and {available / 2**30:.1f} GiB are"
             f" available. Lower grads.rows_per_shard (e.g. {fits}) or shrink the rows (grads.projection_dim,"
             " grads.module_filter).", exit_code=2)
@@ -241,6 +243,18 @@ def fisher_tensors(fisher_rows: torch.Tensor | None, storage_dtype: str, first_r
                                    f" {storage_dtype}; nothing of this shard was written. Set"
                                    " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
     return {FISHER_ROWS: stored}
+
+
+def _signs_of(rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
+    """A batch's rows packed as sign bits (`gradian.signs.pack`); StorageOverflowError naming the
+    rows whose gradient is not finite (no sign), before anything of the shard is written."""
+    bad = ~torch.isfinite(rows).all(dim=1)
+    if bad.any():
+        which = [row_ids[i] for i in bad.nonzero().flatten().tolist()][:10]
+        raise StorageOverflowError(f"rows {which} have gradients that are not finite (inf/nan), so they have no sign;"
+                                   " nothing of this shard was written. Check those rows, or run with"
+                                   " model.precision=float32.")
+    return pack(rows)
 
 
 def finalize_curvature(index_dir: Path) -> Path | None:
@@ -537,8 +551,9 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         projector, stored_value_bytes(grads), corpus.n_rows,
         activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
         fisher=fisher, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
-    check_shard_buffer(grads, corpus.n_rows, buffer_width, len(shapes),
-                       list(curvature_sides(projector).values()))
+    signs = grads.row_format == SIGNS  # each batch's rows are packed as they come: the shard holds bytes
+    check_shard_buffer(grads, corpus.n_rows, row_width if signs else buffer_width, len(shapes),
+                       list(curvature_sides(projector).values()), value_bytes=1 if signs else 4)
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     n_pending_rows = sum(end - start for start, end in map(writer.row_range, pending))
@@ -551,7 +566,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             start, end = writer.row_range(k)
             rows = corpus.rows(start, end)
             row_lengths = [len(r.input_ids) for r in rows]
-            grads_out = torch.empty(len(rows), buffer_width, dtype=torch.float32)
+            grads_out = (torch.empty(len(rows), row_width, dtype=torch.uint8) if signs
+                         else torch.empty(len(rows), buffer_width, dtype=torch.float32))
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
             fisher_out = torch.empty_like(grads_out) if fisher == "sampled" else None
             for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length, overhead):
@@ -561,7 +577,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                                             grads.loss, activations, factors, fisher=fisher,
                                             row_ids=[start + i for i in plan], fisher_seed=grads.projection_seed,
                                             factored=factored)
-                grads_out[plan] = got.row().cpu()
+                grads_out[plan] = _signs_of(got.row(), [start + i for i in plan]) if signs else got.row().cpu()
                 if fisher_out is not None:
                     fisher_out[plan] = got.fisher_rows.cpu()
                 stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())

@@ -65,7 +65,7 @@ def factor_pass(shapes: Mapping[str, tuple[int, int]], batches, run_batch: Calla
     `gradian.capture.per_example_gradients` with that projector and factor sums.
     """
     probe = _FactorProbe(shapes, "kronecker", None, 0)
-    sums = FactorSums(list(shapes))
+    sums = FactorSums(list(shapes), batch_dtype=torch.float32)
     for batch, row_ids in batches:
         run_batch(probe, batch, row_ids, sums)
     return sums

@@ -34,6 +34,14 @@ MEASURED: dict[int, tuple[float | None, float | None]] = {
     32768: (0.678, None),
     65536: (0.756, None),
 }
+# Sign rows (grads=signs: whitened projection, one bit per coordinate, margin loss, cosine of the signs),
+# coordinates per module -> (S answer recall@10, LDS full), 3 seeds, docs/benchmarks/gradian-indexing.md
+# ("Sign rows"): 16384 coordinates take the bytes of 1024 float16 values, 65536 those of 4096.
+MEASURED_SIGNS: dict[int, tuple[float | None, float | None]] = {
+    4096: (None, 0.820),
+    16384: (0.556, 0.849),
+    65536: (0.611, None),
+}
 PEER = "Kronfluence EK-FAC, unprojected: 0.750 / 0.844"
 # Row counting reads the file; above this size the line gives bytes per 1,000 rows instead.
 _COUNT_LIMIT_BYTES = 1 << 30
@@ -57,9 +65,18 @@ def _size(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
+def _quality(figures: tuple[float | None, float | None] | None) -> str:
+    if figures is None:
+        return "not measured"
+    s, lds = figures
+    return ", ".join(x for x in (None if s is None else f"S {s:.3f}", None if lds is None else f"LDS {lds:.3f}")
+                     if x) or "not measured"
+
+
 def width_note(cfg: AppConfig, grads_projector: Callable[[AppConfig], Any]) -> str | None:
     """One line: the rows' disk at each measured width (and the configured one) for this config's modules
-    and corpus, with the S / LDS figures each width measured. None when grads is off or raw.
+    and corpus, with the S / LDS figures each width measured, dense rows (grads.storage_dtype) and sign
+    rows (one bit per coordinate, `gradian.signs`). None when grads is off or raw.
     `grads_projector(cfg)`: the run's projector (`gradian.memory.grads_projector`, which prints this line)."""
     g = cfg.grads
     if not g.enabled or g.projection_dim is None:
@@ -75,14 +92,15 @@ def width_note(cfg: AppConfig, grads_projector: Callable[[AppConfig], Any]) -> s
     per = rows if rows is not None else 1000
     where = f"{rows:,} rows" if rows is not None else "1,000 rows"
     smallest = min(o * i for o, i in projector.shapes.values())
+    signs = g.row_format == "signs"
     parts = []
-    for width in sorted({w for w in MEASURED if w < smallest} | {g.projection_dim}):
-        s, lds = MEASURED.get(width, (None, None))
-        quality = "not measured" if width not in MEASURED else (
-            f"S {s:.3f}" + (f", LDS {lds:.3f}" if lds is not None else ""))
-        mark = " (this run)" if width == g.projection_dim else ""
+    for width in sorted({w for w in MEASURED if w < smallest} | ({g.projection_dim} if not signs else set())):
+        mark = " (this run)" if width == g.projection_dim and not signs else ""
         parts.append(f"{width}{mark}: {_size(per * n_modules * width * item)}, {raw_width / (n_modules * width):.0f}x"
-                     f" smaller than unprojected ({quality})")
+                     f" smaller than unprojected ({_quality(MEASURED.get(width))})")
+    for width in sorted({w for w in MEASURED_SIGNS if w <= smallest} | ({g.projection_dim} if signs else set())):
+        mark = " (this run)" if width == g.projection_dim and signs else ""
+        parts.append(f"signs {width}{mark}: {_size(per * n_modules * width / 8)} ({_quality(MEASURED_SIGNS.get(width))})")
     parts.append(f"unprojected: {_size(per * raw_width * item)}")
     return (f"grads.projection_dim, rows on disk for {where} of {n_modules} modules in {g.storage_dtype}"
             f" (and measured S answer recall@10, LDS; {PEER}): " + "; ".join(parts))

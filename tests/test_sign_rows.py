@@ -144,3 +144,11 @@ def test_the_index_says_what_it_holds_and_the_estimate_counts_bytes(built, tmp_p
     n = coordinates(IndexReader(built["signs"]).manifest)
     # float32 rows of n values vs their packed bits (+ 12 bytes of norm and row id each)
     assert dense == 10_000 * (4 * n + 12) and signs == 10_000 * (packed_width(n) + 12)
+
+
+def test_rows_without_a_sign_are_refused_naming_them() -> None:
+    from gradian.index import StorageOverflowError
+    from gradian.indexer import _signs_of
+
+    with pytest.raises(StorageOverflowError, match=r"rows \[7\] have gradients that are not finite"):
+        _signs_of(torch.tensor([[1.0, 2.0], [float("nan"), 1.0]]), [6, 7])

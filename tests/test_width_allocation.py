@@ -227,7 +227,7 @@ def test_memory_estimate_counts_the_factor_pass(root: Path) -> None:
 
 def test_the_preflight_prints_each_widths_disk_and_measured_figures(root: Path) -> None:
     from gradian.memory import GRADS_MEMORY
-    from gradian.width_table import MEASURED
+    from gradian.width_table import MEASURED, MEASURED_SIGNS
 
     width_note = GRADS_MEMORY.note
     cfg = _cfg(root, "grads.projection_dim=1024", "grads.storage_dtype=float16")
@@ -235,5 +235,10 @@ def test_the_preflight_prints_each_widths_disk_and_measured_figures(root: Path) 
     # 20 rows x 8 modules x 1024 x 2 bytes = 320 KiB; the tiny GPT-2's smallest module holds 4096 weights
     assert "rows on disk for 20 rows of 8 modules in float16" in line
     assert "1024 (this run): 320.0 KiB" in line and f"S {MEASURED[1024][0]:.3f}, LDS {MEASURED[1024][1]:.3f}" in line
-    assert "4096:" not in line  # not below the smallest module's size: no projection to speak of
+    assert "; 4096:" not in line  # not below the smallest module's size: no projection to speak of
+    # sign rows: 4096 coordinates (the smallest module's size) = 20 x 8 x 512 bytes, with their figure
+    assert f"signs 4096: 80.0 KiB (LDS {MEASURED_SIGNS[4096][1]:.3f})" in line and "signs 16384" not in line
+    signs = width_note(_cfg(root, "grads.projection_dim=4096", "grads.row_format=signs",
+                            "grads.preconditioner=none"))
+    assert "signs 4096 (this run): 80.0 KiB" in signs and "1024:" in signs
     assert width_note(_cfg(root, "grads.projection_dim=null")) is None
