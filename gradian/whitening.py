@@ -111,8 +111,13 @@ def shared_file(index_dir: Path, filename: str, settings: str, read_settings: Ca
         if path.is_file() and recorded is not None:
             read_recorded(index_dir, recorded, filename, f"the {what}")
         if path.is_file():
-            if read_settings(path) == settings:
+            found = read_settings(path)
+            if found == settings:
                 log.info("reusing the %s %s", what, path)
+            elif recorded is not None:  # the file of an index: never replaced under it
+                raise ValueError(f"{path} holds the {what} of the index in {index_dir}, made with other settings"
+                                 f" than this run's ({_settings_diff(found, settings)}); nothing was changed. Use"
+                                 f" another grads.index_dir, or delete {index_dir} to rebuild it.")
             else:
                 log.warning("%s was made with other settings and no manifest records it: recomputing it.", path)
                 path.unlink()
@@ -120,6 +125,16 @@ def shared_file(index_dir: Path, filename: str, settings: str, read_settings: Ca
             write(path)
             log.info("wrote the %s %s", what, path)
         return {"file": filename, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def _settings_diff(found: str | None, wanted: str) -> str:
+    """The keys two settings records (JSON objects) differ in, with both values, cut short."""
+    try:
+        old, new = json.loads(found or "{}"), json.loads(wanted)
+    except (TypeError, ValueError):
+        return "unreadable settings"
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return "; ".join(f"{k}: {str(old.get(k))[:60]!s} there, {str(new.get(k))[:60]!s} now" for k in keys[:4]) or "none"
 
 
 def whitened_projector(projector: Projector, index_dir: Path, settings: dict[str, Any],

@@ -152,3 +152,13 @@ def test_rows_without_a_sign_are_refused_naming_them() -> None:
 
     with pytest.raises(StorageOverflowError, match=r"rows \[7\] have gradients that are not finite"):
         _signs_of(torch.tensor([[1.0, 2.0], [float("nan"), 1.0]]), [6, 7])
+
+
+def test_a_rerun_with_another_factor_sample_leaves_the_index_as_it_was(built, tmp_path) -> None:
+    """The stored whitened matrices record grads.factor_rows; a rerun into the same directory with
+    another value is refused (exit code 2) and the index still verifies (its file not replaced)."""
+    cfg = _cfg(built["root"], "grads.row_format=signs", "grads.projection=whitened", "grads.factor_rows=5")
+    with pytest.raises(UserError, match=r"factor_rows: 7 there, 5 now\); nothing was changed") as err:
+        build_index(cfg.model, cfg.grads, built["whitened"])
+    assert err.value.exit_code == 2
+    assert IndexReader(built["whitened"]).verify() == []
