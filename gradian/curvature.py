@@ -96,8 +96,9 @@ class FactorSums:
 
     `batch_dtype`: the dtype of each batch's products before they are added to the float64 totals:
     float64 for the index's stored factors; the whitening's factor pass over raw (d, d) factors uses
-    float32 (`gradian.whitening.factor_pass`: one batch's few thousand positions lose nothing a
-    damped curvature estimate keeps, at about half the time of a float64 product)."""
+    float32 on the CPU (`gradian.whitening.factor_pass`: one batch's few thousand positions lose
+    nothing a damped curvature estimate keeps, at about half the time of a float64 product); on an
+    accelerator every product is float64."""
 
     def __init__(self, names: list[str], batch_dtype: torch.dtype = torch.float64) -> None:
         self.names = list(names)
@@ -109,8 +110,10 @@ class FactorSums:
     def add(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> None:
         """xp (B, T, k_i), dp (B, T, k_o): the projected inputs and output gradients of one batch,
         zero at padding (padding adds nothing)."""
-        a = xp.reshape(-1, xp.shape[-1]).to(self.batch_dtype)
-        s = dp.reshape(-1, dp.shape[-1]).to(self.batch_dtype)
+        # float64 where it is cheap (an accelerator); batch_dtype on the CPU
+        dtype = self.batch_dtype if xp.device.type == "cpu" else torch.float64
+        a = xp.reshape(-1, xp.shape[-1]).to(dtype)
+        s = dp.reshape(-1, dp.shape[-1]).to(dtype)
         a_sum, s_sum = (a.T @ a).cpu().double(), (s.T @ s).cpu().double()
         # Exactly symmetric (a blocked matmul may sum (i, j) and (j, i) in another order).
         a_sum, s_sum = (a_sum + a_sum.T) / 2, (s_sum + s_sum.T) / 2

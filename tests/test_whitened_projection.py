@@ -51,11 +51,12 @@ def _exact(index_dir: Path) -> dict:
            "tokens": 0, "n": len(rows)}
     xs, ys = {}, {}
     for row in rows:
-        ids, sup = torch.tensor([row.input_ids]), torch.tensor([row.supervised])
+        ids = torch.tensor([row.input_ids], device=loaded.device)  # on the model's device (a GPU too)
+        sup = torch.tensor([row.supervised], device=loaded.device)
 
         def hook(name):
             def fn(module, args, output):
-                xs[name] = args[0].detach()[0].double()
+                xs[name] = args[0].detach()[0].double().cpu()
                 output.retain_grad()
                 ys[name] = output
             return fn
@@ -72,7 +73,7 @@ def _exact(index_dir: Path) -> dict:
                 h.remove()
         out["tokens"] += ids.shape[1]
         for n in names:
-            x, d = xs[n], ys[n].grad[0].double()  # (T, d_in), (T, d_out)
+            x, d = xs[n], ys[n].grad[0].double().cpu()  # (T, d_in), (T, d_out)
             out["g"][n].append(d.T @ x)
             out["a"][n] = out["a"][n] + x.T @ x
             out["s"][n] = out["s"][n] + d.T @ d
