@@ -69,7 +69,7 @@ from gradian.index import (
 from gradian.index_files import read_recorded
 from gradian.memory import curvature_sides, estimate_grads
 from gradian.precondition import check_block_width
-from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
+from gradian.projection import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
 from gradian.restrict import restricted_sites, site_shapes
 from gradian.signs import SIGNS, pack, packed_width
 from gradian.sources import DataError, Source, SourceSpec, resolve_format
@@ -337,7 +337,7 @@ def _data_dependent(shapes: dict[str, tuple[int, int]], grads: GradsConfig, inde
                                             index_dir, base, compute, recorded.get("allocation"))
         else:
             projector = Projector(shapes, grads.projection, grads.projection_dim, grads.projection_seed)
-        if projector.kind == "whitened":
+        if projector.kind in STORED_KINDS:
             projector = whitened_projector(projector, index_dir, {**base, "projection": projector.describe()}, compute,
                                            recorded.get("whitening"))
     except IndexIntegrityError:  # a stored file that is not the recorded one: bad content (exit code 1)
@@ -402,7 +402,7 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
                                   " grads.index_dir, or delete this one to rebuild it.")
     if isinstance(recorded, dict):  # the files the projection was made from, through their sha256
         check_allocation(Path(index_dir), recorded)
-        if recorded.get("kind") == "whitened":
+        if recorded.get("kind") in STORED_KINDS:
             read_recorded(Path(index_dir), recorded.get("whitening"), WHITENING_FILE, "the whitened projection")
 
 
@@ -496,7 +496,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     else:
         modules = select_modules(model, adapter, grads.module_filter)
         shapes = module_shapes(modules)
-    data_dependent = grads.projection == "whitened" or grads.width_allocation != "uniform"
+    data_dependent = grads.projection in STORED_KINDS or grads.width_allocation != "uniform"
     # Uniform widths are checked here, before any work; allocated ones once the factor pass chose them.
     projector = None if grads.width_allocation != "uniform" else Projector(
         shapes, grads.projection, grads.projection_dim, grads.projection_seed)

@@ -26,7 +26,7 @@ from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrat
 from gradian.capture import activation_mode, logit_chunk_rows
 from gradian.curvature import has_kfac, has_module
 from gradian.factored import stored_value_bytes, stored_width
-from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, Projector
+from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, STORED_KINDS, Projector
 from gradian.width_table import width_note
 
 # Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
@@ -218,7 +218,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                             for k_o, k_i in curvature_sides(projector).values())
     if has_kfac(preconditioner) and fisher == "sampled":
         terms["sampled-label pass"] = Ns * V * FP32 + B * (stored_width or width) * FP32
-    if kind == "whitened":
+    if kind in STORED_KINDS:  # whitened or eigen: the factor pass before any row
         terms["whitening factor pass"] = whitening_pass_bytes(projector, N)
     elif factor_pass:  # grads.width_allocation=spectrum: the same pass, before the widths are known
         terms["factor pass (width allocation)"] = whitening_pass_bytes(projector, N)
@@ -230,7 +230,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                        + preconditioner_index_bytes(projector, preconditioner, n_shards))
     if has_kfac(preconditioner) and fisher == "sampled":  # the sampled-label rows, beside the rows
         est.index_bytes += grads_index_bytes(n_rows, width, storage_dtype_bytes)
-    if kind == "whitened":  # projection.safetensors: the whitened factors, once per index
+    if kind in STORED_KINDS:  # projection.safetensors: the stored factors, once per index
         est.index_bytes += sum((k_o * d_out + k_i * d_in) * FP32 for (d_out, d_in), (k_o, k_i)
                                in zip(module_shapes.values(), projector.factors.values(), strict=True))
     return est

@@ -23,6 +23,12 @@ Stored rows are a random projection of G, computed without ever forming G:
   the data, so they are stored with the index (``projection.safetensors``, its sha256 in the
   manifest's projection entry) and read back from there by every worker, resume and query;
   the contraction is the same, so inner products of rows estimate the full K-FAC inner product.
+* ``eigen``: ``kronecker_orthogonal``'s seeded factors rotated into the eigenbasis of the module's
+  K-FAC factors as projected, Q_Sᵀ P_out and Q_Aᵀ P_in with P_out S P_outᵀ = Q_S diag(e_S) Q_Sᵀ and
+  P_in A P_inᵀ = Q_A diag(e_A) Q_Aᵀ (the same factor pass; eigenvalues descending): a rotation of
+  each block, so dense rows score exactly as ``kronecker_orthogonal``'s (every inner product is
+  kept), and each stored coordinate is one direction of K-FAC's eigenbasis (Q_S ⊗ Q_A): what sign
+  rows (`gradian.signs`, EOGP-style) keep one bit of. Stored like ``whitened``'s matrices.
 * ``dense``: one Gaussian matrix P (projection_dim, d_out * d_in) / sqrt(projection_dim) applied
   to vec(G); the fidelity reference (it needs G and a projection_dim × d_out·d_in matrix).
 * ``projection_dim=None``: vec(G) itself, row-major in nn.Linear orientation (d_out, d_in).
@@ -60,7 +66,9 @@ from gradian.index_files import REBUILD, IndexIntegrityError, read_recorded
 log = logging.getLogger(__name__)
 
 PROJECTION_KINDS = choices(GradsConfig, "projection")
-KRONECKER_KINDS = ("kronecker", "kronecker_orthogonal", "whitened")
+KRONECKER_KINDS = ("kronecker", "kronecker_orthogonal", "whitened", "eigen")
+# Kinds whose matrices depend on the data and are stored with the index (`gradian.whitening`).
+STORED_KINDS = ("whitened", "eigen")
 # The whitened projection's matrices, stored in the index directory (`gradian.whitening` writes it).
 WHITENING_FILE = "projection.safetensors"
 # Columns of the dense matrix generated per seeded chunk. A constant, so the matrix does not
@@ -209,14 +217,14 @@ class Projector:
                     log.warning("grads.projection_dim=%d exceeds the %d weights of %s: the dense"
                                 " projection adds no information.", projection_dim, d_out * d_in, name)
         self._cache: dict[tuple[str, str, str], torch.Tensor] = {}
-        self.whitening = dict(whitening) if whitening is not None and self.kind == "whitened" else None
+        self.whitening = dict(whitening) if whitening is not None and self.kind in STORED_KINDS else None
         self._whitened: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if self.kind == "whitened" and matrices is not None:
+        if self.kind in STORED_KINDS and matrices is not None:
             for name, (d_out, d_in) in self.shapes.items():
                 p_out, p_in = matrices[name]
                 k_o, k_i = self.factors[name]
                 if tuple(p_out.shape) != (k_o, d_out) or tuple(p_in.shape) != (k_i, d_in):
-                    raise ValueError(f"whitened projection of {name}: matrices {tuple(p_out.shape)} and"
+                    raise ValueError(f"{self.kind} projection of {name}: matrices {tuple(p_out.shape)} and"
                                      f" {tuple(p_in.shape)}, expected ({k_o}, {d_out}) and ({k_i}, {d_in}).")
                 self._whitened[name] = (p_out.float().contiguous(), p_in.float().contiguous())
 
@@ -246,7 +254,7 @@ class Projector:
             widths = {n: (entries.get(n) or {}).get("width") for n in shapes}
             if any(not isinstance(w, int) or isinstance(w, bool) for w in widths.values()):
                 raise ValueError(f"the projection's allocation needs an integer width per module, got {widths}.")
-        if kind != "whitened":
+        if kind not in STORED_KINDS:
             return cls(shapes, "kronecker" if kind == "raw" else kind, described.get("projection_dim"),
                        described.get("seed", 0), widths=widths, allocation=allocation)
         record = described.get("whitening")
@@ -315,9 +323,9 @@ class Projector:
             raise ValueError(f"kronecker_matrices on a {self.kind} projector.")
         dev = str(torch.device(device))
         key_out, key_in = (name, "out", dev), (name, "in", dev)
-        if key_out not in self._cache and self.kind == "whitened":
+        if key_out not in self._cache and self.kind in STORED_KINDS:
             if name not in self._whitened:
-                raise ValueError(f"the whitened projection of {name} has no matrices: they come from the index's"
+                raise ValueError(f"the {self.kind} projection of {name} has no matrices: they come from the index's"
                                  f" factor pass ({WHITENING_FILE} in the index directory).")
             self._cache[key_out], self._cache[key_in] = (m.to(dev) for m in self._whitened[name])
         if key_out not in self._cache:

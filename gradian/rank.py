@@ -45,7 +45,7 @@ from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.index_files import read_recorded
 from gradian.indexer import check_input_file, tokenizer_hash
 from gradian.precondition import DAMPING, Preconditioner
-from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
+from gradian.projection import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
 from gradian.restrict import site_shapes, sites_from_names
 from gradian.signs import SignScorer, coordinates, is_signs
 from gradian.sources import DataError, Source, SourceSpec
@@ -584,7 +584,7 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     proj = manifest.get("projection")
     if isinstance(proj, dict):  # the stored projection files, before the model loads (IndexIntegrityError)
         check_allocation(index_dir, proj)
-        if proj.get("kind") == "whitened":
+        if proj.get("kind") in STORED_KINDS:
             read_recorded(Path(index_dir), proj.get("whitening"), WHITENING_FILE, "the whitened projection's matrices")
     if loaded is not None:
         compare_adapter(manifest.get("adapter"), getattr(loaded, "lora", None), "the loaded model's adapter")

@@ -1,4 +1,8 @@
-"""The whitened projection's factor pass (`grads.projection: whitened`, `gradian.projection`).
+"""The whitened and eigen projections' factor pass (`grads.projection: whitened | eigen`, `gradian.projection`).
+
+``eigen`` uses the same pass and file: its matrices are the seeded orthogonal factors rotated into
+the eigenbasis of the projected factors, Q_Sᵀ P_out and Q_Aᵀ P_in (`eigen_tensors`; only k × k
+matrices are decomposed, no damping).
 
 Before any row is written, one forward+backward over every row of the corpus sums, per selected
 module (d_out, d_in), the full (unprojected) K-FAC factors on the supervised rows' positions,
@@ -92,6 +96,22 @@ def whitened_tensors(projector: Projector, sums: FactorSums, n_rows: int,
     return out
 
 
+def eigen_tensors(projector: Projector, sums: FactorSums, n_rows: int) -> dict[str, torch.Tensor]:
+    """``p_out.m`` = Q_Sᵀ P_out (k_o, d_out), ``p_in.m`` = Q_Aᵀ P_in (k_i, d_in) float32 per module m
+    (kind eigen): P the seeded orthogonal factors of `projector`, Q the eigenvectors of the projected
+    K-FAC factors P_out S P_outᵀ and P_in A P_inᵀ (S = Σ δ δᵀ / n, A = Σ x xᵀ / N), largest eigenvalue
+    first. Only (k, k) matrices are decomposed."""
+    random = projector.random_part()
+    out = {}
+    for m, name in enumerate(projector.names):
+        p_out, p_in = (p.double() for p in random.kronecker_matrices(name))
+        for key, p, total, count in (("p_out", p_out, sums.s[name], n_rows), ("p_in", p_in, sums.a[name], sums.tokens)):
+            projected = p @ (total.double() / max(count, 1)) @ p.T
+            _, q = torch.linalg.eigh((projected + projected.T) / 2)
+            out[f"{key}.{m}"] = (q.flip(1).T @ p).float().contiguous()
+    return out
+
+
 def shared_file(index_dir: Path, filename: str, settings: str, read_settings: Callable[[Path], str | None],
                 write: Callable[[Path], None], recorded: Mapping | None, what: str) -> dict[str, Any]:
     """A data-dependent file every worker of an index shares (the whitened projection's matrices,
@@ -148,7 +168,9 @@ def whitened_projector(projector: Projector, index_dir: Path, settings: dict[str
     recorded: the whitening entry of an existing manifest's projection, if any; a file that does
     not match it is refused (ValueError), never silently replaced.
     """
-    meta = {"settings": json.dumps({**settings, "damping": WHITEN_DAMPING}, sort_keys=True)}
+    eigen = projector.kind == "eigen"
+    meta = {"settings": json.dumps({**settings, **({"basis": "eigen"} if eigen else {"damping": WHITEN_DAMPING})},
+                                   sort_keys=True)}
 
     def read_settings(path: Path) -> str | None:
         from safetensors import safe_open
@@ -158,10 +180,12 @@ def whitened_projector(projector: Projector, index_dir: Path, settings: dict[str
 
     def write(path: Path) -> None:
         sums, n_rows = compute()
-        atomic_save_safetensors(path, whitened_tensors(projector, sums, n_rows), meta)
+        tensors = eigen_tensors(projector, sums, n_rows) if eigen else whitened_tensors(projector, sums, n_rows)
+        atomic_save_safetensors(path, tensors, meta)
 
     record = shared_file(index_dir, WHITENING_FILE, meta["settings"], read_settings, write, recorded,
-                         "whitened projection")
+                         f"{projector.kind} projection")
     return Projector.from_description(projector.shapes, {**projector.describe(),
-                                                          "whitening": {**record, "damping": WHITEN_DAMPING}},
+                                                          "whitening": {**record, "damping": None if eigen
+                                                                        else WHITEN_DAMPING}},
                                       index_dir)

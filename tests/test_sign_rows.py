@@ -162,3 +162,28 @@ def test_a_rerun_with_another_factor_sample_leaves_the_index_as_it_was(built, tm
         build_index(cfg.model, cfg.grads, built["whitened"])
     assert err.value.exit_code == 2
     assert IndexReader(built["whitened"]).verify() == []
+
+
+def test_the_eigen_projection_rotates_blocks_into_the_kfac_eigenbasis(built, tmp_path) -> None:
+    """grads.projection=eigen: dense rows are kronecker_orthogonal's rotated (every cosine kept, same
+    seed), and the index's own K-FAC factors are diagonal in that basis, largest first."""
+    cfg = _cfg(built["root"], "grads.projection=eigen", "grads.preconditioner=kfac")
+    build_index(cfg.model, cfg.grads, tmp_path / "eigen")
+    reader = IndexReader(tmp_path / "eigen")
+    assert reader.manifest["projection"]["kind"] == "eigen" and reader.verify() == []
+    eigen = torch.cat([g for _, g, _ in reader.shards()]).double()
+    orth = torch.cat([g for _, g, _ in IndexReader(built["dense"]).shards()]).double()
+    gram = torch.nn.functional.normalize(eigen, dim=1) @ torch.nn.functional.normalize(eigen, dim=1).T
+    want = torch.nn.functional.normalize(orth, dim=1) @ torch.nn.functional.normalize(orth, dim=1).T
+    assert (gram - want).abs().max() < 1e-4
+    from gradian.curvature import _read_shard_factors
+
+    a_tot, s_tot, _ = _read_shard_factors(reader)  # every shard's K-FAC factors, summed
+    for f in (a_tot[0], s_tot[0], a_tot[-1], s_tot[-1]):
+        off = f - torch.diag(f.diagonal())
+        assert off.abs().max() < 1e-4 * f.diagonal().max()  # diagonal: the eigenbasis
+        assert (f.diagonal()[:-1] >= f.diagonal()[1:] - 1e-4 * f.diagonal().max()).all()  # largest first
+    n = coordinates(reader.manifest)
+    queries = eigen[[4]].float()
+    top = stream_topk(tmp_path / "eigen", queries, top_k=3, score="ekfac")
+    assert top["query_rows"][0, 0] == 4 and n == eigen.shape[1]

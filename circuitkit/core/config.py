@@ -279,8 +279,11 @@ class GradsConfig:
     projection: str = _f("kronecker_orthogonal", "random projection kind: kronecker_orthogonal = Kronecker factors with"
                          " orthonormal rows, kronecker = Rademacher (±1) factors, dense = one Gaussian matrix,"
                          " whitened = kronecker_orthogonal after each module's damped full K-FAC whitening (a"
-                         " factor pass over the data before any row; the matrices are stored with the index)",
-                         choices=("kronecker", "kronecker_orthogonal", "dense", "whitened"))
+                         " factor pass over the data before any row; the matrices are stored with the index),"
+                         " eigen = kronecker_orthogonal rotated into the eigenbasis of each module's projected"
+                         " K-FAC factors (the same factor pass; dense rows score as kronecker_orthogonal's; each"
+                         " coordinate one K-FAC eigen-direction, what row_format signs keeps the sign of)",
+                         choices=("kronecker", "kronecker_orthogonal", "dense", "whitened", "eigen"))
     projection_dim: Optional[int] = _f(1024, "projected width per module; null = raw gradients (the index size, and the peak a little: capture buffers, projection matrices)", ge=1)
     projection_seed: int = _f(0, "seed of the projection matrices", ge=0, le=MAX_SEED)
     width_allocation: str = _f("uniform", "how the row's total width, n_modules x projection_dim, is split among"

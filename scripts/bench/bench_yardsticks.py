@@ -700,7 +700,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="grads.row_format of the projected indexes, a comma list of dense, factored:C (C: grads.row_rank);"
                         " a factored index of width W is built at the projection width whose rank-C factors store W"
                         " numbers per module, as the dense k_o x k_i = W block does (equal bytes per row; issue 44). Factored"
-                        " rows rank cosine, kfac, ekfac only")
+                        " rows rank cosine, kfac, ekfac only; signs:P (P: eigen, whitened, kronecker_orthogonal, kronecker)"
+                        " builds sign rows of projection P at width 16 W, the bytes of a float16 dense row of W (cosine"
+                        " only)")
     p.add_argument("--peers", default="", help="peer workers to run on every yardstick (kronfluence, traker)")
     p.add_argument("--peer-dim", type=int, default=4096, help="traker's projected width (all modules together)")
     p.add_argument("--kronfluence-empirical", action="store_true",

@@ -15,7 +15,7 @@ from typing import Any
 
 from gradian.projection import kronecker_factors
 
-SIGN_PROJECTIONS = ("whitened", "kronecker_orthogonal", "kronecker")
+SIGN_PROJECTIONS = ("eigen", "whitened", "kronecker_orthogonal", "kronecker")
 # Sign rows are compared with the product's default row: float16, 2 bytes = 16 bits per value.
 SIGN_BITS_PER_VALUE = 16
 
