@@ -106,6 +106,7 @@ class FactorSums:
         self.s: dict[str, torch.Tensor] = {}
         self.tokens = 0
         self.batch_dtype = batch_dtype
+        self.projected = True  # sums of projected activations (the index's); the raw factor pass sets False
 
     def add(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> None:
         """xp (B, T, k_i), dp (B, T, k_o): the projected inputs and output gradients of one batch,

@@ -283,7 +283,7 @@ def finalize_curvature(index_dir: Path) -> Path | None:
 
 
 def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, activations: str, fisher: str,
-                 pad_id: int, overhead: int, shapes: dict[str, tuple[int, int]]):
+                 pad_id: int, overhead: int, shapes: dict[str, tuple[int, int]], projected: Projector | None = None):
     """compute() -> (the full K-FAC factor sums of the rows `factor_row_ids` picks, their count): one
     factor pass (`gradian.whitening.factor_pass`, in row order, the rows' batch plan), run at most once
     however many data-dependent choices (the width allocation, the whitened projection) ask for it."""
@@ -307,7 +307,7 @@ def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, a
     def compute():
         if not done:
             log.info("factor pass over %d of the %d rows", len(ids), corpus.n_rows)
-            done.append(factor_pass(shapes, batches(), run_batch))
+            done.append(factor_pass(shapes, batches(), run_batch, projected))
         return done[0], len(ids)
 
     return compute
@@ -513,7 +513,12 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     overhead = batch_overhead_tokens(loaded.device)
     if data_dependent:  # the factor pass, before any row
-        compute = _factor_pass(grads, loaded, modules, corpus, activations, fisher, pad_id, overhead, dict(shapes))
+        # the eigen projection at uniform widths needs only the projected (k, k) factors: a pass of
+        # projected activations, not of (d, d) products
+        projected = (Projector(shapes, "kronecker_orthogonal", grads.projection_dim, grads.projection_seed)
+                     if grads.projection == "eigen" and grads.width_allocation == "uniform" else None)
+        compute = _factor_pass(grads, loaded, modules, corpus, activations, fisher, pad_id, overhead, dict(shapes),
+                               projected)
         projector = _data_dependent(dict(shapes), grads, index_dir, compute, activations, fisher,
                                     {"weights_sha256": weights_sha256, "tokenizer_sha256": tokenizer_sha256,
                                      "data_sha256": data_sha256, "report": report.summary()})

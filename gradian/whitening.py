@@ -62,14 +62,20 @@ class _FactorProbe(Projector):
         return xp.new_zeros(xp.shape[0], 0)
 
 
-def factor_pass(shapes: Mapping[str, tuple[int, int]], batches, run_batch: Callable) -> FactorSums:
-    """The full K-FAC factor sums of `shapes`' modules over `batches`.
+def factor_pass(shapes: Mapping[str, tuple[int, int]], batches, run_batch: Callable,
+                projected: Projector | None = None) -> FactorSums:
+    """The full K-FAC factor sums of `shapes`' modules over `batches`, or with `projected` (a
+    kronecker_orthogonal projector) the sums of its projected inputs and output gradients: (k, k)
+    per module instead of (d, d), all the eigen projection needs (`eigen_tensors`).
 
     batches: iterable of (batch, row_ids); run_batch(projector, batch, row_ids, sums) runs one
     `gradian.capture.per_example_gradients` with that projector and factor sums.
     """
-    probe = _FactorProbe(shapes, "kronecker", None, 0)
+    probe = (_FactorProbe(shapes, "kronecker", None, 0) if projected is None else
+             _FactorProbe(shapes, "kronecker_orthogonal", projected.projection_dim, projected.seed,
+                          widths=projected.widths, allocation=projected.allocation))
     sums = FactorSums(list(shapes), batch_dtype=torch.float32)
+    sums.projected = projected is not None  # (k, k) sums of projected activations, not (d, d)
     for batch, row_ids in batches:
         run_batch(probe, batch, row_ids, sums)
     return sums
@@ -87,6 +93,8 @@ def whitened_tensors(projector: Projector, sums: FactorSums, n_rows: int,
                      damping: float = WHITEN_DAMPING) -> dict[str, torch.Tensor]:
     """``p_out.m`` = P_out W_S (k_o, d_out), ``p_in.m`` = P_in W_A (k_i, d_in) float32 per module m,
     P the seeded orthogonal factors of `projector` (kind whitened)."""
+    if sums.projected:
+        raise ValueError("the whitened projection needs the raw (d, d) factor sums, not projected ones.")
     random = projector.random_part()
     out = {}
     for m, name in enumerate(projector.names):
@@ -106,7 +114,9 @@ def eigen_tensors(projector: Projector, sums: FactorSums, n_rows: int) -> dict[s
     for m, name in enumerate(projector.names):
         p_out, p_in = (p.double() for p in random.kronecker_matrices(name))
         for key, p, total, count in (("p_out", p_out, sums.s[name], n_rows), ("p_in", p_in, sums.a[name], sums.tokens)):
-            projected = p @ (total.double() / max(count, 1)) @ p.T
+            factor = total.double() / max(count, 1)
+            # sums of the projected pass are P F Pᵀ already (k, k); the raw pass's (d, d) are projected here
+            projected = factor if sums.projected else p @ factor @ p.T
             _, q = torch.linalg.eigh((projected + projected.T) / 2)
             out[f"{key}.{m}"] = (q.flip(1).T @ p).float().contiguous()
     return out

@@ -164,15 +164,22 @@ def test_a_rerun_with_another_factor_sample_leaves_the_index_as_it_was(built, tm
     assert IndexReader(built["whitened"]).verify() == []
 
 
-def test_the_eigen_projection_rotates_blocks_into_the_kfac_eigenbasis(built, tmp_path) -> None:
+@pytest.mark.parametrize("dim", [DIM, 16384])
+def test_the_eigen_projection_rotates_blocks_into_the_kfac_eigenbasis(built, tmp_path, dim: int) -> None:
     """grads.projection=eigen: dense rows are kronecker_orthogonal's rotated (every cosine kept, same
-    seed), and the index's own K-FAC factors are diagonal in that basis, largest first."""
-    cfg = _cfg(built["root"], "grads.projection=eigen", "grads.preconditioner=kfac")
+    seed), and the index's own K-FAC factors are diagonal in that basis, largest first; also where
+    the projection is square (16384 = the tiny GPT-2's whole 256 x 64 MLP weights: k = d)."""
+    cfg = _cfg(built["root"], "grads.projection=eigen", "grads.preconditioner=kfac", f"grads.projection_dim={dim}")
     build_index(cfg.model, cfg.grads, tmp_path / "eigen")
     reader = IndexReader(tmp_path / "eigen")
     assert reader.manifest["projection"]["kind"] == "eigen" and reader.verify() == []
     eigen = torch.cat([g for _, g, _ in reader.shards()]).double()
-    orth = torch.cat([g for _, g, _ in IndexReader(built["dense"]).shards()]).double()
+    if dim == DIM:
+        orth = torch.cat([g for _, g, _ in IndexReader(built["dense"]).shards()]).double()
+    else:
+        cfg = _cfg(built["root"], f"grads.projection_dim={dim}")
+        build_index(cfg.model, cfg.grads, tmp_path / "orth")
+        orth = torch.cat([g for _, g, _ in IndexReader(tmp_path / "orth").shards()]).double()
     gram = torch.nn.functional.normalize(eigen, dim=1) @ torch.nn.functional.normalize(eigen, dim=1).T
     want = torch.nn.functional.normalize(orth, dim=1) @ torch.nn.functional.normalize(orth, dim=1).T
     assert (gram - want).abs().max() < 1e-4

@@ -7,8 +7,8 @@ interleaved for `--rounds` rounds; the table gives each setup's median seconds a
 per-round ratio to the default:
 
 * **default**: the product's defaults (kronecker_orthogonal 1024 per module, float16, K-FAC factors);
-* **signs, factor pass over every row**: conf/grads/signs.yaml with grads.factor_rows null: whitened
-  16384 per module, one bit per coordinate, the whitening's factor pass over all rows first;
+* **signs, factor pass over every row**: conf/grads/signs.yaml with grads.factor_rows null: the eigen
+  projection, 16384 per module, one bit per coordinate, the factor pass over all rows first;
 * **signs, factor pass over a tenth**: the same with grads.factor_rows = rows / 10, what the
   preset's 2,000 sampled rows are for a 20,000-row corpus.
 
