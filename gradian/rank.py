@@ -166,7 +166,8 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
 def _signs_refusal(index_dir, score: str) -> str:
     return (f"--score {score} on {index_dir}: it stores sign rows (grads.row_format=signs, one bit per coordinate), which"
             f" carry no magnitudes for {score}. Rank it with --score cosine or dot (n - 2 x Hamming distance; with"
-            " grads.projection=whitened the signs are already K-FAC-whitened), or rebuild it with grads.row_format=dense.")
+            " grads.projection=eigen or whitened the signs are already of K-FAC-preconditioned coordinates), or rebuild"
+            " it with grads.row_format=dense.")
 
 
 def _kronecker_check(reader: IndexReader) -> None:

@@ -11,11 +11,14 @@ query is signed the same way, and a row's score is the inner product of the two 
 computed with XOR and a population count on the packed words (`np.bitwise_count`): the rows are
 never unpacked. What the signs stand for depends on the projection:
 
-* ``whitened`` (the preset `conf/grads/signs.yaml`): the coordinates are a random orthogonal
-  projection of the damped K-FAC-whitened gradient, so the share of equal signs estimates the
-  angle between whitened gradients (1 - θ/π, sign random projections: Charikar 2002), i.e. a
-  K-FAC-preconditioned cosine, at 1/32 of the float32 row's bytes per coordinate. Wider
-  projections are what the bytes buy (docs/benchmarks/gradian-indexing.md, "Sign rows").
+* ``eigen`` (the preset `conf/grads/signs.yaml`): each coordinate is one direction of the module's
+  K-FAC eigenbasis (`gradian.projection`), and ±1 per coordinate weighs every direction alike, as
+  EK-FAC's preconditioning whitens them: EOGP's rows (Heo, Rosser, Kim, 2026) with every
+  coordinate kept. Wider projections are what the bytes buy (16,384 coordinates per module in the
+  bytes of the default's 1,024 float16 values; docs/benchmarks/gradian-indexing.md, "Sign rows, stored").
+* ``whitened``: the coordinates are a random orthogonal projection of the damped K-FAC-whitened
+  gradient, so the share of equal signs estimates the angle between whitened gradients (1 - θ/π,
+  sign random projections: Charikar 2002), a K-FAC-preconditioned cosine.
 * ``kronecker_orthogonal`` / ``kronecker``: the same for the raw gradients' cosine.
 
 Sign rows hold no magnitudes, so nothing that needs them reads them: the module second moments

@@ -313,8 +313,9 @@ class GradsConfig:
                          " G's best rank-c approximation (gradian.factored). Kronecker projections or raw rows, not"
                          " dense; not with preconditioner module; signs = one bit per projected coordinate (its sign,"
                          " 1/32 of float32's bytes), scored by n - 2 x Hamming distance (gradian.signs): rank with"
-                         " cosine or dot, preconditioner none (use projection whitened for a K-FAC-preconditioned"
-                         " score; storage_dtype does not apply)", choices=("dense", "factored", "signs"))
+                         " cosine or dot, preconditioner none (projection eigen, the grads=signs preset, or whitened"
+                         " for a K-FAC-preconditioned score; storage_dtype does not apply)",
+                         choices=("dense", "factored", "signs"))
     row_rank: int = _f(8, "c, the rank of each module's factors with row_format=factored (at most min(k_o, k_i)"
                        " of every module; unused with dense)", ge=1, le=4096)
     batch_tokens: Optional[int] = _f(None, "token budget of one batch: rows x longest row (padding included);"
