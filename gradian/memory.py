@@ -157,6 +157,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                         copies of its projected inputs and output gradients and
                                         their outer-product sums: N·(k_i + k_o)·8 + (k_i² + k_o²)·8
                                         (raw rows: d_in, d_out), made in the backward hooks
+        eigen factor pass               with kind "eigen" at uniform widths: the pass sums projected
+                                        factors, the largest module's N·(k_i + k_o)·8 + (k_i² + k_o²)·8
         whitening factor pass           with kind "whitened" (`whitening_pass_bytes`): the factor pass's
                                         raw inputs Σ N·(d_in − k_i)·4 and the largest module's float64
                                         scratch N·(d_in + d_out)·8 + (d_in² + d_out²)·8
@@ -218,7 +220,10 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                             for k_o, k_i in curvature_sides(projector).values())
     if has_kfac(preconditioner) and fisher == "sampled":
         terms["sampled-label pass"] = Ns * V * FP32 + B * (stored_width or width) * FP32
-    if kind in STORED_KINDS:  # whitened or eigen: the factor pass before any row
+    if kind == "eigen" and not factor_pass:  # uniform widths: the pass sums projected (k, k) factors
+        terms["eigen factor pass"] = max(N * (k_i + k_o) * 8 + (k_i * k_i + k_o * k_o) * 8
+                                         for k_o, k_i in projector.factors.values())
+    elif kind in STORED_KINDS:  # whitened (or eigen after a width allocation): raw (d, d) factors
         terms["whitening factor pass"] = whitening_pass_bytes(projector, N)
     elif factor_pass:  # grads.width_allocation=spectrum: the same pass, before the widths are known
         terms["factor pass (width allocation)"] = whitening_pass_bytes(projector, N)

@@ -194,3 +194,12 @@ def test_the_eigen_projection_rotates_blocks_into_the_kfac_eigenbasis(built, tmp
     queries = eigen[[4]].float()
     top = stream_topk(tmp_path / "eigen", queries, top_k=3, score="ekfac")
     assert top["query_rows"][0, 0] == 4 and n == eigen.shape[1]
+
+
+def test_the_eigen_factor_pass_is_estimated_as_projected(tmp_path) -> None:
+    """At uniform widths the eigen projection's factor pass keeps projected activations and (k, k)
+    sums: the estimate's term is that, far below the whitened projection's raw (d, d) one."""
+    eigen = grads_estimate(_cfg(tmp_path, "grads.projection=eigen"), n_rows=100)
+    whitened = grads_estimate(_cfg(tmp_path, "grads.projection=whitened"), n_rows=100)
+    assert "eigen factor pass" in eigen.terms and "whitening factor pass" not in eigen.terms
+    assert eigen.terms["eigen factor pass"] < whitened.terms["whitening factor pass"]
