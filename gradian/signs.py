@@ -8,7 +8,7 @@ query is signed the same way, and a row's score is the inner product of the two 
     dot(q, g)    = n - 2 · popcount(bits_q XOR bits_g)      (an integer in [-n, n])
     cosine(q, g) = dot / n                                   (every ±1 row has norm √n)
 
-computed with XOR and a population count on the packed words (`np.bitwise_count`): the rows are
+computed with XOR and a population count on the packed words (`popcount`): the rows are
 never unpacked. What the signs stand for depends on the projection:
 
 * ``eigen`` (the preset `conf/grads/signs.yaml`): each coordinate is one direction of the module's
@@ -81,6 +81,17 @@ def _words(packed: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(packed.numpy()).view(np.uint64)
 
 
+_BYTE_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+
+def popcount(words: np.ndarray) -> np.ndarray:
+    """Set bits per element of a uint64 array: `np.bitwise_count` (NumPy >= 2.0), else a byte table
+    (NumPy 1.26, which pyproject.toml admits)."""
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(words)
+    return _BYTE_POPCOUNT[words.view(np.uint8)].reshape(*words.shape, 8).sum(-1, dtype=np.uint8)
+
+
 class SignScorer:
     """dot = n - 2 · Hamming distance of each signed query to each packed row (`__call__`:
     (N, packed) uint8 rows -> (Q, N) float32), one XOR and popcount pass per query."""
@@ -97,6 +108,6 @@ class SignScorer:
         words = _words(packed_rows)
         out = np.empty((self.queries.shape[0], words.shape[0]), dtype=np.float32)
         for i, q in enumerate(self.queries):
-            differ = np.bitwise_count(words ^ q).sum(axis=1, dtype=np.int64)
+            differ = popcount(words ^ q).sum(axis=1, dtype=np.int64)
             out[i] = self.n - 2 * differ
         return torch.from_numpy(out)

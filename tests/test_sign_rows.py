@@ -203,3 +203,19 @@ def test_the_eigen_factor_pass_is_estimated_as_projected(tmp_path) -> None:
     whitened = grads_estimate(_cfg(tmp_path, "grads.projection=whitened"), n_rows=100)
     assert "eigen factor pass" in eigen.terms and "whitening factor pass" not in eigen.terms
     assert eigen.terms["eigen factor pass"] < whitened.terms["whitening factor pass"]
+
+
+def test_popcount_without_numpy_2(monkeypatch) -> None:
+    """NumPy 1.26 (which pyproject.toml admits) has no bitwise_count: the byte table gives the same counts."""
+    import numpy as np
+
+    from gradian import signs
+
+    words = np.random.default_rng(0).integers(0, 2**63, size=(5, 7), dtype=np.uint64)
+    want = np.array([[bin(int(w)).count("1") for w in row] for row in words])
+    assert (signs.popcount(words) == want).all()
+    monkeypatch.delattr(np, "bitwise_count", raising=False)
+    assert (signs.popcount(words) == want).all()
+    rows, queries = torch.randn(9, 200), torch.randn(2, 200)
+    assert torch.equal(SignScorer(queries)(pack(rows)),
+                       torch.where(queries >= 0, 1.0, -1.0) @ torch.where(rows >= 0, 1.0, -1.0).T)
