@@ -235,9 +235,11 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                        + preconditioner_index_bytes(projector, preconditioner, n_shards))
     if has_kfac(preconditioner) and fisher == "sampled":  # the sampled-label rows, beside the rows
         est.index_bytes += grads_index_bytes(n_rows, width, storage_dtype_bytes)
-    if kind in STORED_KINDS:  # projection.safetensors: the stored factors, once per index
+    if kind == "whitened":  # projection.safetensors: the whitened factors, once per index
         est.index_bytes += sum((k_o * d_out + k_i * d_in) * FP32 for (d_out, d_in), (k_o, k_i)
                                in zip(module_shapes.values(), projector.factors.values(), strict=True))
+    elif kind == "eigen":  # projection.safetensors: the (k, k) rotations
+        est.index_bytes += sum((k_o * k_o + k_i * k_i) * FP32 for k_o, k_i in projector.factors.values())
     return est
 
 

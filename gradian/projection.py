@@ -28,7 +28,8 @@ Stored rows are a random projection of G, computed without ever forming G:
   P_in A P_inᵀ = Q_A diag(e_A) Q_Aᵀ (the same factor pass; eigenvalues descending): a rotation of
   each block, so dense rows score exactly as ``kronecker_orthogonal``'s (every inner product is
   kept), and each stored coordinate is one direction of K-FAC's eigenbasis (Q_S ⊗ Q_A): what sign
-  rows (`gradian.signs`, EOGP-style) keep one bit of. Stored like ``whitened``'s matrices.
+  rows (`gradian.signs`, EOGP-style) keep one bit of. Stored in the same file as ``whitened``'s
+  matrices, as the rotations Q (k × k per side) only (`compose_rotations` applies them on load).
 * ``dense``: one Gaussian matrix P (projection_dim, d_out * d_in) / sqrt(projection_dim) applied
   to vec(G); the fidelity reference (it needs G and a projection_dim × d_out·d_in matrix).
 * ``projection_dim=None``: vec(G) itself, row-major in nn.Linear orientation (d_out, d_in).
@@ -263,6 +264,11 @@ class Projector:
         if index_dir is None:
             raise ValueError("a whitened projection's matrices are stored in its index directory; give index_dir.")
         matrices = load_whitened(Path(index_dir), record, list(shapes))
+        if kind == "eigen":  # the file holds each module's rotations Q (k, k): P = Qᵀ times the seeded factors
+            seeded = cls(shapes, "kronecker_orthogonal", described.get("projection_dim"), described.get("seed", 0),
+                         widths=widths, allocation=allocation)
+            matrices = {n: compose_rotations(q_out, q_in, *seeded.kronecker_matrices(n), n)
+                        for n, (q_out, q_in) in matrices.items()}
         return cls(shapes, kind, described.get("projection_dim"), described.get("seed", 0), matrices, record,
                    widths=widths, allocation=allocation)
 
@@ -432,6 +438,19 @@ def projection_fingerprint(projector: Projector) -> str:
         for m in mats:
             h.update(m.contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def compose_rotations(q_out: torch.Tensor, q_in: torch.Tensor, p_out: torch.Tensor, p_in: torch.Tensor,
+                      name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eigen projection's matrices Q_outᵀ P_out (k_o, d_out) and Q_inᵀ P_in (k_i, d_in), float32 (computed
+    in float64), from its stored rotations and the seeded orthogonal factors; IndexIntegrityError when
+    the rotations do not fit the factors."""
+    if q_out.shape != (p_out.shape[0],) * 2 or q_in.shape != (p_in.shape[0],) * 2:
+        raise IndexIntegrityError(f"{WHITENING_FILE}: the eigen rotations of {name} are {tuple(q_out.shape)} and"
+                                  f" {tuple(q_in.shape)}, its factors need ({p_out.shape[0]}, {p_out.shape[0]}) and"
+                                  f" ({p_in.shape[0]}, {p_in.shape[0]}); {REBUILD}.")
+    return ((q_out.double().T @ p_out.double()).float().contiguous(),
+            (q_in.double().T @ p_in.double()).float().contiguous())
 
 
 def load_whitened(index_dir: Path, record: Mapping, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

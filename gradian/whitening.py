@@ -105,10 +105,11 @@ def whitened_tensors(projector: Projector, sums: FactorSums, n_rows: int,
 
 
 def eigen_tensors(projector: Projector, sums: FactorSums, n_rows: int) -> dict[str, torch.Tensor]:
-    """``p_out.m`` = Q_Sᵀ P_out (k_o, d_out), ``p_in.m`` = Q_Aᵀ P_in (k_i, d_in) float32 per module m
-    (kind eigen): P the seeded orthogonal factors of `projector`, Q the eigenvectors of the projected
-    K-FAC factors P_out S P_outᵀ and P_in A P_inᵀ (S = Σ δ δᵀ / n, A = Σ x xᵀ / N), largest eigenvalue
-    first. Only (k, k) matrices are decomposed."""
+    """``p_out.m`` = Q_S (k_o, k_o), ``p_in.m`` = Q_A (k_i, k_i) float32 per module m (kind eigen): the
+    eigenvectors of the projected K-FAC factors P_out S P_outᵀ and P_in A P_inᵀ (S = Σ δ δᵀ / n,
+    A = Σ x xᵀ / N; P the seeded orthogonal factors of `projector`), largest eigenvalue first, as
+    columns. The projection is Qᵀ P (`gradian.projection.compose_rotations`, on load): only (k, k)
+    matrices are decomposed and stored, k² floats per side instead of k · d."""
     random = projector.random_part()
     out = {}
     for m, name in enumerate(projector.names):
@@ -118,7 +119,7 @@ def eigen_tensors(projector: Projector, sums: FactorSums, n_rows: int) -> dict[s
             # sums of the projected pass are P F Pᵀ already (k, k); the raw pass's (d, d) are projected here
             projected = factor if sums.projected else p @ factor @ p.T
             _, q = torch.linalg.eigh((projected + projected.T) / 2)
-            out[f"{key}.{m}"] = (q.flip(1).T @ p).float().contiguous()
+            out[f"{key}.{m}"] = q.flip(1).float().contiguous()
     return out
 
 

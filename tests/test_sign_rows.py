@@ -183,7 +183,13 @@ def test_the_eigen_projection_rotates_blocks_into_the_kfac_eigenbasis(built, tmp
     gram = torch.nn.functional.normalize(eigen, dim=1) @ torch.nn.functional.normalize(eigen, dim=1).T
     want = torch.nn.functional.normalize(orth, dim=1) @ torch.nn.functional.normalize(orth, dim=1).T
     assert (gram - want).abs().max() < 1e-4
+    from safetensors.torch import load_file
+
     from gradian.curvature import _read_shard_factors
+
+    stored = load_file(str(reader.index_dir / "projection.safetensors"))  # the (k, k) rotations, not k x d
+    k_o, k_i = reader.manifest["projection"]["modules"][next(iter(reader.manifest["projection"]["modules"]))]["factors"]
+    assert stored["p_out.0"].shape == (k_o, k_o) and stored["p_in.0"].shape == (k_i, k_i)
 
     a_tot, s_tot, _ = _read_shard_factors(reader)  # every shard's K-FAC factors, summed
     for f in (a_tot[0], s_tot[0], a_tot[-1], s_tot[-1]):
