@@ -284,15 +284,15 @@ class IndexWriter:
                                  f" pack into {packed_width(n)}.")
         else:
             stored = grads.float().to(DTYPES[self.header["storage_dtype"]])
-        bad = torch.zeros(stored.shape[0], dtype=torch.bool) if signs else ~torch.isfinite(stored).all(dim=1)
-        if bad.any():
-            finite_before = torch.isfinite(grads.float()).all(dim=1)
-            which = rows[bad].tolist()[:10]
-            why = ("exceed the float16 range (|x| > 65504)" if finite_before[bad].all()
-                   else "are not finite (inf/nan) in float32 already")
-            raise StorageOverflowError(
-                f"rows {which} of shard {k} {why}; nothing of this shard was written. Set"
-                " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
+            bad = ~torch.isfinite(stored).all(dim=1)
+            if bad.any():
+                finite_before = torch.isfinite(grads.float()).all(dim=1)
+                which = rows[bad].tolist()[:10]
+                why = ("exceed the float16 range (|x| > 65504)" if finite_before[bad].all()
+                       else "are not finite (inf/nan) in float32 already")
+                raise StorageOverflowError(
+                    f"rows {which} of shard {k} {why}; nothing of this shard was written. Set"
+                    " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
         layout = layout_of(self.header)
         if layout is not None and second_moment_blocks is not None:
             raise ValueError("factored rows (grads.row_format=factored) hold no dense blocks to sum second moments of.")
@@ -591,9 +591,11 @@ class IndexReader:
             found = self._check_tensors(name, tensors)
             if not found:
                 layout = layout_of(self.manifest)
-                stored = tensors["grads"].float()
-                recomputed = (torch.full_like(tensors["norms"], math.sqrt(coordinates(self.manifest)))
-                              if is_signs(self.manifest) else stored.norm(dim=1) if layout is None else layout.norms(stored))
+                if is_signs(self.manifest):  # every ±1 row has norm √n
+                    recomputed = torch.full_like(tensors["norms"], math.sqrt(coordinates(self.manifest)))
+                else:
+                    stored = tensors["grads"].float()
+                    recomputed = stored.norm(dim=1) if layout is None else layout.norms(stored)
                 if not torch.allclose(recomputed, tensors["norms"], rtol=1e-5, atol=1e-6):
                     found.append(f"{name} norms are not the norms of its stored grads")
                 if "second_moment" in tensors:

@@ -71,7 +71,7 @@ from gradian.memory import curvature_sides, estimate_grads
 from gradian.precondition import check_block_width
 from gradian.projection import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
 from gradian.restrict import restricted_sites, site_shapes
-from gradian.signs import SIGNS, pack, packed_width
+from gradian.signs import SIGNS, NonFiniteRows, pack, packed_width
 from gradian.sources import DataError, Source, SourceSpec, resolve_format
 from gradian.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
 
@@ -215,8 +215,8 @@ def check_row_format(grads: GradsConfig) -> None:
             raise ValueError(f"grads.row_format=signs with grads.preconditioner={grads.preconditioner}: sign rows keep"
                              " one bit per coordinate, no magnitudes, so no second moment or K-FAC curvature can be"
                              " computed from them or applied to them. Set grads.preconditioner=none (with"
-                             " grads.projection=whitened the signs are already those of K-FAC-whitened gradients),"
-                             " or grads.row_format=dense.")
+                             " grads.projection=eigen, as the grads=signs preset, or whitened the signs are already"
+                             " of K-FAC-preconditioned coordinates), or grads.row_format=dense.")
         return
     if grads.projection == "dense" and grads.projection_dim is not None:
         raise ValueError("grads.row_format=factored stores each module's projected gradient as factors of its"
@@ -248,13 +248,13 @@ def fisher_tensors(fisher_rows: torch.Tensor | None, storage_dtype: str, first_r
 def _signs_of(rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
     """A batch's rows packed as sign bits (`gradian.signs.pack`); StorageOverflowError naming the
     rows whose gradient is not finite (no sign), before anything of the shard is written."""
-    bad = ~torch.isfinite(rows).all(dim=1)
-    if bad.any():
-        which = [row_ids[i] for i in bad.nonzero().flatten().tolist()][:10]
+    try:
+        return pack(rows)
+    except NonFiniteRows as err:
+        which = [row_ids[i] for i in err.positions][:10]
         raise StorageOverflowError(f"rows {which} have gradients that are not finite (inf/nan), so they have no sign;"
                                    " nothing of this shard was written. Check those rows, or run with"
-                                   " model.precision=float32.")
-    return pack(rows)
+                                   " model.precision=float32.") from None
 
 
 def finalize_curvature(index_dir: Path) -> Path | None:

@@ -216,13 +216,11 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         "block temporaries": int(max(0.0, tmp_f * N * f * p - logits_f32)),
     }
     if has_kfac(preconditioner):
-        terms["K-FAC factor scratch"] = max(N * (k_i + k_o) * 8 + (k_i * k_i + k_o * k_o) * 8
-                                            for k_o, k_i in curvature_sides(projector).values())
+        terms["K-FAC factor scratch"] = factor_scratch_bytes(N, curvature_sides(projector).values())
     if has_kfac(preconditioner) and fisher == "sampled":
         terms["sampled-label pass"] = Ns * V * FP32 + B * (stored_width or width) * FP32
     if kind == "eigen" and not factor_pass:  # uniform widths: the pass sums projected (k, k) factors
-        terms["eigen factor pass"] = max(N * (k_i + k_o) * 8 + (k_i * k_i + k_o * k_o) * 8
-                                         for k_o, k_i in projector.factors.values())
+        terms["eigen factor pass"] = factor_scratch_bytes(N, projector.factors.values())
     elif kind in STORED_KINDS:  # whitened (or eigen after a width allocation): raw (d, d) factors
         terms["whitening factor pass"] = whitening_pass_bytes(projector, N)
     elif factor_pass:  # grads.width_allocation=spectrum: the same pass, before the widths are known
@@ -241,6 +239,12 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     elif kind == "eigen":  # projection.safetensors: the (k, k) rotations
         est.index_bytes += sum((k_o * k_o + k_i * k_i) * FP32 for k_o, k_i in projector.factors.values())
     return est
+
+
+def factor_scratch_bytes(n_tokens: int, sides) -> int:
+    """The largest module's float64 copies of N projected inputs and output gradients and their
+    outer-product sums, N·(k_i + k_o)·8 + (k_i² + k_o²)·8, over `sides` ((k_o, k_i) per module)."""
+    return max(n_tokens * (k_i + k_o) * 8 + (k_i * k_i + k_o * k_o) * 8 for k_o, k_i in sides)
 
 
 def whitening_pass_bytes(projector: Projector, n_tokens: int) -> int:

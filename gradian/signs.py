@@ -56,15 +56,22 @@ def coordinates(manifest: Mapping[str, Any]) -> int:
     return sum(int(e["width"]) for e in modules.values())
 
 
+class NonFiniteRows(ValueError):
+    """Rows with a value that is not finite (a NaN has no sign); `positions`: their indices in the input."""
+
+    def __init__(self, positions: list[int]) -> None:
+        super().__init__(f"rows {positions[:10]} hold values that are not finite: they have no sign.")
+        self.positions = positions
+
+
 def pack(rows: torch.Tensor) -> torch.Tensor:
     """(N, n) real -> (N, packed_width(n)) uint8: bit j set where rows[:, j] >= 0 (padding bits 0).
 
-    ValueError naming the rows when a value is not finite (a NaN has no sign)."""
+    NonFiniteRows (a ValueError) naming the rows when a value is not finite."""
     values = rows.detach().float().cpu()
     bad = ~torch.isfinite(values).all(dim=1)
     if bad.any():
-        raise ValueError(f"rows {bad.nonzero().flatten().tolist()[:10]} hold values that are not finite: they have no"
-                         " sign.")
+        raise NonFiniteRows(bad.nonzero().flatten().tolist())
     n = values.shape[1]
     bits = np.zeros((values.shape[0], 8 * packed_width(n)), dtype=bool)
     bits[:, :n] = (values >= 0).numpy()

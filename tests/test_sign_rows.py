@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_factored_rows import ROWS  # the same 20 rows
 
 from circuitkit.core.config import compose
 from circuitkit.core.errors import UserError
@@ -20,9 +21,6 @@ from gradian.memory import grads_estimate
 from gradian.rank import rank, stream_topk
 from gradian.signs import SignScorer, coordinates, pack, packed_width, unpack
 
-ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}
-        for i, (s, v, p) in enumerate((s, v, p) for s in ("cat", "dog", "owl", "fox", "elk")
-                                      for v in ("runs", "naps") for p in ("lake", "hill"))]  # 20 rows
 DIM = 100  # 10 x 10 per module: 100 coordinates, not a whole number of 64-bit words
 N_ROWS = len(ROWS)
 
