@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,6 +47,7 @@ from torch import nn
 from circuitkit.core.config import GradsConfig, choices
 from circuitkit.models.placement import input_device
 from circuitkit.models.recompute import fused_activations, recomputed_activations
+from gradian.data import SUPERVISION
 from gradian.projection import Projector
 
 
@@ -81,6 +84,55 @@ def supervised_positions(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tenso
         raise ValueError("a padding position (attention_mask 0) is marked supervised.")
     b, t = sup.nonzero(as_tuple=True)  # row-major: grouped by example, in position order
     return b, t - 1, ids[b, t]
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """A batch's supervised targets on the device, with the host facts the capture needs."""
+
+    example: torch.Tensor  # (N,) long
+    position: torch.Tensor  # (N,) long: hidden position t - 1
+    target: torch.Tensor  # (N,) long
+    counts: torch.Tensor  # (B,) long
+    host_counts: list[int]
+    spans: list[int]  # per example: its last supervised hidden position + 1 (what can carry a gradient)
+    real_tokens: int
+    padded: bool
+
+    def weights(self, loss_reduction: str) -> torch.Tensor:
+        """d L_b / d loss_t per target (N,) float32: 1 ("sum") or 1 / n_b ("mean")."""
+        if loss_reduction == "sum":
+            return torch.ones(self.target.shape, dtype=torch.float32, device=self.target.device)
+        return 1.0 / self.counts[self.example].float()
+
+
+def _targets(batch: Mapping[str, torch.Tensor], device: torch.device) -> _Targets:
+    """The batch's `_Targets`: from the host-side `gradian.data.Supervision` that `collate` computed
+    (copied to the device without a wait), else, for a hand-made batch, from its masks on the device."""
+    facts = batch.get(SUPERVISION)
+    if facts is not None:
+        host = torch.from_numpy(np.stack([facts.example, facts.position, facts.target]))
+        if device.type != "cpu":
+            host = host.pin_memory()
+        example, position, target = host.to(device, non_blocking=True)
+        counts = torch.from_numpy(facts.counts)
+        counts = counts.to(device) if device.type == "cpu" else counts.pin_memory().to(device, non_blocking=True)
+        spans = np.zeros(len(facts.counts), dtype=np.int64)
+        np.maximum.at(spans, facts.example, facts.position + 1)
+        return _Targets(example, position, target, counts, facts.counts.tolist(), spans.tolist(), facts.real_tokens,
+                        facts.padded)
+    mask = batch.get("attention_mask")
+    on_device = {"input_ids": batch["input_ids"].to(device), "supervised": batch["supervised"].to(device),
+                 **({} if mask is None else {"attention_mask": mask.to(device)})}
+    example, position, target = supervised_positions(on_device)
+    counts = torch.bincount(example, minlength=on_device["input_ids"].shape[0])
+    if (counts == 0).any():
+        empty = (counts == 0).nonzero().flatten().tolist()
+        raise ValueError(f"examples {empty[:10]} of the batch have no supervised token: their gradient"
+                         " would be zero; drop them before indexing.")
+    real = int(mask.sum()) if mask is not None else on_device["input_ids"].numel()
+    spans = torch.zeros_like(counts).scatter_reduce(0, example, position + 1, "amax")
+    return _Targets(example, position, target, counts, counts.tolist(), spans.tolist(), real, mask is not None)
 
 
 def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -287,19 +339,16 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
         raise ValueError(f"the projector has no shape for modules {missing[:3]}.")
 
     device = input_device(model)
-    input_ids = batch["input_ids"].to(device)
-    attention_mask = batch.get("attention_mask")
-    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
-    batch = {**batch, "input_ids": input_ids, "attention_mask": attention_mask,
-             "supervised": batch["supervised"].to(device)}
+    facts = _targets(batch, device)
+    input_ids = batch["input_ids"].to(device, non_blocking=True)
+    # Rows are right-padded and attention is causal: a real position never reads a later (padding)
+    # one, so the model runs without the mask (its mask checks read the device, twice per forward)
+    # and only the padding positions' own values differ; they are zeroed after each projection.
+    attention_mask = batch.get("attention_mask") if facts.padded else None
+    keep = None if attention_mask is None else attention_mask.to(device, non_blocking=True).bool()[..., None]  # (B, T, 1)
     n_examples = input_ids.shape[0]
-    ex, pos, targets = supervised_positions(batch)
-    n_sup = torch.bincount(ex, minlength=n_examples)
-    if (n_sup == 0).any():
-        empty = (n_sup == 0).nonzero().flatten().tolist()
-        raise ValueError(f"examples {empty[:10]} of the batch have no supervised token: their gradient"
-                         " would be zero; drop them before indexing.")
-    keep = attention_mask.bool()[..., None]  # (B, T, 1)
+    ex, pos, targets = facts.example, facts.position, facts.target
+    n_sup = facts.counts
 
     # A site is (name, module) or (name, module, input columns): several sites can share one
     # module (the kept heads of one o_proj, `gradian.restrict`); one hook per module serves them.
@@ -312,7 +361,8 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     rows: dict[str, torch.Tensor] = {}
     fisher_rows: dict[str, torch.Tensor] = {}
     second_pass = [False]  # true while the sampled-label backward runs (fisher="sampled")
-    combine = projector.combine if factored is None else factored.combine
+    # Factored rows are combined once the backward is done, every module together (one SVD call per batch).
+    combine = projector.combine if factored is None else (lambda name, xp, dp: (xp, dp))
     handles = []
 
     def make_hooks(group: list[tuple[str, slice | None]]):
@@ -329,7 +379,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             # so this is the same as projecting a masked x, without a copy of every module input.
             for name, columns in group:
                 xp = projector.project_input(name, x if columns is None else x[..., columns])
-                x_proj[name] = torch.where(keep, xp, torch.zeros_like(xp))
+                x_proj[name] = xp if keep is None else torch.where(keep, xp, torch.zeros_like(xp))
             out = _output_tensor(output)
             if not out.requires_grad:
                 # Frozen weights and an input that needs no gradient (the earliest selected
@@ -341,7 +391,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             def grad_hook(delta: torch.Tensor) -> None:
                 for name, _ in group:
                     dp = projector.project_output(name, delta)  # (B, T, k_o); masked like x above
-                    dp = torch.where(keep, dp, torch.zeros_like(dp))
+                    dp = dp if keep is None else torch.where(keep, dp, torch.zeros_like(dp))
                     if second_pass[0]:  # sampled labels: the factors and the sampled rows only
                         xp = x_proj.pop(name)
                         factors.add(name, xp, dp)
@@ -360,10 +410,11 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     for module, group in by_module.values():
         handles.append(module.register_forward_hook(make_hooks(group)))
     # Mean reduction: d L_b / d loss_t = 1 / n_b for each target t of example b.
-    weights = torch.ones_like(targets, dtype=torch.float32) if loss_reduction == "sum" else 1.0 / n_sup[ex].float()
+    weights = facts.weights(loss_reduction)
     try:
         with torch.enable_grad(), ACTIVATION_CONTEXTS[mode](model, dtype):
-            hidden = adapter.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            # The embeddings are looked up here: given ids and no mask, GPT-2 reads the ids back for a padding check.
+            hidden = adapter.base(inputs_embeds=adapter.embed(input_ids)).last_hidden_state
             # Gather before the unembedding: only supervised positions reach the vocabulary.
             h_sup = hidden[ex, pos]  # (N, d)
             del hidden
@@ -371,7 +422,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             h_sup.backward(grad_h, retain_graph=true_fisher)
             if true_fisher:
                 del grad_h
-                uniforms = fisher_uniforms(row_ids, n_sup.tolist(), fisher_seed)
+                uniforms = fisher_uniforms(row_ids, facts.host_counts, fisher_seed).to(device, non_blocking=True)
                 _labels, grad_h = sampled_loss_grad(adapter, h_sup.detach(), uniforms)
                 second_pass[0] = True
                 h_sup.backward(grad_h)
@@ -380,13 +431,16 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             h.remove()
         x_proj.clear()
     if factors is not None:
-        factors.add_tokens(int(attention_mask.sum()))
+        factors.add_tokens(facts.real_tokens)
     losses = torch.zeros(n_examples, dtype=torch.float32, device=device).index_add(0, ex, token_loss)
     if loss_reduction == "mean":
         losses = losses / n_sup.float()
     absent = [n for n, _, _ in sites if n not in rows]
     if absent:
         raise RuntimeError(f"no gradient reached modules {absent[:3]}: they do not feed the supervised logits.")
+    if factored is not None:
+        rows = factored.combine_all(rows, facts.spans)
+        fisher_rows = factored.combine_all(fisher_rows, facts.spans) if fisher_rows else fisher_rows
     out = PerExampleGradients((n, rows[n]) for n, _, _ in sites)
     out.losses = losses
     out.n_supervised = n_sup

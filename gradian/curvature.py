@@ -110,18 +110,20 @@ class FactorSums:
 
     def add(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> None:
         """xp (B, T, k_i), dp (B, T, k_o): the projected inputs and output gradients of one batch,
-        zero at padding (padding adds nothing)."""
+        zero at padding (padding adds nothing). The sums stay on xp's device (float64): nothing is
+        copied to the host until `tensors`."""
         # float64 where it is cheap (an accelerator); batch_dtype on the CPU
         dtype = self.batch_dtype if xp.device.type == "cpu" else torch.float64
         a = xp.reshape(-1, xp.shape[-1]).to(dtype)
         s = dp.reshape(-1, dp.shape[-1]).to(dtype)
-        a_sum, s_sum = (a.T @ a).cpu().double(), (s.T @ s).cpu().double()
+        a_sum, s_sum = (a.T @ a).double(), (s.T @ s).double()
         # Exactly symmetric (a blocked matmul may sum (i, j) and (j, i) in another order).
         a_sum, s_sum = (a_sum + a_sum.T) / 2, (s_sum + s_sum.T) / 2
-        self.a[name] = a_sum if name not in self.a else self.a[name] + a_sum
-        self.s[name] = s_sum if name not in self.s else self.s[name] + s_sum
+        self.a[name] = a_sum if name not in self.a else self.a[name].add_(a_sum)
+        self.s[name] = s_sum if name not in self.s else self.s[name].add_(s_sum)
 
     def add_tokens(self, n: int) -> None:
+        """Count `n` more positions (a host integer: the batch's non-padding tokens, known at collate time)."""
         self.tokens += int(n)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -132,7 +134,7 @@ class FactorSums:
         out = {TOKENS: torch.tensor([self.tokens], dtype=torch.int64)}
         for m, name in enumerate(self.names):
             key_in, key_out = factor_names(m)
-            out[key_in], out[key_out] = self.a[name].float(), self.s[name].float()
+            out[key_in], out[key_out] = self.a[name].float().cpu(), self.s[name].float().cpu()
         return out
 
 

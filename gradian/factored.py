@@ -61,37 +61,75 @@ QUERY_RESIDUAL = 1e-5
 CHUNK_ELEMENTS = 2**24
 
 
-def block_factors(s: torch.Tensor, a: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_factors(s: torch.Tensor, a: torch.Tensor, rank: int,
+                  spans: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each example's block G = Sᵀ A as U (B, k_o, rank), V (B, k_i, rank) float32 (module docstring).
 
     s (B, T, k_o), a (B, T, k_i): the positions' projected output gradients and inputs; positions
     where either is zero (padding, after the last supervised token) add nothing to G and are dropped,
-    so an example's factors do not depend on its batch (to round-off). Batched: one QR pair and one
-    small SVD per call, not per example. Singular pairs are signed so that U's columns sum >= 0.
+    so an example's factors do not depend on its batch (to round-off). `spans` (B,) host integers:
+    per example, how many leading positions can be non-zero (its last supervised position + 1, known
+    when the batch is collated); None reads them off the device (a wait). An example of span <= rank
+    keeps its token factors in position order, each pair at equal norms (exact); the others go
+    through one QR pair and one small SVD (`many_block_factors` does several modules' at once).
+    Singular pairs are signed so that U's columns sum >= 0.
     """
-    live = (s != 0).any(dim=2) & (a != 0).any(dim=2)  # (B, T)
-    s, a = s.double() * live[..., None], a.double() * live[..., None]
-    n_b, k_o, k_i = s.shape[0], s.shape[2], a.shape[2]
-    u = s.new_zeros(n_b, k_o, rank)
-    v = a.new_zeros(n_b, k_i, rank)
-    few = live.sum(dim=1) <= rank
-    if few.any():  # the token factors in position order, each pair at equal norms: exact
-        b_idx, t_idx = (live & few[:, None]).nonzero(as_tuple=True)
-        col = (live.long().cumsum(dim=1) - 1)[b_idx, t_idx]
-        rho = (a[b_idx, t_idx].norm(dim=1) / s[b_idx, t_idx].norm(dim=1)).sqrt()[:, None]
-        u[b_idx, :, col] = s[b_idx, t_idx] * rho
-        v[b_idx, :, col] = a[b_idx, t_idx] / rho
-    many = ~few
-    if many.any():  # G's SVD from the QRs of its token-factor matrices and the SVD of their small core
-        q_s, r_s = torch.linalg.qr(s[many].mT)  # (B', k_o, r_S), (B', r_S, T)
-        q_a, r_a = torch.linalg.qr(a[many].mT)  # (B', k_i, r_A), (B', r_A, T)
-        w, sigma, z_t = torch.linalg.svd(r_s @ r_a.mT, full_matrices=False)
-        r = min(rank, sigma.shape[1])
+    return many_block_factors([(s, a)], rank, spans)[0]
+
+
+def many_block_factors(pairs: list[tuple[torch.Tensor, torch.Tensor]], rank: int,
+                       spans: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`block_factors` of several modules' (s, a) pairs of one batch, with one batched SVD for all of
+    them: an SVD checks its convergence on the host, so one call per batch waits for the device once,
+    not once per module. Each module's small core R_S R_Aᵀ is zero-padded to the largest core's shape
+    (padding adds only zero singular values; the top pairs are the unpadded core's)."""
+    out: list[list[torch.Tensor]] = []
+    cores: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (module, index, q_s, q_a, core)
+    for m, (s, a) in enumerate(pairs):
+        live = (s != 0).any(dim=2) & (a != 0).any(dim=2)  # (B, T)
+        s, a = s.double() * live[..., None], a.double() * live[..., None]
+        n_b, n_t, k_o, k_i = s.shape[0], s.shape[1], s.shape[2], a.shape[2]
+        if spans is None:
+            positions = torch.arange(1, n_t + 1, device=s.device)
+            spans = (live * positions).amax(dim=1).tolist() if n_t else [0] * n_b
+        u, v = s.new_zeros(n_b, k_o, rank), a.new_zeros(n_b, k_i, rank)
+        out.append([u, v])
+        few = [b for b, span in enumerate(spans) if span <= rank]
+        many = [b for b, span in enumerate(spans) if span > rank]
+        if few:  # the token factors in position order, each pair at equal norms: exact
+            index = torch.tensor(few).to(s.device, non_blocking=True)
+            width = min(rank, n_t)
+            s_few, a_few = s[index, :width], a[index, :width]  # (F, width, k)
+            s_norm, a_norm = s_few.norm(dim=2), a_few.norm(dim=2)
+            token = (s_norm > 0) & (a_norm > 0)  # a position that adds to G
+            rho = torch.where(token, a_norm / torch.where(token, s_norm, 1.0), 1.0).sqrt()[..., None]
+            u[index, :, :width] = (s_few * rho).mT
+            v[index, :, :width] = (a_few / rho * token[..., None]).mT
+        if many:  # G's SVD from the QRs of its token-factor matrices and the SVD of their small core
+            index = torch.tensor(many).to(s.device, non_blocking=True)
+            q_s, r_s = torch.linalg.qr(s[index].mT)  # (B', k_o, r_S), (B', r_S, T)
+            q_a, r_a = torch.linalg.qr(a[index].mT)  # (B', k_i, r_A), (B', r_A, T)
+            cores.append((m, index, q_s, q_a, r_s @ r_a.mT))  # (B', r_S, r_A)
+    if not cores:
+        return [(u.float(), v.float()) for u, v in out]
+    rows_max = max(core.shape[1] for *_, core in cores)
+    cols_max = max(core.shape[2] for *_, core in cores)
+    padded = torch.cat([torch.nn.functional.pad(core, (0, cols_max - core.shape[2], 0, rows_max - core.shape[1]))
+                        for *_, core in cores])
+    w_all, sigma_all, z_t_all = torch.linalg.svd(padded, full_matrices=False)
+    first = 0
+    for m, index, q_s, q_a, core in cores:
+        part = slice(first, first + core.shape[0])
+        first += core.shape[0]
+        r_s, r_a = core.shape[1], core.shape[2]
+        w, sigma, z_t = w_all[part, :r_s], sigma_all[part], z_t_all[part, :, :r_a]
+        r = min(rank, r_s, r_a)
         root = sigma[:, None, :r].sqrt()
         u_many, v_many = (q_s @ w[:, :, :r]) * root, (q_a @ z_t[:, :r].mT) * root
         sign = torch.where(u_many.sum(dim=1, keepdim=True) < 0, -1.0, 1.0).to(u_many.dtype)
-        u[many, :, :r], v[many, :, :r] = u_many * sign, v_many * sign
-    return u.float(), v.float()
+        u, v = out[m]
+        u[index, :, :r], v[index, :, :r] = u_many * sign, v_many * sign
+    return [(u.float(), v.float()) for u, v in out]
 
 
 class FactoredRows:
@@ -107,11 +145,17 @@ class FactoredRows:
         """Where `projector`'s modules' factors sit in a row (`projector_layout`)."""
         return projector_layout(projector, self.rank)
 
-    def combine(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
+    def combine(self, name: str, xp: torch.Tensor, dp: torch.Tensor, spans: list[int] | None = None) -> torch.Tensor:
         """xp (B, T, k_i), dp (B, T, k_o) -> each example's [U | V] flattened, (B, rank (k_o + k_i)) float32
-        (`block_factors`)."""
-        u, v = block_factors(dp, xp, self.rank)
-        return torch.cat([u.flatten(1), v.flatten(1)], dim=1)
+        (`block_factors`; `spans` its host-side spans)."""
+        return self.combine_all({name: (xp, dp)}, spans)[name]
+
+    def combine_all(self, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                    spans: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """`combine` of every module of a batch at once, name -> (xp, dp): one SVD call for all of them
+        (`many_block_factors`)."""
+        factors = many_block_factors([(dp, xp) for xp, dp in pairs.values()], self.rank, spans)
+        return {name: torch.cat([u.flatten(1), v.flatten(1)], dim=1) for name, (u, v) in zip(pairs, factors, strict=True)}
 
 
 @dataclass(frozen=True)

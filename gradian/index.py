@@ -36,7 +36,7 @@ import torch
 
 from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
-from circuitkit.core.io import atomic_save_safetensors, atomic_write_json, file_lock, sha256_file
+from circuitkit.core.io import atomic_write_json, file_lock, save_safetensors_streamed, sha256_file
 from gradian.factored import layout_of, projector_layout, row_format_problems
 from gradian.header import check_header
 from gradian.index_files import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
@@ -298,20 +298,34 @@ class IndexWriter:
             raise ValueError("factored rows (grads.row_format=factored) hold no dense blocks to sum second moments of.")
         norms = (torch.full((stored.shape[0],), math.sqrt(n), dtype=torch.float32) if signs
                  else stored.float().norm(dim=1) if layout is None else layout.norms(stored))  # of what the row stands for
+        second_moment = None
+        if second_moment_blocks is not None:
+            from gradian.precondition import shard_second_moment
+
+            second_moment = shard_second_moment(stored.float(), second_moment_blocks)
+        return self.write_stored(k, stored, norms, sources, second_moment, extra_tensors)
+
+    def write_stored(self, k: int, stored, norms: torch.Tensor, sources: torch.Tensor | None = None,
+                     second_moment: torch.Tensor | None = None,
+                     extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+        """Store shard k from rows already in their stored form (host tensors): `stored` (n, width) in the
+        storage dtype (or packed sign bytes), or a `circuitkit.core.io.RowGather` of them; `norms` (n,)
+        float32 of the stored values; the rest as `write_shard` takes them. The file is streamed and
+        hashed while written (no second read), renamed into place, then listed in the manifest."""
+        start, end = self.row_range(k)
+        if stored.shape[0] != end - start:
+            raise ValueError(f"shard {k} must hold rows {start}..{end - 1}: {end - start} rows, got {stored.shape[0]}.")
         with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
             if not got:
                 raise self._busy(k)
-            tensors = {"grads": stored, "norms": norms, "rows": rows.long()}
+            tensors = {"grads": stored, "norms": norms, "rows": torch.arange(start, end, dtype=torch.long)}
             if sources is not None:
                 tensors["sources"] = sources.long()
-            if second_moment_blocks is not None:
-                from gradian.precondition import shard_second_moment
-
-                tensors["second_moment"] = shard_second_moment(stored.float(), second_moment_blocks)
+            if second_moment is not None:
+                tensors["second_moment"] = second_moment
             if extra_tensors:
                 tensors.update(extra_tensors)
-            path = atomic_save_safetensors(self.index_dir / shard_name(k), tensors)
-            digest = sha256_file(path)
+            path, digest = save_safetensors_streamed(self.index_dir / shard_name(k), tensors)
         with self._manifest_lock():
             manifest = self._read()
             manifest["shards"][shard_name(k)] = {"index": k, "rows": [start, end], "sha256": digest,

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,6 @@ from gradian.capture import activation_mode, activation_numerics, per_example_gr
 from gradian.corpus import TokenizedCorpus
 from gradian.curvature import (
     CURVATURE_FILE,
-    FISHER_ROWS,
     FactorSums,
     check_kfac,
     compute_curvature,
@@ -54,8 +54,8 @@ from gradian.curvature import (
     has_module,
     shards_digest,
 )
-from gradian.data import TokenPolicy, collate, length_limit
-from gradian.factored import factored_rows, stored_value_bytes
+from gradian.data import TokenPolicy, collate, length_limit, to_device
+from gradian.factored import factored_rows, layout_of, stored_value_bytes
 from gradian.header import IndexHeader, header_json
 from gradian.index import (
     MANIFEST,
@@ -63,7 +63,6 @@ from gradian.index import (
     IndexMismatchError,
     IndexReader,
     IndexWriter,
-    StorageOverflowError,
     read_manifest,
 )
 from gradian.index_files import read_recorded
@@ -71,7 +70,8 @@ from gradian.memory import curvature_sides, estimate_grads
 from gradian.precondition import check_block_width
 from gradian.projection import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
 from gradian.restrict import restricted_sites, site_shapes
-from gradian.signs import SIGNS, NonFiniteRows, pack, packed_width
+from gradian.shard_rows import ShardJob, ShardPipeline, ShardRows, StoredForm
+from gradian.signs import SIGNS, packed_width
 from gradian.sources import DataError, Source, SourceSpec, resolve_format
 from gradian.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
 
@@ -125,18 +125,19 @@ def _check_readable(path: Path, what: str) -> None:
 
 
 def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks: int = 1,
-                       factor_sides: list[tuple[int, int]] | None = None, value_bytes: int = 4) -> int:
-    """A shard's rows (float32 values, or `value_bytes` 1: packed sign bytes, row_width of them) stay
-    in host memory until the shard is written: refuse a shard that
+                       factor_sides: list[tuple[int, int]] | None = None, value_bytes: int = 2) -> int:
+    """A shard's rows stay in host memory, in their stored form (`value_bytes` per value: the storage
+    dtype's, or 1 for packed sign bytes, row_width of them), until the shard is written, and two shards
+    are held at once (`gradian.shard_rows`: one filled while the other is written): refuse a shard that
     cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
     With grads.preconditioner=module the shard's second moments (`n_blocks` of k x k float32) and
     one block's float64 scratch (rows x k) come on top; with kfac the float64 factor sums:
     Σ (k_o² + k_i²) · 8 over `factor_sides` ((k_o, k_i) per module, `gradian.memory.curvature_sides`),
-    else bounded from the width alone. Returns the buffer's bytes."""
+    else bounded from the width alone. Returns the buffers' bytes."""
     rows = min(grads.rows_per_shard, n_rows)
-    need = rows * row_width * value_bytes
-    if has_kfac(grads.preconditioner) and grads.fisher == "sampled":
-        need += rows * row_width * 4  # the sampled-label rows, for the EK-FAC eigenvalues
+    need = 2 * rows * row_width * value_bytes
+    if has_kfac(grads.preconditioner) and grads.fisher == "sampled":  # the sampled-label rows, for EK-FAC
+        need += 2 * rows * row_width * DTYPES[grads.storage_dtype].itemsize
     if has_module(grads.preconditioner):
         k = row_width // n_blocks
         need += n_blocks * k * k * 4 + rows * k * 8
@@ -148,11 +149,12 @@ def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks
         need += n_blocks * 2 * side * side * 8 if grads.projection_dim is None else n_blocks * 4 * k * 8
     available = free_memory_bytes(torch.device("cpu"))
     if need > available:
-        fits = max(1, available // (2 * row_width * value_bytes))
-        what = "float32 values" if value_bytes == 4 else "bytes of packed sign bits"
+        fits = max(1, available // (4 * row_width * value_bytes))
+        what = "bytes of packed sign bits" if grads.row_format == SIGNS else f"{grads.storage_dtype} values"
         raise UserError(
             f"grads.rows_per_shard={grads.rows_per_shard}: a shard holds {rows} rows of {row_width:,} {what}"
-            f" ({need / 2**30:.1f} GiB) in host memory until it is written, and {available / 2**30:.1f} GiB are"
+            f" and two shards are held at once ({need / 2**30:.1f} GiB in host memory until they are written), and"
+            f" {available / 2**30:.1f} GiB are"
             f" available. Lower grads.rows_per_shard (e.g. {fits}) or shrink the rows (grads.projection_dim,"
             " grads.module_filter).", exit_code=2)
     return need
@@ -230,33 +232,6 @@ def check_row_format(grads: GradsConfig) -> None:
                          " grads.row_format=dense.")
 
 
-def fisher_tensors(fisher_rows: torch.Tensor | None, storage_dtype: str, first_row: int) -> dict[str, torch.Tensor]:
-    """The shard's sampled-label rows (grads.fisher=sampled) in the storage dtype, or nothing;
-    StorageOverflowError if float16 cannot hold them."""
-    if fisher_rows is None:
-        return {}
-    stored = fisher_rows.to(DTYPES[storage_dtype])
-    bad = ~torch.isfinite(stored).all(dim=1)
-    if bad.any():
-        which = (bad.nonzero().flatten() + first_row).tolist()[:10]
-        raise StorageOverflowError(f"the sampled-label rows (grads.fisher=sampled) of rows {which} are not finite in"
-                                   f" {storage_dtype}; nothing of this shard was written. Set"
-                                   " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
-    return {FISHER_ROWS: stored}
-
-
-def _signs_of(rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
-    """A batch's rows packed as sign bits (`gradian.signs.pack`); StorageOverflowError naming the
-    rows whose gradient is not finite (no sign), before anything of the shard is written."""
-    try:
-        return pack(rows)
-    except NonFiniteRows as err:
-        which = [row_ids[i] for i in err.positions][:10]
-        raise StorageOverflowError(f"rows {which} have gradients that are not finite (inf/nan), so they have no sign;"
-                                   " nothing of this shard was written. Check those rows, or run with"
-                                   " model.precision=float32.") from None
-
-
 def finalize_curvature(index_dir: Path) -> Path | None:
     """Write ``curvature.safetensors`` (`gradian.curvature`: eigenbases of the summed K-FAC factors
     and the EK-FAC eigenvalues of the stored rows) for a complete index whose shards hold K-FAC
@@ -297,7 +272,7 @@ def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, a
                     else corpus.rows(chunk[0], chunk[-1] + 1))
             lengths = [len(r.input_ids) for r in rows]
             for plan in plan_batches(lengths, grads.batch_size, grads.batch_tokens, grads.group_by_length, overhead):
-                batch = {key: t.to(loaded.device) for key, t in collate([rows[i] for i in plan], pad_id).items()}
+                batch = to_device(collate([rows[i] for i in plan], pad_id), loaded.device)
                 yield batch, [chunk[i] for i in plan]
 
     def run_batch(probe, batch, row_ids, sums) -> None:
@@ -404,6 +379,48 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
         check_allocation(Path(index_dir), recorded)
         if recorded.get("kind") in STORED_KINDS:
             read_recorded(Path(index_dir), recorded.get("whitening"), WHITENING_FILE, "the whitened projection")
+
+
+@dataclass(frozen=True)
+class _BatchCapture:
+    """What every batch of an index run is computed with (`index_batch`)."""
+
+    loaded: Any
+    modules: list
+    projector: Projector
+    grads: GradsConfig
+    activations: str
+    fisher: str
+    factored: Any
+    pad_id: int
+
+
+def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: int, factors: FactorSums | None,
+                buffer: ShardRows) -> int:
+    """One batch of the index loop: collate on the host, copy, capture, store into the shard's buffer.
+
+    Nothing here waits for the device (the hot path: tests/test_blocking_calls.py counts it): the
+    batch's bookkeeping is collated on the host, the rows leave the device in their stored form
+    without a wait (`gradian.shard_rows`), the factor sums stay on the device. Returns the batch's
+    computed (padded) tokens."""
+    grads = capture.grads
+    batch = to_device(collate(rows, capture.pad_id), capture.loaded.device)
+    got = per_example_gradients(capture.loaded.model, capture.loaded.adapter, capture.modules, capture.projector,
+                                batch, grads.loss_reduction, grads.loss, capture.activations, factors,
+                                fisher=capture.fisher, row_ids=[first_row + i for i in plan],
+                                fisher_seed=grads.projection_seed, factored=capture.factored)
+    buffer.add(plan, got.row(), got.fisher_rows)
+    return batch["input_ids"].numel()
+
+
+def stored_form(grads: GradsConfig, row_width: int, buffer_width: int, header: dict[str, Any]) -> StoredForm:
+    """How the index's rows are stored (`gradian.shard_rows.StoredForm`): their dtype or sign bits, width
+    and the norm of a stored row (dense: of its values; factored: of the matrices its factors stand for)."""
+    if grads.row_format == SIGNS:
+        return StoredForm(grads.storage_dtype, row_width, signs=True, coordinates=buffer_width)
+    layout = layout_of(header)
+    norms = (lambda stored: stored.float().norm(dim=1)) if layout is None else layout.norms
+    return StoredForm(grads.storage_dtype, row_width, norms=norms)
 
 
 def token_policy(grads: GradsConfig) -> TokenPolicy:
@@ -556,42 +573,34 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         projector, stored_value_bytes(grads), corpus.n_rows,
         activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
         fisher=fisher, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
-    signs = grads.row_format == SIGNS  # each batch's rows are packed as they come: the shard holds bytes
-    check_shard_buffer(grads, corpus.n_rows, row_width if signs else buffer_width, len(shapes),
-                       list(curvature_sides(projector).values()), value_bytes=1 if signs else 4)
+    check_shard_buffer(grads, corpus.n_rows, row_width, len(shapes),
+                       list(curvature_sides(projector).values()), value_bytes=stored_value_bytes(grads))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     n_pending_rows = sum(end - start for start, end in map(writer.row_range, pending))
+    capture = _BatchCapture(loaded, modules, projector, grads, activations, fisher, factored, pad_id)
+    form = stored_form(grads, row_width, buffer_width, header)
     stats = _Throughput()
     with Progress(TextColumn("indexing"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
                   TextColumn("{task.fields[rates]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True) as bar, \
+            ShardPipeline(writer, min(grads.rows_per_shard, corpus.n_rows), form, loaded.device,
+                          buffer_width if fisher == "sampled" else None) as shards:
         task = bar.add_task("rows", total=n_pending_rows, rates="")
         for k in pending:
             start, end = writer.row_range(k)
             rows = corpus.rows(start, end)
             row_lengths = [len(r.input_ids) for r in rows]
-            grads_out = (torch.empty(len(rows), row_width, dtype=torch.uint8) if signs
-                         else torch.empty(len(rows), buffer_width, dtype=torch.float32))
+            buffer = shards.next_buffer()
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
-            fisher_out = torch.empty_like(grads_out) if fisher == "sampled" else None
             for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length, overhead):
-                chunk = [rows[i] for i in plan]
-                batch = {key: t.to(loaded.device) for key, t in collate(chunk, pad_id).items()}
-                got = per_example_gradients(model, adapter, modules, projector, batch, grads.loss_reduction,
-                                            grads.loss, activations, factors, fisher=fisher,
-                                            row_ids=[start + i for i in plan], fisher_seed=grads.projection_seed,
-                                            factored=factored)
-                grads_out[plan] = _signs_of(got.row(), [start + i for i in plan]) if signs else got.row().cpu()
-                if fisher_out is not None:
-                    fisher_out[plan] = got.fisher_rows.cpu()
-                stats.add(len(chunk), sum(row_lengths[i] for i in plan), batch["input_ids"].numel())
-                bar.update(task, advance=len(chunk), rates=stats.text())
-            writer.write_shard(k, grads_out, torch.arange(start, end),
-                               sources=torch.from_numpy(corpus.positions[start:end].copy()),
-                               second_moment_blocks=len(shapes) if has_module(grads.preconditioner) else None,
-                               extra_tensors=None if factors is None else
-                               {**factors.tensors(), **fisher_tensors(fisher_out, grads.storage_dtype, start)})
+                computed = index_batch(capture, [rows[i] for i in plan], plan, start, factors, buffer)
+                stats.add(len(plan), sum(row_lengths[i] for i in plan), computed)
+                bar.update(task, advance=len(plan), rates=stats.text())
+            shards.submit(ShardJob(k, start, buffer, torch.from_numpy(corpus.positions[start:end].copy()),
+                                   {} if factors is None else factors.tensors(),
+                                   len(shapes) if has_module(grads.preconditioner) else None))
+        shards.finish()
     if has_kfac(grads.preconditioner):
         finalize_curvature(index_dir)  # the EK-FAC eigenvalues, once every shard is written
     if stats.rows:

@@ -39,7 +39,7 @@ from circuitkit.models.lora import AdapterError, read_adapter
 from gradian.allocation import check_allocation
 from gradian.capture import per_example_gradients
 from gradian.curvature import CURVATURE_DAMPING, KroneckerCurvature, has_kfac
-from gradian.data import _preview, collate, load_rows, policy_of
+from gradian.data import _preview, collate, load_rows, policy_of, to_device
 from gradian.factored import FactoredScorer, layout_of
 from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.index_files import read_recorded
@@ -394,7 +394,7 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
     out = torch.empty(len(rows), projector.total_width, dtype=torch.float32)
     budget = batch_size * max(lengths)
     for plan in plan_batches(lengths, batch_size, budget, overhead_tokens=batch_overhead_tokens(loaded.device)):
-        batch = {key: t.to(loaded.device) for key, t in collate([rows[i] for i in plan], pad_id).items()}
+        batch = to_device(collate([rows[i] for i in plan], pad_id), loaded.device)
         out[plan] = per_example_gradients(model, loaded.adapter, modules, projector, batch,
                                           manifest.get("loss_reduction", "sum"),
                                           manifest.get("loss", "ce"),

@@ -64,18 +64,27 @@ class NonFiniteRows(ValueError):
         self.positions = positions
 
 
+def pack_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, n) real -> (packed (N, packed_width(n)) uint8, finite (N,) bool), on rows' device with no
+    wait for it: bit j of byte w is set where rows[:, 8w + j] >= 0 (numpy's little-endian packbits;
+    padding bits 0). A row that is not `finite` has no sign: its bytes are meaningless."""
+    n_rows, n = rows.shape
+    bits = torch.zeros(n_rows, 8 * packed_width(n), dtype=torch.uint8, device=rows.device)
+    bits[:, :n] = rows.detach() >= 0
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(rows.device, non_blocking=True)
+    packed = (bits.view(n_rows, -1, 8) * weights).sum(dim=2, dtype=torch.uint8)
+    return packed, torch.isfinite(rows.detach()).all(dim=1)
+
+
 def pack(rows: torch.Tensor) -> torch.Tensor:
-    """(N, n) real -> (N, packed_width(n)) uint8: bit j set where rows[:, j] >= 0 (padding bits 0).
+    """(N, n) real -> (N, packed_width(n)) uint8 on the host (`pack_rows`).
 
     NonFiniteRows (a ValueError) naming the rows when a value is not finite."""
-    values = rows.detach().float().cpu()
-    bad = ~torch.isfinite(values).all(dim=1)
-    if bad.any():
-        raise NonFiniteRows(bad.nonzero().flatten().tolist())
-    n = values.shape[1]
-    bits = np.zeros((values.shape[0], 8 * packed_width(n)), dtype=bool)
-    bits[:, :n] = (values >= 0).numpy()
-    return torch.from_numpy(np.packbits(bits, axis=1, bitorder="little"))
+    packed, finite = pack_rows(rows)
+    finite = finite.cpu()
+    if not finite.all():
+        raise NonFiniteRows((~finite).nonzero().flatten().tolist())
+    return packed.cpu()
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -78,6 +78,9 @@ def factor_pass(shapes: Mapping[str, tuple[int, int]], batches, run_batch: Calla
     sums.projected = projected is not None  # (k, k) sums of projected activations, not (d, d)
     for batch, row_ids in batches:
         run_batch(probe, batch, row_ids, sums)
+    # the sums stayed on the device during the pass; the decompositions that read them run on the host
+    sums.a = {name: total.cpu() for name, total in sums.a.items()}
+    sums.s = {name: total.cpu() for name, total in sums.s.items()}
     return sums
 
 

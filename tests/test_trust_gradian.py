@@ -151,7 +151,7 @@ def _no_space(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def full(path, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
-    monkeypatch.setattr(gradian.index, "atomic_save_safetensors", full)
+    monkeypatch.setattr(gradian.index, "save_safetensors_streamed", full)
 
 
 def _ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:

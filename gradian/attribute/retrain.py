@@ -43,7 +43,7 @@ from circuitkit.models.loading import load_model
 from circuitkit.models.lora import new_adapter
 from gradian.attribute.evaluate import final_logits, pad_id
 from gradian.capture import supervised_positions
-from gradian.data import Row, collate
+from gradian.data import Row, collate, to_device
 
 BETAS = (0.9, 0.999)
 EPS = 1e-8
@@ -151,7 +151,7 @@ def train(model_cfg: ModelConfig, rows: Sequence[Row], settings: TrainSettings,
         pad = pad_id(loaded.tokenizer)
         model.train()
         for batch_rows in step_plan(len(rows), settings.batch_size, settings.n_steps(len(rows)), settings.seed):
-            batch = {k: v.to(loaded.device) for k, v in collate([rows[i] for i in batch_rows], pad).items()}
+            batch = to_device(collate([rows[i] for i in batch_rows], pad), loaded.device)
             loss = batch_loss(loaded.adapter, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

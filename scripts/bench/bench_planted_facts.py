@@ -56,7 +56,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
 from circuitkit.models.loading import LoadedModel, load_model  # noqa: E402
-from gradian.data import TokenPolicy, collate, load_rows  # noqa: E402
+from gradian.data import TokenPolicy, collate, load_rows, to_device  # noqa: E402
 from gradian.indexer import build_index  # noqa: E402
 from gradian.rank import rank  # noqa: E402
 
@@ -160,7 +160,7 @@ def fine_tune(loaded: LoadedModel, docs_path: Path, epochs: int = 30, lr: float 
         total, count = 0.0, 0
         for first in range(0, len(order), batch_size):  # shuffled minibatches of training
             chunk = [rows[i] for i in order[first:first + batch_size]]
-            b = {k: t.to(loaded.device) for k, t in collate(chunk, pad_id).items()}
+            b = to_device(collate(chunk, pad_id), loaded.device)
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
             sup = b["supervised"][:, 1:]
             loss = F.cross_entropy(logits[:, :-1][sup].float(), b["input_ids"][:, 1:][sup])
