@@ -110,13 +110,15 @@ class FactorSums:
 
     def add(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> None:
         """xp (B, T, k_i), dp (B, T, k_o): the projected inputs and output gradients of one batch,
-        zero at padding (padding adds nothing). The sums stay on xp's device (float64): nothing is
-        copied to the host until `tensors`."""
+        zero at padding (padding adds nothing). Projected sums ((k, k), small) stay on xp's device
+        (float64): nothing is copied to the host until `tensors`; raw (d, d) sums go to the host per batch."""
         # float64 where it is cheap (an accelerator); batch_dtype on the CPU
         dtype = self.batch_dtype if xp.device.type == "cpu" else torch.float64
         a = xp.reshape(-1, xp.shape[-1]).to(dtype)
         s = dp.reshape(-1, dp.shape[-1]).to(dtype)
         a_sum, s_sum = (a.T @ a).double(), (s.T @ s).double()
+        if not self.projected:  # raw (d, d) sums of a whole model would crowd the device: kept on the host
+            a_sum, s_sum = a_sum.cpu(), s_sum.cpu()
         # Exactly symmetric (a blocked matmul may sum (i, j) and (j, i) in another order).
         a_sum, s_sum = (a_sum + a_sum.T) / 2, (s_sum + s_sum.T) / 2
         self.a[name] = a_sum if name not in self.a else self.a[name].add_(a_sum)

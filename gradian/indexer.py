@@ -55,6 +55,7 @@ from gradian.curvature import (
     shards_digest,
 )
 from gradian.data import TokenPolicy, collate, length_limit, to_device
+from gradian.device_batch import device_batch
 from gradian.factored import factored_rows, layout_of, stored_value_bytes
 from gradian.header import IndexHeader, header_json
 from gradian.index import (
@@ -564,15 +565,23 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     console.print(f"the index covers {covered / n_params:.1%} of the model's parameters ({covered:,} of"
                   f" {n_params:,} weight elements)")
     lengths = corpus.lengths
-    longest = int(lengths.max())
-    budget = grads.batch_tokens
+    longest, shortest = int(lengths.max()), int(lengths.min())
+
+    def estimate_at(rows: int, length: int):
+        return estimate_grads(
+            adapter.shape(), model_dtype.itemsize, rows, length, length,
+            projector, stored_value_bytes(grads), corpus.n_rows,
+            activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
+            fisher=fisher, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
+
+    sizing = device_batch(grads.device_batch, loaded.device, grads.batch_size,
+                          grads.batch_tokens or grads.batch_size * longest, shortest, longest,
+                          lambda rows, length: (lambda e: e.total_bytes - e.terms["weights"])(estimate_at(rows, length)))
+    log.info("%s", sizing.note)
+    batch_size = sizing.batch_size
+    budget = grads.batch_tokens if sizing.source == "configured" else sizing.batch_tokens
     # The largest batch the plan can form: the token budget bounds rows x longest row.
-    worst_rows = min(rows_within_budget(grads.batch_size, budget, longest), corpus.n_rows)
-    estimate = estimate_grads(
-        adapter.shape(), model_dtype.itemsize, worst_rows, longest, longest,
-        projector, stored_value_bytes(grads), corpus.n_rows,
-        activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
-        fisher=fisher, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
+    estimate = estimate_at(min(rows_within_budget(batch_size, budget, longest), corpus.n_rows), longest)
     check_shard_buffer(grads, corpus.n_rows, row_width, len(shapes),
                        list(curvature_sides(projector).values()), value_bytes=stored_value_bytes(grads))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
@@ -593,7 +602,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             row_lengths = [len(r.input_ids) for r in rows]
             buffer = shards.next_buffer()
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
-            for plan in plan_batches(row_lengths, grads.batch_size, budget, grads.group_by_length, overhead):
+            for plan in plan_batches(row_lengths, batch_size, budget, grads.group_by_length, overhead):
                 computed = index_batch(capture, [rows[i] for i in plan], plan, start, factors, buffer)
                 stats.add(len(plan), sum(row_lengths[i] for i in plan), computed)
                 bar.update(task, advance=len(plan), rates=stats.text())
@@ -608,5 +617,5 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                       f" {stats.computed_tokens} computed)")
     # The estimate is for the longest row in the largest batch the budget allows: an upper bound.
     return {**IndexReader(index_dir).summary(), "estimated_peak_bytes": estimate.total_bytes,
-            "padding_share": round(stats.padding_share, 4), "real_tokens": stats.real_tokens,
+            "padding_share": round(stats.padding_share, 4), "real_tokens": stats.real_tokens, "batch": sizing.record(),
             "computed_tokens": stats.computed_tokens}

@@ -57,6 +57,7 @@ def _grads(ctx: RunContext) -> StageResult:
     return StageResult(files, {"index_dir": str(index_dir), "rows_stored": summary["rows_stored"],
                                "row_width": summary["row_width"], "index_bytes": summary["bytes"],
                                "complete": summary["complete"], "padding_share": summary.get("padding_share"),
+                               "batch": summary.get("batch"),
                                "circuit_sha256": restricted["sha256"] if restricted else None},
                        estimated_peak_bytes=summary["estimated_peak_bytes"])
 

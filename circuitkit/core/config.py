@@ -321,6 +321,10 @@ class GradsConfig:
     batch_tokens: Optional[int] = _f(None, "token budget of one batch: rows x longest row (padding included);"
                                      " null = batch_size x max_seq_length", ge=1)
     group_by_length: bool = _f(True, "batch rows of similar length together (false: batches in source order)")
+    device_batch: str = _f("auto", "auto = on an accelerator (CUDA, MPS) raise the token budget and the row cap to the"
+                           " largest batch the memory estimate fits in 90% of the device's free memory (never below"
+                           " batch_size / batch_tokens; recorded in the index summary); off = batch_size and"
+                           " batch_tokens as set. The CPU always uses them as set", choices=("auto", "off"))
     activations: str = _f("auto", "how multi-op activations (GPT-2's tanh GELU) run in the gradient pass: model"
                           " (the model's own ops, intermediates kept), recompute (the same ops re-run in the"
                           " backward: same bits, lower peak, ~6% slower), fused (one torch kernel for the same"
