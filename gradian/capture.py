@@ -345,7 +345,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     # one, so the model runs without the mask (its mask checks read the device, twice per forward)
     # and only the padding positions' own values differ; they are zeroed after each projection.
     attention_mask = batch.get("attention_mask") if facts.padded else None
-    keep = None if attention_mask is None else attention_mask.to(device, non_blocking=True).bool()[..., None]  # (B, T, 1)
+    pad = None if attention_mask is None else attention_mask.to(device, non_blocking=True)[..., None] == 0  # (B, T, 1)
     n_examples = input_ids.shape[0]
     ex, pos, targets = facts.example, facts.position, facts.target
     n_sup = facts.counts
@@ -365,21 +365,40 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     combine = projector.combine if factored is None else (lambda name, xp, dp: (xp, dp))
     handles = []
 
+    # Modules that read one input one after another (q, k, v; gate, up) are projected together, in one
+    # matmul, when the next hook sees another input (or the forward ends): `shared` holds that input.
+    shared: list = []  # [x, [names]] or empty
+
+    def flush() -> None:
+        if not shared:
+            return
+        x, names = shared
+        shared.clear()
+        # Zero padded positions: their δ is zero anyway (right padding, causal attention), but a
+        # non-finite activation there would turn 0 * x into NaN. Masked after the projection, on
+        # (B, T, k_i) rather than (B, T, d_in): a projected row depends on its own position only,
+        # so this is the same as projecting a masked x, without a copy of every module input.
+        for name, xp in zip(names, projector.project_inputs(names, x), strict=True):
+            x_proj[name] = xp if pad is None else xp.masked_fill(pad, 0.0)
+
     def make_hooks(group: list[tuple[str, slice | None]]):
         def forward_hook(module: nn.Module, args: tuple, output):
             for name, _ in group:
-                if name in x_proj or name in rows:
+                if name in x_proj or name in rows or (shared and name in shared[1]):
                     raise RuntimeError(f"module {name} ran twice in one forward; cannot attribute its gradient.")
             x = args[0].detach()
             if x.dim() != 3 or x.shape[:2] != input_ids.shape:
                 raise RuntimeError(f"module {group[0][0]} input is {tuple(x.shape)}, expected (B, T, d_in).")
-            # Zero padded positions: their δ is zero anyway (right padding, causal attention), but a
-            # non-finite activation there would turn 0 * x into NaN. Masked after the projection, on
-            # (B, T, k_i) rather than (B, T, d_in): a projected row depends on its own position only,
-            # so this is the same as projecting a masked x, without a copy of every module input.
+            if shared and shared[0] is not x:
+                flush()
             for name, columns in group:
-                xp = projector.project_input(name, x if columns is None else x[..., columns])
-                x_proj[name] = xp if keep is None else torch.where(keep, xp, torch.zeros_like(xp))
+                if columns is None:
+                    if not shared:
+                        shared.extend([x, []])
+                    shared[1].append(name)
+                else:
+                    xp = projector.project_input(name, x[..., columns])
+                    x_proj[name] = xp if pad is None else xp.masked_fill(pad, 0.0)
             out = _output_tensor(output)
             if not out.requires_grad:
                 # Frozen weights and an input that needs no gradient (the earliest selected
@@ -391,7 +410,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
             def grad_hook(delta: torch.Tensor) -> None:
                 for name, _ in group:
                     dp = projector.project_output(name, delta)  # (B, T, k_o); masked like x above
-                    dp = dp if keep is None else torch.where(keep, dp, torch.zeros_like(dp))
+                    dp = dp if pad is None else dp.masked_fill(pad, 0.0)
                     if second_pass[0]:  # sampled labels: the factors and the sampled rows only
                         xp = x_proj.pop(name)
                         factors.add(name, xp, dp)
@@ -415,6 +434,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
         with torch.enable_grad(), ACTIVATION_CONTEXTS[mode](model, dtype):
             # The embeddings are looked up here: given ids and no mask, GPT-2 reads the ids back for a padding check.
             hidden = adapter.base(inputs_embeds=adapter.embed(input_ids)).last_hidden_state
+            flush()
             # Gather before the unembedding: only supervised positions reach the vocabulary.
             h_sup = hidden[ex, pos]  # (N, d)
             del hidden
@@ -430,6 +450,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
         for h in handles:
             h.remove()
         x_proj.clear()
+        shared.clear()
     if factors is not None:
         factors.add_tokens(facts.real_tokens)
     losses = torch.zeros(n_examples, dtype=torch.float32, device=device).index_add(0, ex, token_loss)

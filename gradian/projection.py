@@ -56,7 +56,7 @@ import functools
 import hashlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -218,6 +218,7 @@ class Projector:
                     log.warning("grads.projection_dim=%d exceeds the %d weights of %s: the dense"
                                 " projection adds no information.", projection_dim, d_out * d_in, name)
         self._cache: dict[tuple[str, str, str], torch.Tensor] = {}
+        self._stacked: dict[tuple, torch.Tensor] = {}  # P_in of modules sharing an input, stacked (project_inputs)
         self.whitening = dict(whitening) if whitening is not None and self.kind in STORED_KINDS else None
         self._whitened: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.kind in STORED_KINDS and matrices is not None:
@@ -379,6 +380,17 @@ class Projector:
         if self.kind in KRONECKER_KINDS:
             return x @ self.kronecker_matrices(name, x.device)[1].T
         return x
+
+    def project_inputs(self, names: Sequence[str], x: torch.Tensor) -> list[torch.Tensor]:
+        """`project_input` of several modules that read the same x (q, k and v; gate and up): one
+        matmul with their P_in stacked (cached per device), each module's (B, T, k_i) a view of it."""
+        if len(names) == 1 or self.kind not in KRONECKER_KINDS:
+            return [self.project_input(name, x) for name in names]
+        key = (tuple(names), "in-stacked", str(x.device))
+        if key not in self._stacked:
+            self._stacked[key] = torch.cat([self.kronecker_matrices(name, x.device)[1] for name in names]).T.contiguous()
+        widths = [self.factors[name][1] for name in names]
+        return list((x.float() @ self._stacked[key]).split(widths, dim=-1))
 
     def project_output(self, name: str, delta: torch.Tensor) -> torch.Tensor:
         """δ (B, T, d_out) -> (B, T, k_o) = δ P_outᵀ for kronecker kinds, else δ itself; float32."""
