@@ -40,6 +40,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.core.hub": CORE,  # is the Hugging Face hub reachable (asked once; offline mode on when not)
     "circuitkit.core.io": CORE,
     "circuitkit.core.device": CORE,
+    "circuitkit.core.syncs": CORE,  # counts the calls that would make the host wait for an accelerator
     "circuitkit.core.fingerprint": CORE,
     "circuitkit.core.batching": CORE,  # length-aware batch plans, for the index and for attribution
     "circuitkit.core.pipeline": CORE,
@@ -97,12 +98,14 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.attribution.exact": CIRCUIT,
     "circuitkit.discovery.attribution.graph": CIRCUIT,
     "circuitkit.discovery.attribution.metrics": CIRCUIT,
+    "circuitkit.discovery.attribution.accumulators": CIRCUIT,
     "circuitkit.discovery.attribution.norms": CIRCUIT,
     "circuitkit.discovery.attribution.quadrature": CIRCUIT,
     "circuitkit.discovery.attribution.tradeoffs": CIRCUIT,
     "circuitkit.discovery.attribution.memory": CIRCUIT,
     "circuitkit.discovery.attribution.shards": CIRCUIT,  # sharded attribution: partial sums, the merge
     "circuitkit.discovery.pruning.heads": CIRCUIT,
+    "circuitkit.discovery.pruning.circuit_forward": CIRCUIT,
     "circuitkit.discovery.pruning.edges": CIRCUIT,
     "circuitkit.discovery.pruning.selection": CIRCUIT,  # keep_top, bootstrapped selection, the greedy oracle
     "circuitkit.discovery.pruning.selection_ip": CIRCUIT,  # pruning.selection=ip: a connected edge set by integer programming
@@ -140,6 +143,8 @@ LAYERS: dict[str, str] = {
     "gradian.precondition": GRADIAN,
     "gradian.curvature": GRADIAN,
     "gradian.factored": GRADIAN,  # grads.row_format=factored: rank-c factors of each module's block, their scores
+    "gradian.shard_rows": GRADIAN,  # rows leave the device in their stored form; a writer thread owns the disk
+    "gradian.device_batch": GRADIAN,  # batches sized to the accelerator's free memory (grads.device_batch)
     "gradian.signs": GRADIAN,  # grads.row_format=signs: rows packed one bit per coordinate, their Hamming scores
     "gradian.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
     "gradian.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths from the curvature spectrum
