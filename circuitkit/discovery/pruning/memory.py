@@ -8,8 +8,12 @@ preflight through the pruning stage.
 What the stage (`circuitkit.discovery.pruning.heads.prune`) holds, phase by phase:
 
 * **heads** (`Evaluator`): per held-out batch the clean answer logits and, under corrupted
-  ablation, the corrupted run's z of every layer (kept for the whole curve); the peak is the
-  last batch's two recorded runs (`cached_run`) on top of them.
+  ablation, the corrupted run's z of every layer (kept for the whole curve); recording the
+  last batch's two runs (`cached_run`) on top of them, or a batched circuit forward: c circuits
+  side by side, c·B rows (`circuitkit.discovery.pruning.circuit_forward`, c from
+  CIRCUIT_FORWARD_TOKENS and the circuits evaluated together: the curve's points in `prune`,
+  the random circuits in the verdict). The verdict measures an edge circuit's head set the same
+  way, with a head evaluator.
 * **edges** (`circuitkit.discovery.pruning.edges.EdgeEvaluator`): per held-out batch the ablated writes
   of every upstream node, (n_up, B, T, d) float32, kept while they fit in RECORD_SHARE of the
   free memory. Recording a batch holds its writes three times at once (clean writes, Δ,
@@ -39,7 +43,9 @@ import torch
 from circuitkit.core.config import AppConfig, mask_steps_of
 from circuitkit.core.device import free_memory_bytes, model_dtype
 from circuitkit.core.pipeline import StageMemory
+from circuitkit.discovery.pruning.circuit_forward import CIRCUIT_FORWARD_TOKENS
 from circuitkit.discovery.pruning.edges import RECORD_SHARE
+from circuitkit.discovery.pruning.heads import CURVE_PERCENTS
 from circuitkit.discovery.tasks import heldout_template_count
 from circuitkit.preflight.memory import FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 
@@ -53,6 +59,11 @@ FWD_TMP_F_DEFAULT = 2.0
 # the per-input residual, its norm, the Q/K/V contractions), units (H + 2·KV)·N·d float32.
 # Measured 2.5-2.8 (float32 and bfloat16, B 1-8).
 EDGE_SHIFT_TMP = 2.8
+# A batched head-circuit forward (no recording: only the hooks' ablated z beside the forward's own
+# temporaries), as a share of `fwd` for its rows: measured 0.72 (GPT-2) and 0.84 (Llama-shaped),
+# float32, 4-64 rows of 32 tokens.
+BATCHED_FWD = {"gpt2": 0.72}
+BATCHED_FWD_DEFAULT = 0.84
 # Soft-mask forward+backward (edge_pruning), units N·d float32: saved per layer for the mask's
 # gradient EP_SAVED·(H + KV) (the per-input residuals and their norms) on top of the model's
 # own activations (its family's act_per_layer) and the d_u groups; the backward's peak adds
@@ -128,6 +139,13 @@ class _Shape:
         return max(3 * self.writes(b) + 2 * self.run(b) + delta + 2 * b * self.V * FP32,
                    2 * self.run(b) + self.fwd(b))
 
+    def batched(self, b: int, n_circuits: int) -> int:
+        """A batched head-circuit forward on b pairs: BATCHED_FWD of a forward's temporaries for c·b
+        rows (KV cache and answer logits included) and the float32 answer logits the metric reads,
+        c = min(n_circuits, CIRCUIT_FORWARD_TOKENS // (b·T))."""
+        rows = b * min(n_circuits, max(1, CIRCUIT_FORWARD_TOKENS // (b * self.T)))
+        return int(BATCHED_FWD.get(self.s["family"], BATCHED_FWD_DEFAULT) * self.fwd(rows)) + rows * self.V * FP32
+
     def circuit(self, b: int) -> int:
         """One circuit forward's buffers at edge scope (d_u, running sums, one layer's shifted inputs)."""
         u = self.u(b)
@@ -167,7 +185,8 @@ def _evaluator(m: _Shape, base: int, n: int, batch_size: int, budget: int | None
 def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int, n_eval: int,
                      scope: str = "heads", ablation: str = "corrupted", selection: str = "top_k",
                      n_attr: int | None = None, mask_steps: int = 20, record_budget_bytes: int | None = None,
-                     n_templates: int = 0, templates_seq_len: int | None = None) -> MemoryEstimate:
+                     n_templates: int = 0, templates_seq_len: int | None = None,
+                     n_circuits: int | None = None, target_sparsity: float | None = None) -> MemoryEstimate:
     """Peak device bytes of the pruning stage (`circuitkit.discovery.pruning.heads.prune`).
 
     Terms (notation in `circuitkit.preflight.memory`; N = B·T, u = N·d·4, for one batch of B pairs):
@@ -182,7 +201,9 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
                                       edges: 3·n_up·u + both runs + Δ (float32) + 2·B·V·4
         circuit-forward buffers       edges: n_up·u (d_u) + (2L + 2)·u (running sums)
                                       + EDGE_SHIFT_TMP·(H + 2·KV)·u
-        forward temporaries           N·p·(FWD_TMP_D·d + c_f·f + 2·L·KV·dh) + B·V·p (KV cache, logits)
+        forward temporaries           N·p·(FWD_TMP_D·d + c_f·f + 2·L·KV·dh) + B·V·p (KV cache, logits);
+                                      a batched head-circuit forward: BATCHED_FWD of that for c·B
+                                      rows, + c·B·V·4 (the metric's logits)
         edge_pruning recorded runs    the same writes for min(mask_steps·B, n_attr) attribution pairs
         mask gradient (saved)         n_up·u + L·(EP_SAVED·(H + KV)·u + N·p·(c_d·d + c_f·f))
                                       + EP_BWD·(H + 2·KV)·u (+ L·(2H + 2·KV)·dh·d·4 in 16 bits:
@@ -195,7 +216,9 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
     on top of the held-out records. `record_budget_bytes`: RECORD_SHARE of the free memory
     (None: unbounded); an evaluator built while another's records are alive gets RECORD_SHARE
     of what those left. `templates_seq_len`: the padded width of the held-out templates' pairs
-    (default seq_len).
+    (default seq_len). `n_circuits`: the most head circuits evaluated together (the verdict's
+    random circuits; default: `prune`'s own, the empty circuit, the curve's points and ours at
+    `target_sparsity`, or ours among the curve's points when None).
     """
     m = _Shape(shape, dtype_bytes, seq_len, scope, ablation)
     phases: list[tuple[int, str, dict[str, int]]] = []
@@ -215,6 +238,17 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
         return None if budget is None else int(RECORD_SHARE * max(budget / RECORD_SHARE - held, 0))
 
     held = _evaluator(m, means, n_eval, batch_size, record_budget_bytes, "the held-out pairs", phases)
+    n_heads = m.L * m.H
+    curve = {int(pct / 100 * n_heads + 1e-9) for pct in CURVE_PERCENTS} - {n_heads}
+    ours = {n_heads - round(target_sparsity * n_heads)} if target_sparsity is not None else set()
+    together = max(n_circuits or 0, len(curve | {0} | ours - {n_heads}))
+    # Head scope: on the held-out records. Edge scope: the verdict's head evaluator, once the edge
+    # records are gone (its records: the heads' figure; its means: per position, as mean_z).
+    heads = m if scope == "heads" else _Shape(shape, dtype_bytes, seq_len, "heads", ablation)
+    head_means = means if scope == "heads" else (m.L * seq_len * m.H * m.dh * FP32 if ablation == "mean" else 0)
+    head_held = held if scope == "heads" else sum(heads.record(b) for b in _batches(n_eval, batch_size))
+    phases.append((head_means + head_held + heads.batched(B, together), "a batched circuit forward on the held-out pairs",
+                   {"recorded runs": head_means + head_held, "circuit-forward buffers": heads.batched(B, together)}))
     if scope == "edges" and selection == "edge_pruning":
         opt_m = _Shape(shape, dtype_bytes, seq_len, scope, "corrupted")
         n_opt = min(mask_steps * B, n_attr if n_attr is not None else n_eval)
@@ -276,7 +310,7 @@ def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int
     return estimate_pruning(shape, dtype_bytes, batch_size or d.batch_size, seq_len or d.data_params.seq_len,
                             n_eval or d.data_params.eval_examples, p.scope, p.ablation, selection,
                             n_attr or d.data_params.num_examples, mask_steps_of(p), budget, n_templates,
-                            templates_seq_len)
+                            templates_seq_len, p.random_baselines, p.target_sparsity)
 
 
 def pruning_advice(cfg: AppConfig, budget_bytes: int, **at: Any) -> list[str]:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from circuitkit.discovery.attribution.metrics import answer_forward
-from circuitkit.discovery.pruning.heads import faithfulness
+from circuitkit.discovery.pruning.heads import evaluate_each, faithfulness
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet
@@ -67,8 +67,16 @@ def random_same_shape(kept: torch.Tensor, n: int, seed: int) -> list[torch.Tenso
 
 def random_baseline(evaluate: Callable[[torch.Tensor], float], kept: torch.Tensor, ours: float, m_full: float,
                     m_empty: float, n: int = 100, seed: int = 0) -> dict:
-    """The circuit's percentile among `n` random circuits of its per-layer shape (ties count half)."""
-    values = [faithfulness(evaluate(m), m_full, m_empty) for m in random_same_shape(kept, n, seed)]
+    """The circuit's percentile among `n` random circuits of its per-layer shape (ties count half).
+
+    A head `Evaluator` runs the random circuits side by side in batched forwards (`evaluate_each`).
+    A random circuit that is the circuit itself scores `ours`, exactly: a tie, whatever the
+    round-off of the forward it would have shared with others.
+    """
+    masks = random_same_shape(kept, n, seed)
+    others = [m for m in masks if not torch.equal(m, kept)]
+    measured = iter(evaluate_each(evaluate, others))
+    values = [ours if torch.equal(m, kept) else faithfulness(next(measured), m_full, m_empty) for m in masks]
     below = sum(v < ours for v in values) + 0.5 * sum(v == ours for v in values)
     ordered = sorted(values)
     return {"percentile": 100.0 * below / n, "n": n, "mean": sum(values) / n,

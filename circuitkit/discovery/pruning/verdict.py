@@ -142,39 +142,45 @@ def _on_held_out_pairs(adapter: ModelAdapter, found: PrunedCircuit, p: PruningCo
         m_full, m_empty, ours = found.metrics["full"], found.metrics["empty"], found.metrics["faithfulness"]
     else:
         evaluate = Evaluator(adapter, held_out, metric, p.ablation, means, batch_size)
-        m_full, m_empty = evaluate(None), evaluate(torch.zeros_like(kept))
-        ours = faithfulness(evaluate(kept), m_full, m_empty)
+        m_full, m_empty, m_circuit = _full_empty_circuit(evaluate, kept)
+        ours = faithfulness(m_circuit, m_full, m_empty)
         if p.scope != "heads":
             notes["faithfulness"] = (f"of the edge circuit's head set ({int(kept.sum())} heads, every MLP live); the"
                                      f" edge circuit itself: {found.metrics['faithfulness']:.3f}")
 
-    def f(mask: torch.Tensor) -> float:
-        return faithfulness(evaluate(mask), m_full, m_empty)
-
     figures: dict = {"faithfulness": ours}
+    others: dict[str, torch.Tensor] = {}  # the baselines of weights alone and necessity: one batched evaluation
     if p.random_baselines > 0:
         t = time.perf_counter()
         figures["baseline_random"] = random_baseline(evaluate, kept, ours, m_full, m_empty, p.random_baselines, seed)
         wall["random"] = time.perf_counter() - t
         notes["baseline_random"] = f"seed {seed}"
         k = int(kept.sum())
-        for name, scores in (("baseline_magnitude", lambda: magnitude_scores(adapter)),
-                             ("baseline_wanda", lambda: wanda_scores(adapter, attr_data, batch_size))):
-            other = top_heads_like(scores(), k)
-            figures[name] = f(other)
-            notes[name] = f"heads {_heads(other)} ({int((other & kept).sum())} of {k} shared with the circuit)"
+        for name, scores in (("baseline_magnitude", magnitude_scores(adapter)),
+                             ("baseline_wanda", wanda_scores(adapter, attr_data, batch_size))):
+            others[name] = top_heads_like(scores, k)
+            notes[name] = (f"heads {_heads(others[name])} ({int((others[name] & kept).sum())} of {k} shared with"
+                           " the circuit)")
     else:
         for name in ("baseline_random", "baseline_magnitude", "baseline_wanda"):
             notes[name] = "not measured: pruning.random_baselines=0"
-    figures["necessity"] = f(~kept)
+    others["necessity"] = ~kept
+    for name, m in zip(others, evaluate.many(torch.stack(list(others.values()))), strict=True):
+        figures[name] = faithfulness(m, m_full, m_empty)
     return figures, notes, wall
+
+
+def _full_empty_circuit(evaluate: Evaluator, kept: torch.Tensor) -> tuple[float, float, float]:
+    """(m(full), m(empty), m(circuit)) in one batched evaluation."""
+    full, empty, circuit = evaluate.many(torch.stack([torch.ones_like(kept), torch.zeros_like(kept), kept]))
+    return full, empty, circuit
 
 
 def _robustness(make: Callable[[TaskData], Evaluator], kept: torch.Tensor, pairs: dict[str, TaskData]) -> dict:
     out = {}
     for corruption, data in pairs.items():
-        other = make(data)  # its own full and empty: the corruption moves m(empty)
-        out[corruption] = faithfulness(other(kept), other(None), other(torch.zeros_like(kept)))
+        full, empty, circuit = _full_empty_circuit(make(data), kept)  # its own full and empty: the corruption moves m(empty)
+        out[corruption] = faithfulness(circuit, full, empty)
     return out
 
 
@@ -188,5 +194,5 @@ def _generalization(found: PrunedCircuit, p: PruningConfig, make: Callable[[Task
     measured = found.extra.get("heldout_templates")
     if p.scope == "heads" and measured:
         return measured["faithfulness"], f"{measured['n_examples']} pairs"
-    other = make(heldout)
-    return faithfulness(other(kept), other(None), other(torch.zeros_like(kept))), f"{len(heldout)} pairs"
+    full, empty, circuit = _full_empty_circuit(make(heldout), kept)
+    return faithfulness(circuit, full, empty), f"{len(heldout)} pairs"
