@@ -143,8 +143,8 @@ def test_a_failed_shard_write_stops_the_run_and_leaves_no_complete_looking_index
 def test_shards_hold_rows_in_row_order_whatever_the_batch_order(tmp_path) -> None:
     """Batches are planned by length, so a shard's buffer fills out of order; the stored shard is in
     row order, each row the one computed alone."""
-    from circuitkit.models.loading import load_model
     from circuitkit.models.linear_modules import module_shapes, select_modules
+    from circuitkit.models.loading import load_model
     from gradian.capture import per_example_gradients
     from gradian.data import collate, load_rows
     from gradian.projection import Projector

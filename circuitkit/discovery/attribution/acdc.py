@@ -42,6 +42,7 @@ import torch
 from rich.progress import Progress
 
 from circuitkit.core.config import DiscoveryConfig
+from circuitkit.discovery.attribution.accumulators import total_dtype
 from circuitkit.discovery.attribution.eap import (
     AttributionScores,
     RecordedRun,
@@ -74,25 +75,27 @@ def _cache_batches(adapter: ModelAdapter, data: TaskData, batch_size: int, metri
                    ) -> tuple[list[_CachedBatch], float, float]:
     """Every batch's corrupted run, and the metric sums on clean and corrupted inputs."""
     device = input_device(adapter.model)
-    cached, m_clean, m_corrupted = [], 0.0, 0.0
+    cached, sums = [], torch.zeros(2, dtype=total_dtype(device), device=device)  # clean, corrupted
     for batch in data.length_batches(batch_size):
-        batch = batch.to(device)
+        batch = batch.to(device, non_blocking=True)
         with torch.no_grad():
-            clean_answer = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask,
-                                          batch.answer_pos).float()
-        corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges)
-        m_clean += compute_metric(metric, clean_answer, batch, clean_answer).sum().item()
-        m_corrupted += compute_metric(metric, corrupted.logits, batch, clean_answer).sum().item()
+            clean_answer = answer_forward(adapter.model, batch.clean_ids, batch.forward_mask,
+                                          batch.answers).float()
+        corrupted = cached_run(adapter, batch.corrupted_ids, batch.forward_mask, batch.answers, edges)
+        sums += torch.stack([compute_metric(metric, clean_answer, batch, clean_answer).sum(),
+                             compute_metric(metric, corrupted.logits, batch, clean_answer).sum()]).to(sums)
         cached.append(_CachedBatch(batch, clean_answer, corrupted))
+    m_clean, m_corrupted = sums.tolist()
     return cached, m_clean, m_corrupted
 
 
 def _mean_metric(adapter: ModelAdapter, cached: list[_CachedBatch], metric: str, install, n: int) -> float:
     """The metric's mean over all the examples, each batch run with `install(hk, index)`'s hooks."""
-    total = 0.0
+    total = None  # float64 on the device: one wait per evaluation, not per batch
     for i, c in enumerate(cached):
-        total += _metric(adapter, c.batch, metric, c.clean_answer, lambda hk, i=i: install(hk, i)).sum().item()
-    return total / n
+        batch_sum = _metric(adapter, c.batch, metric, c.clean_answer, lambda hk, i=i: install(hk, i)).sum().to(total_dtype(c.clean_answer.device))
+        total = batch_sum if total is None else total + batch_sum.to(total.device)
+    return total.item() / n
 
 
 def node_order(n_layers: int, n_heads: int) -> list[tuple[str, object]]:

@@ -14,6 +14,10 @@ whatever the model dtype; parameters stay frozen (only activation gradients).
 The gradient at head h's own residual input never materialises H copies of the residual:
 g_res = norm_backward(x, W_Q[h]ᵀ g_q[h]) from the gradient g_q of the query projection output,
 and likewise per KV head for K and V (GQA native).
+
+Every sum stays on the device until the stage ends (`circuitkit.discovery.attribution.accumulators`)
+and the answer positions come collated with the batch (`TaskData.answers`), so no pass, layer or
+batch waits for the device: the stage waits once, when it copies its sums to the host.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from circuitkit.discovery.attribution.accumulators import add_metrics, host_copy, score_accumulators, to_host
 from circuitkit.discovery.attribution.graph import Graph
 from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
 from circuitkit.discovery.attribution.norms import norm_backward
@@ -32,7 +37,7 @@ from circuitkit.discovery.attribution.quadrature import (  # noqa: F401  (re-exp
     integration_rule,
     interpolation_points,
 )
-from circuitkit.discovery.tasks.base import TaskData
+from circuitkit.discovery.tasks.base import AnswerColumns, TaskData
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet, first_input, first_output, replace_first
 from circuitkit.models.placement import input_device, resident
@@ -97,9 +102,12 @@ class Deltas:
 
 
 @torch.no_grad()
-def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor, answer_pos: torch.Tensor,
-               edges: bool) -> RecordedRun:
-    """Forward pass recording what each node writes, and the answer logits (B, V)."""
+def cached_run(adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor,
+               answer_pos: AnswerColumns | torch.Tensor, edges: bool) -> RecordedRun:
+    """Forward pass recording what each node writes, and the answer logits (B, V).
+
+    `answer_pos`: the batch's collated `AnswerColumns` (`TaskData.answers`; positions (B,) are
+    found on the device, a wait for it)."""
     L = adapter.n_layers
     rec = RecordedRun(z=[None] * L, mlp=[None] * L, attn_total=[None] * L)
     with HookSet() as hk:
@@ -136,11 +144,11 @@ def record_head_runs(adapter: ModelAdapter, data: TaskData, batch_size: int, cor
     device = input_device(adapter.model)
     out = []
     for batch in data.batches(batch_size):
-        batch = batch.to(device)
-        clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges=False)
+        batch = batch.to(device, non_blocking=True)
+        clean = cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, edges=False)
         z = logits = None
         if corrupted:
-            run = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges=False)
+            run = cached_run(adapter, batch.corrupted_ids, batch.forward_mask, batch.answers, edges=False)
             z, logits = run.z, run.logits.float()
         out.append((batch, clean.logits.float(), z, logits))
     return out
@@ -264,7 +272,7 @@ def _gradient_run(adapter: ModelAdapter, ids, mask, e_k: torch.Tensor, batch: Ta
             def final_hook(module, args, kwargs):
                 first_input(args, kwargs).register_hook(lambda g: grad_sums.add("logits", g))
             hk.pre(adapter.final_norm, final_hook, with_kwargs=True)
-        logits = answer_forward(adapter.model, ids, mask, batch.answer_pos)
+        logits = answer_forward(adapter.model, ids, mask, batch.answers)
         values = compute_metric(metric, logits, batch, clean_answer)
         (grad_embed,) = torch.autograd.grad(values.sum(), e_k)
     grad_sums.add("embed", grad_embed)
@@ -289,7 +297,7 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, grad_sums: _
         out["mlp"][layer] += ((delta.mlp[layer] * grad_sums.mlp[layer]).sum() / n_points).to(dev)
     out["embed"] += ((delta.embed * grad_sums.embed).sum() / n_points).to(dev)
     if "per_example" in out:  # circuitkit.discovery.pruning.stability: per-example scores, resampled without a model pass
-        _per_example_scores(adapter, graph, delta, grad_sums, n_points, out["per_example"])
+        _per_example_scores(adapter, graph, delta, grad_sums, n_points, out["per_example"], dev)
     if grad_sums.edges:
         up = delta.up.flatten(1)  # (n_upstream, B*T*d_model), on the first layer's device
         for layer in range(adapter.n_layers):
@@ -302,34 +310,26 @@ def _batch_scores(adapter: ModelAdapter, graph: Graph, delta: dict, grad_sums: _
 
 
 def _per_example_scores(adapter: ModelAdapter, graph: Graph, delta: Deltas, grad_sums: _GradientSums, n_points: int,
-                        rows: dict) -> None:
-    """Append this batch's per-example scores: head (B, L, H) and, at edge level, edges (B, n_up, n_down)."""
+                        rows: dict, dev: torch.device) -> None:
+    """Append this batch's per-example scores: head (B, L, H) and, at edge level, edges (B, n_up, n_down).
+
+    Computed on `dev` and queued to the host once per batch (`host_copy`), not per layer."""
     H = adapter.n_heads
-    rows.setdefault("head", []).append(torch.stack([
-        torch.einsum("bthe,bthe->bh", delta.z[i], grad_sums.z[i].unflatten(-1, (H, adapter.head_dim))).cpu()
-        for i in range(adapter.n_layers)], 1) / n_points)
+    head = torch.stack([
+        torch.einsum("bthe,bthe->bh", delta.z[i], grad_sums.z[i].unflatten(-1, (H, adapter.head_dim))).to(dev)
+        for i in range(adapter.n_layers)], 1)
+    rows.setdefault("head", []).append(host_copy(head / n_points))
     if grad_sums.edges:
         up = delta.up.flatten(2)  # (n_upstream, B, T*d_model)
-        e = torch.zeros(up.shape[1], len(graph.upstream), len(graph.downstream))
+        e = torch.zeros(up.shape[1], len(graph.upstream), len(graph.downstream), device=up.device)
         for layer in range(adapter.n_layers):
             cols = graph.layer_columns(layer)
             g = grad_sums.inputs[layer].flatten(2).to(up.device)
             n_attn, n_mlp = graph.upstream_before_attn(layer), graph.upstream_before_mlp(layer)
-            e[:, :n_attn, cols.start:cols.stop - 1] = torch.einsum("ubx,vbx->buv", up[:n_attn], g[:-1]).cpu()
-            e[:, :n_mlp, cols.stop - 1] = torch.einsum("ubx,bx->bu", up[:n_mlp], g[-1]).cpu()
-        e[:, :, graph.logits_column] = torch.einsum("ubx,bx->bu", up, grad_sums.logits.flatten(1).to(up.device)).cpu()
-        rows.setdefault("edges", []).append(e / n_points)
-
-
-def score_accumulators(adapter: ModelAdapter, graph: Graph, edges: bool, device: torch.device) -> dict:
-    """Zeroed sums of the scores over the examples: head (L, H), mlp (L,), embed () and, at edge
-    level, edges (n_upstream, n_downstream)."""
-    L, H = adapter.n_layers, adapter.n_heads
-    out = {"head": torch.zeros(L, H, device=device), "mlp": torch.zeros(L, device=device),
-           "embed": torch.zeros((), device=device)}
-    if edges:
-        out["edges"] = torch.zeros(len(graph.upstream), len(graph.downstream), device=device)
-    return out
+            e[:, :n_attn, cols.start:cols.stop - 1] = torch.einsum("ubx,vbx->buv", up[:n_attn], g[:-1])
+            e[:, :n_mlp, cols.stop - 1] = torch.einsum("ubx,bx->bu", up[:n_mlp], g[-1])
+        e[:, :, graph.logits_column] = torch.einsum("ubx,bx->bu", up, grad_sums.logits.flatten(1).to(up.device))
+        rows.setdefault("edges", []).append(host_copy((e / n_points).to(dev)))
 
 
 def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", level: str = "node",
@@ -358,21 +358,19 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     graph = graph_of(adapter)
     device = input_device(adapter.model)
     dtype = adapter.embed.weight.dtype
-    out = score_accumulators(adapter, graph, edges, device)
+    out = score_accumulators(graph, edges, device)
     if per_example:
         out["per_example"] = {}
-    metric_clean = metric_corrupted = 0.0
     planned = data.length_batches(batch_size, group_by_length)
     with Progress(TextColumn(f"{algorithm} {level}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
                   TimeElapsedColumn(), TimeRemainingColumn(), disable=not progress, transient=True) as bar:
         task = bar.add_task("attribution", total=len(planned))
         for batch in planned:
-            batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges)
-            corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges)
+            batch = batch.to(device, non_blocking=True)
+            clean = cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, edges)
+            corrupted = cached_run(adapter, batch.corrupted_ids, batch.forward_mask, batch.answers, edges)
             clean_answer = clean.logits.float()
-            metric_clean += compute_metric(metric, clean.logits, batch, clean_answer).sum().item()
-            metric_corrupted += compute_metric(metric, corrupted.logits, batch, clean_answer).sum().item()
+            add_metrics(out, metric, clean.logits, corrupted.logits, batch, clean_answer)
             delta = deltas(adapter, clean, corrupted, edges)
             e_clean, e_corrupted = clean.embed.float(), corrupted.embed.float()
             del clean, corrupted
@@ -380,16 +378,16 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
             for alpha, relative_weight in zip(rule.alphas, rule.relative_weights, strict=True):
                 e_k = (e_corrupted + alpha * (e_clean - e_corrupted)).to(dtype)
                 grad_sums.relative_weight = relative_weight
-                _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k, batch, metric, clean_answer,
+                _gradient_run(adapter, batch.clean_ids, batch.forward_mask, e_k, batch, metric, clean_answer,
                               grad_sums)
             _batch_scores(adapter, graph, delta, grad_sums, rule.passes, out)
             del delta, grad_sums, e_clean, e_corrupted, e_k  # freed before the next batch's runs, not after
             bar.advance(task)
-    n = divisor
+    host = to_host(out, divisor)  # the stage's one wait for the device; per-example rows are complete after it
+    metric_clean, metric_corrupted = (host["metric"] / divisor).tolist()
     return AttributionScores(
-        head=(out["head"] / n).cpu(), mlp=(out["mlp"] / n).cpu(), embed=(out["embed"] / n).cpu(), graph=graph,
-        edges=(out["edges"] / n).cpu() if edges else None, metric_clean=metric_clean / n,
-        metric_corrupted=metric_corrupted / n, n_examples=len(data),
+        head=host["head"], mlp=host["mlp"], embed=host["embed"], graph=graph, edges=host.get("edges"),
+        metric_clean=metric_clean, metric_corrupted=metric_corrupted, n_examples=len(data),
         info={"algorithm": algorithm, "level": level, "metric": metric,
               "ig_steps": rule.passes if algorithm == "eap-ig" else None,
               "ig_rule": rule.rule if algorithm == "eap-ig" else None, "passes": rule.passes,

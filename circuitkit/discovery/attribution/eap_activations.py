@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from rich.progress import Progress
 
+from circuitkit.discovery.attribution.accumulators import add_metrics, host_copy, score_accumulators, to_host
 from circuitkit.discovery.attribution.eap import (
     AttributionScores,
     _gradient_run,
@@ -30,9 +31,7 @@ from circuitkit.discovery.attribution.eap import (
     deltas,
     graph_of,
     integration_rule,
-    score_accumulators,
 )
-from circuitkit.discovery.attribution.metrics import compute_metric
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.hooks import HookSet, first_output, replace_first_output
@@ -79,7 +78,8 @@ def _rows(graph, kind: str, layer: int | None) -> list[int]:
 
 
 def _contract(adapter, graph, kind, layer, delta, grad_sums, n_points, out, per_example) -> None:
-    """Add group (kind, layer)'s scores (its nodes; at edge level its rows) to `out`."""
+    """Add group (kind, layer)'s scores (its nodes; at edge level its rows) to `out`, and to the
+    batch's `per_example` rows (on out's device) when kept."""
     H, dh = adapter.n_heads, adapter.head_dim
     dev = out["head"].device
     if kind == "input":
@@ -89,7 +89,7 @@ def _contract(adapter, graph, kind, layer, delta, grad_sums, n_points, out, per_
         contrib = torch.einsum("bthe,bthe->bh", delta.z[layer], grad_sums.z[layer].unflatten(-1, (H, dh))) / n_points
         out["head"][layer] += contrib.sum(0).to(dev)
         if per_example is not None:
-            per_example["head"][:, layer] += contrib.cpu()
+            per_example["head"][:, layer] += contrib.to(dev)
     else:
         out["mlp"][layer] += ((delta.mlp[layer] * grad_sums.mlp[layer]).sum() / n_points).to(dev)
     if not grad_sums.edges:
@@ -105,16 +105,16 @@ def _contract(adapter, graph, kind, layer, delta, grad_sums, n_points, out, per_
             e = torch.einsum("ubx,vbx->buv", up, g[:-1]) / n_points
             out["edges"][rows, cols.start:cols.stop - 1] += e.sum(0).to(dev)
             if per_example is not None:
-                per_example["edges"][:, rows, cols.start:cols.stop - 1] += e.cpu()
+                per_example["edges"][:, rows, cols.start:cols.stop - 1] += e.to(dev)
         if first < n_mlp:
             e = torch.einsum("ubx,bx->bu", up, g[-1]) / n_points
             out["edges"][rows, cols.stop - 1] += e.sum(0).to(dev)
             if per_example is not None:
-                per_example["edges"][:, rows, cols.stop - 1] += e.cpu()
+                per_example["edges"][:, rows, cols.stop - 1] += e.to(dev)
     e = torch.einsum("ubx,bx->bu", up, grad_sums.logits.flatten(1).to(up.device)) / n_points
     out["edges"][rows, graph.logits_column] += e.sum(0).to(dev)
     if per_example is not None:
-        per_example["edges"][:, rows, graph.logits_column] += e.cpu()
+        per_example["edges"][:, rows, graph.logits_column] += e.to(dev)
 
 
 def attribute_activations(adapter: ModelAdapter, data: TaskData, level: str = "node", metric: str = "logit_diff",
@@ -129,26 +129,24 @@ def attribute_activations(adapter: ModelAdapter, data: TaskData, level: str = "n
     device = input_device(adapter.model)
     dtype = adapter.embed.weight.dtype
     L, H = adapter.n_layers, adapter.n_heads
-    out = score_accumulators(adapter, graph, edges, device)
+    out = score_accumulators(graph, edges, device)
     rows_per_example: dict[str, list] = {}
-    metric_clean = metric_corrupted = 0.0
     planned = data.length_batches(batch_size, group_by_length)
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"eap-ig-activations {level}", total=len(planned) * len(groups(L)))
         for batch in planned:
-            batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges)
-            corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges)
+            batch = batch.to(device, non_blocking=True)
+            clean = cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, edges)
+            corrupted = cached_run(adapter, batch.corrupted_ids, batch.forward_mask, batch.answers, edges)
             clean_answer = clean.logits.float()
-            metric_clean += compute_metric(metric, clean.logits, batch, clean_answer).sum().item()
-            metric_corrupted += compute_metric(metric, corrupted.logits, batch, clean_answer).sum().item()
+            add_metrics(out, metric, clean.logits, corrupted.logits, batch, clean_answer)
             delta = deltas(adapter, clean, corrupted, edges)
             B = batch.clean_ids.shape[0]
             pe = None
             if per_example:
-                pe = {"head": torch.zeros(B, L, H)}
+                pe = {"head": torch.zeros(B, L, H, device=device)}
                 if edges:
-                    pe["edges"] = torch.zeros(B, len(graph.upstream), len(graph.downstream))
+                    pe["edges"] = torch.zeros(B, len(graph.upstream), len(graph.downstream), device=device)
             for kind, layer in groups(L):
                 grad_sums = _GradientSums(adapter, edges)
                 for alpha, relative_weight in zip(rule.alphas, rule.relative_weights, strict=True):
@@ -156,26 +154,27 @@ def attribute_activations(adapter: ModelAdapter, data: TaskData, level: str = "n
                     if kind == "input":
                         e_k = (corrupted.embed.float() + alpha * (clean.embed.float() - corrupted.embed.float()))
                         with HookSet():
-                            _gradient_run(adapter, batch.clean_ids, batch.attention_mask, e_k.to(dtype), batch,
+                            _gradient_run(adapter, batch.clean_ids, batch.forward_mask, e_k.to(dtype), batch,
                                           metric, clean_answer, grad_sums)
                         continue
                     src = (clean.z[layer], corrupted.z[layer]) if kind == "attn" else (clean.mlp[layer],
                                                                                       corrupted.mlp[layer])
                     with HookSet() as hk:  # registered before _gradient_run's hooks, so they see the leaf
                         _interpolate(adapter, hk, kind, layer, src[0], src[1], alpha)
-                        _gradient_run(adapter, batch.clean_ids, batch.attention_mask, clean.embed, batch, metric,
+                        _gradient_run(adapter, batch.clean_ids, batch.forward_mask, clean.embed, batch, metric,
                                       clean_answer, grad_sums)
                 _contract(adapter, graph, kind, layer, delta, grad_sums, rule.passes, out, pe)
                 bar.advance(task)
             if pe is not None:
-                for key, value in pe.items():
-                    rows_per_example.setdefault(key, []).append(value)
+                for key, value in pe.items():  # once per batch, queued
+                    rows_per_example.setdefault(key, []).append(host_copy(value))
             del clean, corrupted, delta, grad_sums  # freed before the next batch's runs, not after
     n = 1 if sums else len(data)
+    host = to_host(out, n)  # the stage's one wait for the device; per-example rows are complete after it
+    metric_clean, metric_corrupted = (host["metric"] / n).tolist()
     return AttributionScores(
-        head=(out["head"] / n).cpu(), mlp=(out["mlp"] / n).cpu(), embed=(out["embed"] / n).cpu(), graph=graph,
-        edges=(out["edges"] / n).cpu() if edges else None, metric_clean=metric_clean / n,
-        metric_corrupted=metric_corrupted / n, n_examples=len(data),
+        head=host["head"], mlp=host["mlp"], embed=host["embed"], graph=graph, edges=host.get("edges"),
+        metric_clean=metric_clean, metric_corrupted=metric_corrupted, n_examples=len(data),
         info={"algorithm": "eap-ig-activations", "level": level, "metric": metric, "ig_steps": rule.passes,
               "ig_rule": rule.rule, "passes": rule.passes * len(groups(L)), "batch_size": batch_size},
         per_example={k: torch.cat(v) for k, v in rows_per_example.items()} if per_example else None)

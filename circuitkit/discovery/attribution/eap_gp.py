@@ -44,6 +44,12 @@ import torch
 from rich.progress import Progress
 
 from circuitkit.core.config import GRADPATH_RULES
+from circuitkit.discovery.attribution.accumulators import (
+    add_metrics,
+    score_accumulators,
+    to_host,
+    total_dtype,
+)
 from circuitkit.discovery.attribution.eap import (
     AttributionScores,
     _batch_scores,
@@ -52,9 +58,7 @@ from circuitkit.discovery.attribution.eap import (
     cached_run,
     deltas,
     graph_of,
-    score_accumulators,
 )
-from circuitkit.discovery.attribution.metrics import compute_metric
 from circuitkit.discovery.attribution.quadrature import resolved_steps
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.models.adapters import ModelAdapter
@@ -121,7 +125,7 @@ def _walk(adapter: ModelAdapter, batch: TaskData, start: torch.Tensor, end: torc
     for j in range(m):
         if right:
             previous, point = point, next_point(point, start, end, j, m, steer, straight)
-        values = _gradient_run(adapter, batch.clean_ids, batch.attention_mask, point.to(dtype), batch, metric,
+        values = _gradient_run(adapter, batch.clean_ids, batch.forward_mask, point.to(dtype), batch, metric,
                                clean_answer, grad_sums)
         g = grad_sums.last_embed.to(start.device)  # ∇_e m(p) (B, T, d_model)
         worst = torch.maximum(worst, _deviation(point, start, end, (j + 1) / m if right else j / m))
@@ -162,21 +166,19 @@ def attribute_gradpath(adapter: ModelAdapter, data: TaskData, level: str = "node
     graph = graph_of(adapter)
     device = input_device(adapter.model)
     dtype = adapter.embed.weight.dtype
-    out = score_accumulators(adapter, graph, edges, device)
+    out = score_accumulators(graph, edges, device)
+    out["deviation"] = torch.zeros((), dtype=total_dtype(device), device=device)  # Σ examples' largest deviation
     if per_example:
         out["per_example"] = {}
-    metric_clean = metric_corrupted = deviation = 0.0
     planned = data.length_batches(batch_size, group_by_length)
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"eap-gp {level}", total=len(planned) * m)
         for batch in planned:
-            batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, edges)
-            corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, edges)
+            batch = batch.to(device, non_blocking=True)
+            clean = cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, edges)
+            corrupted = cached_run(adapter, batch.corrupted_ids, batch.forward_mask, batch.answers, edges)
             clean_answer = clean.logits.float()
-            clean_values = compute_metric(metric, clean.logits, batch, clean_answer)  # (B,)
-            metric_clean += clean_values.sum().item()
-            metric_corrupted += compute_metric(metric, corrupted.logits, batch, clean_answer).sum().item()
+            clean_values = add_metrics(out, metric, clean.logits, corrupted.logits, batch, clean_answer)  # (B,)
             delta = deltas(adapter, clean, corrupted, edges)
             start, end = corrupted.embed.float(), clean.embed.float()  # ẽ, e: (B, T, d_model)
             del clean, corrupted
@@ -186,13 +188,15 @@ def attribute_gradpath(adapter: ModelAdapter, data: TaskData, level: str = "node
             embed_before = out["embed"].clone()
             _batch_scores(adapter, graph, delta, grad_sums, m, out)
             out["embed"] = embed_before + path_integral.sum().to(out["embed"].device)
-            deviation += worst.sum().item()
+            out["deviation"] += worst.sum().to(out["deviation"])
             del delta, grad_sums, start, end  # freed before the next batch's runs
     n = 1 if sums else len(data)
+    host = to_host(out, n)  # the stage's one wait for the device; per-example rows are complete after it
+    metric_clean, metric_corrupted = (host["metric"] / n).tolist()
+    deviation = host["deviation"].tolist()
     return AttributionScores(
-        head=(out["head"] / n).cpu(), mlp=(out["mlp"] / n).cpu(), embed=(out["embed"] / n).cpu(), graph=graph,
-        edges=(out["edges"] / n).cpu() if edges else None, metric_clean=metric_clean / n,
-        metric_corrupted=metric_corrupted / n, n_examples=len(data),
+        head=host["head"], mlp=host["mlp"], embed=host["embed"], graph=graph, edges=host.get("edges"),
+        metric_clean=metric_clean, metric_corrupted=metric_corrupted, n_examples=len(data),
         info={"algorithm": "eap-gp", "level": level, "metric": metric, "ig_steps": m, "ig_rule": ig_rule,
               "passes": m, "batch_size": batch_size, "path": path, "path_deviation": deviation / max(len(data), 1)},
         per_example={k: torch.cat(v) for k, v in out["per_example"].items()} if per_example else None)

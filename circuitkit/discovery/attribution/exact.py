@@ -27,7 +27,7 @@ def _metric(adapter, batch, metric, clean_answer, hooks_fn=None) -> torch.Tensor
     with torch.no_grad(), HookSet() as hk:
         if hooks_fn is not None:
             hooks_fn(hk)
-        logits = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
+        logits = answer_forward(adapter.model, batch.clean_ids, batch.forward_mask, batch.answers)
     return compute_metric(metric, logits, batch, clean_answer)
 
 
@@ -117,8 +117,8 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
         task = bar.add_task(f"exact {level}", total=n_batches)
         for batch in data.batches(batch_size):
             batch = batch.to(device)
-            clean = cached_run(adapter, batch.clean_ids, batch.attention_mask, batch.answer_pos, level == "edge")
-            corrupted = cached_run(adapter, batch.corrupted_ids, batch.attention_mask, batch.answer_pos, level == "edge")
+            clean = cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, level == "edge")
+            corrupted = cached_run(adapter, batch.corrupted_ids, batch.forward_mask, batch.answers, level == "edge")
             clean_answer = clean.logits.float()
             m_clean = compute_metric(metric, clean.logits, batch, clean_answer)
             m_clean_total += m_clean.sum().item()

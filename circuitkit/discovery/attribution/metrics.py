@@ -14,21 +14,23 @@ from __future__ import annotations
 import torch
 
 from circuitkit.core.config import DiscoveryConfig, choices
-from circuitkit.discovery.tasks.base import TaskData
+from circuitkit.discovery.tasks.base import AnswerColumns, TaskData
 
 METRICS = choices(DiscoveryConfig, "metric")
 
 
 def answer_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-                   answer_pos: torch.Tensor) -> torch.Tensor:
+                   answer_pos: AnswerColumns | torch.Tensor) -> torch.Tensor:
     """Forward pass that projects only the answer positions onto the vocabulary: (B, V).
 
     `logits_to_keep` skips the unembedding of every other position, which saves
     B * (T - 1) * V logits (and their gradient) per pass; the values are the model's own.
+    `answer_pos`: the batch's collated `AnswerColumns` (`TaskData.answers`), or the positions
+    (B,), whose distinct values are then found on the device (a wait for it).
     """
-    keep, inverse = torch.unique(answer_pos, return_inverse=True)
-    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits  # (B, k, V)
-    return logits[torch.arange(ids.shape[0], device=logits.device), inverse.to(logits.device)]
+    columns = answer_pos if isinstance(answer_pos, AnswerColumns) else AnswerColumns.on_device(answer_pos)
+    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=columns.keep).logits  # (B, k, V)
+    return logits[torch.arange(ids.shape[0], device=logits.device), columns.row.to(logits.device)]
 
 
 def answer_logits(logits: torch.Tensor, batch: TaskData) -> torch.Tensor:

@@ -3,23 +3,70 @@
 A task yields `TaskData`: right-padded token ids of equal length per pair (clean and corrupted
 share one attention mask), the position whose next-token logits are scored, and the correct
 and incorrect answer tokens (several per example allowed, padded with -1).
+
+Batches (`TaskData.batches`, `TaskData.length_batches`) also carry what the host knows of them
+when it collates them: `AnswerColumns`, the answer positions as the forward pass unembeds them,
+and whether any pair is padded (`TaskData.forward_mask`). Finding either from device tensors
+(`torch.unique`, Hugging Face reading the mask) would make the host wait for the device in
+every pass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from circuitkit.core.batching import plan_batches
 from circuitkit.core.io import atomic_save_safetensors
 
 _POSITIONAL = ("clean_ids", "corrupted_ids", "attention_mask")  # the fields with a position axis
+_TENSORS = (*_POSITIONAL, "answer_pos", "correct", "incorrect")  # what is saved, sliced and moved per row
 
 
 class TaskError(ValueError):
     """Task data that cannot be used (the message names the row and what to fix)."""
+
+
+def _to_device(t: torch.Tensor, device: torch.device | str, non_blocking: bool) -> torch.Tensor:
+    """`t.to(device)`; with `non_blocking`, a host tensor goes through pinned memory to an
+    accelerator, so the copy is queued and the host does not wait for it."""
+    if non_blocking and t.device.type == "cpu" and torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
+
+
+@dataclass(frozen=True)
+class AnswerColumns:
+    """The answer positions of a batch, as a forward pass unembeds them
+    (`circuitkit.discovery.attribution.metrics.answer_forward`).
+
+    keep: (k,) long, the distinct answer positions in increasing order (the `logits_to_keep` of
+    the model call); row: (B,) long, each example's index into keep. Made from host integers
+    (`of`), so no pass needs `torch.unique` on the device.
+    """
+
+    keep: torch.Tensor
+    row: torch.Tensor
+
+    @classmethod
+    def of(cls, positions: Sequence[int]) -> AnswerColumns:
+        """From the batch's answer positions, in batch order, as host integers."""
+        keep, row = np.unique(np.asarray(positions, dtype=np.int64), return_inverse=True)
+        return cls(torch.from_numpy(keep), torch.from_numpy(row.reshape(-1)))
+
+    @classmethod
+    def on_device(cls, answer_pos: torch.Tensor) -> AnswerColumns:
+        """From a tensor of positions (B,) wherever it is: one `torch.unique`, which on an
+        accelerator waits for the device. For callers without collated columns."""
+        keep, row = torch.unique(answer_pos, return_inverse=True)
+        return cls(keep, row)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> AnswerColumns:
+        return AnswerColumns(_to_device(self.keep, device, non_blocking), _to_device(self.row, device, non_blocking))
 
 
 @dataclass
@@ -30,20 +77,57 @@ class TaskData:
     answer_pos: torch.Tensor  # (N,) long, position whose next-token logits are scored
     correct: torch.Tensor  # (N, Kc) long, -1 = padding
     incorrect: torch.Tensor  # (N, Ki) long, -1 = padding
+    # Set when a batch is collated (batches, length_batches), None after other slicing: its
+    # answer_pos as the model call reads them (else `answers` finds them on the device), and
+    # whether a pair is shorter than the batch (else `forward_mask` is the attention mask).
+    answer_columns: AnswerColumns | None = field(default=None, repr=False, compare=False)
+    padded: bool | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.clean_ids.shape[0]
 
     def __getitem__(self, idx) -> TaskData:
-        return TaskData(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        return TaskData(**{name: getattr(self, name)[idx] for name in _TENSORS})
 
-    def to(self, device: torch.device) -> TaskData:
-        return TaskData(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TaskData:
+        """The batch on `device`; `non_blocking` queues the copies (pinned memory to an accelerator)
+        instead of waiting for each."""
+        columns = self.answer_columns.to(device, non_blocking) if self.answer_columns is not None else None
+        return TaskData(**{name: _to_device(getattr(self, name), device, non_blocking) for name in _TENSORS},
+                        answer_columns=columns, padded=self.padded)
+
+    @property
+    def answers(self) -> AnswerColumns:
+        """The answer columns of this batch: the collated ones, else found from `answer_pos` on
+        its device (`AnswerColumns.on_device`, a wait for the device)."""
+        return self.answer_columns if self.answer_columns is not None else AnswerColumns.on_device(self.answer_pos)
+
+    @property
+    def forward_mask(self) -> torch.Tensor | None:
+        """The attention mask to call the model with: None for a batch collated without padding
+        (the model's causal mask alone is then exact, and Hugging Face's mask code need not read
+        the mask from the device to find that out), else attention_mask (B, T)."""
+        return None if self.padded is False else self.attention_mask
+
+    def _collated(self, idx, positions: Sequence[int], lengths: Sequence[int], width: int) -> TaskData:
+        """Rows `idx` (a slice, or a list of indices) cut to `width` positions, with what the
+        host knows of them from every row's answer `positions` and `lengths`."""
+        rows = range(len(self))[idx] if isinstance(idx, slice) else idx
+        batch = self[idx if isinstance(idx, slice) else torch.tensor(idx)]
+        if width < batch.clean_ids.shape[1]:
+            for name in _POSITIONAL:
+                setattr(batch, name, getattr(batch, name)[:, :width])
+        batch.answer_columns = AnswerColumns.of([positions[i] for i in rows])
+        batch.padded = any(lengths[i] < width for i in rows)
+        return batch
 
     def batches(self, batch_size: int):
-        """Consecutive slices of `batch_size` examples (the last may be shorter)."""
+        """Consecutive slices of `batch_size` examples (the last may be shorter), with what the
+        host knows of them (`answers`, `forward_mask`)."""
+        # read once for all batches, from host data
+        positions, lengths, width = self.answer_pos.tolist(), self.lengths(), self.clean_ids.shape[1]
         for start in range(0, len(self), batch_size):
-            yield self[start:start + batch_size]
+            yield self._collated(slice(start, start + batch_size), positions, lengths, width)
 
     def lengths(self) -> list[int]:
         """Real tokens per pair (the attention mask's row sums)."""
@@ -60,23 +144,19 @@ class TaskData:
         do not depend on the batching.
         """
         lengths = self.lengths()
-        out = []
-        for idx in plan_batches(lengths, batch_size, None, group_by_length):
-            width = max(lengths[i] for i in idx)
-            batch = self[torch.tensor(idx)]
-            out.append(TaskData(**{f.name: (getattr(batch, f.name)[:, :width] if f.name in _POSITIONAL
-                                            else getattr(batch, f.name)) for f in fields(self)}))
-        return out
+        positions = self.answer_pos.tolist()  # once for all batches, from host data
+        return [self._collated(idx, positions, lengths, max(lengths[i] for i in idx))
+                for idx in plan_batches(lengths, batch_size, None, group_by_length)]
 
     def save(self, path: Path, metadata: dict[str, str] | None = None) -> Path:
-        return atomic_save_safetensors(path, {f.name: getattr(self, f.name) for f in fields(self)}, metadata)
+        return atomic_save_safetensors(path, {name: getattr(self, name) for name in _TENSORS}, metadata)
 
     @classmethod
     def load(cls, path: Path) -> TaskData:
         from safetensors.torch import load_file
 
         tensors = load_file(str(path))
-        return cls(**{f.name: tensors[f.name] for f in fields(cls)})
+        return cls(**{name: tensors[name] for name in _TENSORS})
 
 
 def pad_answers(rows: list[list[int]]) -> torch.Tensor:
