@@ -106,7 +106,7 @@ def _main(argv: list[str]) -> int:
             check_writable(Path(hydra_dir(overrides, "sweep", name, config_dir)), "hydra.sweep.dir", directory=True)
         else:
             typed, run_dir = compose_with_run_dir(overrides, name, config_dir)
-            check_stages(typed)
+            check_stages(typed, Path(run_dir))
             check_writable(Path(run_dir), "hydra.run.dir", directory=True)
     if debug_enabled():
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")

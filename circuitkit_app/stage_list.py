@@ -50,6 +50,7 @@ def run_pipeline(cfg: AppConfig, run_dir: str | Path, console: Console | None = 
     return manifest
 
 
-def check_stages(cfg: AppConfig) -> None:
-    """Every selected stage's pre-run check (configs only, nothing written)."""
-    PIPELINE.check(cfg)
+def check_stages(cfg: AppConfig, run_dir: Path | None = None) -> None:
+    """Every selected stage's pre-run check (configs only, nothing written); given the run
+    directory, also the checks that need it."""
+    PIPELINE.check(cfg, run_dir)

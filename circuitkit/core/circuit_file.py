@@ -63,9 +63,10 @@ _TENSOR, _NUMBER = "tensor", "number"
 
 
 class CircuitFileError(UserError, ValueError):
-    """A file given as circuit.pt that cannot be read as one (the message names the file)."""
+    """A file given as circuit.pt that cannot be read as one (the message names the file).
 
-    exit_code = EXIT_USAGE
+    Exit 1: the file's content is bad (truncated, a byte flipped, another kind of file); a
+    directory given where the file was asked for is a wrong argument (exit 2)."""
 
 
 @dataclass(eq=False)
@@ -285,7 +286,8 @@ def load_circuit(path: Path) -> Circuit:
     path = Path(path)
     if path.is_dir():
         raise CircuitFileError(f"{path} is a directory; give the circuit.pt file inside it"
-                               f"{' (' + str(path / 'circuit.pt') + ')' if (path / 'circuit.pt').is_file() else ''}.")
+                               f"{' (' + str(path / 'circuit.pt') + ')' if (path / 'circuit.pt').is_file() else ''}.",
+                               exit_code=EXIT_USAGE)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; the pruning stage writes it (see output_path).")
     try:

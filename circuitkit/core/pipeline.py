@@ -94,6 +94,8 @@ class Stage:
     file in it) or `{label: fingerprint string}`; a change in any reruns the stage.
     check(cfg): cheap pre-run check (configs only, no weights, no writes); raises UserError
     (or ConfigError) naming the problem. Runs for every selected stage before the first one.
+    check_run_dir(cfg, run_dir): the same, for what needs the run directory (an output path that
+    must not be the run directory itself); runs wherever the run directory is known beforehand.
     memory: its peak estimate, read by the preflight stage (None: nothing worth estimating).
     """
 
@@ -104,6 +106,7 @@ class Stage:
     inputs: InputsFn | None = None
     check: Callable[[AppConfig], None] | None = None
     memory: StageMemory | None = None
+    check_run_dir: Callable[[AppConfig, Path], None] | None = None
 
 
 class RunContext:
@@ -304,11 +307,14 @@ class Pipeline:
                                 f" {', '.join(self.stages)}.")
         return [self.stages[name] for name in cfg.stages]
 
-    def check(self, cfg: AppConfig) -> None:
-        """Run every selected stage's pre-run check; the first problem raises (nothing written)."""
+    def check(self, cfg: AppConfig, run_dir: Path | None = None) -> None:
+        """Run every selected stage's pre-run check (and, given the run directory, its
+        `check_run_dir`); the first problem raises (nothing written)."""
         for stage in self.selected(cfg):
             if stage.check is not None:
                 stage.check(cfg)
+            if stage.check_run_dir is not None and run_dir is not None:
+                stage.check_run_dir(cfg, Path(run_dir))
 
     def run(self, cfg: AppConfig, run_dir: Path, console: Console | None = None,
             overrides: list[str] | None = None, checked: bool = False) -> dict[str, Any]:
@@ -327,7 +333,7 @@ def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | N
     run_dir = Path(run_dir)
     selected = pipeline.selected(cfg)
     if not checked:
-        pipeline.check(cfg)
+        pipeline.check(cfg, run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} is a file; choose another hydra.run.dir.", exit_code=2)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from circuitkit.core.circuit_file import run_circuit_path
-from circuitkit.core.config import AppConfig
+from circuitkit.core.config import AppConfig, ConfigError
 from circuitkit.core.io import check_writable
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
 from circuitkit.discovery.export.hf import PROVENANCE_FILE, export_hf, summary_line
@@ -29,6 +29,7 @@ def _export(ctx: RunContext) -> StageResult:
     if not circuit.is_file():
         raise FileNotFoundError(f"the export stage reads this run's circuit.pt ({circuit}), which does not exist: run"
                                 " the pruning stage first (stages=[...,pruning,export]).")
+    _check_export_run_dir(ctx.cfg, ctx.run_dir)
     out = export_dir(ctx.cfg, ctx.run_dir)
     # A fresh copy on the CPU: the run's model stays as it is for the stages after this one.
     prov = export_hf(circuit, out, e.ablation, ctx.cfg.model)
@@ -50,13 +51,41 @@ def _export_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     return {**model_inputs(cfg.model), "circuit.pt": run_circuit_path(cfg.output_path, run_dir)}
 
 
+def _within(path: Path, other: Path) -> bool:
+    return path == other or other in path.parents
+
+
+def _model_dir(cfg: AppConfig) -> Path | None:
+    """The base model's local directory (a hub model's cache is not the user's to write into)."""
+    model = model_inputs(cfg.model).get("model")
+    if not isinstance(model, Path):
+        return None
+    return (model if model.is_dir() else model.parent).resolve()
+
+
 def _check_export(cfg: AppConfig) -> None:
     if cfg.export.format is None:
         return
     check_model(cfg.model)
     if cfg.export.dir:
         check_writable(Path(cfg.export.dir), "export.dir", directory=True)
+        out, model_dir = Path(cfg.export.dir).expanduser().resolve(), _model_dir(cfg)
+        if model_dir is not None and (_within(out, model_dir) or _within(model_dir, out)):
+            raise ConfigError(f"export.dir={cfg.export.dir!r} is the base model's directory or overlaps it"
+                              f" ({model_dir}); the export replaces its folder as a whole: choose a directory of"
+                              " its own, e.g. export.dir=null for <run dir>/pruned_model.")
+
+
+def _check_export_run_dir(cfg: AppConfig, run_dir: Path) -> None:
+    """export.dir must not be the run directory or hold it: the export's folder is replaced whole."""
+    if cfg.export.format is None or not cfg.export.dir:
+        return
+    out, run = Path(cfg.export.dir).expanduser().resolve(), Path(run_dir).expanduser().resolve()
+    if _within(run, out):
+        raise ConfigError(f"export.dir={cfg.export.dir!r} is the run directory or holds it ({run}); the export"
+                          " replaces its folder as a whole: choose a directory of its own, e.g. export.dir=null"
+                          f" for {run / EXPORT_DIR}.")
 
 
 EXPORT_STAGE = Stage("export", ("model", "export", "output_path"), _export, inputs=_export_inputs,
-                     check=_check_export)
+                     check=_check_export, check_run_dir=_check_export_run_dir)

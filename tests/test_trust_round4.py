@@ -1,0 +1,113 @@
+"""Trust, round four: the newer surfaces (export, report, adapters, the eigen projection, the
+gradian commands' flags, diagnose, MIB names, provenance) end in the project's exit code (2: a
+wrong command, argument or config, nothing ran; 1: bad file content or a failed stage) and one
+error line that names the file, key or flag and what to do; an export is atomic by construction.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_export_hf import _circuit, _load
+from test_trust_pipeline import (
+    SMALL,
+    _log_to_this_tests_stderr,  # noqa: F401  (autouse: loggers on this test's stderr)
+    error_lines,
+    invoke,
+)
+
+from circuitkit.discovery.export.hf import PROVENANCE_FILE, export_hf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one_error(err: str) -> str:
+    assert "Traceback" not in err, err[-3000:]
+    lines = error_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _looks_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() or (folder / PROVENANCE_FILE).is_file()
+
+
+def test_an_export_that_fails_mid_write_leaves_no_folder(tmp_path, monkeypatch):
+    """The model's weights are written, then the tokenizer's save fails: no `out`, no temp folder."""
+    from transformers import PreTrainedTokenizerBase
+
+    _circuit(_load("tiny-gpt2"), tmp_path / "circuit.pt")
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", fail)
+    with pytest.raises(OSError):
+        export_hf(tmp_path / "circuit.pt", tmp_path / "out", "zero")
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["circuit.pt"]
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+from transformers import PreTrainedTokenizerBase
+from circuitkit.discovery.export.hf import export_hf
+def die(self, folder, *a, **k):
+    assert any(n.endswith(".safetensors") for n in os.listdir(folder))  # the weights are written
+    os.kill(os.getpid(), signal.SIGKILL)
+PreTrainedTokenizerBase.save_pretrained = die
+export_hf(sys.argv[1], sys.argv[2], "zero")
+"""
+
+
+def test_an_export_killed_mid_write_leaves_no_folder_that_looks_complete(tmp_path):
+    """SIGKILL after the weights are written: `out` does not exist; what is left is a hidden
+    temp folder that holds no provenance (an earlier export there would be untouched)."""
+    _circuit(_load("tiny-gpt2"), tmp_path / "circuit.pt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(tmp_path / "circuit.pt"), str(tmp_path / "out")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+    left = [p for p in tmp_path.iterdir() if p.name != "circuit.pt"]
+    assert all(p.name.startswith(".out.tmp-") and not (p / PROVENANCE_FILE).exists() for p in left), left
+
+
+def _flip_a_byte(path: Path, text: bytes) -> None:
+    """One byte of `text` in the file flipped (a flip inside tensor data is caught only by a
+    recorded sha256, as a run's manifest has; torch's zip reader checks no CRC)."""
+    data = bytearray(path.read_bytes())
+    data[data.index(text)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_circuit_pt_with_a_flipped_byte_is_bad_content(tmp_path, capsys):
+    _circuit(_load("tiny-gpt2"), tmp_path / "circuit.pt")
+    _flip_a_byte(tmp_path / "circuit.pt", b"head_mask")
+    code, _, err = invoke("cli", ["export", str(tmp_path / "circuit.pt"), "--format", "hf", str(tmp_path / "o")],
+                          capsys)
+    line = _one_error(err)
+    assert code == 1 and "circuit.pt" in line and "not a CircuitKit circuit" in line, (code, line)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("where", ["run", "run_parent", "model", "model_sub"])
+def test_export_dir_overlapping_the_run_or_the_model_is_a_config_error(where, tmp_path, monkeypatch, capsys):
+    from circuitkit.fixtures.models import ensure_fixture
+
+    monkeypatch.chdir(tmp_path)
+    model = ensure_fixture("tiny-gpt2")
+    target = {"run": tmp_path / "run", "run_parent": tmp_path, "model": model, "model_sub": model / "pruned"}[where]
+    argv = [*SMALL, "stages=[data,attribution,pruning,export]", "export.format=hf", f"export.dir={target}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    code, _, err = invoke("run", argv, capsys)
+    line = _one_error(err)
+    assert code == 2 and "export.dir=" in line, (code, line)
+    assert not (tmp_path / "run").exists() and not (model / "pruned").exists()
