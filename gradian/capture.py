@@ -409,8 +409,9 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
 
             def grad_hook(delta: torch.Tensor) -> None:
                 for name, _ in group:
-                    dp = projector.project_output(name, delta)  # (B, T, k_o); masked like x above
-                    dp = dp if pad is None else dp.masked_fill(pad, 0.0)
+                    # (B, T, k_o); zero at padding already: a real position never reads a later one, so
+                    # no gradient reaches the padding (a non-finite one would show in the row, refused)
+                    dp = projector.project_output(name, delta)
                     if second_pass[0]:  # sampled labels: the factors and the sampled rows only
                         xp = x_proj.pop(name)
                         factors.add(name, xp, dp)

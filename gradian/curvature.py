@@ -111,28 +111,39 @@ class FactorSums:
     def add(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> None:
         """xp (B, T, k_i), dp (B, T, k_o): the projected inputs and output gradients of one batch,
         zero at padding (padding adds nothing). Projected sums ((k, k), small) stay on xp's device
-        (float64): nothing is copied to the host until `tensors`; raw (d, d) sums go to the host per batch."""
+        (float64): nothing is copied to the host until `tensors`; raw (d, d) sums go to the host per batch.
+        One in-place product-and-add per side and batch; the sums are made exactly symmetric once, when
+        read (`symmetric`), not per batch."""
         # float64 where it is cheap (an accelerator); batch_dtype on the CPU
         dtype = self.batch_dtype if xp.device.type == "cpu" else torch.float64
-        a = xp.reshape(-1, xp.shape[-1]).to(dtype)
-        s = dp.reshape(-1, dp.shape[-1]).to(dtype)
-        a_sum, s_sum = (a.T @ a).double(), (s.T @ s).double()
-        if not self.projected:  # raw (d, d) sums of a whole model would crowd the device: kept on the host
-            a_sum, s_sum = a_sum.cpu(), s_sum.cpu()
-        # Exactly symmetric (a blocked matmul may sum (i, j) and (j, i) in another order).
-        a_sum, s_sum = (a_sum + a_sum.T) / 2, (s_sum + s_sum.T) / 2
-        self.a[name] = a_sum if name not in self.a else self.a[name].add_(a_sum)
-        self.s[name] = s_sum if name not in self.s else self.s[name].add_(s_sum)
+        for sums, values in ((self.a, xp), (self.s, dp)):
+            flat = values.reshape(-1, values.shape[-1]).to(dtype)  # (positions, k)
+            total = sums.get(name)
+            if total is None:
+                device = flat.device if self.projected else torch.device("cpu")  # raw (d, d): on the host
+                total = sums[name] = torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float64, device=device)
+            if flat.dtype == torch.float64 and total.device == flat.device:
+                total.addmm_(flat.T, flat)
+            else:
+                total += (flat.T @ flat).to(total.device, torch.float64)
 
     def add_tokens(self, n: int) -> None:
         """Count `n` more positions (a host integer: the batch's non-padding tokens, known at collate time)."""
         self.tokens += int(n)
+
+    def symmetric(self) -> None:
+        """Make every sum exactly symmetric (a blocked matmul may sum (i, j) and (j, i) in another
+        order): (X + Xᵀ) / 2 of the totals, which is the sum of the batches' symmetrised products."""
+        for sums in (self.a, self.s):
+            for name, total in sums.items():
+                sums[name] = (total + total.T) / 2
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Shard tensors: kfac_in.m, kfac_out.m (float32) in module order m, and kfac_tokens (1,)."""
         missing = [n for n in self.names if n not in self.a]
         if missing:
             raise RuntimeError(f"no K-FAC factors were collected for modules {missing[:3]}.")
+        self.symmetric()
         out = {TOKENS: torch.tensor([self.tokens], dtype=torch.int64)}
         for m, name in enumerate(self.names):
             key_in, key_out = factor_names(m)

@@ -79,6 +79,7 @@ def factor_pass(shapes: Mapping[str, tuple[int, int]], batches, run_batch: Calla
     for batch, row_ids in batches:
         run_batch(probe, batch, row_ids, sums)
     # the sums stayed on the device during the pass; the decompositions that read them run on the host
+    sums.symmetric()
     sums.a = {name: total.cpu() for name, total in sums.a.items()}
     sums.s = {name: total.cpu() for name, total in sums.s.items()}
     return sums
