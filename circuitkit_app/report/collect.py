@@ -56,7 +56,13 @@ def config_rows(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class _Artifacts:
-    """The files a run's manifest records, each checked against its recorded sha256 when read."""
+    """The files a run's manifest records, each checked against its recorded sha256 when read.
+
+    A report reads only the run's own artifacts: a file inside the run directory, or one a stage
+    of this run recorded writing (with its sha256) where the config sent it elsewhere
+    (`output_path`, `grads.index_dir`). A path from the manifest that is neither (an edited
+    `config.output_path`) is refused, exit 1: the manifest is not what the run wrote.
+    """
 
     def __init__(self, run_dir: Path, manifest: dict[str, Any]) -> None:
         self.run_dir = run_dir
@@ -67,8 +73,22 @@ class _Artifacts:
                 self.recorded[str(path.resolve())] = info.get("sha256")
         self.notes: list[str] = []
 
-    def usable(self, path: Path) -> bool:
-        """True if `path` exists and, when the manifest records it, still has its recorded sha256."""
+    def confine(self, path: Path, key: str) -> None:
+        """UserError (exit 1) unless `path` is inside the run directory or recorded, with a sha256,
+        as an artifact of this run; `key` names the manifest entry that gave the path."""
+        from circuitkit.core.errors import UserError
+
+        resolved, run = Path(path).resolve(), self.run_dir.resolve()
+        if resolved == run or run in resolved.parents or self.recorded.get(str(resolved)):
+            return
+        raise UserError(f"{self.run_dir / 'manifest.json'}: {key} names {path}, outside the run directory, and no"
+                        " stage of this run recorded writing it; a report reads only the run's own artifacts:"
+                        " restore manifest.json as the run wrote it, or rerun the run.")
+
+    def usable(self, path: Path, key: str = "") -> bool:
+        """True if `path` exists and, when the manifest records it, still has its recorded sha256;
+        a path outside the run directory is confined first (`confine`, `key` naming its source)."""
+        self.confine(path, key or str(path))
         if not path.is_file():
             return False
         expected = self.recorded.get(str(path.resolve()))
@@ -264,13 +284,16 @@ def collect_run(run_dir: Path, top_edges: int | None = None) -> dict[str, Any]:
         per_example = scores.per_example or {}
         view["attribution"] = _attribution_section(scores)
     circuit_path = run_circuit_path(config.get("output_path"), run_dir)
-    if files.usable(circuit_path):
+    if files.usable(circuit_path, "config.output_path"):
         view["circuit"] = _circuit_section(load_circuit(circuit_path), per_example, limit, default_edges)
     grads = (manifest.get("stages", {}).get("grads") or {}).get("summary") or {}
     index_dir = run_dir / "index"
-    if grads.get("index_dir") and Path(grads["index_dir"]).resolve() != index_dir.resolve():
+    # The run's own index wins: a copied run directory records the original's absolute index_dir.
+    if (grads.get("index_dir") and not (index_dir / "manifest.json").is_file()
+            and Path(grads["index_dir"]).resolve() != index_dir.resolve()):
         index_dir = Path(grads["index_dir"])
-    if (index_dir / "manifest.json").is_file():
+        files.confine(index_dir / "manifest.json", "stages.grads.summary.index_dir")
+    if (index_dir / "manifest.json").is_file():  # the index checks its own files against its manifest
         view["gradian"] = {"index": index_view(index_dir)}
     attribute = _attribute_view(run_dir, manifest, files)
     if attribute is not None:
