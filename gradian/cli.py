@@ -163,7 +163,10 @@ def index_command(overrides: list[str]) -> int:
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         raise UserError(_bad_override(overrides) or " ".join(str(err).split()), exit_code=2) from err
     index_dir = cfg.grads.index_dir or "index"
+    from circuitkit.models.loading import check_model
     from gradian.memory import GRADS_MEMORY
+
+    check_model(cfg.model)  # the model reference and its adapter, before anything runs (the stage's check)
 
     if line := GRADS_MEMORY.note(cfg):  # what the width costs on disk, and what it measured (the preflight's line)
         error_console().print(line, markup=False, highlight=False)

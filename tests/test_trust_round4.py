@@ -154,3 +154,92 @@ def test_report_reads_a_recorded_output_path_outside_the_run(tmp_path, capsys):
     code, _, err = invoke("cli", ["report", str(run)], capsys)
     assert code == 0, err[-2000:]
     assert 'id="circuit"' in (run / "report.html").read_text()
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory) -> Path:
+    pytest.importorskip("peft")
+    from test_lora_adapter import make_adapter
+
+    return make_adapter("tiny-gpt2", tmp_path_factory.mktemp("lora") / "lora", ["c_attn"], seed=1)
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Every refusal of an adapter comes before the model loads."""
+    import circuitkit.models.loading
+    import gradian.indexer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the adapter was checked")
+    for module in (circuitkit.models.loading, gradian.indexer):
+        monkeypatch.setattr(module, "load_model", refuse)
+
+
+def _adapter_copy(src: Path, dst: Path, config: dict | None = None, weights=None) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        stored = json.loads((dst / "adapter_config.json").read_text())
+        (dst / "adapter_config.json").write_text(json.dumps({**stored, **config}))
+    if weights is not None:
+        path = dst / "adapter_model.safetensors"
+        path.write_bytes(weights(path.read_bytes()))
+    return dst
+
+
+def _gradian_index(tmp_path: Path, adapter: Path, capsys) -> tuple[int, str]:
+    from gradian.cli import main
+
+    capsys.readouterr()
+    code = main(["index", "model.name=builtin:tiny-gpt2", f"model.adapter={adapter}", "model.precision=float32",
+                 f"grads.index_dir={tmp_path / 'idx'}"])
+    return code, _one_error(capsys.readouterr().err)
+
+
+ADAPTER_CONTENT = {
+    "truncated_weights": (None, lambda b: b[: len(b) // 2], "adapter_model.safetensors"),
+    "garbage_header": (None, lambda b: b"\xff" * 8 + b[8:], "adapter_model.safetensors"),
+    "lora_alpha_nan": ({"lora_alpha": float("nan")}, None, "lora_alpha is nan"),
+    "lora_alpha_inf": ({"lora_alpha": float("inf")}, None, "lora_alpha is inf"),
+    "r_zero": ({"r": 0}, None, "r is 0"),
+    "r_absurd": ({"r": 10**12}, None, "r is 1000000000000"),
+    "r_not_a_number": ({"r": "four"}, None, "r is 'four'"),
+    "rank_pattern_nan": ({"rank_pattern": {"c_attn": -3}}, None, "rank_pattern['c_attn'] is -3"),
+}
+
+
+@pytest.mark.parametrize("case", list(ADAPTER_CONTENT))
+def test_a_damaged_adapter_is_bad_content_named_before_the_model_loads(case, lora_dir, tmp_path, capsys, no_load):
+    config, weights, needle = ADAPTER_CONTENT[case]
+    adapter = _adapter_copy(lora_dir, tmp_path / "lora", config, weights)
+    code, line = _gradian_index(tmp_path, adapter, capsys)
+    assert code == 1 and needle in line, (code, line)
+    if config is not None:
+        assert "adapter_config.json" in line
+    assert not (tmp_path / "idx").exists()
+
+
+def test_an_adapter_for_another_base_model_is_refused_before_anything_runs(tmp_path, capsys, no_load):
+    """A Llama adapter on GPT-2: exit 2 from the config check, naming the adapter's base model and
+    its target modules; the pipeline refuses it before the run directory exists."""
+    pytest.importorskip("peft")
+    from test_lora_adapter import make_adapter
+
+    llama = make_adapter("tiny-llama", tmp_path / "llama-lora", ["q_proj", "v_proj"], seed=3)
+    code, line = _gradian_index(tmp_path, llama, capsys)
+    assert code == 2 and "tiny-llama" in line and "q_proj" in line and "does not fit" in line, (code, line)
+    code, _, err = invoke("run", [*SMALL, f"model.adapter={llama}", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    line = _one_error(err)
+    assert code == 2 and "tiny-llama" in line and "target_modules" in line, (code, line)
+    assert not (tmp_path / "run").exists()
+
+
+def test_target_modules_the_model_lacks_are_refused_before_the_model_loads(lora_dir, tmp_path, capsys, no_load):
+    adapter = _adapter_copy(lora_dir, tmp_path / "lora", {"target_modules": ["c_attn", "nonexistent_proj"]})
+    code, line = _gradian_index(tmp_path, adapter, capsys)
+    assert code == 2 and "'nonexistent_proj'" in line and "name no module" in line, (code, line)

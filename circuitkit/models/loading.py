@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -33,7 +34,13 @@ from circuitkit.models.adapters import ModelAdapter, get_adapter
 from circuitkit.models.families import IMAGE_TEXT_MODEL_TYPES
 from circuitkit.models.fetch import FETCHED_PREFIX, resolve_fetched
 from circuitkit.models.gguf import GGUFError, check_gguf, gguf_reference, provenance, read_source
-from circuitkit.models.lora import attach_adapter, read_adapter, require_peft
+from circuitkit.models.lora import (
+    attach_adapter,
+    check_adapter_fits,
+    lora_tensor_shapes,
+    read_adapter,
+    require_peft,
+)
 
 log = logging.getLogger(__name__)
 
@@ -425,9 +432,38 @@ def check_model(cfg: ModelConfig) -> None:
     and peft is installed; `model.base_name` resolves and has the model's shape."""
     pretrained_args(cfg)
     if getattr(cfg, "adapter", None):
-        read_adapter(cfg.adapter)
-        require_peft()
+        check_adapter_before_loading(cfg)
     check_base_model(cfg)
+
+
+def check_adapter_before_loading(cfg: ModelConfig) -> None:
+    """`model.adapter` checked before anything runs: adapter_config.json's values, the weights file's
+    header, peft installed, and every LoRA tensor and target module against the model's modules, built
+    empty on the meta device from its config (no weights read). A model whose config is not on this
+    machine (a hub id not cached) or needs remote code is checked when it loads instead."""
+    spec = read_adapter(cfg.adapter)
+    lora_tensor_shapes(spec)
+    require_peft()
+    if cfg.trust_remote_code:
+        return
+    path, kwargs = pretrained_args(cfg)
+    key = (path, cfg.revision, tuple(sorted(kwargs.items())), str(spec.weights_file),
+           spec.weights_file.stat().st_mtime_ns, json.dumps(spec.config, sort_keys=True, default=str))
+    if key in _ADAPTER_FITS:
+        return
+    try:
+        auto = _auto_class(path, kwargs, cfg.revision, False)
+        config = auto_config(path, kwargs, cfg.revision, False)
+    except Exception:  # noqa: BLE001 - not available offline: load_model says so in its own words
+        return
+    with torch.device("meta"):
+        skeleton = auto.from_config(config)
+    check_adapter_fits(skeleton, spec, cfg.name, path)
+    _ADAPTER_FITS.add(key)
+
+
+# Adapters found to fit their model in this process (every stage's pre-run check asks again).
+_ADAPTER_FITS: set[tuple] = set()
 
 
 def model_inputs(cfg: ModelConfig) -> dict[str, Path | str]:

@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -57,9 +58,16 @@ _LORA_LINEAR = re.compile(r"\.(lora_A|lora_B)\.[^.]+$")
 
 
 class AdapterError(UserError, ValueError):
-    """`model.adapter` names no usable LoRA adapter, or one made for another model (exit code 2)."""
+    """`model.adapter` names no usable LoRA adapter, or one made for another model (exit code 2);
+    an adapter directory whose files are damaged (a value of adapter_config.json, the weights
+    file) is bad content (exit code 1, given where raised)."""
 
     exit_code = 2
+
+
+# The largest LoRA rank taken from adapter_config.json: far above any trained adapter (ranks are
+# at most the model's width), low enough that a damaged value is caught before peft allocates it.
+MAX_RANK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -118,11 +126,51 @@ def read_adapter(directory: str, what: str = "model.adapter") -> AdapterSpec:
     if config.get("peft_type") != "LORA":
         raise AdapterError(f"{what}={directory!r} is a {config.get('peft_type')!r} adapter; only LoRA adapters"
                            " (peft_type LORA) are supported.")
+    _check_config_values(path / ADAPTER_CONFIG, config)
     weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
     if weights is None:
         raise AdapterError(f"{what}={directory!r} has no weights file ({' or '.join(WEIGHT_FILES)}); save the"
                            " adapter again with save_pretrained.")
     return AdapterSpec(path.resolve(), weights.resolve(), config)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_config_values(file: Path, config: dict[str, Any]) -> None:
+    """adapter_config.json's values that shape the adapter, checked before any model loads: AdapterError
+    (exit 1, the file's content) naming the file and the key."""
+    def bad(key: str, value: Any, allowed: str) -> AdapterError:
+        return AdapterError(f"{file}: {key} is {value!r:.80}; {allowed}. The file is damaged or was not written by"
+                            " PEFT's save_pretrained: save the adapter again.", exit_code=1)
+
+    ranks = [("r", config.get("r"))] + [(f"rank_pattern[{k!r}]", v) for k, v in
+                                        (config.get("rank_pattern") or {}).items()]
+    for key, r in ranks:
+        if not _is_int(r) or not 1 <= r <= MAX_RANK:
+            raise bad(key, r, f"a LoRA rank is a whole number from 1 to {MAX_RANK}")
+    alphas = [("lora_alpha", config.get("lora_alpha"))] + [(f"alpha_pattern[{k!r}]", v) for k, v in
+                                                          (config.get("alpha_pattern") or {}).items()]
+    for key, alpha in alphas:
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+            raise bad(key, alpha, "the LoRA scale lora_alpha is a finite number")
+    targets = config.get("target_modules")
+    if not (isinstance(targets, str) and targets) and not (
+            isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
+        raise bad("target_modules", targets, "it is a list of module names (or one regular expression)")
+
+
+def target_modules_missing(config: dict[str, Any], names: list[str]) -> list[str]:
+    """adapter_config.json's target_modules that name no module of `names` (peft's rule: a list entry
+    matches a module named so or ending in `.<entry>`; a string is a regular expression matched in full)."""
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        try:
+            return [] if any(re.fullmatch(targets, n) for n in names) else [targets]
+        except re.error:
+            return [targets]
+    return [t for t in targets or [] if not any(n == t or n.endswith("." + t) for n in names)]
 
 
 def require_peft(what: str = "model.adapter"):
@@ -152,17 +200,17 @@ def lora_tensor_shapes(spec: AdapterSpec) -> dict[str, dict[str, tuple[int, ...]
             state = torch.load(spec.weights_file, map_location="cpu", weights_only=True, mmap=True)
             shapes = {k: tuple(v.shape) for k, v in state.items()}
     except Exception as err:  # noqa: BLE001 - a file that does not open is one line, whatever the reason
-        raise AdapterError(f"model.adapter={str(spec.directory)!r}: cannot read {spec.weights_file.name}"
+        raise AdapterError(f"model.adapter={str(spec.directory)!r}: cannot read {spec.weights_file}"
                            f" ({_first_line(err)}); it is truncated, corrupted or not a weights file: save the"
-                           " adapter again.") from None
+                           " adapter again.", exit_code=1) from None
     out: dict[str, dict[str, tuple[int, ...]]] = {}
     for key, shape in shapes.items():
         m = _TENSOR_KEY.match(key)
         if m:
             out.setdefault(m["module"], {})[m["kind"]] = shape
     if not out:
-        raise AdapterError(f"model.adapter={str(spec.directory)!r}: {spec.weights_file.name} holds no LoRA"
-                           " weights (no lora_A / lora_B tensors).")
+        raise AdapterError(f"model.adapter={str(spec.directory)!r}: {spec.weights_file} holds no LoRA"
+                           " weights (no lora_A / lora_B tensors): save the adapter again.", exit_code=1)
     return out
 
 
@@ -183,7 +231,9 @@ def check_adapter_fits(model: nn.Module, spec: AdapterSpec, model_name: str, mod
     `model_path`: where model.name was loaded from (base_model_name_or_path may name either)."""
     modules = dict(model.named_modules())
     made_for = f"made for {spec.base_model!r}" if spec.base_model else "base model not recorded"
-    where = f"model.adapter={str(spec.directory)!r} ({made_for}) does not fit model.name={model_name!r}"
+    targets = spec.config.get("target_modules")
+    where = (f"model.adapter={str(spec.directory)!r} ({made_for}, target_modules {targets!r:.80}) does not fit"
+             f" model.name={model_name!r}")
     for name, kinds in lora_tensor_shapes(spec).items():
         module = modules.get(name)
         if module is None or not is_linear(module):
@@ -195,11 +245,18 @@ def check_adapter_fits(model: nn.Module, spec: AdapterSpec, model_name: str, mod
         a, b = kinds.get("lora_A"), kinds.get("lora_B")
         if a is None or b is None or len(a) != 2 or len(b) != 2 or a[0] != b[1]:
             raise AdapterError(f"model.adapter={str(spec.directory)!r}: the LoRA weights of {name!r} are lora_A"
-                               f" {a} and lora_B {b}, not a (r, d_in) and (d_out, r) pair: the file is damaged.")
+                               f" {a} and lora_B {b}, not a (r, d_in) and (d_out, r) pair: the file is damaged.",
+                               exit_code=1)
         d_out, d_in = module_shape(module)
         if (b[0], a[1]) != (d_out, d_in):
             raise AdapterError(f"{where}: {name} is {d_out} x {d_in} (out x in) in the model, but the adapter's"
                                f" lora_B·lora_A is {b[0]} x {a[1]}. Use the adapter with the model it was trained on.")
+    missing = target_modules_missing(spec.config, list(modules))
+    if missing:
+        like = [n for n, m in modules.items() if is_linear(m)][:3]
+        raise AdapterError(f"{where}: target module(s) {', '.join(map(repr, missing))} of {ADAPTER_CONFIG} name no"
+                           f" module of the model (its linear modules are named like {', '.join(like)}). Use the"
+                           " adapter with the model it was trained on.")
     if spec.base_model and not _same_model(spec.base_model, model_name, model_path):
         log.warning("model.adapter %s was made for %s; model.name is %s (every LoRA weight fits its module, so it is"
                     " used).", spec.directory, spec.base_model, model_name)
