@@ -158,6 +158,7 @@ def allocate_widths(shapes: Mapping[str, tuple[int, int]], dims: Mapping[str, fl
 def spectrum_widths(shapes: Mapping[str, tuple[int, int]], sums: FactorSums, n_rows: int,
                     projection_dim: int) -> tuple[dict[str, int], dict[str, float]]:
     """(widths, effective dimensions) of `shapes`' modules from the full factor sums of a factor pass."""
+    sums.check_finite("grads.width_allocation=spectrum")
     dims = {n: effective_dimension(factor_eigenvalues(sums.s[n], n_rows), factor_eigenvalues(sums.a[n], sums.tokens))
             for n in shapes}
     return allocate_widths(shapes, dims, projection_dim), dims

@@ -138,6 +138,27 @@ class FactorSums:
             for name, total in sums.items():
                 sums[name] = (total + total.T) / 2
 
+    def check_finite(self, what: str) -> None:
+        """UserError (exit 1) naming the first module whose factor sums hold NaN or infinity, before
+        any decomposition reads them (`what`: the projection whose factor pass made them). One host
+        wait for every module's flag."""
+        from circuitkit.core.errors import UserError
+        from circuitkit.core.syncs import all_finite
+
+        named = [(name, side, total) for side, sums in (("input (A)", self.a), ("output-gradient (S)", self.s))
+                 for name, total in sums.items()]
+        if not named:
+            return
+        flags = all_finite([total for _, _, total in named])
+        bad = [(name, side) for (name, side, _), ok in zip(named, flags, strict=True) if not ok]
+        if bad:
+            name, side = bad[0]
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise UserError(f"{what}: the factor pass's {side} sum of module {name}{more} holds NaN or infinity, so"
+                            " it has no eigen decomposition: the model's activations or gradients overflow there"
+                            " (a damaged weight, or float16 out of range). Check the model's weights, index in"
+                            " model.precision=float32 or bfloat16, or leave that module out (grads.module_filter).")
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Shard tensors: kfac_in.m, kfac_out.m (float32) in module order m, and kfac_tokens (1,)."""
         missing = [n for n in self.names if n not in self.a]

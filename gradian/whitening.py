@@ -99,6 +99,7 @@ def whitened_tensors(projector: Projector, sums: FactorSums, n_rows: int,
     P the seeded orthogonal factors of `projector` (kind whitened)."""
     if sums.projected:
         raise ValueError("the whitened projection needs the raw (d, d) factor sums, not projected ones.")
+    sums.check_finite("grads.projection=whitened")
     random = projector.random_part()
     out = {}
     for m, name in enumerate(projector.names):
@@ -114,6 +115,7 @@ def eigen_tensors(projector: Projector, sums: FactorSums, n_rows: int) -> dict[s
     A = Σ x xᵀ / N; P the seeded orthogonal factors of `projector`), largest eigenvalue first, as
     columns. The projection is Qᵀ P (`gradian.projection.compose_rotations`, on load): only (k, k)
     matrices are decomposed and stored, k² floats per side instead of k · d."""
+    sums.check_finite("grads.projection=eigen")
     random = projector.random_part()
     out = {}
     for m, name in enumerate(projector.names):

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_export_hf import _circuit, _load
 from test_trust_pipeline import (
     SMALL,
@@ -243,3 +244,62 @@ def test_target_modules_the_model_lacks_are_refused_before_the_model_loads(lora_
     adapter = _adapter_copy(lora_dir, tmp_path / "lora", {"target_modules": ["c_attn", "nonexistent_proj"]})
     code, line = _gradian_index(tmp_path, adapter, capsys)
     assert code == 2 and "'nonexistent_proj'" in line and "name no module" in line, (code, line)
+
+
+# ----------------------------------------------------------------------------- non-finite weights and factors
+
+
+def _nan_weight_model(tmp_path: Path) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from circuitkit.fixtures.models import ensure_fixture
+
+    target = tmp_path / "nan-model"
+    shutil.copytree(ensure_fixture("tiny-gpt2"), target)
+    state = load_file(str(target / "model.safetensors"))
+    state["transformer.h.1.mlp.c_fc.weight"][3, 5] = float("nan")
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def test_a_nan_weight_is_named_where_the_model_loads(tmp_path, capsys):
+    """grads=signs (the eigen projection's factor pass) on a model with a NaN weight: one line naming
+    the weight, exit 1, instead of linalg.eigh failing to converge."""
+    from gradian.cli import main
+
+    model = _nan_weight_model(tmp_path)
+    capsys.readouterr()
+    code = main(["index", f"model.name={model}", "grads=signs", "model.precision=float32",
+                 f"grads.index_dir={tmp_path / 'idx'}"])
+    line = _one_error(capsys.readouterr().err)
+    assert code == 1 and "transformer.h.1.mlp.c_fc.weight holds NaN or infinity" in line, (code, line)
+
+
+@pytest.mark.parametrize("projection", ["eigen", "whitened", "spectrum"])
+def test_non_finite_factor_sums_are_refused_before_any_decomposition(projection, monkeypatch):
+    from circuitkit.core.errors import UserError
+    from gradian.allocation import spectrum_widths
+    from gradian.curvature import FactorSums
+    from gradian.whitening import eigen_tensors, whitened_tensors
+
+    def no_decomposition(*args, **kwargs):
+        raise AssertionError("a decomposition ran on non-finite factors")
+    for name in ("eigh", "eigvalsh"):
+        monkeypatch.setattr(torch.linalg, name, no_decomposition)
+    sums = FactorSums(["h.0.mlp", "h.1.mlp"])
+    sums.projected = projection == "eigen"
+    for name in sums.names:
+        sums.a[name], sums.s[name] = torch.eye(4, dtype=torch.float64), torch.eye(3, dtype=torch.float64)
+    sums.s["h.1.mlp"][1, 1] = float("inf")
+    sums.tokens = 10
+    call = {"eigen": lambda: eigen_tensors(None, sums, 4), "whitened": lambda: whitened_tensors(None, sums, 4),
+            "spectrum": lambda: spectrum_widths({n: (3, 4) for n in sums.names}, sums, 4, 4)}[projection]
+    with pytest.raises(UserError) as err:
+        call()
+    text = str(err.value)
+    assert "output-gradient (S) sum of module h.1.mlp" in text and "NaN or infinity" in text
+    assert {"eigen": "grads.projection=eigen", "whitened": "grads.projection=whitened",
+            "spectrum": "grads.width_allocation=spectrum"}[projection] in text
+    assert err.value.exit_code == 1

@@ -87,3 +87,17 @@ class BlockingCalls:
 
     def __repr__(self) -> str:
         return f"BlockingCalls({self.total}: {dict(self.by_name)})"
+
+
+def all_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Per tensor, whether every element is finite; one host wait per device the tensors are on
+    (the flags are stacked where they were computed), not one per tensor."""
+    flags: list[bool | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = collections.defaultdict(list)
+    for i, t in enumerate(tensors):
+        by_device[t.device].append(i)
+    for idx in by_device.values():
+        stacked = torch.stack([torch.isfinite(tensors[i]).all() for i in idx]).tolist()
+        for i, ok in zip(idx, stacked, strict=True):
+            flags[i] = bool(ok)
+    return [bool(f) for f in flags]

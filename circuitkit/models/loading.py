@@ -29,6 +29,7 @@ from circuitkit.core.config import ModelConfig
 from circuitkit.core.device import PRECISION_AUTO, get_device, resolve_precision
 from circuitkit.core.errors import UserError
 from circuitkit.core.fingerprint import hub_revision
+from circuitkit.core.syncs import all_finite
 from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
 from circuitkit.models.adapters import ModelAdapter, get_adapter
 from circuitkit.models.families import IMAGE_TEXT_MODEL_TYPES
@@ -343,9 +344,25 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None, keep_adapte
         spec = read_adapter(cfg.adapter)
         model = attach_adapter(model, spec, cfg.name, keep_adapter, path)
         lora = spec.record()
+    check_finite_weights(model, cfg)
     tokenizer = load_tokenizer(cfg)
     return LoadedModel(model, tokenizer, get_adapter(model), cfg.name, cfg.revision, path, lora,
                        bool(lora) and keep_adapter)
+
+
+def check_finite_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    """UserError (exit 1) naming the first parameter that holds NaN or infinity (with an adapter:
+    after it is applied); one host wait for every parameter's flag, offloaded (meta) ones skipped."""
+    params = [(name, p) for name, p in model.named_parameters() if p.device.type != "meta"]
+    if not params:
+        return
+    bad = [name for (name, _), ok in zip(params, all_finite([p for _, p in params]), strict=True) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        with_adapter = f" with model.adapter={cfg.adapter!r}" if getattr(cfg, "adapter", None) else ""
+        raise UserError(f"model.name={cfg.name!r}{with_adapter}: weight {bad[0]}{more} holds NaN or infinity; the"
+                        " checkpoint is damaged (or was saved after training diverged): use an earlier or"
+                        " re-downloaded copy.")
 
 
 def base_model_config(cfg: ModelConfig) -> ModelConfig:
