@@ -42,6 +42,7 @@ from rich.table import Table
 from rich.text import Text
 
 from circuitkit.core.errors import UserError, error_console, print_error, run_entry
+from circuitkit.core.flags import MAX_COUNT, bounded, check_numeric_flags, subparser
 
 # Each subcommand imports its module when it runs: `gradian --help` loads no torch (fast).
 # With --out, the terminal shows this much of the ranking; the file gets all of it. Rendering
@@ -289,22 +290,25 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--verify", action="store_true",
                          help="check every shard (presence, size, sha256, tensors, row ranges), unlisted files,"
                               " the complete flag and the projection fingerprint; exit 1 on any problem")
-    inspect.add_argument("--row", type=int, default=None,
-                         help="show this training row's tokens (re-read from the indexed data) and which of them"
-                              " the loss supervised")
+    bounded(inspect.add_argument("--row", type=int, default=None,
+                                 help="show this training row's tokens (re-read from the indexed data) and which of"
+                                      " them the loss supervised"), ge=0)
     rank = sub.add_parser("rank", help="rank training rows of an index against query rows")
     rank.add_argument("--index", required=True, help="index directory (holds manifest.json)")
     rank.add_argument("--queries", required=True, help="JSONL of query rows (same format as training rows)")
-    rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate")
+    bounded(rank.add_argument("--top-k", type=int, default=10, help="rows kept per query and for the aggregate"),
+            ge=1, le=MAX_COUNT)
     rank.add_argument("--score", choices=("auto", "cosine", "dot", "influence", "whitened", "kfac", "ekfac"),
                       default="auto",
                       help="auto (default): ekfac if the index holds K-FAC factors (grads.preconditioner=kfac, the"
                            " default), else cosine. influence / whitened need an index built with grads.preconditioner=module: qᵀAg and"
                            " the cosine after whitening with each module's damped second moment A; kfac / ekfac"
                            " need grads.preconditioner=kfac: qᵀ(F + λI)⁻¹g with K-FAC's or EK-FAC's F")
-    rank.add_argument("--damping", type=float, default=None,
-                      help="for influence / whitened / kfac / ekfac: λ as a share of each module's mean eigenvalue"
-                           " (default 0.01 for kfac / ekfac, 0.1 for influence / whitened); refused with cosine and dot")
+    bounded(rank.add_argument("--damping", type=float, default=None,
+                              help="for influence / whitened / kfac / ekfac: λ as a share of each module's mean"
+                                   " eigenvalue (default 0.01 for kfac / ekfac, 0.1 for influence / whitened); refused"
+                                   " with cosine and dot"),
+            gt=0, le=1e6, why="a share of each module's mean eigenvalue")
     rank.add_argument("--aggregate", choices=("mean", "max"), default="mean",
                       help="how the per-query scores of a row combine into one ranking")
     rank.add_argument("--out", default=None,
@@ -342,8 +346,9 @@ def _parser() -> argparse.ArgumentParser:
                           " learning_rate, grad_norm}")
     diagnose.add_argument("--model", default=None, help="model whose tokenizer measures the rows (no weights are"
                           " loaded): a local directory, builtin:NAME, or a cached hub name")
-    diagnose.add_argument("--max-seq-length", type=int, default=None, help="the trainer's length limit in tokens"
-                          " (default: max_seq_length / max_length of the trainer args)")
+    bounded(diagnose.add_argument("--max-seq-length", type=int, default=None, help="the trainer's length limit in"
+                                  " tokens (default: max_seq_length / max_length of the trainer args)"),
+            ge=2, le=MAX_COUNT, why="tokens")
     diagnose.add_argument("--json", action="store_true", help="print the findings as a JSON list instead of a table")
     from gradian.attribute.command import add_parser as add_attribute
 
@@ -354,8 +359,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    """The parsed arguments of a `gradian` command (argparse errors exit 2); rank's --append-eos as a bool."""
-    args = _parser().parse_args(argv)
+    """The parsed arguments of a `gradian` command (argparse errors exit 2), every numeric option checked
+    against its range (`circuitkit.core.flags`); rank's --append-eos as a bool."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    check_numeric_flags(subparser(parser, args.command), args)
     if args.command == "rank":
         args.append_eos = None if args.append_eos is None else args.append_eos == "true"
         args.adapter = None if args.adapter.lower() == "none" else args.adapter
@@ -370,7 +378,7 @@ def _main(argv: list[str]) -> int:
     if argv[0] == "index":
         return index_command(argv[1:])
     if argv[0] == "inspect":
-        args = parser.parse_args(argv)
+        args = parse(argv)
         return inspect_index(args.index, verify=args.verify, row=args.row)
     if argv[0] in ("rank", "report"):
         args = parse(argv)
@@ -380,11 +388,11 @@ def _main(argv: list[str]) -> int:
                             exit_code=2)
         return rank_command(args)
     if argv[0] == "diagnose":
-        return diagnose_command(parser.parse_args(argv))
+        return diagnose_command(parse(argv))
     if argv[0] == "attribute":
         from gradian.attribute.command import run as attribute_command
 
-        return attribute_command(parser.parse_args(argv))
+        return attribute_command(parse(argv))
     if argv[0] == "doctor":
         from gradian.doctor import main as doctor_main
 

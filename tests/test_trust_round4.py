@@ -303,3 +303,113 @@ def test_non_finite_factor_sums_are_refused_before_any_decomposition(projection,
     assert {"eigen": "grads.projection=eigen", "whitened": "grads.projection=whitened",
             "spectrum": "grads.width_allocation=spectrum"}[projection] in text
     assert err.value.exit_code == 1
+
+
+# ----------------------------------------------------------------------------- the flag sweep
+
+
+def _sweep_commands():
+    """(entry, base argv, parser) of every command whose numeric options the sweep covers: the parsers
+    are the commands' own, so a numeric option added later is swept (and must declare its range)."""
+    from circuitkit.core.flags import subparser
+    from circuitkit.discovery.export import hf, interop, mib
+    from gradian.cli import _parser
+
+    gradian = _parser()
+    return [
+        ("gradian", ["attribute", "--index", "IDX", "--eval-dataset", "EVAL.jsonl"], subparser(gradian, "attribute")),
+        ("gradian", ["rank", "--index", "IDX", "--queries", "Q.jsonl"], subparser(gradian, "rank")),
+        ("gradian", ["diagnose", "--dataset", "TRAIN.jsonl"], subparser(gradian, "diagnose")),
+        ("gradian", ["inspect", "IDX"], subparser(gradian, "inspect")),
+        ("circuitkit", ["export", "SRC.pt", "OUT.json"], interop.export_parser()),
+        ("circuitkit", ["export", "SRC.pt", "OUT", "--format", "mib", "--model", "gpt2"], mib.export_parser()),
+        ("circuitkit", ["export", "SRC.pt", "OUT", "--format", "hf"], hf.export_parser()),
+    ]
+
+
+def _bad_values(action) -> list[str]:
+    b = action.bounds
+    values = ["nan", "inf", "-inf", "1e400"] if action.type is float else []
+    low = b.ge if b.ge is not None else b.gt
+    if low is not None:
+        values.append(str(int(low) - 1) if action.type is int else repr(float(low) - (1.0 if b.ge is not None else 0)))
+    if b.le is not None:
+        values.append("9" * 400 if action.type is int else repr(float(b.le) * 10))
+    return values
+
+
+def _sweep_cases():
+    from circuitkit.core.flags import flag_name, numeric_actions
+
+    cases = []
+    for entry, base, parser in _sweep_commands():
+        for action in numeric_actions(parser):
+            assert hasattr(action, "bounds"), f"{entry} {base[0]} {flag_name(action)} declares no range"
+            for value in _bad_values(action):
+                cases.append(pytest.param(entry, [*base, f"{flag_name(action)}={value}"], flag_name(action),
+                                          id=f"{entry}-{base[0]}{'-' + base[-1] if '--format' in base else ''}"
+                                             f"-{flag_name(action)}={value[:12]}"))
+    return cases
+
+
+def test_the_sweep_covers_every_numeric_option():
+    from circuitkit.core.flags import flag_name, numeric_actions
+
+    flags = {(base[0], flag_name(a)) for _, base, parser in _sweep_commands() for a in numeric_actions(parser)}
+    assert {("attribute", "--lr"), ("attribute", "--seed"), ("attribute", "--lora-alpha"), ("rank", "--damping"),
+            ("rank", "--top-k"), ("diagnose", "--max-seq-length"), ("export", "--d-model")} <= flags
+    assert len(_sweep_cases()) >= 2 * len(flags)
+
+
+@pytest.mark.parametrize(("entry", "argv", "flag"), _sweep_cases())
+def test_every_numeric_flag_refuses_nan_infinity_and_out_of_range(entry, argv, flag, tmp_path, monkeypatch,
+                                                                  capsys, no_load):
+    from circuitkit_app.cli import main as circuitkit_main
+    from gradian.cli import main as gradian_main
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    code = (gradian_main if entry == "gradian" else circuitkit_main)(argv)
+    line = _one_error(capsys.readouterr().err)
+    value = argv[-1].split("=", 1)[1].replace("1e400", "inf")  # parsed as float: it is infinity
+    assert code == 2 and line.startswith(f"error: {flag} ") and "it must be" in line, (code, line)
+    assert len(line) < 300 and (value in line or len(value) > 24)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_attribute_seed_minus_one_names_the_flag(capsys):
+    from gradian.cli import main
+
+    code = main(["attribute", "--index", "IDX", "--eval-dataset", "E.jsonl", "--seed", "-1"])
+    line = _one_error(capsys.readouterr().err)
+    assert code == 2 and line.startswith("error: --seed -1: it must be >= 0 and <= 4294967295"), (code, line)
+
+
+# ----------------------------------------------------------------------------- MIB export
+
+
+def test_an_unknown_mib_model_name_is_a_wrong_argument(tmp_path, capsys):
+    from test_mib_names import _scores
+
+    src = _scores(tmp_path, "builtin:tiny-gpt2")
+    code, _, err = invoke("cli", ["export", str(src), str(tmp_path / "out"), "--format", "mib", "--model", "bogus"],
+                          capsys)
+    line = _one_error(err)
+    assert code == 2 and "--model 'bogus' is not a MIB model name" in line and "gpt2, qwen2.5, gemma2, llama3" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_mib_on_a_missing_path_is_one_error_line(tmp_path, capsys):
+    code, _, err = invoke("cli", ["export", "--check-mib", str(tmp_path / "nowhere")], capsys)
+    line = _one_error(err)
+    assert code == 2 and "--check-mib" in line and "does not exist" in line, (code, line)
+
+
+def test_check_mib_on_a_damaged_folder_ends_in_a_one_line_verdict(tmp_path, capsys):
+    (tmp_path / "sub" / "ioi_gpt2").mkdir(parents=True)
+    (tmp_path / "sub" / "ioi_gpt2" / "importances.json").write_text("garbage{")
+    (tmp_path / "sub" / "ioi_bogus").mkdir()
+    (tmp_path / "sub" / "ioi_bogus" / "importances.json").write_text('{"a": NaN}')
+    code, out, err = invoke("cli", ["export", "--check-mib", str(tmp_path / "sub")], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert out.splitlines()[-1] == f"{tmp_path / 'sub'}: not ready for MIB: 2 problem(s), listed above"

@@ -14,7 +14,9 @@ from rich.table import Table
 from rich.text import Text
 
 from circuitkit.core.errors import UserError, error_console
+from circuitkit.core.flags import MAX_COUNT, MAX_SEED, bounded
 
+MAX_LORA_RANK = 1 << 16  # circuitkit.models.lora.MAX_RANK (not imported: that module loads torch)
 SHOWN_ITEMS = 10  # flipped items shown on the terminal (all are in --out)
 SHOWN_ROWS = 20  # accused rows shown on the terminal
 SHOWN_LINES = 8  # line numbers shown per cluster
@@ -37,7 +39,8 @@ def add_parser(sub) -> None:
                         " model.base_name for a full fine-tune)")
     p.add_argument("--adapter", default="index", metavar="DIR|none",
                    help="the tuned model's LoRA adapter; by default the index's (another one is refused)")
-    p.add_argument("--top-k", type=int, default=40, help="training rows accused (default 40)")
+    bounded(p.add_argument("--top-k", type=int, default=40, help="training rows accused (default 40)"), ge=1,
+            le=MAX_COUNT)
     p.add_argument("--query-loss", choices=("contrastive", "ce", "margin"), default="contrastive",
                    help="contrastive (default): ∇[ℓ(answer) − ℓ(what the tuned model says)]; ce: ∇ℓ(answer);"
                         " margin: ∇ of the answer tokens' negated log-odds")
@@ -45,23 +48,34 @@ def add_parser(sub) -> None:
                    help="comma-separated scoring engines, the first accuses, the others report their agreement:"
                         " auto (gradian rank's default score), dot, cosine, influence, kfac, ekfac")
     p.add_argument("--out", default=None, help="write the whole result as JSON here (atomic; not one of the inputs)")
-    p.add_argument("--seed", type=int, default=0, help="the paired bootstrap's seed (default 0)")
-    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    bounded(p.add_argument("--seed", type=int, default=0, help="the paired bootstrap's seed (default 0)"), ge=0,
+            le=MAX_SEED)
+    bounded(p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)"),
+            ge=100, le=MAX_COUNT, why="at least 100 resamples for a 95 % interval")
     p.add_argument("--no-verify", action="store_true", help="skip checking each shard's sha256 while streaming")
-    p.add_argument("--span-min-tokens", type=int, default=64, metavar="N",
-                   help="accused rows with at least N supervised tokens get one gradient per sentence, and the"
-                        " sentence that carries their score is shown (default 64; 0: no drill-down)")
+    bounded(p.add_argument("--span-min-tokens", type=int, default=64, metavar="N",
+                           help="accused rows with at least N supervised tokens get one gradient per sentence, and"
+                                " the sentence that carries their score is shown (default 64; 0: no drill-down)"),
+            ge=0, le=MAX_COUNT, why="0: no drill-down")
     v = p.add_argument_group("--verify: retrain without the accused rows (and, as a control, without as many random"
                              " rows) and measure the share of the regression each recovers")
     v.add_argument("--verify", action="store_true", help="retrain twice and score both models on the eval set")
     v.add_argument("--train-data", default=None, metavar="FILE", help="the fine-tune's data (default: the index's)")
-    v.add_argument("--lr", type=float, default=None, help="the fine-tune's learning rate (AdamW, constant; required)")
-    v.add_argument("--epochs", type=int, default=None, help="passes over the rows (or --steps; one is required)")
-    v.add_argument("--steps", type=int, default=None, help="optimizer steps (or --epochs)")
-    v.add_argument("--batch-size", type=int, default=None, help="rows per step (default 8)")
-    v.add_argument("--train-seed", type=int, default=0, help="the fine-tune's seed: LoRA init and row order (default 0)")
-    v.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default: the adapter's adapter_config.json)")
-    v.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: adapter_config.json)")
+    bounded(v.add_argument("--lr", type=float, default=None,
+                           help="the fine-tune's learning rate (AdamW, constant; required)"),
+            gt=0, le=10, why="the fine-tune's learning rate")
+    bounded(v.add_argument("--epochs", type=int, default=None, help="passes over the rows (or --steps; one is"
+                           " required)"), ge=1, le=MAX_COUNT)
+    bounded(v.add_argument("--steps", type=int, default=None, help="optimizer steps (or --epochs)"), ge=0,
+            le=MAX_COUNT)
+    bounded(v.add_argument("--batch-size", type=int, default=None, help="rows per step (default 8)"), ge=1,
+            le=MAX_COUNT)
+    bounded(v.add_argument("--train-seed", type=int, default=0, help="the fine-tune's seed: LoRA init and row order"
+                           " (default 0)"), ge=0, le=MAX_SEED)
+    bounded(v.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default: the adapter's"
+                           " adapter_config.json)"), ge=1, le=MAX_LORA_RANK)
+    bounded(v.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default:"
+                           " adapter_config.json)"), gt=0, le=1e6)
     v.add_argument("--target-modules", default=None, metavar="M1,M2",
                    help="LoRA target modules, comma-separated (default: adapter_config.json)")
     v.add_argument("--verify-dir", default=None, metavar="DIR",

@@ -251,8 +251,8 @@ def summary_line(out_dir: Path, p: dict[str, Any]) -> str:
             f" {p['param_bytes_after'] / 2**20:.1f} MiB{faith}")
 
 
-def export_main(argv: list[str]) -> int:
-    """`circuitkit export CIRCUIT.pt --format hf DIR [--ablation mean|zero] [--model M] [--precision P]`."""
+def export_parser() -> argparse.ArgumentParser:
+    """The arguments of `circuitkit export --format hf` (it has no numeric option)."""
     parser = argparse.ArgumentParser(prog="circuitkit export --format hf",
                                      description="Write the model with the circuit's removed heads folded into its"
                                                  " weights as a Hugging Face checkpoint.")
@@ -263,6 +263,12 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--model", default=None, help="the model to prune (default: the one circuit.pt names)")
     parser.add_argument("--precision", default=None, choices=("auto", "bfloat16", "float16", "float32"),
                         help="dtype of the checkpoint (default: the circuit's model.precision)")
+    return parser
+
+
+def export_main(argv: list[str]) -> int:
+    """`circuitkit export CIRCUIT.pt --format hf DIR [--ablation mean|zero] [--model M] [--precision P]`."""
+    parser = export_parser()
     args = parser.parse_args(argv)
     if args.ablation not in ABLATIONS:
         raise ExportError(f"--ablation {args.ablation!r} is not one weights can hold; use one of"

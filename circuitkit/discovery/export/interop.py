@@ -47,6 +47,7 @@ import torch
 
 from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
+from circuitkit.core.flags import MAX_COUNT, bounded, check_numeric_flags
 from circuitkit.core.io import atomic_write_bytes, check_writable, sha256_file
 from circuitkit.discovery.attribution import AttributionScores, load_scores, save_scores
 from circuitkit.discovery.attribution.graph import Graph
@@ -473,8 +474,8 @@ def export_file(src: Path, out_path: Path, d_model: int | None = None, node_scor
     return atomic_write_bytes(Path(out_path), json.dumps(obj, allow_nan=False).encode())
 
 
-def export_main(argv: list[str]) -> int:
-    """`circuitkit export SRC OUT [--format eap-ig-json] [--d-model D] [--no-node-scores]`."""
+def export_parser() -> argparse.ArgumentParser:
+    """The arguments of `circuitkit export` (EAP-IG JSON; numeric ones with their ranges)."""
     parser = argparse.ArgumentParser(
         prog="circuitkit export", description="Export a circuit.pt or scores.safetensors to another tool's format:"
         " an EAP-IG JSON graph (default), or MIB's circuit-localization leaderboard folder (--format mib).",
@@ -485,7 +486,8 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--format", choices=(*FORMATS, "mib"), default="eap-ig-json",
                         help="eap-ig-json: hannamw/EAP-IG Graph.to_json; mib: MIB's leaderboard folder"
                              " OUT/<task>_<model>/ (edge scores only)")
-    parser.add_argument("--d-model", type=int, default=None, help="residual width, if the file cannot tell")
+    bounded(parser.add_argument("--d-model", type=int, default=None, help="residual width, if the file cannot tell"),
+            ge=1, le=MAX_COUNT)
     parser.add_argument("--no-node-scores", action="store_true",
                         help="write nodes without scores: the reference's Graph.to_json fails on a graph whose"
                              " nodes have scores, so use this for a file to be loaded and saved again there")
@@ -500,7 +502,14 @@ def export_main(argv: list[str]) -> int:
                           " itself; circuits: one file per share 0.1%%..50%%, top edges by |score|")
     mib.add_argument("--check-mib", metavar="DIR", default=None,
                      help="only validate a MIB folder against MIB's own folder matcher and file readers")
+    return parser
+
+
+def export_main(argv: list[str]) -> int:
+    """`circuitkit export SRC OUT [--format eap-ig-json] [--d-model D] [--no-node-scores]`."""
+    parser = export_parser()
     args = parser.parse_args(argv)
+    check_numeric_flags(parser, args)
     if args.format == "mib" or args.check_mib:  # `circuitkit export` hands these to export.mib before here
         raise InteropArgumentError("--format mib and --check-mib are run by `circuitkit export` (the command"
                                    " line), or circuitkit.discovery.export.mib.export_main from Python.")

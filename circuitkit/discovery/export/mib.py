@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from circuitkit.core.errors import UserError
+from circuitkit.core.flags import MAX_COUNT, bounded, check_numeric_flags
 from circuitkit.core.io import atomic_write_bytes, check_writable
 from circuitkit.discovery.attribution import load_scores
 from circuitkit.discovery.attribution.graph import Graph
@@ -340,8 +341,8 @@ def mib_notes(folder: Path) -> list[str]:
             f" {len(models)} model(s) and {len(tasks)} task(s) it scores (fine for one part of a submission)"]
 
 
-def export_main(argv: list[str]) -> int:
-    """`circuitkit export SRC OUT --format mib --task T --model M` and `circuitkit export --check-mib DIR`."""
+def export_parser() -> argparse.ArgumentParser:
+    """The arguments of `circuitkit export --format mib` (numeric ones with their ranges)."""
     parser = argparse.ArgumentParser(prog="circuitkit export --format mib",
                                      description="Write (or check) a folder for MIB's circuit-localization leaderboard.")
     parser.add_argument("src", nargs="?", help="scores.safetensors (edge level) or an edge-scope circuit.pt")
@@ -353,16 +354,29 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--mib-mode", choices=("importances", "circuits"), default="importances",
                         help="importances: every edge's score, MIB ranks it both ways (CPR signed, CMD |score|);"
                              " circuits: 9 files of top edges by |score|, which MIB scores for CPR and CMD alike")
-    parser.add_argument("--d-model", type=int, default=None)
+    bounded(parser.add_argument("--d-model", type=int, default=None, help="residual width, if the file cannot"
+                                " tell"), ge=1, le=MAX_COUNT)
     parser.add_argument("--check-mib", metavar="DIR", default=None, help="only validate a folder")
+    return parser
+
+
+def export_main(argv: list[str]) -> int:
+    """`circuitkit export SRC OUT --format mib --task T --model M` and `circuitkit export --check-mib DIR`."""
+    parser = export_parser()
     args = parser.parse_args(argv)
+    check_numeric_flags(parser, args)
     if args.check_mib:
+        if not Path(args.check_mib).is_dir():
+            what = "is a file" if Path(args.check_mib).exists() else "does not exist"
+            raise MIBError(f"--check-mib {args.check_mib} {what}; give the submission folder (it holds"
+                           " <task>_<model>/ folders).", exit_code=2)
         problems = check_mib(Path(args.check_mib))
         for p in problems:
             print(f"problem: {p}")
         for note in mib_notes(Path(args.check_mib)) if not problems else []:
             print(f"note: {note}")
-        print(f"{args.check_mib}: " + ("ready for MIB" if not problems else f"{len(problems)} problem(s)"))
+        print(f"{args.check_mib}: " + ("ready for MIB" if not problems else
+                                       f"not ready for MIB: {len(problems)} problem(s), listed above"))
         return 0 if not problems else 1
     # The command's arguments are checked before anything is read or written (exit 2).
     if not args.src or not args.out or not args.model:
@@ -373,6 +387,9 @@ def export_main(argv: list[str]) -> int:
     if near is not None and args.model not in MIB_UNSCORED_MODELS:
         raise MIBError(f"--model {args.model!r}: MIB spells it {near!r} (its folder would be"
                        f" {mib_folder_name(args.task, near)}); use --model {near}.", exit_code=2)
+    if args.model not in (*MIB_MODELS, *MIB_UNSCORED_MODELS):
+        raise MIBError(f"--model {args.model!r} is not a MIB model name, and MIB's folder matcher would skip"
+                       f" {folder_name}; use one of {', '.join(MIB_MODELS)}.", exit_code=2)
     if not Path(args.src).is_file():
         raise MIBError(f"{args.src} {'is a directory' if Path(args.src).is_dir() else 'does not exist'}; give a"
                        " scores.safetensors (edge level) or an edge circuit.pt.", exit_code=2)
