@@ -48,6 +48,15 @@ def _read(path: str, flag: str) -> ReadResult:
     return read_rows(path)
 
 
+def _quiet_about_long_rows(tokenizer: Any) -> None:
+    """Rows longer than the tokenizer's model_max_length are what the length check measures and reports;
+    transformers' own warning about them ("Token indices sequence length is longer ...") is not for the
+    user. Its tokenizers warn once per key of `deprecation_warnings`: mark the key as warned."""
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+
+
 def _tokenizer(model: str) -> Any:
     from circuitkit.core.config import ModelConfig
     from circuitkit.models.loading import load_tokenizer
@@ -76,8 +85,13 @@ def diagnose(dataset: str, eval_dataset: str | None = None, run: str | None = No
         points, log_path = checks_log.points_of(settings.state.get("log_history"), settings.state_path), settings.state_path
     else:
         points, log_path = [], ""
+    if not train.rows and not train.malformed:
+        raise UserError(f"--dataset {dataset}: holds no rows (the file is empty, or blank lines only); give the"
+                        " training rows (prompt/completion or messages, one JSON object per line).")
     if tokenizer is None and model is not None:
         tokenizer = _tokenizer(model)
+    if tokenizer is not None:
+        _quiet_about_long_rows(tokenizer)
     found: list[Finding] = checks_data.malformed(train) + checks_data.empty_completions(train)
     if evals is not None:
         found += checks_data.malformed(evals, source="eval")

@@ -12,6 +12,7 @@ adapter: LoRA), a `*args*.json`, and `trainer_state.json` (the log; `gradian.dia
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,11 +146,39 @@ def read_settings(trainer_args: str | None = None, run: str | None = None) -> Tr
                             f" {type(obj).__name__}.", exit_code=2)
         values.update(_flat(obj))
         settings.path = str(path)
+    _check_numbers(values, settings.path)
     settings.values = values
     lora, evidence = _lora_of(values)
     if lora is not None:
         settings.lora, settings.lora_evidence = lora, evidence
     return settings
+
+
+# The trainer arguments the checks compute with: each must be a finite number (a whole one where
+# marked) no larger than this, or the file is refused naming the key (a 400-digit max_steps overflows
+# a float; learning_rate "fast" is no rate).
+_NUMBER_KEYS = {"learning_rate": False, "lr": False, "max_steps": True, "num_train_epochs": False,
+                "num_epochs": False, "epochs": False, "per_device_train_batch_size": True, "micro_batch_size": True,
+                "gradient_accumulation_steps": True, "world_size": True,
+                **{key: True for key in _LENGTH_KEYS}}
+_MAX_NUMBER = 1e15
+
+
+def _check_numbers(values: dict[str, Any], path: str | None) -> None:
+    """UserError (exit 1: the file's content) naming the file and the first numeric trainer argument
+    that is text, not finite, fractional where a count is meant, or absurdly large."""
+    for key, whole in _NUMBER_KEYS.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = (number and abs(value) <= _MAX_NUMBER and (isinstance(value, int) or math.isfinite(value))
+              and (not whole or float(value).is_integer()))
+        if not ok:
+            shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}… ({len(repr(value))} characters)"
+            kind = "a whole number" if whole else "a finite number"
+            raise UserError(f"{path or 'the trainer args'}: {key} is {shown}; it must be {kind} (at most"
+                            f" {_MAX_NUMBER:g}): fix the file, or leave the key out.", exit_code=1)
 
 
 def epochs_of(settings: TrainerSettings, n_rows: int) -> tuple[float, str] | None:
