@@ -268,7 +268,8 @@ class Projector:
         if kind == "eigen":  # the file holds each module's rotations Q (k, k): P = Qᵀ times the seeded factors
             seeded = cls(shapes, "kronecker_orthogonal", described.get("projection_dim"), described.get("seed", 0),
                          widths=widths, allocation=allocation)
-            matrices = {n: compose_rotations(q_out, q_in, *seeded.kronecker_matrices(n), n)
+            matrices = {n: compose_rotations(q_out, q_in, *seeded.kronecker_matrices(n), n,
+                                             described.get("projection_dim"))
                         for n, (q_out, q_in) in matrices.items()}
         return cls(shapes, kind, described.get("projection_dim"), described.get("seed", 0), matrices, record,
                    widths=widths, allocation=allocation)
@@ -453,14 +454,17 @@ def projection_fingerprint(projector: Projector) -> str:
 
 
 def compose_rotations(q_out: torch.Tensor, q_in: torch.Tensor, p_out: torch.Tensor, p_in: torch.Tensor,
-                      name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                      name: str, width: object = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The eigen projection's matrices Q_outᵀ P_out (k_o, d_out) and Q_inᵀ P_in (k_i, d_in), float32 (computed
     in float64), from its stored rotations and the seeded orthogonal factors; IndexIntegrityError when
-    the rotations do not fit the factors."""
+    the rotations do not fit the factors. The rotations' file was read with its recorded sha256, so a
+    misfit means the manifest's width (`width`: its projection_dim) is not the one they were made for."""
     if q_out.shape != (p_out.shape[0],) * 2 or q_in.shape != (p_in.shape[0],) * 2:
-        raise IndexIntegrityError(f"{WHITENING_FILE}: the eigen rotations of {name} are {tuple(q_out.shape)} and"
-                                  f" {tuple(q_in.shape)}, its factors need ({p_out.shape[0]}, {p_out.shape[0]}) and"
-                                  f" ({p_in.shape[0]}, {p_in.shape[0]}); {REBUILD}.")
+        raise IndexIntegrityError(f"manifest.json: the projection width it records (projection_dim {width}: factors"
+                                  f" {p_out.shape[0]} x {p_in.shape[0]} for {name}) does not match the recorded"
+                                  f" projection in {WHITENING_FILE} (rotations {tuple(q_out.shape)} and"
+                                  f" {tuple(q_in.shape)}, the bytes whose sha256 the manifest records): the manifest"
+                                  f" was changed after the index was built; restore it, or {REBUILD}.")
     return ((q_out.double().T @ p_out.double()).float().contiguous(),
             (q_in.double().T @ p_in.double()).float().contiguous())
 

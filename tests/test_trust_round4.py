@@ -456,3 +456,24 @@ def test_diagnose_keeps_the_tokenizers_long_row_warning_off_the_terminal(tmp_pat
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     assert "Token indices sequence length" not in proc.stderr + proc.stdout
     assert json.loads(proc.stdout) is not None
+
+
+# ----------------------------------------------------------------------------- sign index manifest
+
+
+def test_a_sign_index_with_an_edited_projection_dim_blames_the_manifest(tmp_path, capsys):
+    from test_sign_rows import _cfg as sign_cfg
+
+    from gradian.cli import main
+    from gradian.indexer import build_index
+
+    cfg = sign_cfg(tmp_path, "grads.row_format=signs", "grads.projection=eigen")
+    build_index(cfg.model, cfg.grads, tmp_path / "idx")
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    manifest["projection"]["projection_dim"] = 64  # 8 x 8 factors; the rotations are 10 x 10
+    (tmp_path / "idx" / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    code = main(["rank", "--index", str(tmp_path / "idx"), "--queries", str(tmp_path / "train.jsonl")])
+    line = _one_error(capsys.readouterr().err)
+    assert code == 1 and "manifest.json" in line and "does not match the recorded projection" in line, (code, line)
+    assert "projection_dim 64" in line
