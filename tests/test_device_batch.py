@@ -36,3 +36,20 @@ def test_a_device_too_small_for_more_keeps_the_configured_batch() -> None:
     got = device_batch("auto", torch.device("cuda"), 8, 4096, 60, 460, _linear(1000, 0), free_bytes=10**6)
     assert (got.batch_size, got.batch_tokens, got.source) == (8, 4096, "configured")
     assert "no larger batch fits" in got.note
+
+
+def test_attribution_runs_the_largest_batch_that_fits_on_an_accelerator_only() -> None:
+    from circuitkit.core.config import compose
+    from circuitkit.discovery.data_lengths import DEVICE_FREE_SHARE, attribution_at, device_attribution_batch, pairs_lengths
+
+    _, cfg = compose(["model=tiny_gpt2", "discovery.batch_size=2", "discovery.data_params.num_examples=64"])
+    lengths = pairs_lengths([24] * 64, 24)
+    assert device_attribution_batch(cfg, lengths, torch.device("cpu"))[0] == 2
+    one = attribution_at(cfg, lengths, 1)
+    weights = one.terms["weights"]
+    free = int((attribution_at(cfg, lengths, 16).total_bytes - weights) / DEVICE_FREE_SHARE) + 1
+    batch, note = device_attribution_batch(cfg, lengths, torch.device("cuda"), free_bytes=free)
+    assert batch >= 16 and "discovery.device_batch=auto" in note
+    assert attribution_at(cfg, lengths, batch).total_bytes - weights <= DEVICE_FREE_SHARE * free
+    off = compose(["model=tiny_gpt2", "discovery.batch_size=2", "discovery.device_batch=off"])[1]
+    assert device_attribution_batch(off, lengths, torch.device("cuda"), free_bytes=free)[0] == 2

@@ -183,6 +183,10 @@ class DiscoveryConfig:
                                " less than this, in the metric's units (m(circuit) - m(circuit without it) < threshold);"
                                " larger = smaller circuit", ge=0.0)
     batch_size: int = _f(4, "examples per forward/backward pass", ge=1)
+    device_batch: str = _f("auto", "auto = on an accelerator (CUDA, MPS) the attribution stage runs the largest batch"
+                           " whose memory estimate fits 90% of the device's free memory, never below batch_size (scores"
+                           " do not depend on it; recorded in the stage's record); off = batch_size as set. The CPU"
+                           " always uses batch_size", choices=("auto", "off"))
     num_shards: int = _f(1, "jobs splitting the attribution examples (contiguous ranges; merged by the last to finish)", ge=1)
     shard_index: int = _f(0, "this job's share of the attribution examples, 0 <= shard_index < num_shards", ge=0)
     shard_dir: Optional[str] = _f(None, "where attribution shards meet and are merged; null = <run dir>/../attribution_shards"

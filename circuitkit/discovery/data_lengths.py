@@ -219,6 +219,34 @@ def attribution_at(cfg: AppConfig, lengths: TaskLengths, batch_size: int | None 
     return _with_lengths(est, lengths, rows, tokens, f"{rows} pairs x {tokens} tokens (its largest batch)")
 
 
+# The share of the free device memory the attribution stage's estimated peak may take with
+# discovery.device_batch=auto (the estimate is within a few percent of the measured peak).
+DEVICE_FREE_SHARE = 0.9
+
+
+def device_attribution_batch(cfg: AppConfig, lengths: TaskLengths, device, free_bytes: int | None = None) -> tuple[int, str]:
+    """(the attribution batch size, why): discovery.batch_size on the CPU or with device_batch=off; on an
+    accelerator with device_batch=auto the largest batch whose estimate (less the weights, already
+    loaded) fits DEVICE_FREE_SHARE of the free memory at these lengths, never below batch_size.
+    A CPU-sized batch leaves an accelerator waiting for the host; scores do not depend on the batch."""
+    from circuitkit.core.device import free_memory_bytes
+
+    d = cfg.discovery
+    if d.device_batch == "off" or getattr(device, "type", device) == "cpu":
+        return d.batch_size, f"{d.batch_size} pairs per batch (discovery.batch_size)"
+    free = free_memory_bytes(device) if free_bytes is None else free_bytes
+
+    def fits(batch_size: int) -> bool:
+        est = attribution_at(cfg, lengths, batch_size)
+        return est.total_bytes - est.terms.get("weights", 0) <= DEVICE_FREE_SHARE * free
+
+    best = largest_fitting(fits, max(len(lengths.attr), 1))
+    if best <= d.batch_size:
+        return d.batch_size, f"{d.batch_size} pairs per batch (discovery.batch_size; no larger batch fits)"
+    return best, (f"{best} pairs per batch, the largest whose estimate fits {DEVICE_FREE_SHARE:.0%} of the"
+                  f" {free / 2**30:.1f} GiB free (discovery.device_batch=auto; batch_size {d.batch_size})")
+
+
 def pruning_at(cfg: AppConfig, lengths: TaskLengths, batch_size: int | None = None,
                free_bytes: int | None = None) -> MemoryEstimate:
     """The pruning estimate for the held-out pairs (and held-out templates) of `lengths`, edge

@@ -9,6 +9,7 @@ pre-run check (`_check_*`) that reads configs only.
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from circuitkit.discovery.data_lengths import (
     ATTRIBUTION_AT_DATA,
     PRUNING_AT_DATA,
     attribution_at,
+    device_attribution_batch,
     pairs_lengths,
     split_sizes,
 )
@@ -176,7 +178,12 @@ def _attribution(ctx: RunContext) -> StageResult:
     data = pairs[:n_attr]
     meta = {"model": ctx.cfg.model.name, "task": d.task, "prepend_bos": str(d.data_params.prepend_bos).lower()}
     # at the batches it runs: pairs grouped by length, each cut to its longest (data_lengths)
-    estimate = attribution_at(ctx.cfg, pairs_lengths(data.lengths(), int(data.clean_ids.shape[1]))).total_bytes
+    lengths = pairs_lengths(data.lengths(), int(data.clean_ids.shape[1]))
+    batch_size, batch_note = device_attribution_batch(ctx.cfg, lengths, loaded.device)
+    if batch_size != d.batch_size:
+        ctx.console.print(f"attribution: {batch_note}")
+        d = dataclasses.replace(d, batch_size=batch_size)
+    estimate = attribution_at(ctx.cfg, lengths, batch_size).total_bytes
     shard_files, shard_summary = [], {}
     if d.num_shards > 1:  # this job's sums; the last shard to finish merges (circuitkit.discovery.attribution.shards)
         from circuitkit.discovery.attribution.shards import run_attribution_shard
@@ -211,7 +218,7 @@ def _attribution(ctx: RunContext) -> StageResult:
     summary = {"algorithm": d.algorithm, "level": d.level, "metric": d.metric, "n_examples": len(data),
                "metric_clean": scores.metric_clean, "metric_corrupted": scores.metric_corrupted,
                "embed_score": float(scores.embed), "top_head": f"L{best[0][0]}H{best[0][1]}",
-               "top_head_score": best[0][2], **shard_summary}
+               "top_head_score": best[0][2], "batch_size": batch_size, "batch": batch_note, **shard_summary}
     if d.algorithm in IG_ALGORITHMS:
         summary.update(ig_steps=scores.info["ig_steps"], ig_rule=scores.info["ig_rule"])
     if "passes" in scores.info:
