@@ -477,3 +477,22 @@ def test_a_sign_index_with_an_edited_projection_dim_blames_the_manifest(tmp_path
     line = _one_error(capsys.readouterr().err)
     assert code == 1 and "manifest.json" in line and "does not match the recorded projection" in line, (code, line)
     assert "projection_dim 64" in line
+
+
+# ----------------------------------------------------------------------------- config contradictions
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["discovery.task=ioi", "discovery.data_params.corruption=name_swap"], "discovery.data_params.corruption"),
+    (["discovery.task=induction", "discovery.data_params.ioi_corruption=abc"], "discovery.data_params.ioi_corruption"),
+    (["discovery.task=ioi", "discovery.data_params.induction_format=single"], "discovery.data_params.induction_format"),
+    (["discovery.task=induction", "discovery.data_params.induction_format=single",
+      "discovery.data_params.induction_corruption=fresh"], "discovery.data_params.induction_corruption"),
+    (["discovery.task=greater_than", "discovery.data_params.data_path=mine.jsonl"], "discovery.data_params.data_path"),
+    (["discovery.task=jsonl", "discovery.data_params.min_valid_share=0.9"], "discovery.data_params.min_valid_share"),
+])
+def test_a_data_params_key_the_task_does_not_read_is_a_config_error(overrides, key, tmp_path, capsys):
+    code, _, err = invoke("run", [*SMALL, "stages=[data]", *overrides, f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    line = _one_error(err)
+    assert code == 2 and line.startswith(f"error: {key}=") and "does not apply to discovery.task=" in line, line
+    assert not (tmp_path / "run").exists()

@@ -50,6 +50,7 @@ from circuitkit.discovery.tasks import (
     build_task,
     corruption_of,
     heldout_template_count,
+    keys_that_do_not_apply,
 )
 from circuitkit.models.loading import check_model, context_length, model_context, model_inputs
 
@@ -389,6 +390,11 @@ def _check_data(cfg: AppConfig) -> None:
         heldout_template_count(d.task, d.data_params)
     except TaskError as err:
         raise ConfigError(str(err)) from None
+    unread = keys_that_do_not_apply(d.task, d.data_params)
+    if unread:
+        raise ConfigError(f"{unread[0]} does not apply to discovery.task={d.task}"
+                          f"{f' (nor {len(unread) - 1} more key(s))' if len(unread) > 1 else ''}: remove it, or choose"
+                          " the task it is for.")
     data_file = task_data_file(cfg)
     if data_file is not None and d.data_params.data_path:
         _check_input_file(data_file, "discovery.data_params.data_path", allow_dir=d.task == "mmlu")

@@ -28,7 +28,7 @@ from circuitkit.discovery.tasks import capitals, greater_than, induction, ioi, j
 from circuitkit.discovery.tasks.base import TaskData, TaskError
 
 __all__ = ["TaskData", "TaskError", "apply_bos_policy", "build_task", "build_heldout_templates", "corruption_of",
-           "heldout_template_count", "BUILT_TASKS", "SAMPLE_FILES", "HELDOUT_TEMPLATE_TASKS"]
+           "heldout_template_count", "keys_that_do_not_apply", "BUILT_TASKS", "SAMPLE_FILES", "HELDOUT_TEMPLATE_TASKS"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,31 @@ def heldout_template_count(task: str, dp: DataParams) -> int:
         raise TaskError(f"discovery.data_params.heldout_template_examples={n}, but the {task} task has no held-out"
                         f" templates (tasks that have them: {', '.join(HELDOUT_TEMPLATE_TASKS)}); set it to null or 0.")
     return n
+
+
+def keys_that_do_not_apply(task: str, dp: DataParams) -> list[str]:
+    """The data_params keys set away from their default that `task` does not read, each as
+    `key=value (read by ...)`: a configuration that says something the run would not do."""
+    default = DataParams()
+    out = []
+
+    def unread(key: str, readers: str) -> None:
+        value = getattr(dp, key)
+        if value != getattr(default, key):
+            out.append(f"discovery.data_params.{key}={value!r} (read by {readers})")
+    if task != "jsonl":
+        unread("corruption", "the jsonl task only, which generates its corrupted prompts with it")
+    if task != "jsonl" or dp.corruption is None:
+        unread("min_valid_share", "the jsonl task with a generated corruption only")
+    if task != "ioi":
+        unread("ioi_corruption", "the ioi task only")
+    if task != "induction":
+        unread("induction_format", "the induction task only")
+    if task != "induction" or dp.induction_format != "repeat":
+        unread("induction_corruption", "the induction task in the repeat format only")
+    if task not in SAMPLE_FILES:
+        unread("data_path", f"the {' and '.join(SAMPLE_FILES)} tasks only; {task} generates its examples")
+    return out
 
 
 def build_heldout_templates(task: str, tokenizer, dp: DataParams, n: int, seed: int,
