@@ -47,7 +47,7 @@ from torch import nn
 from circuitkit.core.config import GradsConfig, choices
 from circuitkit.models.placement import input_device
 from circuitkit.models.recompute import fused_activations, recomputed_activations
-from gradian.data import SUPERVISION
+from gradian.data import SUPERVISION, send
 from gradian.projection import Projector
 
 
@@ -111,12 +111,9 @@ def _targets(batch: Mapping[str, torch.Tensor], device: torch.device) -> _Target
     (copied to the device without a wait), else, for a hand-made batch, from its masks on the device."""
     facts = batch.get(SUPERVISION)
     if facts is not None:
-        host = torch.from_numpy(np.stack([facts.example, facts.position, facts.target]))
-        if device.type != "cpu":
-            host = host.pin_memory()
-        example, position, target = host.to(device, non_blocking=True)
-        counts = torch.from_numpy(facts.counts)
-        counts = counts.to(device) if device.type == "cpu" else counts.pin_memory().to(device, non_blocking=True)
+        example, position, target = send(torch.from_numpy(np.stack([facts.example, facts.position, facts.target])),
+                                         device)
+        counts = send(torch.from_numpy(facts.counts), device)
         spans = np.zeros(len(facts.counts), dtype=np.int64)
         np.maximum.at(spans, facts.example, facts.position + 1)
         return _Targets(example, position, target, counts, facts.counts.tolist(), spans.tolist(), facts.real_tokens,

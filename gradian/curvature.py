@@ -114,13 +114,16 @@ class FactorSums:
         (float64): nothing is copied to the host until `tensors`; raw (d, d) sums go to the host per batch.
         One in-place product-and-add per side and batch; the sums are made exactly symmetric once, when
         read (`symmetric`), not per batch."""
-        # float64 where it is cheap (an accelerator); batch_dtype on the CPU
-        dtype = self.batch_dtype if xp.device.type == "cpu" else torch.float64
+        # float64 where it is cheap (CUDA); batch_dtype on the CPU; MPS has no float64: float32 products
+        # into float64 totals on the host
+        kind = xp.device.type
+        dtype = self.batch_dtype if kind == "cpu" else torch.float32 if kind == "mps" else torch.float64
         for sums, values in ((self.a, xp), (self.s, dp)):
             flat = values.reshape(-1, values.shape[-1]).to(dtype)  # (positions, k)
             total = sums.get(name)
             if total is None:
-                device = flat.device if self.projected else torch.device("cpu")  # raw (d, d): on the host
+                # raw (d, d) sums of a whole model would crowd the device: on the host (MPS: always)
+                device = flat.device if self.projected and kind != "mps" else torch.device("cpu")
                 total = sums[name] = torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float64, device=device)
             if flat.dtype == torch.float64 and total.device == flat.device:
                 total.addmm_(flat.T, flat)

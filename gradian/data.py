@@ -649,10 +649,15 @@ def collate(rows: Sequence[Row], pad_id: int) -> dict[str, Any]:
 
 
 def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """The batch's tensors on `device`: pinned and copied `non_blocking` to an accelerator (the host
-    goes on at once), as they are on the CPU; other values (a `Supervision`) as they are."""
+    """The batch's tensors on `device`: pinned and copied `non_blocking` to a CUDA device (the host
+    goes on at once), as they are elsewhere; other values (a `Supervision`) as they are."""
     device = torch.device(device)
-    if device.type == "cpu":
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
+    return {k: send(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def send(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: through pinned memory to CUDA (a copy
+    from pageable memory is staged by the host first); as it is on the CPU; plainly to MPS."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

@@ -33,9 +33,9 @@ from gradian.signs import pack_rows
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host tensor that a `non_blocking` copy from `device` can land in: pinned for an accelerator."""
+    """A host tensor that a `non_blocking` copy from `device` can land in: pinned for CUDA."""
     out = torch.empty(shape, dtype=dtype)
-    return out.pin_memory() if device.type != "cpu" else out
+    return out.pin_memory() if device.type == "cuda" else out
 
 
 @dataclass(frozen=True)
