@@ -54,6 +54,10 @@ class IndexHeader:
     # grads.row_format: dense blocks, rank-row_rank factors (gradian.factored) or sign bits (gradian.signs)
     row_format: str = "dense"
     row_rank: int | None = None  # grads.row_rank with factored rows, else None
+    # What made the index (circuitkit.core.provenance.software: the distribution's version, the git commit
+    # of a checkout); filled by `header_json`. Not part of what an index is compared on (a resume with a
+    # newer version appends to it), and absent from indexes written before it was recorded.
+    software: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The header's JSON fields, in the order manifest.json stores them."""
@@ -69,7 +73,7 @@ TYPES: dict[str, tuple[type, ...]] = {
     "data_report": (dict, _NONE), "token_policy": (dict, _NONE), "row_width": (int,), "circuit": (dict, _NONE),
     "projection_sha256": (str, _NONE), "activations": (str,), "parameter_share": (float, int, _NONE),
     "gguf_file": (str, _NONE), "fisher": (str,), "adapter": (dict, _NONE), "base_name": (str, _NONE),
-    "row_format": (str,), "row_rank": (int, _NONE)}
+    "row_format": (str,), "row_rank": (int, _NONE), "software": (dict, _NONE)}
 assert list(TYPES) == [f.name for f in fields(IndexHeader)]
 
 # What a manifest of an older format version lacks, and what that version meant. Format
@@ -84,9 +88,20 @@ DEFAULTS_BEFORE: dict[str, tuple[int, Any]] = {
 }
 
 
+# Header fields an index records without being compared on: a resume or another worker with other
+# values (a newer CircuitKit) is the same index.
+NOT_COMPARED = ("software",)
+
+
 def header_json(header: IndexHeader) -> dict[str, Any]:
-    """The one writer of the header fields (`IndexWriter` stores them as given)."""
-    return header.to_json()
+    """The one writer of the header fields (`IndexWriter` stores them as given); `software` is this
+    process's when not given."""
+    out = header.to_json()
+    if out["software"] is None:
+        from circuitkit.core.provenance import software
+
+        out["software"] = software()
+    return out
 
 
 def check_header(manifest: dict[str, Any], where: str) -> list[str]:
@@ -96,6 +111,9 @@ def check_header(manifest: dict[str, Any], where: str) -> list[str]:
     version = manifest.get("format_version", 1)
     problems = []
     for name, kinds in TYPES.items():
+        if name not in manifest and name in NOT_COMPARED:  # recorded since it was added, in no format version
+            manifest[name] = None
+            continue
         if name not in manifest:
             since, default = DEFAULTS_BEFORE.get(name, (0, None))
             if version < since:

@@ -38,7 +38,7 @@ from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_json, file_lock, save_safetensors_streamed, sha256_file
 from gradian.factored import layout_of, projector_layout, row_format_problems
-from gradian.header import check_header
+from gradian.header import NOT_COMPARED, check_header
 from gradian.index_files import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
     MANIFEST,
     REBUILD,
@@ -185,6 +185,7 @@ class IndexWriter:
         self.header = {**self.header, "n_rows": self.n_rows, "rows_per_shard": self.rows_per_shard,
                        "format_version": FORMAT_VERSION}
         self.index_dir.mkdir(parents=True, exist_ok=True)
+        compared = {k: v for k, v in self.header.items() if k not in NOT_COMPARED}
         with self._manifest_lock():
             # Manifest writes happen under this lock, so a temp manifest seen now is a killed
             # run's leftover.
@@ -193,8 +194,8 @@ class IndexWriter:
             manifest = self._read()
             if manifest is None:
                 self._write({**self.header, "shards": {}, "complete": False})
-            elif {k: manifest.get(k) for k in self.header} != self.header:
-                diffs = _diff({k: manifest.get(k) for k in self.header}, self.header)
+            elif {k: manifest.get(k) for k in compared} != compared:
+                diffs = _diff({k: manifest.get(k) for k in compared}, compared)
                 raise IndexMismatchError(
                     f"{self.index_dir} holds an index made differently: {'; '.join(diffs)}. Use another"
                     " grads.index_dir, or delete this one to rebuild it.")

@@ -41,6 +41,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.core.io": CORE,
     "circuitkit.core.device": CORE,
     "circuitkit.core.syncs": CORE,
+    "circuitkit.core.provenance": CORE,  # which CircuitKit made an artifact: version, git commit
     "circuitkit.core.flags": CORE,  # numeric CLI options with their ranges, checked after parsing  # counts the calls that would make the host wait for an accelerator
     "circuitkit.core.fingerprint": CORE,
     "circuitkit.core.batching": CORE,  # length-aware batch plans, for the index and for attribution

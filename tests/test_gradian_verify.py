@@ -183,7 +183,7 @@ def test_bad_verify_inputs_are_one_line_each(work, models, tmp_path, capsys, mon
     code, _, err = run(capsys, *args, "--verify", "--lr", "0.01", "--epochs", "2", "--steps", "3")
     assert code == 2 and "give one of them" in err
     code, _, err = run(capsys, *args, "--verify", "--lr", "0", "--steps", "3")
-    assert code == 2 and "--lr 0.0: it must be > 0" in err
+    assert code == 2 and "--lr 0.0: it must be a finite number > 0" in err
     code, _, err = run(capsys, *args, "--verify", *TUNING, "--verify-dir", str(work["index"] / "kept"))
     assert code == 2 and "--verify-dir" in err and "lies inside the index" in err
     # peft missing: said before any model loads

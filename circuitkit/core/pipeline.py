@@ -46,7 +46,7 @@ from circuitkit.core.io import atomic_write_json, json_bytes, rewrite_in_place, 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
-VERSIONED_PACKAGES = ("circuitkit", "torch", "transformers", "tokenizers", "hydra-core", "omegaconf",
+VERSIONED_PACKAGES = ("torch", "transformers", "tokenizers", "hydra-core", "omegaconf",
                       "safetensors", "rich", "numpy")
 
 
@@ -164,9 +164,13 @@ class RunContext:
         return module_bytes(self._loaded.model) if self._loaded is not None else 0
 
 
-def package_versions() -> dict[str, str]:
-    """Installed versions of the packages that decide results, plus Python's."""
-    out = {"python": platform.python_version()}
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages that decide results, plus Python's, and this project's
+    own (`circuitkit.core.provenance.software`: the distribution's version and the git commit of a
+    checkout, None from an installed wheel)."""
+    from circuitkit.core.provenance import software
+
+    out = {"python": platform.python_version(), **software()}
     for pkg in VERSIONED_PACKAGES:
         try:
             out[pkg] = metadata.version(pkg)

@@ -41,6 +41,7 @@ from circuitkit.core.circuit_file import Circuit, circuit_sha256, load_circuit
 from circuitkit.core.config import ConfigError, ModelConfig, validate
 from circuitkit.core.errors import EXIT_USAGE, UserError
 from circuitkit.core.io import atomic_write_json, check_writable
+from circuitkit.core.provenance import software
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.loading import LoadedModel, load_model, model_source, weights_hash
 
@@ -208,7 +209,7 @@ def export_hf(circuit_path: Path, out_dir: Path, ablation: str = "mean", model_c
     after = _sizes(loaded.model)
     faith = circuit.weight_ablations or {}
     provenance = {
-        "format": "hf", "loader": "transformers.AutoModelForCausalLM.from_pretrained(DIR), no CircuitKit code,"
+        "format": "hf", "software": software(), "loader": "transformers.AutoModelForCausalLM.from_pretrained(DIR), no CircuitKit code,"
                                   " trust_remote_code off",
         "circuit": {"path": str(circuit_path.resolve()), "sha256": circuit_sha256(circuit_path),
                     "model_name": circuit.model_name, "task": circuit.task, "scope": circuit.scope,
