@@ -425,12 +425,52 @@ def self_tests() -> dict[str, dict[str, Any]]:
     return results
 
 
+# -- optional dependencies -------------------------------------------------------------------------
+# (distribution, import name, pyproject extra, what it enables): every optional package a command
+# needs. Sentence embeddings are not among them: the clusters of `gradian attribute` are TF-IDF
+# (scikit-learn).
+OPTIONAL = (
+    ("peft", "peft", "peft", "model.adapter (LoRA adapters) and gradian attribute --verify"),
+    ("scikit-learn", "sklearn", "attribute", "gradian attribute's clusters of the accused rows (TF-IDF)"),
+    ("datasets", "datasets", "data", "Parquet / Arrow / hub datasets as Gradian data (JSONL needs nothing)"),
+    ("gguf", "gguf", "gguf", "GGUF files as model.name and circuitkit fetch"),
+    ("accelerate", "accelerate", "accelerate", "model.device_map (a model split over devices or offloaded)"),
+    ("ray", "ray", "ray", "hydra/launcher=ray (sweeps and sharded indexing on Ray)"),
+    ("hydra-ray-launcher", "hydra_plugins.hydra_ray_launcher", "ray", "hydra/launcher=ray"),
+    ("hydra-submitit-launcher", "hydra_plugins.hydra_submitit_launcher", "slurm", "hydra/launcher=slurm"),
+    ("hydra-joblib-launcher", "hydra_plugins.hydra_joblib_launcher", "local", "hydra/launcher=local (joblib)"),
+    ("playwright", "playwright", "browser", "the report's browser tests (make test-slow)"),
+)
+
+
+def optional_dependencies() -> list[dict[str, Any]]:
+    """Each optional package: its installed version (None if not installed), whether it can be imported
+    (found without importing it), what it enables and how to install it."""
+    from importlib.util import find_spec
+
+    rows = []
+    for dist, module, extra, enables in OPTIONAL:
+        try:
+            installed: str | None = ilm.version(dist)
+        except ilm.PackageNotFoundError:
+            installed = None
+        try:
+            importable = find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package that is missing or broken
+            importable = False
+        state = "ok" if installed and importable else "not importable" if installed else STATUS_MISSING
+        rows.append({"package": dist, "installed": installed, "importable": importable, "state": state,
+                     "enables": enables, "install": f"pip install '{PROJECT}[{extra}]'"})
+    return rows
+
+
 # -- report -------------------------------------------------------------------------------------
 def collect() -> dict[str, Any]:
     """The whole report as plain JSON-serialisable data (see the module docstring for the keys)."""
     return {
         "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "versions": check_versions(),
+        "optional": optional_dependencies(),
         "system": system_info(),
         "devices": devices_info(),
         "determinism": determinism_info(),
@@ -466,7 +506,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                   [[v["package"], v["installed"], v["window"], v["status"] if v["status"] == STATUS_OK
                     else f"**{v['status']}**", v["note"]] for v in versions])
     out += ["", f"{len(flagged)} package(s) need attention." if flagged else "All packages inside the window.", ""]
-    out += ["### System", ""]
+    out += ["### Optional packages", ""]
+    out += _table(["package", "installed", "state", "enables", "install"],
+                  [[o["package"], o["installed"], o["state"] if o["state"] == "ok" else f"**{o['state']}**",
+                    o["enables"], o["install"] if o["state"] != "ok" else ""] for o in report["optional"]])
+    out += ["", "### System", ""]
     out += _table(["key", "value"], [[k, v] for k, v in report["system"].items()])
     out += ["", "### Devices", ""]
     out += _table(["device", "available", "name", "total memory", "free memory", "reason"],

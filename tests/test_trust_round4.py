@@ -573,3 +573,27 @@ def test_an_installed_wheel_records_its_version_and_no_commit(tmp_path):
     where, record = json.loads(out)
     assert where.startswith(str(tmp_path / "site"))
     assert record == {"circuitkit-gradian": "0.1.0", "git_commit": None}
+
+
+# ----------------------------------------------------------------------------- gradian doctor
+
+
+def test_doctor_json_lists_every_optional_dependency_with_its_state(monkeypatch, capsys):
+    import importlib.util
+
+    from gradian import doctor
+
+    real = importlib.util.find_spec
+
+    def hidden(name, *args, **kwargs):  # peft and scikit-learn installed but not importable
+        return None if name in ("peft", "sklearn") else real(name, *args, **kwargs)
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    monkeypatch.setattr(doctor, "self_tests", lambda: {})  # not what this test is about (seconds)
+    assert doctor.main(["--json"]) == 0
+    rows = {o["package"]: o for o in json.loads(capsys.readouterr().out)["optional"]}
+    assert {"peft", "scikit-learn", "playwright", "ray", "datasets", "accelerate"} <= set(rows)
+    for name in ("peft", "scikit-learn"):
+        assert rows[name]["state"] in ("not importable", "not installed") and not rows[name]["importable"]
+        assert "pip install 'circuitkit-gradian[" in rows[name]["install"]
+    assert "model.adapter" in rows["peft"]["enables"] and "clusters" in rows["scikit-learn"]["enables"]
+    assert all(o["enables"] and o["state"] in ("ok", "not importable", "not installed") for o in rows.values())
