@@ -113,6 +113,9 @@ class Circuit:
     head_means: torch.Tensor | None = None  # (L, H*head_dim): per-head mean z, one vector per head
     weight_ablations: dict[str, Any] | None = None  # faithfulness under mean / zero (a weight export's)
     verdict: dict[str, Any] | None = None  # the pillars, rows and raw figures (circuitkit.discovery.pruning.verdict)
+    # several corruptions in one discovery: {names, rule, faithfulness, by_corruption: {c: {full, empty, circuit,
+    # faithfulness}}}; `metrics["faithfulness"]` and the curve are then the folded figure
+    corruptions: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
 
     # Read-only mapping access for callers written against the untyped dict (`c["head_mask"]`,
@@ -136,7 +139,7 @@ _ORDER = ("edge_mask", "mean_z", "upstream_nodes", "downstream_nodes", "graph", 
           "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity", "n_removed",
           "n_heads_removed", "metrics", "curve", "cpr", "cmd", "n_eval_examples", "config", "versions",
           "imported_from", "curve_definition", "selection", "stability", "task", "corruption", "heldout_templates",
-          "mib", "head_means", "weight_ablations", "verdict")
+          "mib", "head_means", "weight_ablations", "verdict", "corruptions")
 _FIELD_TYPES: dict[str, Any] = {
     "edge_mask": _TENSOR, "mean_z": _TENSOR, "upstream_nodes": list, "downstream_nodes": list, "graph": dict,
     "mlp_mask": _TENSOR, "prepend_bos": bool, "d_model": int, "model_name": str, "model_revision": str,
@@ -146,7 +149,7 @@ _FIELD_TYPES: dict[str, Any] = {
     "metrics": dict, "curve": list, "cpr": _NUMBER, "cmd": _NUMBER, "n_eval_examples": int, "config": dict,
     "versions": dict, "imported_from": dict, "curve_definition": str, "selection": str, "stability": dict,
     "task": str, "corruption": str, "heldout_templates": dict, "mib": dict,
-    "head_means": _TENSOR, "weight_ablations": dict, "verdict": dict}
+    "head_means": _TENSOR, "weight_ablations": dict, "verdict": dict, "corruptions": dict}
 # Written as None when unset (readers of format 1 saw the key); the others are left out when unset.
 _STORED_WHEN_NONE = {"mean_z", "graph", "mlp_mask", "prepend_bos", "d_model", "model_revision", "mlp_scores",
                      "embed_score", "edge_scores", "ablation", "rank_by", "target_sparsity", "achieved_sparsity",

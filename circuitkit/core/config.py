@@ -156,6 +156,15 @@ class DataParams:
                                                   " in-distribution figure; null = eval_examples for a task with"
                                                   " held-out templates (ioi), off for the others; 0 = off; at"
                                                   " most 100000, as eval_examples", ge=0, le=100_000)
+    corruptions: Optional[list[str]] = _f(None, "several corruptions in one discovery: each pair is built under each"
+                                          " (the same clean prompts), attribution scores each and combines the scores"
+                                          " (discovery.corruption_scores), pruning keeps the circuit's faithfulness"
+                                          " under all of them (discovery.corruption_faithfulness). ioi: s2, abc;"
+                                          " induction (repeat format): swap, fresh; jsonl: any of the generated kinds."
+                                          " The first is the primary one (data.safetensors, the metric figures);"
+                                          " null = the task's single corruption (ioi_corruption, induction_corruption,"
+                                          " corruption)", choices=("s2", "abc", "swap", "fresh", "entity_swap",
+                                                                   "name_swap", "token_replace"))
 
 
 # The attribution methods that integrate along a path: they read discovery.ig_steps and ig_rule.
@@ -182,6 +191,17 @@ class DiscoveryConfig:
     acdc_threshold: float = _f(0.01, "algorithm=acdc: an edge (node) is removed when removing it changes the metric by"
                                " less than this, in the metric's units (m(circuit) - m(circuit without it) < threshold);"
                                " larger = smaller circuit", ge=0.0)
+    corruption_scores: str = _f("mean", "several corruptions (data_params.corruptions): how their scores combine."
+                                " Each corruption's scores are first divided by its metric gap m(clean) - m(corrupted)"
+                                " (a share of what that corruption moves), then: mean = their mean; min = per"
+                                " component the share of smallest magnitude (a component counts only where every"
+                                " corruption needs it); max = the share of largest magnitude (a component counts where"
+                                " any corruption needs it); the result is scaled by the corruptions' mean gap, back to"
+                                " the metric's units", choices=("mean", "min", "max"))
+    corruption_faithfulness: str = _f("worst", "several corruptions: the faithfulness that pruning reports, draws"
+                                      " (the curve, CPR/CMD) and judges: worst = the lowest over the corruptions"
+                                      " (a circuit holds only if it holds under each), mean = their mean",
+                                      choices=("worst", "mean"))
     batch_size: int = _f(4, "examples per forward/backward pass", ge=1)
     device_batch: str = _f("auto", "auto = on an accelerator (CUDA, MPS) the attribution stage runs the largest batch"
                            " whose memory estimate fits 90% of the device's free memory, never below batch_size (scores"

@@ -52,6 +52,14 @@ from circuitkit.discovery.tasks import (
     heldout_template_count,
     keys_that_do_not_apply,
 )
+from circuitkit.discovery.tasks.corruption_sets import (
+    check_corruptions,
+    check_same_clean,
+    corruption_file,
+    discovery_corruptions,
+    effective,
+    single,
+)
 from circuitkit.models.loading import check_model, context_length, model_context, model_inputs
 
 DATA_FILE = "data.safetensors"
@@ -60,9 +68,19 @@ SCORES_FILE = "scores.safetensors"
 HEATMAP_FILE = "head_scores.png"
 
 
+def primary_params(cfg: AppConfig):
+    """discovery.data_params as the task builders read them: with several corruptions, the primary
+    (first) one as the task's single corruption."""
+    d = cfg.discovery
+    names = discovery_corruptions(d.task, d.data_params)
+    return single(d.task, d.data_params, names[0]) if names else effective(d.task, d.data_params)
+
+
 def _data(ctx: RunContext) -> StageResult:
-    """Build the task's clean/corrupted pairs: attribution examples, then held-out examples."""
-    d = ctx.cfg.discovery
+    """Build the task's clean/corrupted pairs: attribution examples, then held-out examples; with
+    several corruptions, the same pairs under each other one beside them (`corruption_file`)."""
+    d = dataclasses.replace(ctx.cfg.discovery, data_params=primary_params(ctx.cfg))
+    names = discovery_corruptions(ctx.cfg.discovery.task, ctx.cfg.discovery.data_params)
     loaded = ctx.model()
     n_attr, n_eval = d.data_params.num_examples, d.data_params.eval_examples
     generated: dict = {}
@@ -78,17 +96,29 @@ def _data(ctx: RunContext) -> StageResult:
         ctx.console.print(f"[yellow]warning:[/yellow] {d.task} has {len(data)} rows, fewer than the"
                           f" {n_attr} + {n_eval} asked for: using {attr} for attribution and {held_out} held out.")
     corruption = corruption_of(d.task, d.data_params)
-    task_meta = {"task": d.task, "model": ctx.cfg.model.name, **({"corruption": corruption} if corruption else {})}
+    task_meta = {"task": d.task, "model": ctx.cfg.model.name, **({"corruption": corruption} if corruption else {}),
+                 **({"corruptions": ",".join(names)} if names else {})}
     path = data.save(ctx.run_dir / DATA_FILE, metadata={
         **task_meta, "num_examples": str(attr), "eval_examples": str(held_out)})
     ctx.state["data"], ctx.state["n_attr"] = data, attr
     files, n_templates = [path], heldout_template_count(d.task, d.data_params)
+    if names:
+        by = {names[0]: data}
+        for other in names[1:]:
+            pairs = build_task(d.task, loaded.tokenizer, loaded.path, single(d.task, d.data_params, other),
+                               n_attr + n_eval, ctx.cfg.seed, max_tokens=context_length(loaded.model.config),
+                               pair_check=lambda pairs: answer_changed(loaded.model, pairs, d.batch_size))
+            check_same_clean(data, pairs, other)
+            by[other] = pairs
+            files.append(pairs.save(corruption_file(path, other), metadata={**task_meta, "corruption": other}))
+        ctx.state["by_corruption"] = by
     if n_templates:
         other = build_heldout_templates(d.task, loaded.tokenizer, d.data_params, n_templates, ctx.cfg.seed,
                                         max_tokens=context_length(loaded.model.config))
         files.append(other.save(ctx.run_dir / HELDOUT_TEMPLATES_FILE, metadata=task_meta))
         ctx.state["heldout_templates"] = other
-    ctx.console.print(f"{d.task}{f' ({corruption} corruption)' if corruption else ''}: {attr} attribution +"
+    told = f"{', '.join(names)} corruptions" if names else f"{corruption} corruption" if corruption else ""
+    ctx.console.print(f"{d.task}{f' ({told})' if told else ''}: {attr} attribution +"
                       f" {held_out} held-out pairs, {data.clean_ids.shape[1]} tokens (padded)"
                       + (f"; {n_templates} pairs from held-out templates" if n_templates else ""))
     if generated:
@@ -98,7 +128,8 @@ def _data(ctx: RunContext) -> StageResult:
         meta_generated = {}
     return StageResult(files, {**meta_generated, "task": d.task, "num_examples": attr, "eval_examples": held_out,
                                "seq_len": int(data.clean_ids.shape[1]), "heldout_template_examples": n_templates,
-                               **({"corruption": corruption} if corruption else {})})
+                               **({"corruption": corruption} if corruption else {}),
+                               **({"corruptions": names} if names else {})})
 
 
 def answer_changed(model, pairs: TaskData, batch_size: int) -> torch.Tensor:
@@ -145,6 +176,30 @@ def task_data(ctx: RunContext):
                               context_length(config), path, ctx.cfg.model.name)
         ctx.state["data"], ctx.state["n_attr"] = data, n_attr
     return ctx.state["data"], ctx.state["n_attr"]
+
+
+def corruption_pairs(ctx: RunContext) -> dict[str, TaskData]:
+    """{corruption: its pairs (attribution, then held-out)}, primary first, when discovery uses
+    several corruptions (data_params.corruptions); {} otherwise."""
+    d = ctx.cfg.discovery
+    names = discovery_corruptions(d.task, d.data_params)
+    if not names:
+        return {}
+    if "by_corruption" not in ctx.state:
+        primary, _ = task_data(ctx)
+        by = {names[0]: primary}
+        for other in names[1:]:
+            path = corruption_file(ctx.run_dir / DATA_FILE, other)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} does not exist: run the data stage again (add 'data' to stages).")
+            pairs, _ = _read_task_data(path)
+            try:
+                check_same_clean(primary, pairs, other)
+            except TaskError as err:
+                raise ArtifactMismatch(f"{path}: {err}") from None
+            by[other] = pairs
+        ctx.state["by_corruption"] = by
+    return ctx.state["by_corruption"]
 
 
 def _read_task_data(path: Path) -> tuple[TaskData, int]:
@@ -201,6 +256,11 @@ def _attribution(ctx: RunContext) -> StageResult:
                                estimated_peak_bytes=estimate)
         scores = outcome.merged
         save_scores(outcome.shard_dir / SCORES_FILE, scores, meta)
+    elif corruption_pairs(ctx):
+        from circuitkit.discovery.attribution.corruptions import run_corruptions
+
+        scores = run_corruptions(loaded.adapter, {c: p[:n_attr] for c, p in corruption_pairs(ctx).items()}, d)
+        meta["corruptions"] = ",".join(scores.by_corruption)
     else:
         scores = run_attribution(loaded.adapter, data, d)
     ctx.state["scores"] = scores
@@ -216,6 +276,10 @@ def _attribution(ctx: RunContext) -> StageResult:
         table.add_row(str(layer), str(head), f"{value:+.4g}")
     ctx.console.print(table)
     ctx.console.print(f"metric {d.metric}: clean {scores.metric_clean:.4g}, corrupted {scores.metric_corrupted:.4g}")
+    if scores.by_corruption:
+        ctx.console.print(f"corruptions {', '.join(scores.by_corruption)} combined by discovery.corruption_scores="
+                          f"{d.corruption_scores}; corrupted metric per corruption: "
+                          + ", ".join(f"{c} {s.metric_corrupted:.4g}" for c, s in scores.by_corruption.items()))
     summary = {"algorithm": d.algorithm, "level": d.level, "metric": d.metric, "n_examples": len(data),
                "metric_clean": scores.metric_clean, "metric_corrupted": scores.metric_corrupted,
                "embed_score": float(scores.embed), "top_head": f"L{best[0][0]}H{best[0][1]}",
@@ -226,6 +290,9 @@ def _attribution(ctx: RunContext) -> StageResult:
         summary["passes_per_batch"] = scores.info["passes"]
     if scores.edges is not None:
         summary["n_edges"] = scores.graph.n_edges
+    if scores.by_corruption:
+        summary.update(corruptions=list(scores.by_corruption), corruption_scores=d.corruption_scores,
+                       metric_corrupted_by_corruption={c: s.metric_corrupted for c, s in scores.by_corruption.items()})
     return StageResult([*shard_files, path, plot], summary, estimated_peak_bytes=estimate)
 
 
@@ -274,14 +341,17 @@ def _pruning(ctx: RunContext) -> StageResult:
                                 n_eval=len(held_out), n_attr=n_attr, n_templates=len(heldout or ()),
                                 templates_seq_len=int(heldout.clean_ids.shape[1]) if heldout else None,
                                 weights_loaded=True).total_bytes
-    found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size, heldout=heldout)
+    several = {c: pairs[n_attr:] for c, pairs in corruption_pairs(ctx).items()}
+    found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size, heldout=heldout,
+                  corruptions=several, corruption_faithfulness=d.corruption_faithfulness)
     loaded = ctx.model()
-    pairs = robustness_pairs(d.task, d.data_params, loaded.tokenizer, loaded.path, n_attr, len(data), ctx.cfg.seed,
-                             context_length(loaded.model.config))
+    pairs = robustness_pairs(d.task, primary_params(ctx.cfg), loaded.tokenizer, loaded.path, n_attr, len(data),
+                             ctx.cfg.seed, context_length(loaded.model.config), skip=tuple(several))
     verdict, verdict_wall_s = circuit_verdict(adapter, found, p, d.metric, d.task, held_out, data[:n_attr],
                                               d.batch_size, ctx.cfg.seed, pairs, heldout)
     other = found.extra.get("heldout_templates")
-    corruption = corruption_of(d.task, d.data_params)
+    corruption = corruption_of(d.task, primary_params(ctx.cfg))
+    joint = found.extra.get("corruptions")
     kept, head_mask, achieved = found.selection.mask, found.head_mask, found.selection.achieved_sparsity
     m_full, m_empty, m_circuit, f = (found.metrics[k] for k in ("full", "empty", "circuit", "faithfulness"))
     curve, cpr, cmd = found.curve, found.cpr, found.cmd
@@ -306,13 +376,18 @@ def _pruning(ctx: RunContext) -> StageResult:
         "config": to_dict(ctx.cfg), "versions": package_versions(), "verdict": verdict,
     }))
     unit = "heads" if p.scope == "heads" else "edges"
+    told = (f"{', '.join(joint['names'])} corruptions, {joint['rule']} faithfulness" if joint
+            else f"{corruption} corruption" if corruption else "")
     table = Table(title=f"circuit: {int(kept.sum())} of {found.n_total} {unit} kept"
-                  + (f" ({d.task}, {corruption} corruption)" if corruption else ""))
+                  + (f" ({d.task}, {told})" if told else ""))
     for col in ("pairs", "target sparsity", "achieved", "m(full)", "m(empty)", "m(circuit)", "faithfulness",
                 "CPR", "CMD"):
         table.add_column(col, justify="right")
     table.add_row(f"same templates ({len(held_out)})", f"{p.target_sparsity:.3f}", f"{achieved:.3f}", f"{m_full:.4g}",
                   f"{m_empty:.4g}", f"{m_circuit:.4g}", f"{f:.3f}", f"{cpr:.3f}", f"{cmd:.3f}")
+    for name, each in (joint or {}).get("by_corruption", {}).items():
+        table.add_row(f"  under {name}", "", "", f"{each['full']:.4g}", f"{each['empty']:.4g}",
+                      f"{each['circuit']:.4g}", f"{each['faithfulness']:.3f}", "-", "-")
     if other:
         table.add_row(f"held-out templates ({other['n_examples']})", "", "", f"{other['full']:.4g}",
                       f"{other['empty']:.4g}", f"{other['circuit']:.4g}", f"{other['faithfulness']:.3f}", "-", "-")
@@ -337,6 +412,9 @@ def _pruning(ctx: RunContext) -> StageResult:
         **({"mib_cpr": found.extra["mib"]["cpr"], "mib_cmd": found.extra["mib"]["cmd"]}  # MIB's pair (issue 48)
            if found.extra.get("mib") else {}),
         **({"corruption": corruption} if corruption else {}),
+        **({"corruptions": joint["names"], "corruption_faithfulness": joint["rule"],
+            "faithfulness_by_corruption": {c: b["faithfulness"] for c, b in joint["by_corruption"].items()}}
+           if joint else {}),
         **({"faithfulness_heldout_templates": other["faithfulness"], "heldout_templates": other} if other else {}),
         **({"stability_jaccard_mean": stable["jaccard_mean"], "stability_jaccard_p5": stable["jaccard_p5"],
             "stability_resamples": stable["n_resamples"]} if stable else {}),
@@ -359,8 +437,13 @@ def _data_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     return {**model_inputs(cfg.model), **({"discovery.data_params.data_path": data_file} if data_file else {})}
 
 
+def _corruption_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path]:
+    names = discovery_corruptions(cfg.discovery.task, cfg.discovery.data_params)
+    return {corruption_file(Path(DATA_FILE), c).name: corruption_file(run_dir / DATA_FILE, c) for c in names[1:]}
+
+
 def _attribution_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
-    return {**model_inputs(cfg.model), DATA_FILE: run_dir / DATA_FILE}
+    return {**model_inputs(cfg.model), DATA_FILE: run_dir / DATA_FILE, **_corruption_inputs(cfg, run_dir)}
 
 
 def _pruning_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
@@ -369,6 +452,7 @@ def _pruning_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     except TaskError:  # reported by the data stage's check
         n_templates = 0
     return {**model_inputs(cfg.model), DATA_FILE: run_dir / DATA_FILE, SCORES_FILE: run_dir / SCORES_FILE,
+            **_corruption_inputs(cfg, run_dir),
             **({HELDOUT_TEMPLATES_FILE: run_dir / HELDOUT_TEMPLATES_FILE} if n_templates else {})}
 
 
@@ -390,6 +474,9 @@ def _check_data(cfg: AppConfig) -> None:
         heldout_template_count(d.task, d.data_params)
     except TaskError as err:
         raise ConfigError(str(err)) from None
+    several = check_corruptions(d.task, d.data_params, d.num_shards, cfg.pruning.scope)
+    if several:
+        raise ConfigError(several)
     unread = keys_that_do_not_apply(d.task, d.data_params)
     if unread:
         raise ConfigError(f"{unread[0]} does not apply to discovery.task={d.task}"

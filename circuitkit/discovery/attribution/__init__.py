@@ -63,7 +63,8 @@ def _per_example_in_data_order(scores: AttributionScores, data: TaskData, batch_
 
 
 def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str, str] | None = None) -> Path:
-    """scores.safetensors: head (L, H), mlp (L,), embed (1,), edges (n_up, n_down) if computed.
+    """scores.safetensors: head (L, H), mlp (L,), embed (1,), edges (n_up, n_down) if computed;
+    with several corruptions also each one's as `corruption.<name>.head_scores` etc.
 
     Metadata (strings): node names of the edge matrix's rows and columns as JSON, the metric
     means on clean and corrupted inputs, and how the scores were computed (`info`, and
@@ -79,6 +80,11 @@ def save_scores(path: Path, scores: AttributionScores, extra_metadata: dict[str,
             "ig_rule": str(scores.info.get("ig_rule"))}
     for key, value in (scores.per_example or {}).items():  # circuitkit.discovery.pruning.stability: (N, ...) per example
         tensors[f"per_example_{key}"] = value.float().contiguous()
+    for name, each in (scores.by_corruption or {}).items():  # several corruptions: each one's scores beside
+        for key, value in (("head_scores", each.head), ("mlp_scores", each.mlp),
+                           ("embed_score", each.embed.reshape(1)), ("edge_scores", each.edges)):
+            if value is not None:
+                tensors[f"corruption.{name}.{key}"] = value.float().contiguous()
     if scores.edges is not None:
         tensors["edge_scores"] = scores.edges.float()
         meta["upstream_nodes"] = json.dumps(g.upstream)
@@ -127,7 +133,23 @@ def load_scores(path: Path) -> AttributionScores:
     except (TypeError, ValueError, IndexError, RuntimeError) as err:
         raise ArtifactMismatch(f"{path} has unreadable metadata ({str(err)[:120]}); {fix}") from None
     check_scores_consistent(scores, path)
+    scores.by_corruption = _by_corruption(scores, t)
     return scores
+
+
+def _by_corruption(scores: AttributionScores, t: dict[str, torch.Tensor]) -> dict | None:
+    """The per-corruption scores a several-corruption run saved (`corruption.<name>.*`), or None."""
+    names = scores.info.get("corruptions")
+    if not names or not all(f"corruption.{c}.head_scores" in t for c in names):
+        return None
+    figures = scores.info.get("corruption_metrics", {})
+    return {c: AttributionScores(t[f"corruption.{c}.head_scores"], t[f"corruption.{c}.mlp_scores"],
+                                 t[f"corruption.{c}.embed_score"].reshape(-1)[0], scores.graph,
+                                 t.get(f"corruption.{c}.edge_scores"),
+                                 figures.get(c, {}).get("metric_clean", float("nan")),
+                                 figures.get(c, {}).get("metric_corrupted", float("nan")), scores.n_examples,
+                                 {k: v for k, v in scores.info.items() if not k.startswith("corruption")})
+            for c in names}
 
 
 def top_heads(head_scores: torch.Tensor, k: int = 5, by_abs: bool = True) -> list[tuple[int, int, float]]:

@@ -22,6 +22,7 @@ batch waits for the device: the stage waits once, when it copies its sums to the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,9 @@ class AttributionScores:
     n_examples: int = 0
     info: dict = field(default_factory=dict)
     per_example: dict | None = None  # attribute(per_example=True): head (N, L, H), edges (N, n_up, n_down)
+    # several corruptions (`circuitkit.discovery.attribution.corruptions`): {name: that corruption's
+    # scores}, primary first; the fields above are then their combination
+    by_corruption: dict | None = field(default=None, repr=False)
 
 
 def graph_of(adapter: ModelAdapter) -> Graph:
@@ -352,42 +356,89 @@ def attribute(adapter: ModelAdapter, data: TaskData, algorithm: str = "eap-ig", 
     head (N, L, H), and edges (N, n_up, n_down) at edge level; examples in batch order), so
     resampling the examples needs no model pass (`circuitkit.discovery.pruning.stability`).
     """
+    return attribute_corruptions(adapter, [data], algorithm, level, metric, ig_steps, batch_size, progress, ig_rule,
+                                 group_by_length, sums, per_example)[0]
+
+
+def attribute_corruptions(adapter: ModelAdapter, datas: list[TaskData], algorithm: str = "eap-ig",
+                          level: str = "node", metric: str = "logit_diff", ig_steps: int | None = 5,
+                          batch_size: int = 4, progress: bool = True, ig_rule: str = DEFAULT_IG_RULE,
+                          group_by_length: bool = True, sums: bool = False,
+                          per_example: bool = False) -> list[AttributionScores]:
+    """`attribute` under several corruptions of the same clean pairs: one AttributionScores per
+    entry of `datas`, each exactly what `attribute(datas[i], ...)` returns.
+
+    datas: C TaskData of N pairs that share clean_ids, attention_mask and answer_pos (only
+    corrupted_ids and incorrect differ; `circuitkit.discovery.tasks.corruption_sets`). Per batch
+    the clean run is recorded once; each corruption then has its corrupted run (one cache alive at
+    a time), its Δ and its m interpolation passes (the path runs from its own corrupted input):
+    1 + C·(1 + m) passes per batch instead of C·(2 + m).
+    """
     rule = integration_rule(algorithm, ig_steps, ig_rule)
+    data = datas[0]
     divisor = 1 if sums else len(data)
     edges = level == "edge"
     graph = graph_of(adapter)
     device = input_device(adapter.model)
     dtype = adapter.embed.weight.dtype
-    out = score_accumulators(graph, edges, device)
+    outs = [score_accumulators(graph, edges, device) for _ in datas]
     if per_example:
-        out["per_example"] = {}
-    planned = data.length_batches(batch_size, group_by_length)
+        for out in outs:
+            out["per_example"] = {}
+    # the same plan for every corruption: it reads the lengths, which the corruptions share
+    planned = list(zip(*(d.length_batches(batch_size, group_by_length) for d in datas), strict=True))
     with Progress(TextColumn(f"{algorithm} {level}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
                   TimeElapsedColumn(), TimeRemainingColumn(), disable=not progress, transient=True) as bar:
         task = bar.add_task("attribution", total=len(planned))
-        for batch in planned:
-            batch = batch.to(device, non_blocking=True)
-            clean = cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, edges)
-            corrupted = cached_run(adapter, batch.corrupted_ids, batch.forward_mask, batch.answers, edges)
-            clean_answer = clean.logits.float()
-            add_metrics(out, metric, clean.logits, corrupted.logits, batch, clean_answer)
-            delta = deltas(adapter, clean, corrupted, edges)
-            e_clean, e_corrupted = clean.embed.float(), corrupted.embed.float()
-            del clean, corrupted
-            grad_sums = _GradientSums(adapter, edges)
-            for alpha, relative_weight in zip(rule.alphas, rule.relative_weights, strict=True):
-                e_k = (e_corrupted + alpha * (e_clean - e_corrupted)).to(dtype)
-                grad_sums.relative_weight = relative_weight
-                _gradient_run(adapter, batch.clean_ids, batch.forward_mask, e_k, batch, metric, clean_answer,
-                              grad_sums)
-            _batch_scores(adapter, graph, delta, grad_sums, rule.passes, out)
-            del delta, grad_sums, e_clean, e_corrupted, e_k  # freed before the next batch's runs, not after
+        for batches in planned:
+            batch = batches[0].to(device, non_blocking=True)
+            # a box the last corruption empties once its Δ is taken, so the recorded clean run is not
+            # held through its interpolation passes (a single corruption peaks as it always did)
+            clean_box = [cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, edges)]
+            clean_answer = clean_box[0].logits.float()
+            e_clean = clean_box[0].embed.float()
+            for i, other in enumerate(batches):
+                if i:  # its corrupted prompts and incorrect answers; clean ids, mask and columns are the primary's
+                    other = dataclasses.replace(batch, corrupted_ids=other.corrupted_ids.to(device, non_blocking=True),
+                                                incorrect=other.incorrect.to(device, non_blocking=True))
+                else:
+                    other = batch
+                _corruption_scores(adapter, graph, other, clean_box, clean_answer, e_clean, rule, metric, edges,
+                                   dtype, outs[i], last=i == len(batches) - 1)
+            del e_clean, clean_answer, batch  # freed before the next batch's runs, not after
             bar.advance(task)
+    return [_scores_of(out, divisor, graph, len(data), algorithm, level, metric, rule, batch_size, per_example)
+            for out in outs]
+
+
+def _corruption_scores(adapter: ModelAdapter, graph: Graph, batch: TaskData, clean_box: list[RecordedRun],
+                       clean_answer: torch.Tensor, e_clean: torch.Tensor, rule, metric: str, edges: bool,
+                       dtype: torch.dtype, out: dict, last: bool) -> None:
+    """One batch under one corruption: its corrupted run, Δ and interpolation passes, added to `out`.
+    `clean_box`: [the batch's recorded clean run], emptied when `last`, once Δ no longer needs it."""
+    clean = clean_box[0]
+    corrupted = cached_run(adapter, batch.corrupted_ids, batch.forward_mask, batch.answers, edges)
+    add_metrics(out, metric, clean.logits, corrupted.logits, batch, clean_answer)
+    delta = deltas(adapter, clean, corrupted, edges)
+    e_corrupted = corrupted.embed.float()
+    del corrupted, clean
+    if last:
+        clean_box.clear()
+    grad_sums = _GradientSums(adapter, edges)
+    for alpha, relative_weight in zip(rule.alphas, rule.relative_weights, strict=True):
+        e_k = (e_corrupted + alpha * (e_clean - e_corrupted)).to(dtype)
+        grad_sums.relative_weight = relative_weight
+        _gradient_run(adapter, batch.clean_ids, batch.forward_mask, e_k, batch, metric, clean_answer, grad_sums)
+    _batch_scores(adapter, graph, delta, grad_sums, rule.passes, out)
+
+
+def _scores_of(out: dict, divisor: int, graph: Graph, n: int, algorithm: str, level: str, metric: str, rule,
+               batch_size: int, per_example: bool) -> AttributionScores:
     host = to_host(out, divisor)  # the stage's one wait for the device; per-example rows are complete after it
     metric_clean, metric_corrupted = (host["metric"] / divisor).tolist()
     return AttributionScores(
         head=host["head"], mlp=host["mlp"], embed=host["embed"], graph=graph, edges=host.get("edges"),
-        metric_clean=metric_clean, metric_corrupted=metric_corrupted, n_examples=len(data),
+        metric_clean=metric_clean, metric_corrupted=metric_corrupted, n_examples=n,
         info={"algorithm": algorithm, "level": level, "metric": metric,
               "ig_steps": rule.passes if algorithm == "eap-ig" else None,
               "ig_rule": rule.rule if algorithm == "eap-ig" else None, "passes": rule.passes,

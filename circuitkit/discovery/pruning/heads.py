@@ -396,12 +396,16 @@ def circuit_fields(found: PrunedCircuit) -> dict:
                           attribution examples (`head_means`), what a weight export folds in
         weight_ablations  dict: the kept heads' faithfulness under mean / zero ablation with those
                           means, beside pruning.ablation's (`weight_ablation_faithfulness`)
+        corruptions       dict | None: several corruptions in one discovery (`prune(corruptions=...)`):
+                          names, rule, the folded faithfulness, each corruption's full / empty /
+                          circuit / faithfulness, and the folded curve's CPR / CMD
     """
     return dict(found.extra)
 
 
 def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData, held_out: TaskData,
-          p: PruningConfig, metric: str, batch_size: int, heldout: TaskData | None = None) -> PrunedCircuit:
+          p: PruningConfig, metric: str, batch_size: int, heldout: TaskData | None = None,
+          corruptions: dict[str, TaskData] | None = None, corruption_faithfulness: str = "worst") -> PrunedCircuit:
     """Select the circuit at `p.target_sparsity`, and measure it on the held-out pairs.
 
     Mean ablation takes its means over `attr_data` (the attribution examples). Edge scope needs
@@ -410,6 +414,10 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     measured over `p.bootstrap_resamples` resamples, and `p.selection=bootstrap` can run.
     `heldout`: pairs from templates attribution never saw; the circuit's faithfulness on them
     (same kept set, ablation and means) goes to `extra["heldout_templates"]`.
+    `corruptions`: several corruptions in one discovery, {name: held-out pairs}, the primary (the
+    pairs of `held_out`) first; the circuit's faithfulness, the curve and CPR/CMD are then folded
+    over them by `corruption_faithfulness` (worst, mean), each one's kept in `extra["corruptions"]`
+    (`circuitkit.discovery.pruning.corruptions`; head scope).
     """
     g = scores.graph
     per_example = (scores.per_example or {}).get("head" if p.scope == "heads" else "edges")
@@ -487,6 +495,16 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     curve = sparsity_curve(evaluate, ranked, p.rank_by, m_full, m_empty, valid, choose,
                            dict(zip(points, on_curve, strict=True)))
     cpr, cmd = curve_areas(curve)
+    joint = None
+    if corruptions and len(corruptions) > 1 and p.scope == "heads":
+        from circuitkit.discovery.pruning.corruptions import joint_selection
+
+        first, *others = corruptions
+        joint = joint_selection(adapter, (first, {"full": m_full, "empty": m_empty, "circuit": m_circuit,
+                                                  "curve_metrics": dict(zip(points, on_curve, strict=True))}),
+                                {c: corruptions[c] for c in others}, kept, points, curve, corruption_faithfulness,
+                                metric, p.ablation, means, batch_size)
+        curve, cpr, cmd = joint.pop("curve"), joint["cpr"], joint["cmd"]
     mib = None
     if mib_setting(p.scope, p.ablation, selection_rule):  # MIB's pair needs the other ranking's curve too
         other_rank = "abs" if p.rank_by == "signed" else "signed"
@@ -499,11 +517,14 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
             stable |= selector_stability(per_example.shape[0], functools.partial(selector, int(kept.sum())), kept,
                                          p.bootstrap_resamples, 0)
     extra = {"curve_definition": curve_definition(p.scope, p.ablation, p.rank_by, selection_rule, metric, mib),
-             "selection": selection_rule, "stability": stable, "heldout_templates": None, "mib": mib}
+             "selection": selection_rule, "stability": stable, "heldout_templates": None, "mib": mib,
+             "corruptions": joint}
     # What a weight export can hold (mean or zero, never a counterfactual), measured on the same pairs.
     extra["head_means"] = head_means(adapter, attr_data, batch_size)
     extra["weight_ablations"] = weight_ablation_faithfulness(adapter, held_out, metric, head_mask,
                                                              extra["head_means"], batch_size, (p.ablation, f))
+    if joint is not None:  # the primary's figure above (the pairs a weight export is measured on), the folded one below
+        f = joint["faithfulness"]
     if heldout is not None and len(heldout) > 0:
         other = (Evaluator if p.scope == "heads" else EdgeEvaluator)(adapter, heldout, metric, p.ablation, means,
                                                                      batch_size)

@@ -62,11 +62,16 @@ def other_corruptions(task: str, dp: DataParams) -> tuple[tuple[str, ...], str]:
 
 
 def robustness_pairs(task: str, dp: DataParams, tokenizer, model_dir: str | None, n_attr: int, n_total: int,
-                     seed: int, max_tokens: int | None = None) -> tuple[dict[str, TaskData], dict[str, str]]:
+                     seed: int, max_tokens: int | None = None, skip: tuple[str, ...] = ()
+                     ) -> tuple[dict[str, TaskData], dict[str, str]]:
     """The held-out pairs regenerated under each other corruption: ({corruption: pairs}, {corruption or
     "robustness": why not}). The task is built again with the data stage's seed and size, so the
-    clean prompts are the held-out ones (ioi and induction draw them independently of the corruption)."""
+    clean prompts are the held-out ones (ioi and induction draw them independently of the corruption).
+    `skip`: corruptions discovery already measured (several corruptions in one discovery)."""
     others, why = other_corruptions(task, dp)
+    others = tuple(c for c in others if c not in skip)
+    if not others and skip:
+        return {}, {}
     if not others:
         return {}, {"robustness": why}
     key = "ioi_corruption" if task == "ioi" else "induction_corruption"
@@ -111,9 +116,12 @@ def circuit_verdict(adapter: ModelAdapter, found: PrunedCircuit, p: PruningConfi
     def make(pairs: TaskData) -> Evaluator:
         return Evaluator(adapter, pairs, metric, p.ablation, means, batch_size)
 
-    figures["robustness"] = _robustness(make, kept, robustness[0]) or None
+    figures["robustness"] = {**_discovery_corruptions(found), **_robustness(make, kept, robustness[0])} or None
     if robustness[1]:  # {"robustness": why none} or {corruption: why not that one}
         notes["robustness"] = "; ".join(robustness[1].values())
+    if found.extra.get("corruptions"):
+        notes["faithfulness"] = (f"the {found.extra['corruptions']['rule']} over the corruptions discovery used"
+                                 f" ({', '.join(found.extra['corruptions']['names'])}; robustness lists each)")
     figures["generalization"], notes["generalization"] = _generalization(found, p, make, kept, task, heldout)
     stable = found.extra.get("stability")
     if stable:
@@ -149,12 +157,16 @@ def _on_held_out_pairs(adapter: ModelAdapter, found: PrunedCircuit, p: PruningCo
                                      f" edge circuit itself: {found.metrics['faithfulness']:.3f}")
 
     figures: dict = {"faithfulness": ours}
+    joint = found.extra.get("corruptions")
+    if joint:  # the row shows the folded figure; the baselines compare like with like, on the primary's pairs
+        ours = joint["by_corruption"][joint["names"][0]]["faithfulness"]
+        notes["baseline_random"] = f"against the circuit's {ours:.3f} under {joint['names'][0]}"
     others: dict[str, torch.Tensor] = {}  # the baselines of weights alone and necessity: one batched evaluation
     if p.random_baselines > 0:
         t = time.perf_counter()
         figures["baseline_random"] = random_baseline(evaluate, kept, ours, m_full, m_empty, p.random_baselines, seed)
         wall["random"] = time.perf_counter() - t
-        notes["baseline_random"] = f"seed {seed}"
+        notes["baseline_random"] = f"seed {seed}" + (f"; {notes['baseline_random']}" if joint else "")
         k = int(kept.sum())
         for name, scores in (("baseline_magnitude", magnitude_scores(adapter)),
                              ("baseline_wanda", wanda_scores(adapter, attr_data, batch_size))):
@@ -174,6 +186,12 @@ def _full_empty_circuit(evaluate: Evaluator, kept: torch.Tensor) -> tuple[float,
     """(m(full), m(empty), m(circuit)) in one batched evaluation."""
     full, empty, circuit = evaluate.many(torch.stack([torch.ones_like(kept), torch.zeros_like(kept), kept]))
     return full, empty, circuit
+
+
+def _discovery_corruptions(found: PrunedCircuit) -> dict[str, float]:
+    """{"<corruption> (discovery)": faithfulness} of the corruptions the circuit was selected under."""
+    joint = found.extra.get("corruptions") or {}
+    return {f"{c} (discovery)": b["faithfulness"] for c, b in joint.get("by_corruption", {}).items()}
 
 
 def _robustness(make: Callable[[TaskData], Evaluator], kept: torch.Tensor, pairs: dict[str, TaskData]) -> dict:
