@@ -97,10 +97,11 @@ def all_finite(tensors: list[torch.Tensor]) -> list[bool]:
     for i, t in enumerate(tensors):
         by_device[t.device].append(i)
     for idx in by_device.values():
-        # a float32 sum is non-finite exactly when an element is (inf + finite = inf, inf - inf = NaN, NaN
-        # spreads; real weights cannot overflow float32) and, unlike isfinite(t).all(), allocates no
-        # copy of the tensor: Gemma 3's embedding would take a 671 MB temporary
-        stacked = torch.stack([torch.isfinite(tensors[i].sum(dtype=torch.float32)) for i in idx]).tolist()
+        # a sum is non-finite exactly when an element is (inf + finite = inf, inf - inf = NaN, NaN spreads;
+        # real weights cannot overflow float32's range, which bfloat16 shares; float16's they can, so its sum
+        # is float32) and, unlike isfinite(t).all(), needs no copy of the tensor (Gemma 3's embedding: 671 MB)
+        stacked = torch.stack([torch.isfinite(tensors[i].sum(dtype=torch.float32) if tensors[i].dtype == torch.float16
+                                              else tensors[i].sum()) for i in idx]).tolist()
         for i, ok in zip(idx, stacked, strict=True):
             flags[i] = bool(ok)
     return [bool(f) for f in flags]
