@@ -19,14 +19,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from circuitkit.core.batching import batch_overhead_tokens, plan_batches, rows_within_budget
 from circuitkit.core.config import GradsConfig, ModelConfig
@@ -39,6 +31,7 @@ from circuitkit.core.io import (
     file_lock,
     sha256_file,
 )
+from circuitkit.core.progress import Progress
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.allocation import allocated_projector, check_allocation
@@ -577,7 +570,6 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     sizing = device_batch(grads.device_batch, loaded.device, grads.batch_size,
                           grads.batch_tokens or grads.batch_size * longest, shortest, longest,
                           lambda rows, length: (lambda e: e.total_bytes - e.terms["weights"])(estimate_at(rows, length)))
-    log.info("%s", sizing.note)
     batch_size = sizing.batch_size
     budget = grads.batch_tokens if sizing.source == "configured" else sizing.batch_tokens
     # The largest batch the plan can form: the token budget bounds rows x longest row.
@@ -590,12 +582,14 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     capture = _BatchCapture(loaded, modules, projector, grads, activations, fisher, factored, pad_id)
     form = stored_form(grads, row_width, buffer_width, header)
     stats = _Throughput()
-    with Progress(TextColumn("indexing"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
-                  TextColumn("{task.fields[rates]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                  console=console, transient=True) as bar, \
+    what = ("sign bits" if grads.row_format == SIGNS else f"{grads.storage_dtype} values"
+            if grads.row_format == "dense" else f"rank-{grads.row_rank} factors")
+    console.print(f"building a gradient index of {n_pending_rows:,} rows of {source.name} in {index_dir}: each row the"
+                  f" projected gradient of {len(shapes)} modules ({buffer_width:,} {what}), preconditioner"
+                  f" {grads.preconditioner}; {sizing.note}", highlight=False)
+    with Progress(console, "indexing", n_pending_rows, "rows") as bar, \
             ShardPipeline(writer, min(grads.rows_per_shard, corpus.n_rows), form, loaded.device,
                           buffer_width if fisher == "sampled" else None) as shards:
-        task = bar.add_task("rows", total=n_pending_rows, rates="")
         for k in pending:
             start, end = writer.row_range(k)
             rows = corpus.rows(start, end)
@@ -605,7 +599,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             for plan in plan_batches(row_lengths, batch_size, budget, grads.group_by_length, overhead):
                 computed = index_batch(capture, [rows[i] for i in plan], plan, start, factors, buffer)
                 stats.add(len(plan), sum(row_lengths[i] for i in plan), computed)
-                bar.update(task, advance=len(plan), rates=stats.text())
+                bar.advance(len(plan), rates=stats.text())
             shards.submit(ShardJob(k, start, buffer, torch.from_numpy(corpus.positions[start:end].copy()),
                                    {} if factors is None else factors.tensors(),
                                    len(shapes) if has_module(grads.preconditioner) else None))
