@@ -40,9 +40,10 @@ LAYERS: dict[str, str] = {
     "circuitkit.core.hub": CORE,  # is the Hugging Face hub reachable (asked once; offline mode on when not)
     "circuitkit.core.io": CORE,
     "circuitkit.core.device": CORE,
-    "circuitkit.core.syncs": CORE,
+    "circuitkit.core.syncs": CORE,  # counts the calls that would make the host wait for an accelerator
+    "circuitkit.core.progress": CORE,  # a bar on a terminal, a plain line every few seconds in a log
     "circuitkit.core.provenance": CORE,  # which CircuitKit made an artifact: version, git commit
-    "circuitkit.core.flags": CORE,  # numeric CLI options with their ranges, checked after parsing  # counts the calls that would make the host wait for an accelerator
+    "circuitkit.core.flags": CORE,  # numeric CLI options with their ranges, checked after parsing
     "circuitkit.core.fingerprint": CORE,
     "circuitkit.core.batching": CORE,  # length-aware batch plans, for the index and for attribution
     "circuitkit.core.pipeline": CORE,
