@@ -183,3 +183,34 @@ def test_the_pipeline_runs_both_corruptions_and_records_them(tmp_path, induction
     assert summary["corruptions"] == ["swap", "fresh"] and set(summary["faithfulness_by_corruption"]) == {"swap", "fresh"}
     assert manifest["stages"]["attribution"]["summary"]["corruptions"] == ["swap", "fresh"]
     assert list(load_scores(tmp_path / "scores.safetensors").by_corruption) == ["swap", "fresh"]
+
+
+def test_generated_jsonl_corruptions_keep_the_rows_valid_under_every_one(tiny_model, tmp_path):
+    import json
+
+    from circuitkit.discovery.tasks.corruption_sets import build_corruption_set
+
+    tok = AutoTokenizer.from_pretrained(tiny_model("tiny-gpt2"))
+    names = [("Mary", " John"), ("Lisa", " Tom"), ("Anna", " Paul"), ("Kate", " Mark"), ("Emma", " David"),
+             ("Sarah", " James")]
+    path = tmp_path / "friends.jsonl"
+    path.write_text("".join(json.dumps({"clean": f"The best friend of {c} is", "correct": a, "entity": c,
+                                        "incorrect": " Bob"}) + "\n"
+                            for c, a in names))
+    dp = DataParams(data_path=str(path), prepend_bos=False)
+    dropped = {1}  # a model check that finds token_replace leaves row 2's answer unchanged
+    report: dict = {}
+
+    def check(pairs: TaskData) -> torch.Tensor:
+        ok = torch.ones(len(pairs), dtype=torch.bool)
+        if check.calls == 1:
+            ok[list(dropped)] = False
+        check.calls += 1
+        return ok
+    check.calls = 0
+    by = build_corruption_set("jsonl", tok, None, dp, ["entity_swap", "token_replace"], 6, 0, pair_check=check,
+                              report=report)
+    assert list(by) == ["entity_swap", "token_replace"] and len(by["entity_swap"]) == 5
+    assert report["valid_under_all"] == 5 and report["token_replace"]["valid_pairs"] == 5
+    assert torch.equal(by["entity_swap"].clean_ids, by["token_replace"].clean_ids)
+    assert not torch.equal(by["entity_swap"].corrupted_ids, by["token_replace"].corrupted_ids)

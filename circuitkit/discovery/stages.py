@@ -53,6 +53,7 @@ from circuitkit.discovery.tasks import (
     keys_that_do_not_apply,
 )
 from circuitkit.discovery.tasks.corruption_sets import (
+    build_corruption_set,
     check_corruptions,
     check_same_clean,
     corruption_file,
@@ -84,9 +85,21 @@ def _data(ctx: RunContext) -> StageResult:
     loaded = ctx.model()
     n_attr, n_eval = d.data_params.num_examples, d.data_params.eval_examples
     generated: dict = {}
-    data = build_task(d.task, loaded.tokenizer, loaded.path, d.data_params, n_attr + n_eval, ctx.cfg.seed,
-                      max_tokens=context_length(loaded.model.config),
-                      pair_check=lambda pairs: answer_changed(loaded.model, pairs, d.batch_size), report=generated)
+    if names:
+        several: dict = {}
+        by = build_corruption_set(d.task, loaded.tokenizer, loaded.path, d.data_params, names, n_attr + n_eval,
+                                  ctx.cfg.seed, max_tokens=context_length(loaded.model.config),
+                                  pair_check=lambda pairs: answer_changed(loaded.model, pairs, d.batch_size),
+                                  report=several)
+        data = by[names[0]]
+        if several:
+            ctx.console.print(f"generated corruptions {', '.join(names)}: {several['valid_under_all']} rows valid under"
+                              " every one (" + ", ".join(f"{c} {several[c]['valid_pairs']} of {several[c]['rows']}"
+                                                         for c in names) + ")")
+    else:
+        data = build_task(d.task, loaded.tokenizer, loaded.path, d.data_params, n_attr + n_eval, ctx.cfg.seed,
+                          max_tokens=context_length(loaded.model.config),
+                          pair_check=lambda pairs: answer_changed(loaded.model, pairs, d.batch_size), report=generated)
     if generated:
         ctx.console.print(f"generated corruption {generated['corruption']}: {generated['valid_pairs']} valid pairs of"
                           f" {generated['rows']} rows ({generated['valid_share']:.0%}); the corruption changes the"
@@ -103,14 +116,8 @@ def _data(ctx: RunContext) -> StageResult:
     ctx.state["data"], ctx.state["n_attr"] = data, attr
     files, n_templates = [path], heldout_template_count(d.task, d.data_params)
     if names:
-        by = {names[0]: data}
         for other in names[1:]:
-            pairs = build_task(d.task, loaded.tokenizer, loaded.path, single(d.task, d.data_params, other),
-                               n_attr + n_eval, ctx.cfg.seed, max_tokens=context_length(loaded.model.config),
-                               pair_check=lambda pairs: answer_changed(loaded.model, pairs, d.batch_size))
-            check_same_clean(data, pairs, other)
-            by[other] = pairs
-            files.append(pairs.save(corruption_file(path, other), metadata={**task_meta, "corruption": other}))
+            files.append(by[other].save(corruption_file(path, other), metadata={**task_meta, "corruption": other}))
         ctx.state["by_corruption"] = by
     if n_templates:
         other = build_heldout_templates(d.task, loaded.tokenizer, d.data_params, n_templates, ctx.cfg.seed,

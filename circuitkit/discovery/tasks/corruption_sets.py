@@ -96,3 +96,29 @@ def check_same_clean(primary: TaskData, other: TaskData, corruption: str) -> Non
         if a.shape != b.shape or not torch.equal(a, b):
             raise TaskError(f"the {corruption} corruption's pairs differ from the primary's in {name}: the corruptions"
                             " of one discovery must share their clean prompts; choose corruptions of the same rows.")
+
+
+def build_corruption_set(task: str, tokenizer, model_dir: str | None, dp: DataParams, names: list[str], n: int,
+                         seed: int, max_tokens: int | None = None, pair_check=None,
+                         report: dict | None = None) -> dict[str, TaskData]:
+    """{corruption: n pairs} for each of `names` (primary first), sharing their clean prompts.
+
+    ioi and induction draw the clean prompts from the seed alone, so each corruption is the task
+    built again; the jsonl task keeps the rows valid under every generated corruption
+    (`jsonl.build_generated_set`). The BOS policy applies to each as in `build_task`.
+    """
+    from circuitkit.discovery.tasks import apply_bos_policy, build_task
+    from circuitkit.discovery.tasks.jsonl import build_generated_set
+
+    if task == "jsonl":
+        from circuitkit.discovery.tasks import data_path_for
+
+        built = build_generated_set(tokenizer, data_path_for(task, dp.data_path), n, seed, max_tokens, names,
+                                    pair_check, dp.min_valid_share, report)
+        by = {c: apply_bos_policy(pairs, tokenizer, dp.prepend_bos) for c, pairs in built.items()}
+    else:
+        by = {c: build_task(task, tokenizer, model_dir, single(task, dp, c), n, seed, max_tokens=max_tokens,
+                            pair_check=pair_check) for c in names}
+    for c in names[1:]:
+        check_same_clean(by[names[0]], by[c], c)
+    return by

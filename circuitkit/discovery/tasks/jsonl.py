@@ -211,3 +211,48 @@ def _build_generated(tokenizer, path: Path, n: int, seed: int, max_tokens: int |
     return from_token_lists([pairs[i].clean for i in picked], [pairs[i].corrupted for i in picked],
                             [pairs[i].correct for i in picked], [pairs[i].incorrect for i in picked],
                             pad_token_id(tokenizer), row_names=[pairs[i].where for i in picked], max_tokens=max_tokens)
+
+
+def build_generated_set(tokenizer, path: str | Path, n: int, seed: int, max_tokens: int | None,
+                        corruptions: Sequence[str], pair_check: Callable[[TaskData], torch.Tensor] | None = None,
+                        min_valid_share: float = 0.5, report: dict | None = None) -> dict[str, TaskData]:
+    """Several generated corruptions of the same rows: {corruption: TaskData}, in `corruptions`' order.
+
+    Only rows that give a valid pair under every corruption are kept (each checked with `pair_check`
+    as `build` does), so the corruptions share their clean prompts; the same `n` of them are sampled
+    with `seed` for each. Fewer than `min_valid_share` of the rows valid under all is a TaskError.
+    `report`: {corruption: what `build` reports}, plus "valid_under_all".
+    """
+    from circuitkit.discovery.tasks.corruptions import generate
+
+    path = as_path(path, "jsonl")
+    valid: dict[str, dict] = {}
+    n_rows = 0
+    for corruption in corruptions:
+        rows = read_rows(path, corruption)
+        n_rows = max(n_rows, len(rows))
+        pairs, _ = generate(rows, corruption, tokenizer, seed)
+        if pairs and pair_check is not None:
+            every = from_token_lists([p.clean for p in pairs], [p.corrupted for p in pairs],
+                                     [p.correct for p in pairs], [p.incorrect for p in pairs],
+                                     pad_token_id(tokenizer), row_names=[p.where for p in pairs], max_tokens=max_tokens)
+            pairs = [p for p, ok in zip(pairs, pair_check(every).tolist(), strict=True) if ok]
+        valid[corruption] = {p.where: p for p in pairs}
+        if report is not None:
+            report[corruption] = {"rows": len(rows), "valid_pairs": len(pairs)}
+    common = [w for w in valid[corruptions[0]] if all(w in valid[c] for c in corruptions[1:])]
+    share = len(common) / max(n_rows, 1)
+    if report is not None:
+        report["valid_under_all"] = len(common)
+    if not common or share < min_valid_share:
+        raise TaskError(f"{path}: discovery.data_params.corruptions={list(corruptions)} gave {len(common)} rows valid"
+                        f" under every corruption of {n_rows} ({share:.0%}), below discovery.data_params."
+                        f"min_valid_share={min_valid_share}; run the corruptions one at a time to see which rows fail.")
+    picked = [common[i] for i in sample_indices(len(common), n, seed, str(path))]
+    out = {}
+    for corruption in corruptions:
+        chosen = [valid[corruption][w] for w in picked]
+        out[corruption] = from_token_lists([p.clean for p in chosen], [p.corrupted for p in chosen],
+                                           [p.correct for p in chosen], [p.incorrect for p in chosen],
+                                           pad_token_id(tokenizer), row_names=picked, max_tokens=max_tokens)
+    return out
