@@ -183,6 +183,10 @@ def test_the_pipeline_runs_both_corruptions_and_records_them(tmp_path, induction
     assert summary["corruptions"] == ["swap", "fresh"] and set(summary["faithfulness_by_corruption"]) == {"swap", "fresh"}
     assert manifest["stages"]["attribution"]["summary"]["corruptions"] == ["swap", "fresh"]
     assert list(load_scores(tmp_path / "scores.safetensors").by_corruption) == ["swap", "fresh"]
+    from circuitkit_app.report import write_run_report
+
+    page = write_run_report(tmp_path).read_text()
+    assert "corruptions (worst faithfulness)" in page and "swap 1.000" in page and "fresh (discovery)" in page
 
 
 def test_generated_jsonl_corruptions_keep_the_rows_valid_under_every_one(tiny_model, tmp_path):

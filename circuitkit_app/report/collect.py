@@ -211,6 +211,15 @@ def _circuit_graph(circuit, per_example: dict[str, torch.Tensor], top_edges: int
             "layer_totals": _layer_totals(circuit, g) if circuit.get("edge_scores") is not None else None}
 
 
+def _corruptions_view(joint: dict | None) -> dict | None:
+    """Several corruptions in one discovery: {names, rule, faithfulness, by_corruption: {c: f}}, or None."""
+    if not joint:
+        return None
+    return {"names": list(joint.get("names") or []), "rule": joint.get("rule"),
+            "faithfulness": _finite(joint.get("faithfulness")),
+            "by_corruption": {c: _finite(b.get("faithfulness")) for c, b in (joint.get("by_corruption") or {}).items()}}
+
+
 def _verdict_view(verdict: dict[str, Any] | None) -> dict[str, Any] | None:
     """The verdict's rows as circuit.pt stores them (values finite or None), its scope and head count."""
     if not verdict:
@@ -236,6 +245,7 @@ def _circuit_section(circuit, per_example: dict[str, torch.Tensor], top_edges: i
         "curve_definition": circuit.get("curve_definition"), "n_eval_examples": circuit.get("n_eval_examples"),
         "stability": circuit.get("stability"), "kept_frequency": None,
         "corruption": circuit.get("corruption"), "heldout_templates": circuit.get("heldout_templates"),
+        "corruptions": _corruptions_view(circuit.get("corruptions")),
         "graph": _circuit_graph(circuit, per_example, top_edges, default_edges),
         "verdict": _verdict_view(circuit.get("verdict"))}
     stable, per_head = circuit.get("stability"), per_example.get("head")

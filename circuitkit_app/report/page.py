@@ -151,7 +151,12 @@ def circuit_section(c: dict[str, Any]) -> str:
              ("scope", c["scope"]), ("ablation", c["ablation"])]
     if isinstance(held, dict) and held.get("faithfulness") is not None:
         cards.insert(1, ("faithfulness, held-out templates", _num(held.get("faithfulness"))))
-    if c.get("corruption"):
+    joint = c.get("corruptions")
+    if joint:
+        cards.append((f"corruptions ({joint['rule']} faithfulness)",
+                      ", ".join(f"{name} {f:.3f}" if isinstance(f, float) else f"{name} n/a"
+                                for name, f in joint["by_corruption"].items())))
+    elif c.get("corruption"):
         cards.append(("corruption", c["corruption"]))
     headline = "".join(f"<div>{esc(k)}<b>{esc(v)}</b></div>" for k, v in cards)
     embedded = (f"Embedded: the {g['n_ranked']} strongest of {g['n_candidates']} candidate edges (report.top_edges ="
