@@ -85,6 +85,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.tasks": CIRCUIT,
     "circuitkit.discovery.attribution.checks": CIRCUIT,  # artifacts checked against the model and graph they are used with
     "circuitkit.discovery.tasks.base": CIRCUIT,
+    "circuitkit.discovery.tasks.corruption_sets": CIRCUIT,  # one task's pairs under several corruptions
     "circuitkit.discovery.tasks.greater_than": CIRCUIT,
     "circuitkit.discovery.tasks.induction": CIRCUIT,
     "circuitkit.discovery.tasks.ioi": CIRCUIT,
@@ -102,6 +103,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.attribution.graph": CIRCUIT,
     "circuitkit.discovery.attribution.metrics": CIRCUIT,
     "circuitkit.discovery.attribution.accumulators": CIRCUIT,
+    "circuitkit.discovery.attribution.corruptions": CIRCUIT,  # several corruptions: their scores combined
     "circuitkit.discovery.attribution.norms": CIRCUIT,
     "circuitkit.discovery.attribution.quadrature": CIRCUIT,
     "circuitkit.discovery.attribution.tradeoffs": CIRCUIT,
@@ -109,6 +111,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.attribution.shards": CIRCUIT,  # sharded attribution: partial sums, the merge
     "circuitkit.discovery.pruning.heads": CIRCUIT,
     "circuitkit.discovery.pruning.circuit_forward": CIRCUIT,
+    "circuitkit.discovery.pruning.corruptions": CIRCUIT,  # several corruptions: faithfulness folded over them
     "circuitkit.discovery.pruning.edges": CIRCUIT,
     "circuitkit.discovery.pruning.selection": CIRCUIT,  # keep_top, bootstrapped selection, the greedy oracle
     "circuitkit.discovery.pruning.selection_ip": CIRCUIT,  # pruning.selection=ip: a connected edge set by integer programming
