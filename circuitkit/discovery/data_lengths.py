@@ -41,6 +41,7 @@ from circuitkit.discovery.attribution.memory import attribution_estimate, ig_adv
 from circuitkit.discovery.attribution.shards import shard_range
 from circuitkit.discovery.pruning.memory import pruning_advice, pruning_estimate
 from circuitkit.discovery.tasks import build_heldout_templates, build_task, heldout_template_count
+from circuitkit.discovery.tasks.corruption_sets import discovery_corruptions, effective, single
 from circuitkit.models.loading import model_context, pretrained_args
 from circuitkit.preflight.memory import MemoryEstimate, largest_fitting
 
@@ -138,6 +139,9 @@ def _local_tokenizer(cfg: AppConfig):
 
 def _build_lengths(cfg: AppConfig) -> TaskLengths:
     d, dp = cfg.discovery, cfg.discovery.data_params
+    # several corruptions share their clean prompts, so their pairs' lengths: the primary's are built
+    names = discovery_corruptions(d.task, dp)
+    dp = single(d.task, dp, names[0]) if names else effective(d.task, dp)
     if d.task == "jsonl" and dp.corruption is not None:
         return configured_lengths(cfg, f"the jsonl task keeps a generated ({dp.corruption}) pair only where the"
                                        " model's answer changes, known once the model is loaded")

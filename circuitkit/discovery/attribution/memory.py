@@ -15,9 +15,11 @@ import torch
 from circuitkit.core.config import AppConfig
 from circuitkit.core.device import model_dtype
 from circuitkit.core.pipeline import StageMemory
+from circuitkit.discovery.attribution.corruptions import SHARED_CLEAN
 from circuitkit.discovery.attribution.graph import Graph
 from circuitkit.discovery.attribution.quadrature import integration_rule
 from circuitkit.discovery.attribution.tradeoffs import advice_line
+from circuitkit.discovery.tasks.corruption_sets import discovery_corruptions
 from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 
 # Eager attention also saves the (B, H, T, T) softmax output (not calibrated: the fixtures use sdpa).
@@ -48,7 +50,7 @@ LOGIT_COPIES = 4
 def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int,
                          algorithm: str = "eap-ig", level: str = "node", ig_steps: int | None = 5,
                          attn_implementation: str = "sdpa", ig_rule: str = "right",
-                         num_examples: int | None = None) -> MemoryEstimate:
+                         num_examples: int | None = None, n_corruptions: int = 1) -> MemoryEstimate:
     """Peak device bytes of one attribution batch (`circuitkit.discovery.attribution.eap.attribute`).
 
     Terms (notation in the module docstring; float32 is 4 bytes):
@@ -65,6 +67,11 @@ def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: in
         edge temporaries (edge)        EDGE_TMP·(H + 2·KV + 1)·N·d·4 (one layer of add_layer_inputs)
         logits                         LOGIT_COPIES·B·V·4
         score matrix (edge)            n_up·n_down·4
+        several corruptions            (n_corruptions ≥ 2, SHARED_CLEAN) the batch's recorded clean
+                                       run, held through every corruption but the last:
+                                       N·(d + L·(H·dh + d))·p + B·V·p (+ L·N·d·p post-norm, edge);
+                                       each other corruption's score sums: (C - 1)·(L·H + L + 3)·4,
+                                       edge: + (C - 1)·n_up·n_down·4
 
     At node level the peak is the backward of a gradient pass. At edge level it is the larger
     of that backward and the per-layer contraction after the last backward. The running
@@ -79,6 +86,28 @@ def estimate_attribution(shape: dict[str, Any], dtype_bytes: int, batch_size: in
     patched (at edge level: the forward's own writes, held until it ends, the differences of the
     patched upstream writes, at most n_up·N·d·4, and one layer's live and corrupted head writes).
     """
+    est = _one_corruption(shape, dtype_bytes, batch_size, seq_len, algorithm, level, ig_steps, attn_implementation,
+                          ig_rule, num_examples)
+    if n_corruptions < 2 or algorithm not in SHARED_CLEAN:  # the others run each corruption on its own
+        return est
+    s = calibrated(shape)[0]
+    p, edges = dtype_bytes, level == "edge"
+    L, H, KV, d = s["n_layers"], s["n_heads"], s["n_kv_heads"], s["d_model"]
+    N = batch_size * seq_len
+    post_norm = edges and s["family"] == "gemma3"  # attn_total recorded per layer
+    est.terms["clean run held across corruptions"] = (N * (d + L * (H * s["head_dim"] + d) + (L * d if post_norm else 0))
+                                                      * p + batch_size * s["vocab_size"] * p)
+    n_up, n_in = 1 + L * (H + 1), L * (H + 2 * KV + 1)
+    est.terms["other corruptions' score sums"] = (n_corruptions - 1) * FP32 * (L * H + L + 3
+                                                                              + (n_up * (n_in + 1) if edges else 0))
+    est.phase = f"{est.phase}, under the first of {n_corruptions} corruptions (the clean run held for the others)"
+    return est
+
+
+def _one_corruption(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq_len: int, algorithm: str,
+                    level: str, ig_steps: int | None, attn_implementation: str, ig_rule: str,
+                    num_examples: int | None) -> MemoryEstimate:
+    """`estimate_attribution` under one corruption."""
     s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
     L, H, KV, dh = s["n_layers"], s["n_heads"], s["n_kv_heads"], s["head_dim"]
@@ -157,7 +186,8 @@ def attribution_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len:
     shape = shape_for(cfg.model)
     dtype_bytes = model_dtype(cfg.model).itemsize  # the dtype the run uses (auto resolved)
     return estimate_attribution(shape, dtype_bytes, batch_size or d.batch_size, seq_len or d.data_params.seq_len,
-                                d.algorithm, d.level, d.ig_steps, num_examples=d.data_params.num_examples)
+                                d.algorithm, d.level, d.ig_steps, num_examples=d.data_params.num_examples,
+                                n_corruptions=max(len(discovery_corruptions(d.task, d.data_params)), 1))
 
 
 def largest_fitting_batch(cfg: AppConfig, budget_bytes: int, limit: int = 1024) -> int:

@@ -47,6 +47,7 @@ from circuitkit.discovery.pruning.circuit_forward import CIRCUIT_FORWARD_TOKENS
 from circuitkit.discovery.pruning.edges import RECORD_SHARE
 from circuitkit.discovery.pruning.heads import CURVE_PERCENTS
 from circuitkit.discovery.tasks import heldout_template_count
+from circuitkit.discovery.tasks.corruption_sets import discovery_corruptions
 from circuitkit.preflight.memory import FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
 
 # No-grad forward temporaries above what is recorded, units N·p·d and N·p·f (one block's
@@ -186,7 +187,8 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
                      scope: str = "heads", ablation: str = "corrupted", selection: str = "top_k",
                      n_attr: int | None = None, mask_steps: int = 20, record_budget_bytes: int | None = None,
                      n_templates: int = 0, templates_seq_len: int | None = None,
-                     n_circuits: int | None = None, target_sparsity: float | None = None) -> MemoryEstimate:
+                     n_circuits: int | None = None, target_sparsity: float | None = None,
+                     n_corruptions: int = 1) -> MemoryEstimate:
     """Peak device bytes of the pruning stage (`circuitkit.discovery.pruning.heads.prune`).
 
     Terms (notation in `circuitkit.preflight.memory`; N = B·T, u = N·d·4, for one batch of B pairs):
@@ -249,6 +251,13 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
     head_held = held if scope == "heads" else sum(heads.record(b) for b in _batches(n_eval, batch_size))
     phases.append((head_means + head_held + heads.batched(B, together), "a batched circuit forward on the held-out pairs",
                    {"recorded runs": head_means + head_held, "circuit-forward buffers": heads.batched(B, together)}))
+    several = n_corruptions > 1 and scope == "heads"
+    if several:  # another corruption's Evaluator beside the primary's; its circuits: the primary's set, batched
+        other = _evaluator(m, means + held, n_eval, batch_size, None, "another corruption's held-out pairs", phases)
+        phases.append((means + held + other + m.batched(B, together),
+                       "a batched circuit forward on another corruption's held-out pairs",
+                       {"recorded runs": means + held, "another corruption's recorded runs": other,
+                        "circuit-forward buffers": m.batched(B, together)}))
     if scope == "edges" and selection == "edge_pruning":
         opt_m = _Shape(shape, dtype_bytes, seq_len, scope, "corrupted")
         n_opt = min(mask_steps * B, n_attr if n_attr is not None else n_eval)
@@ -269,9 +278,11 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
     if scope == "heads" and selection == "mask":
         opt_m = _Shape(shape, dtype_bytes, seq_len, scope, "corrupted")
         n_opt = min(mask_steps * B, n_attr if n_attr is not None else n_eval)
-        opt_phases: list[tuple[int, str, dict[str, int]]] = []
-        opt = _evaluator(opt_m, means + held, n_opt, B, None, "the mask's pairs", opt_phases)
-        phases += opt_phases
+        opt = 0
+        for _ in range(n_corruptions if several else 1):  # each corruption's pairs recorded, then kept
+            opt_phases: list[tuple[int, str, dict[str, int]]] = []
+            opt += _evaluator(opt_m, means + held + opt, n_opt, B, None, "the mask's pairs", opt_phases)
+            phases += opt_phases
         N = B * seq_len
         grad = int(m.L * N * dtype_bytes * (m.c_d * m.d + m.c_f * m.f + HM_SAVED * m.H * m.dh)
                    + HM_BWD * N * m.d * FP32 + B * m.V * FP32)
@@ -310,7 +321,8 @@ def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int
     return estimate_pruning(shape, dtype_bytes, batch_size or d.batch_size, seq_len or d.data_params.seq_len,
                             n_eval or d.data_params.eval_examples, p.scope, p.ablation, selection,
                             n_attr or d.data_params.num_examples, mask_steps_of(p), budget, n_templates,
-                            templates_seq_len, p.random_baselines, p.target_sparsity)
+                            templates_seq_len, p.random_baselines, p.target_sparsity,
+                            max(len(discovery_corruptions(d.task, d.data_params)), 1))
 
 
 def pruning_advice(cfg: AppConfig, budget_bytes: int, **at: Any) -> list[str]:
