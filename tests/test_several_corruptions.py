@@ -22,6 +22,7 @@ from circuitkit.discovery.attribution import attribute, load_scores, save_scores
 from circuitkit.discovery.attribution.corruptions import combine, combine_shares
 from circuitkit.discovery.attribution.eap import attribute_corruptions
 from circuitkit.discovery.pruning.heads import prune
+from circuitkit.discovery.pruning.optimize import learn_head_mask
 from circuitkit.discovery.tasks import build_task
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.discovery.tasks.corruption_sets import check_corruptions, effective
@@ -129,6 +130,34 @@ def test_a_joint_discovery_keeps_both_known_heads_and_a_single_corruption_circui
         assert _kept(both.selection.mask) == {PREV_TOKEN, INDUCTION}, rule
         assert min(b["faithfulness"] for b in both.extra["corruptions"]["by_corruption"].values()) > 0.9
         assert both.metrics["faithfulness"] > 0.9
+
+
+@pytest.mark.parametrize("rule", ["worst", "mean"])
+def test_a_mask_learned_under_every_corruption_keeps_the_head_only_one_of_them_needs(fixture, rule):
+    adapter, pairs = fixture
+    names = ("value", "swap")
+    value_scores = attribute_corruptions(adapter, [pairs[c][:N_ATTR] for c in names], "eap-ig", ig_steps=3,
+                                         batch_size=8, progress=False)[0]
+    attr = {c: pairs[c][:N_ATTR] for c in names}
+    # learned under the value corruption alone, the mask drops the previous-token head (its signal is gone) ...
+    alone = torch.sigmoid(learn_head_mask(adapter, attr["value"], value_scores.head, steps=40, batch_size=8))
+    assert _kept(alone > 0.5) == {INDUCTION} and alone[PREV_TOKEN] < 0.1
+    # ... learned under both (each step's loss folded over the corruptions), it keeps it: swap needs it
+    both = torch.sigmoid(learn_head_mask(adapter, attr["value"], value_scores.head, steps=40, batch_size=8,
+                                         others=[attr["swap"]], rule=rule))
+    assert _kept(both > 0.5) == {PREV_TOKEN, INDUCTION} and both[PREV_TOKEN] > 0.6, both
+    # pruning.selection=mask in a joint discovery learns it so; the curve and the figure are the folded ones
+    held_out = {c: pairs[c][N_ATTR:] for c in names}
+    p = PruningConfig(selection="mask", mask_steps=40, target_sparsity=0.75, rank_by="signed", bootstrap_resamples=0)
+    found = prune(adapter, value_scores, attr["value"], held_out["value"], p, "logit_diff", 8, corruptions=held_out,
+                  corruption_faithfulness=rule, corruption_attr=attr)
+    joint = found.extra["corruptions"]
+    assert joint["mask_learned_under"] == list(names) and _kept(found.selection.mask) == {PREV_TOKEN, INDUCTION}
+    assert min(b["faithfulness"] for b in joint["by_corruption"].values()) > 0.9
+    fold_rule = min if rule == "worst" else (lambda *f: sum(f) / len(f))
+    assert found.metrics["faithfulness"] == joint["faithfulness"]
+    assert all(row["faithfulness"] == pytest.approx(fold_rule(row["faithfulness_value"], row["faithfulness_swap"]))
+               for row in found.curve)
 
 
 def test_one_listed_corruption_is_the_single_key():

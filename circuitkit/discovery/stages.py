@@ -350,7 +350,8 @@ def _pruning(ctx: RunContext) -> StageResult:
                                 weights_loaded=True).total_bytes
     several = {c: pairs[n_attr:] for c, pairs in corruption_pairs(ctx).items()}
     found = prune(adapter, scores, data[:n_attr], held_out, p, d.metric, d.batch_size, heldout=heldout,
-                  corruptions=several, corruption_faithfulness=d.corruption_faithfulness)
+                  corruptions=several, corruption_faithfulness=d.corruption_faithfulness,
+                  corruption_attr={c: pairs[:n_attr] for c, pairs in corruption_pairs(ctx).items()})
     loaded = ctx.model()
     pairs = robustness_pairs(d.task, primary_params(ctx.cfg), loaded.tokenizer, loaded.path, n_attr, len(data),
                              ctx.cfg.seed, context_length(loaded.model.config), skip=tuple(several))

@@ -405,7 +405,8 @@ def circuit_fields(found: PrunedCircuit) -> dict:
 
 def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData, held_out: TaskData,
           p: PruningConfig, metric: str, batch_size: int, heldout: TaskData | None = None,
-          corruptions: dict[str, TaskData] | None = None, corruption_faithfulness: str = "worst") -> PrunedCircuit:
+          corruptions: dict[str, TaskData] | None = None, corruption_faithfulness: str = "worst",
+          corruption_attr: dict[str, TaskData] | None = None) -> PrunedCircuit:
     """Select the circuit at `p.target_sparsity`, and measure it on the held-out pairs.
 
     Mean ablation takes its means over `attr_data` (the attribution examples). Edge scope needs
@@ -417,7 +418,9 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
     `corruptions`: several corruptions in one discovery, {name: held-out pairs}, the primary (the
     pairs of `held_out`) first; the circuit's faithfulness, the curve and CPR/CMD are then folded
     over them by `corruption_faithfulness` (worst, mean), each one's kept in `extra["corruptions"]`
-    (`circuitkit.discovery.pruning.corruptions`; head scope).
+    (`circuitkit.discovery.pruning.corruptions`; head scope). `corruption_attr`: the attribution
+    pairs under each, primary first; selection=mask then learns its mask under every corruption,
+    folded by `corruption_faithfulness` (`learn_head_mask(others=...)`).
     """
     g = scores.graph
     per_example = (scores.per_example or {}).get("head" if p.scope == "heads" else "edges")
@@ -456,9 +459,11 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
         theta = learn_edge_mask(adapter, attr_data, scores.edges, valid, metric, mask_steps_of(p), p.mask_lr,
                                 p.mask_penalty, batch_size)
         selector = functools.partial(keep_top, theta, rank_by="signed", valid=valid)
-    if selection_rule == "mask":
+    mask_under = list(corruption_attr or ())
+    if selection_rule == "mask":  # several corruptions: learned under each (the primary's pairs are attr_data)
+        others = [corruption_attr[c] for c in mask_under[1:]] if len(mask_under) > 1 else None
         theta = learn_head_mask(adapter, attr_data, scores.head, metric, mask_steps_of(p), p.mask_lr, p.mask_penalty,
-                                batch_size)
+                                batch_size, others=others, rule=corruption_faithfulness)
         selector = functools.partial(keep_top, theta, rank_by="signed")
     if selection_rule == "ip":
         selector = IPSelector(scores.edges, valid, g, p.rank_by, p.ip_connectivity, p.ip_time_limit_s)
@@ -505,6 +510,8 @@ def prune(adapter: ModelAdapter, scores: AttributionScores, attr_data: TaskData,
                                 {c: corruptions[c] for c in others}, kept, points, curve, corruption_faithfulness,
                                 metric, p.ablation, means, batch_size)
         curve, cpr, cmd = joint.pop("curve"), joint["cpr"], joint["cmd"]
+        if selection_rule == "mask":  # which corruptions the mask was learned under
+            joint["mask_learned_under"] = mask_under if len(mask_under) > 1 else [first]
     mib = None
     if mib_setting(p.scope, p.ablation, selection_rule):  # MIB's pair needs the other ranking's curve too
         other_rank = "abs" if p.rank_by == "signed" else "signed"

@@ -140,16 +140,47 @@ def install_head_mask(adapter: ModelAdapter, hk: HookSet, mask: torch.Tensor, co
 def learn_head_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor, metric: str = "logit_diff",
                     steps: int = 40, lr: float = 0.1, penalty: float = 1.0, batch_size: int = 8,
                     init_density: float = 0.1,
-                    progress: Callable[[int, float, float, float], None] | None = None) -> torch.Tensor:
+                    progress: Callable[[int, float, float, float], None] | None = None,
+                    others: list[TaskData] | None = None, rule: str = "worst") -> torch.Tensor:
     """Trained head-mask logits θ (L, H) float32, warm-started from |scores| (L, H): rank heads by them.
 
     The head-scope twin of `learn_edge_mask`: head h's output z is m_h z(live) + (1 - m_h)
     z(corrupted), m = sigmoid(θ), with the same loss (squared metric error against the full model,
     normalized by the clean-corrupted gap, + penalty x mean mask) and Adam, one batch of `data`
     per step, cycling.
+
+    others: the same clean pairs under other corruptions (several corruptions in one discovery).
+    Each step then runs the step's batch under every corruption c, each loss ℓ_c normalized by c's
+    own gap, and folds them as `discovery.corruption_faithfulness` folds faithfulness: rule worst =
+    the step follows the gradient of max_c ℓ_c (the corruption the mask serves least), mean = of
+    mean_c ℓ_c; one corruption's backward at a time.
     """
     if steps < 1:
         raise ValueError(f"pruning.mask_steps={steps} must be at least 1")
+    recorded = [_recorded_head_runs(adapter, d, metric, steps, batch_size) for d in [data, *(others or [])]]
+    batches, gap = recorded[0]
+    theta = warm_start(scores, torch.ones(scores.shape, dtype=torch.bool), init_density).to(batches[0][0].clean_ids.device)
+
+    def forward_under(c: int) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
+        def masked_forward(theta: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            batch, mask = recorded[c][0][i][0], torch.sigmoid(theta)
+            with HookSet() as hk:
+                install_head_mask(adapter, hk, mask, recorded[c][0][i][2])
+                logits = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
+            return logits, mask.mean()
+        return masked_forward
+
+    if len(recorded) == 1:
+        runs = [(batch, answer) for batch, answer, _, _ in batches]
+        return _train_mask(adapter, theta, runs, forward_under(0), metric, gap, steps, lr, penalty, progress)
+    every = [([(batch, answer) for batch, answer, _, _ in b], forward_under(c), g)
+             for c, (b, g) in enumerate(recorded)]
+    return _train_mask_several(adapter, theta, every, metric, steps, lr, penalty, rule, progress)
+
+
+def _recorded_head_runs(adapter: ModelAdapter, data: TaskData, metric: str, steps: int, batch_size: int
+                        ) -> tuple[list, float]:
+    """(`record_head_runs` of the batches the steps reach, the mean clean - corrupted metric gap)."""
     batches = record_head_runs(adapter, data[:steps * batch_size], batch_size)  # the steps' batches only
     corrupted_total = sum(compute_metric(metric, logits, batch).sum().item() for batch, _, _, logits in batches)
     n = sum(len(batch.clean_ids) for batch, _, _, _ in batches)
@@ -158,14 +189,42 @@ def learn_head_mask(adapter: ModelAdapter, data: TaskData, scores: torch.Tensor,
     if abs(gap) < 1e-6:
         raise ValueError("head mask learning needs the clean and corrupted runs to differ on the metric (their"
                          f" mean {metric} gap is {gap:.2e}); use pairs whose corruption changes the answer.")
-    theta = warm_start(scores, torch.ones(scores.shape, dtype=torch.bool), init_density).to(batches[0][0].clean_ids.device)
-    runs = [(batch, answer) for batch, answer, _, _ in batches]
+    return batches, gap
 
-    def masked_forward(theta: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, mask = runs[i][0], torch.sigmoid(theta)
-        with HookSet() as hk:
-            install_head_mask(adapter, hk, mask, batches[i][2])
-            logits = answer_forward(adapter.model, batch.clean_ids, batch.attention_mask, batch.answer_pos)
-        return logits, mask.mean()
 
-    return _train_mask(adapter, theta, runs, masked_forward, metric, gap, steps, lr, penalty, progress)
+def _train_mask_several(adapter: ModelAdapter, theta: torch.Tensor, every: list, metric: str, steps: int, lr: float,
+                        penalty: float, rule: str,
+                        progress: Callable[[int, float, float, float], None] | None) -> torch.Tensor:
+    """`_train_mask` under several corruptions. every[c] = (runs, masked_forward, gap) of corruption c,
+    as `_train_mask` takes them (the same clean batches, each with c's incorrect answers). Per step,
+    ℓ_c = mean over the batch of (m_c(circuit) - m_c(full))² / gap_c² + penalty x density, each
+    backward on its own; θ moves along ∇ℓ_c of the largest faithfulness term (rule worst) or the
+    mean of the ∇ℓ_c (mean): the density term is the same in each."""
+    theta = theta.requires_grad_(True)
+    opt = torch.optim.Adam([theta], lr=lr)
+    targets = [[compute_metric(metric, answer, batch, answer) for batch, answer in runs] for runs, _, _ in every]
+    requires = [p.requires_grad for p in adapter.model.parameters()]
+    for p in adapter.model.parameters():
+        p.requires_grad_(False)
+    try:
+        for step in range(steps):
+            faiths, grads = [], []
+            for (runs, masked_forward, gap), target in zip(every, targets, strict=True):
+                i = step % len(runs)
+                batch, clean_answer = runs[i]
+                logits, density = masked_forward(theta, i)
+                faith = ((compute_metric(metric, logits, batch, clean_answer) - target[i]) ** 2).mean() / gap ** 2
+                grads.append(torch.autograd.grad(faith + penalty * density, theta)[0])
+                faiths.append(faith.detach())
+            faith = torch.stack(faiths)
+            folded = faith.max() if rule == "worst" else faith.mean()
+            grad = torch.stack(grads)
+            opt.zero_grad()
+            theta.grad = grad[faith.argmax()] if rule == "worst" else grad.mean(0)
+            opt.step()
+            if progress is not None:
+                progress(step + 1, (folded + penalty * density).item(), folded.item(), density.item())
+    finally:
+        for p, r in zip(adapter.model.parameters(), requires, strict=True):
+            p.requires_grad_(r)
+    return theta.detach().cpu().clone()
