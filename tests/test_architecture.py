@@ -112,6 +112,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.pruning.heads": CIRCUIT,
     "circuitkit.discovery.pruning.circuit_forward": CIRCUIT,
     "circuitkit.discovery.pruning.corruptions": CIRCUIT,  # several corruptions: faithfulness folded over them
+    "circuitkit.discovery.pruning.evaluator": CIRCUIT,  # head circuits measured, faithfulness and the curve
     "circuitkit.discovery.pruning.edges": CIRCUIT,
     "circuitkit.discovery.pruning.selection": CIRCUIT,  # keep_top, bootstrapped selection, the greedy oracle
     "circuitkit.discovery.pruning.selection_ip": CIRCUIT,  # pruning.selection=ip: a connected edge set by integer programming

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from circuitkit.discovery.pruning.heads import Evaluator, curve_areas, faithfulness
+from circuitkit.discovery.pruning.evaluator import Evaluator, curve_areas, faithfulness
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.models.adapters import ModelAdapter
 
