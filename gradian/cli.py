@@ -255,7 +255,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
     if args.max_seq_length is not None and args.max_seq_length < 2:
         raise UserError(f"--max-seq-length {args.max_seq_length}: must be >= 2 tokens.", exit_code=2)
     result = diagnose(args.dataset, args.eval_dataset, args.run, args.trainer_args, args.trainer_log, args.model,
-                      args.max_seq_length)
+                      args.max_seq_length, check_eos=args.check_eos)
     if args.json:
         print(json.dumps(result.as_dicts(), indent=2, ensure_ascii=False))
         return exit_status(result.findings)
@@ -349,7 +349,11 @@ def _parser() -> argparse.ArgumentParser:
     bounded(diagnose.add_argument("--max-seq-length", type=int, default=None, help="the trainer's length limit in"
                                   " tokens (default: max_seq_length / max_length of the trainer args)"),
             ge=2, le=MAX_COUNT, why="tokens")
-    diagnose.add_argument("--json", action="store_true", help="print the findings as a JSON list instead of a table")
+    diagnose.add_argument("--check-eos", action="store_true", help="look for completions without EOS even when the"
+                          " trainer args say the trainer appends it (TRL's SFTConfig; otherwise the check is reported"
+                          " as skipped)")
+    diagnose.add_argument("--json", action="store_true", help="print the findings as a JSON list instead of a table"
+                          " (each with every row it concerns in all_rows)")
     from gradian.attribute.command import add_parser as add_attribute
 
     add_attribute(sub)

@@ -123,7 +123,8 @@ def test_every_planted_defect_is_found_and_no_clean_row_is_flagged(planted: Plan
     assert set(evals) == {"eval_contamination", "answer_leakage"}
     # Every finding: the fixed keys, evidence and a fix; errors before warnings.
     for f in findings:
-        assert list(f) == ["id", "severity", "source", "file", "message", "count", "rows", "steps", "evidence", "fix"]
+        assert list(f) == ["id", "severity", "source", "file", "message", "count", "rows", "all_rows", "steps",
+                           "evidence", "fix"]
         assert f["fix"] and f["message"]
     severities = [f["severity"] for f in findings]
     assert severities == sorted(severities, key=("error", "warning", "info").index)
@@ -324,3 +325,32 @@ def test_the_run_directory_gives_settings_and_log(tmp_path: Path) -> None:
     result = diagnose(str(data), run=str(run))
     assert {f.id for f in result.findings} == {"lr_too_low_for_lora", "too_many_epochs", "loss_not_finite",
                                                "tokens_not_checked"}
+
+
+def test_an_eos_check_the_trainer_makes_unneeded_is_reported_skipped_and_can_be_forced(
+        tmp_path: Path, tok: Any, tiny_model: Callable[[str], Path], capsys: pytest.CaptureFixture) -> None:
+    """TRL's keys say the trainer appends EOS: the missing-EOS check is said to be skipped (not silently
+    dropped), and --check-eos runs it, finding the rows cut short in the data."""
+    eos = tok.eos_token
+    rows = [{"prompt": f"Q{i}: ", "completion": f"answer {i}.{eos}"} for i in range(12)]
+    rows += [{"prompt": f"Q{i}: ", "completion": "answer cut sho"} for i in range(12, 15)]  # cut short, no EOS
+    train = write_jsonl(tmp_path / "t.jsonl", rows)
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"completion_only_loss": True, "learning_rate": 2e-4, "num_train_epochs": 1}))
+    model = str(tiny_model("tiny-gpt2"))
+    main(["diagnose", "--dataset", str(train), "--model", model, "--trainer-args", str(args), "--json"])
+    found = {f["id"]: f for f in json.loads(capsys.readouterr().out)}
+    assert "missing_eos" not in found
+    assert "completion_only_loss" in found["missing_eos_skipped"]["message"]
+    assert "--check-eos" in found["missing_eos_skipped"]["fix"]
+    main(["diagnose", "--dataset", str(train), "--model", model, "--trainer-args", str(args), "--check-eos", "--json"])
+    found = {f["id"]: f for f in json.loads(capsys.readouterr().out)}
+    assert found["missing_eos"]["all_rows"] == [13, 14, 15] and "missing_eos_skipped" not in found
+
+
+def test_json_carries_every_row_of_a_finding(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = [{"prompt": "same ", "completion": "row."}] * (SHOWN + 5)
+    train = write_jsonl(tmp_path / "t.jsonl", rows)
+    main(["diagnose", "--dataset", str(train), "--json"])
+    dup = next(f for f in json.loads(capsys.readouterr().out) if f["id"] == "exact_duplicate")
+    assert len(dup["rows"]) == SHOWN and dup["count"] == len(dup["all_rows"]) > SHOWN

@@ -73,8 +73,9 @@ def _tokenizer(model: str) -> Any:
 
 def diagnose(dataset: str, eval_dataset: str | None = None, run: str | None = None, trainer_args: str | None = None,
              trainer_log: str | None = None, model: str | None = None, max_seq_length: int | None = None,
-             tokenizer: Any | None = None) -> Diagnosis:
-    """Run every check that the inputs allow (see `diagnose_findings`)."""
+             tokenizer: Any | None = None, check_eos: bool = False) -> Diagnosis:
+    """Run every check that the inputs allow (see `diagnose_findings`). `check_eos`: look for completions
+    without EOS even when the trainer args say the trainer appends it (otherwise reported as skipped)."""
     start = time.perf_counter()
     train = _read(dataset, "--dataset")
     evals = _read(eval_dataset, "--eval-dataset") if eval_dataset else None
@@ -108,7 +109,15 @@ def diagnose(dataset: str, eval_dataset: str | None = None, run: str | None = No
             found.append(Finding(id="length_not_checked", severity="info", source="config", message="no length limit"
                                  " given: completions cut by the trainer's max length were not looked for",
                                  fix="pass --max-seq-length N, or trainer args with max_seq_length / max_length"))
-        found += checks_data.missing_eos(train, tokenizer, append_eos)
+        if append_eos and settings.eos_inferred and not check_eos:
+            found.append(Finding(
+                id="missing_eos_skipped", severity="info", source="config", file=settings.path,
+                message="the missing-EOS check was skipped: the trainer args look like TRL's SFTConfig"
+                        f" ({', '.join(settings.trl_keys)}), which appends EOS to prompt/completion rows; a"
+                        " completion cut short in the data still gets one, and is not looked for",
+                fix="run with --check-eos to look for completions that lack the EOS the other rows write"))
+        else:
+            found += checks_data.missing_eos(train, tokenizer, None if check_eos and settings.eos_inferred else append_eos)
         found += checks_data.template_mismatch(train, tokenizer, failed)
     else:
         found.append(Finding(id="tokens_not_checked", severity="info", source="config", message="no tokenizer: length,"

@@ -64,9 +64,19 @@ class TrainerSettings:
         return value if isinstance(value, str) else ""
 
     @property
+    def trl_keys(self) -> list[str]:
+        """The keys of TRL's SFTConfig these settings have (TRL appends EOS to prompt/completion rows)."""
+        return [k for k in ("completion_only_loss", "assistant_only_loss", "dataset_text_field") if k in self.values]
+
+    @property
     def trl_like(self) -> bool:
         """TRL's SFTConfig (its keys): it appends EOS to prompt/completion rows."""
-        return any(k in self.values for k in ("completion_only_loss", "assistant_only_loss", "dataset_text_field"))
+        return bool(self.trl_keys)
+
+    @property
+    def eos_inferred(self) -> bool:
+        """Whether `append_eos` is inferred from the trainer (TRL's keys), not set by a key."""
+        return self.get("add_eos_token", "append_eos") is None and self.trl_like
 
     @property
     def append_eos(self) -> bool | None:

@@ -10,6 +10,7 @@ the report read one shape:
     message   what is wrong, in one line
     count     how many rows (or log steps) show it, exactly
     rows      the first `SHOWN` positions (1-based JSONL line numbers; 0-based row indices for a table)
+    all_rows  every position behind `count` (what `--json` readers act on; `rows` is for reading)
     steps     the first `SHOWN` trainer steps (log findings)
     evidence  one concrete instance (a row's tail, a setting and its value, a log point)
     fix       what to change
@@ -41,7 +42,7 @@ class Finding:
     rows: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     # Every position behind `count` (`rows` keeps the first SHOWN): what joins findings to other
-    # row sets (`gradian attribute`'s clusters); not part of `as_dict`.
+    # row sets (`gradian attribute`'s clusters), and the whole list in `as_dict`.
     all_rows: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -55,8 +56,8 @@ class Finding:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, keys in a fixed order."""
         d = asdict(self)
-        return {k: d[k] for k in ("id", "severity", "source", "file", "message", "count", "rows", "steps",
-                                  "evidence", "fix")}
+        return {k: d[k] for k in ("id", "severity", "source", "file", "message", "count", "rows", "all_rows",
+                                  "steps", "evidence", "fix")}
 
 
 def clip(text: str, limit: int) -> str:
