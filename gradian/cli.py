@@ -7,7 +7,7 @@
                                every shard and lists what is wrong (exit 1 if anything is);
                                --row N shows training row N's tokens and which are supervised
     gradian rank --index DIR --queries FILE [--top-k K] [--score auto|cosine|dot|influence|whitened|kfac|ekfac]
-                 [--damping D] [--aggregate mean|max] [--out FILE] [--no-verify] [--append-eos true|false]
+                 [--damping D] [--aggregate mean|max] [--out FILE] [--skip-checksums] [--append-eos true|false]
                  [--adapter DIR|none]
                                training rows most similar (by gradient) to each query row and overall
                  [--report [FILE]]   also the ranked rows as a page (needs --out; default FILE: OUT.html)
@@ -43,6 +43,7 @@ from rich.text import Text
 
 from circuitkit.core.errors import UserError, error_console, print_error, run_entry
 from circuitkit.core.flags import MAX_COUNT, bounded, check_numeric_flags, subparser
+from gradian.checksum_flag import add_skip_checksums, skip_checksums
 
 # Each subcommand imports its module when it runs: `gradian --help` loads no torch (fast).
 # With --out, the terminal shows this much of the ranking; the file gets all of it. Rendering
@@ -217,7 +218,7 @@ def rank_command(args: argparse.Namespace) -> int:
         check_not_an_input(Path(args.out), "--out", rank_inputs(args))
     try:
         results = rank(args.index, args.queries, top_k=args.top_k, score=args.score, aggregate=args.aggregate,
-                       out_path=args.out, verify=not args.no_verify, circuit=args.circuit,
+                       out_path=args.out, verify=not skip_checksums(args), circuit=args.circuit,
                        append_eos=args.append_eos, damping=args.damping, adapter=args.adapter)
     except UserError:
         raise
@@ -314,9 +315,8 @@ def _parser() -> argparse.ArgumentParser:
     rank.add_argument("--out", default=None,
                       help="write all results as JSONL here (checked before any work); the terminal then shows"
                            " a summary")
-    rank.add_argument("--no-verify", action="store_true",
-                      help="skip checking each shard's sha256 against the manifest while streaming (faster on"
-                           " a slow disk; see docs/benchmarks.md for the cost)")
+    add_skip_checksums(rank, "skip checking each shard's sha256 against the manifest while streaming (faster on"
+                             " a slow disk; see docs/benchmarks.md for the cost)")
     rank.add_argument("--append-eos", choices=("true", "false"), default=None,
                       help="the token policy the queries are meant for; refused unless it is the index's"
                            " (grads.append_eos); by default queries follow the index")

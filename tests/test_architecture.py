@@ -152,6 +152,7 @@ LAYERS: dict[str, str] = {
     "gradian.factored": GRADIAN,  # grads.row_format=factored: rank-c factors of each module's block, their scores
     "gradian.shard_rows": GRADIAN,  # rows leave the device in their stored form; a writer thread owns the disk
     "gradian.device_batch": GRADIAN,  # batches sized to the accelerator's free memory (grads.device_batch)
+    "gradian.checksum_flag": GRADIAN,  # --skip-checksums (once --no-verify) of rank and attribute
     "gradian.signs": GRADIAN,  # grads.row_format=signs: rows packed one bit per coordinate, their Hamming scores
     "gradian.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
     "gradian.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths from the curvature spectrum

@@ -140,3 +140,19 @@ def test_cli_rank_writes_jsonl_and_reports_errors(built, tmp_path, capsys):
     assert main(["rank", "--index", str(tmp_path / "nope"), "--queries", str(queries)]) == 2
     assert main(["rank", "--index", str(index_dir), "--queries", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_skip_checksums_and_its_deprecated_spelling(capsys) -> None:
+    """`--skip-checksums` skips the shards' sha256 check; `--no-verify`, its old spelling (which read as the
+    opposite of `gradian attribute --verify`), still works and says what it became."""
+    import argparse
+
+    from gradian.checksum_flag import add_skip_checksums, skip_checksums
+
+    parser = argparse.ArgumentParser()
+    add_skip_checksums(parser, "skip")
+    assert skip_checksums(parser.parse_args([])) is False
+    assert skip_checksums(parser.parse_args(["--skip-checksums"])) is True
+    assert capsys.readouterr().err == ""
+    assert skip_checksums(parser.parse_args(["--no-verify"])) is True
+    assert "--no-verify is now --skip-checksums" in capsys.readouterr().err

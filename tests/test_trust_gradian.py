@@ -205,7 +205,7 @@ CASES = [
     Case("zeroed sha256", then(lambda d, i, t: _edit(i, lambda m: m["shards"][shard_name(0)].update(sha256="0" * 64)),
                                rank()), 1, r"shard-00000\.safetensors: sha256 \w+… differs from the manifest's 000000"),
     Case("truncated shard", then(lambda d, i, t: _truncate(i), rank()), 1, r"shard-00001\.safetensors: sha256"),
-    Case("truncated shard, --no-verify", then(lambda d, i, t: _truncate(i), rank("--no-verify")), 1,
+    Case("truncated shard, --skip-checksums", then(lambda d, i, t: _truncate(i), rank("--skip-checksums")), 1,
          r"shard-00001\.safetensors: not a readable safetensors file .*truncated"),
     Case("shard file deleted", then(lambda d, i, t: (i / shard_name(2)).unlink(), rank()), 1,
          r"shard-00002\.safetensors: shard listed in the manifest is missing"),

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from circuitkit.core.errors import UserError, error_console
 from circuitkit.core.flags import MAX_COUNT, MAX_SEED, bounded
+from gradian.checksum_flag import add_skip_checksums, skip_checksums
 
 MAX_LORA_RANK = 1 << 16  # circuitkit.models.lora.MAX_RANK (not imported: that module loads torch)
 SHOWN_ITEMS = 10  # flipped items shown on the terminal (all are in --out)
@@ -52,7 +53,7 @@ def add_parser(sub) -> None:
             le=MAX_SEED)
     bounded(p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)"),
             ge=100, le=MAX_COUNT, why="at least 100 resamples for a 95 % interval")
-    p.add_argument("--no-verify", action="store_true", help="skip checking each shard's sha256 while streaming")
+    add_skip_checksums(p, "skip checking each shard's sha256 while streaming (not --verify's retraining)")
     bounded(p.add_argument("--span-min-tokens", type=int, default=64, metavar="N",
                            help="accused rows with at least N supervised tokens get one gradient per sentence, and"
                                 " the sentence that carries their score is shown (default 64; 0: no drill-down)"),
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = attribute(args.index, args.eval_dataset, base_model=args.base_model, adapter=args.adapter,
                            top_k=args.top_k, query_loss=args.query_loss, engines=engines, out_path=args.out,
-                           seed=args.seed, resamples=args.bootstrap, verify=not args.no_verify,
+                           seed=args.seed, resamples=args.bootstrap, verify=not skip_checksums(args),
                            span_min_tokens=args.span_min_tokens, retrain=retrain, console=error_console())
     except IndexMismatchError as mismatch:  # another model, adapter or projection than the index's
         raise UserError(str(mismatch), exit_code=2) from mismatch
