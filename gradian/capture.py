@@ -45,9 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.device import send
 from circuitkit.models.placement import input_device
 from circuitkit.models.recompute import fused_activations, recomputed_activations
-from gradian.data import SUPERVISION, send
+from gradian.data import SUPERVISION, no_target_error
 from gradian.projection import Projector
 
 
@@ -124,9 +125,7 @@ def _targets(batch: Mapping[str, torch.Tensor], device: torch.device) -> _Target
     example, position, target = supervised_positions(on_device)
     counts = torch.bincount(example, minlength=on_device["input_ids"].shape[0])
     if (counts == 0).any():
-        empty = (counts == 0).nonzero().flatten().tolist()
-        raise ValueError(f"examples {empty[:10]} of the batch have no supervised token: their gradient"
-                         " would be zero; drop them before indexing.")
+        raise no_target_error((counts == 0).nonzero().flatten().tolist())
     real = int(mask.sum()) if mask is not None else on_device["input_ids"].numel()
     spans = torch.zeros_like(counts).scatter_reduce(0, example, position + 1, "amax")
     return _Targets(example, position, target, counts, counts.tolist(), spans.tolist(), real, mask is not None)

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.device import send
 from gradian.sources import EXPECTED as _EXPECTED
 from gradian.sources import DataError, Source, SourceSpec
 
@@ -594,6 +595,12 @@ class Supervision:
 SUPERVISION = "supervision"  # the batch key of a `Supervision`
 
 
+def no_target_error(empty: list[int]) -> ValueError:
+    """The error for batch positions `empty` that have no supervised token."""
+    return ValueError(f"examples {empty[:10]} of the batch have no supervised token: their gradient would be zero;"
+                      " drop them before indexing.")
+
+
 def supervision_of(rows: Sequence[Row]) -> Supervision:
     """The `Supervision` of `rows` (as `collate` stacks them); ValueError for a row that supervises its
     first token (nothing predicts it) or none at all (its gradient would be zero)."""
@@ -609,9 +616,7 @@ def supervision_of(rows: Sequence[Row]) -> Supervision:
         counts.append(len(t))
     counts = np.asarray(counts, dtype=np.int64)
     if (counts == 0).any():
-        empty = np.flatnonzero(counts == 0).tolist()
-        raise ValueError(f"examples {empty[:10]} of the batch have no supervised token: their gradient"
-                         " would be zero; drop them before indexing.")
+        raise no_target_error(np.flatnonzero(counts == 0).tolist())
     lengths = [len(r.input_ids) for r in rows]
     return Supervision(np.concatenate(examples), np.concatenate(positions).astype(np.int64),
                        np.concatenate(targets), counts, int(sum(lengths)), min(lengths) != max(lengths))
@@ -653,11 +658,3 @@ def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, An
     goes on at once), as they are elsewhere; other values (a `Supervision`) as they are."""
     device = torch.device(device)
     return {k: send(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def send(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without making the host wait: through pinned memory to CUDA (a copy
-    from pageable memory is staged by the host first); as it is on the CPU; plainly to MPS."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)

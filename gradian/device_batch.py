@@ -23,11 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from circuitkit.core.device import free_memory_bytes
+from circuitkit.preflight.memory import DEVICE_FREE_SHARE as FREE_SHARE
 from circuitkit.preflight.memory import largest_fitting
 
-# The share of the free device memory a batch's estimated peak may take (the estimate is within a
-# few percent of the measured peak; allocator fragmentation and the writer's pinned copies need room).
-FREE_SHARE = 0.9
 # Budgets are searched in steps of this many tokens, up to MAX_STEPS of them (2M tokens).
 TOKEN_STEP = 256
 MAX_STEPS = 8192

@@ -75,6 +75,21 @@ class StorageOverflowError(OverflowError):
     """Values do not fit the storage dtype (float16 tops out at 65504)."""
 
 
+def overflow_error(rows: list[int], k: int, finite_in_float32: bool) -> StorageOverflowError:
+    """The refusal of shard k, whose `rows` are not finite once stored: float16's range exceeded
+    (`finite_in_float32`) or not finite to begin with. Nothing of the shard is written."""
+    why = "exceed the float16 range (|x| > 65504)" if finite_in_float32 else "are not finite (inf/nan) in float32 already"
+    return StorageOverflowError(f"rows {rows[:10]} of shard {k} {why}; nothing of this shard was written. Set"
+                                " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
+
+
+def no_sign_error(rows: list[int]) -> StorageOverflowError:
+    """The refusal of sign rows whose gradients are not finite (a NaN has no sign)."""
+    return StorageOverflowError(f"rows {rows[:10]} have gradients that are not finite (inf/nan), so they have no sign;"
+                                " nothing of this shard was written. Check those rows, or run with"
+                                " model.precision=float32.")
+
+
 class ConcurrentWriterError(UserError, RuntimeError):
     """Another process holds the lock of a shard this worker was about to write."""
 
@@ -288,12 +303,7 @@ class IndexWriter:
             bad = ~torch.isfinite(stored).all(dim=1)
             if bad.any():
                 finite_before = torch.isfinite(grads.float()).all(dim=1)
-                which = rows[bad].tolist()[:10]
-                why = ("exceed the float16 range (|x| > 65504)" if finite_before[bad].all()
-                       else "are not finite (inf/nan) in float32 already")
-                raise StorageOverflowError(
-                    f"rows {which} of shard {k} {why}; nothing of this shard was written. Set"
-                    " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
+                raise overflow_error(rows[bad].tolist(), k, bool(finite_before[bad].all()))
         layout = layout_of(self.header)
         if layout is not None and second_moment_blocks is not None:
             raise ValueError("factored rows (grads.row_format=factored) hold no dense blocks to sum second moments of.")

@@ -567,9 +567,12 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
             fisher=fisher, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
 
+    def beyond_weights(rows: int, length: int) -> int:  # the loaded weights are not in the free memory
+        estimate = estimate_at(rows, length)
+        return estimate.total_bytes - estimate.terms["weights"]
+
     sizing = device_batch(grads.device_batch, loaded.device, grads.batch_size,
-                          grads.batch_tokens or grads.batch_size * longest, shortest, longest,
-                          lambda rows, length: (lambda e: e.total_bytes - e.terms["weights"])(estimate_at(rows, length)))
+                          grads.batch_tokens or grads.batch_size * longest, shortest, longest, beyond_weights)
     batch_size = sizing.batch_size
     budget = grads.batch_tokens if sizing.source == "configured" else sizing.batch_tokens
     # The largest batch the plan can form: the token budget bounds rows x longest row.

@@ -28,7 +28,7 @@ import torch
 
 from circuitkit.core.device import DTYPES
 from circuitkit.core.io import RowGather
-from gradian.index import IndexWriter, StorageOverflowError
+from gradian.index import IndexWriter, StorageOverflowError, no_sign_error, overflow_error
 from gradian.signs import pack_rows
 
 
@@ -139,16 +139,8 @@ def _non_finite(job: ShardJob) -> None:
     flags = buffer.finite[:n]
     bad = ~flags[:, 0]
     if bad.any():
-        which = (torch.from_numpy(buffer.positions[:n])[bad] + job.first_row).sort().values.tolist()[:10]
-        if buffer.form.signs:
-            raise StorageOverflowError(f"rows {which} have gradients that are not finite (inf/nan), so they have no"
-                                       " sign; nothing of this shard was written. Check those rows, or run with"
-                                       " model.precision=float32.")
-        why = ("exceed the float16 range (|x| > 65504)" if flags[bad, 1].all()
-               else "are not finite (inf/nan) in float32 already")
-        raise StorageOverflowError(
-            f"rows {which} of shard {job.k} {why}; nothing of this shard was written. Set"
-            " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
+        which = (torch.from_numpy(buffer.positions[:n])[bad] + job.first_row).sort().values.tolist()
+        raise no_sign_error(which) if buffer.form.signs else overflow_error(which, job.k, bool(flags[bad, 1].all()))
     if buffer.fisher_finite is not None and not buffer.fisher_finite[:n].all():
         which = (torch.from_numpy(buffer.positions[:n])[~buffer.fisher_finite[:n]] + job.first_row).sort().values
         raise StorageOverflowError(f"the sampled-label rows (grads.fisher=sampled) of rows {which.tolist()[:10]} are"

@@ -71,7 +71,7 @@ def pack_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n_rows, n = rows.shape
     bits = torch.zeros(n_rows, 8 * packed_width(n), dtype=torch.uint8, device=rows.device)
     bits[:, :n] = rows.detach() >= 0
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(rows.device, non_blocking=True)
+    weights = torch.ones(8, dtype=torch.uint8, device=rows.device) << torch.arange(8, dtype=torch.uint8, device=rows.device)
     packed = (bits.view(n_rows, -1, 8) * weights).sum(dim=2, dtype=torch.uint8)
     return packed, torch.isfinite(rows.detach()).all(dim=1)
 

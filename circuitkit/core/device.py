@@ -37,6 +37,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 PRECISION_AUTO = "auto"
 
 
+def send(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: through pinned memory to CUDA (a copy
+    from pageable memory is staged by the host first); as it is on the CPU; plainly to MPS."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def get_device() -> torch.device:
     """The best available device: CUDA, then Apple MPS, then CPU."""
     if torch.cuda.is_available():

@@ -43,7 +43,7 @@ from circuitkit.discovery.pruning.memory import pruning_advice, pruning_estimate
 from circuitkit.discovery.tasks import build_heldout_templates, build_task, heldout_template_count
 from circuitkit.discovery.tasks.corruption_sets import discovery_corruptions, effective, single
 from circuitkit.models.loading import model_context, pretrained_args
-from circuitkit.preflight.memory import MemoryEstimate, largest_fitting
+from circuitkit.preflight.memory import DEVICE_FREE_SHARE, MemoryEstimate, largest_fitting
 
 # Algorithms whose batches are `TaskData.length_batches` and whose peak is one batch's (eap.attribute,
 # eap_activations, eap_gp); any other is estimated at the padded width of all pairs, which no batch
@@ -221,11 +221,6 @@ def attribution_at(cfg: AppConfig, lengths: TaskLengths, batch_size: int | None 
             best = (est, rows, tokens)
     est, rows, tokens = best
     return _with_lengths(est, lengths, rows, tokens, f"{rows} pairs x {tokens} tokens (its largest batch)")
-
-
-# The share of the free device memory the attribution stage's estimated peak may take with
-# discovery.device_batch=auto (the estimate is within a few percent of the measured peak).
-DEVICE_FREE_SHARE = 0.9
 
 
 def device_attribution_batch(cfg: AppConfig, lengths: TaskLengths, device, free_bytes: int | None = None) -> tuple[int, str]:

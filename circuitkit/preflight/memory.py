@@ -132,6 +132,12 @@ def calibrated(shape: dict[str, Any] | ModelShape) -> tuple[dict[str, Any], tupl
     return s, family(s["family"]).act_per_layer
 
 
+# The share of a device's free memory that a batch sized to it (grads.device_batch,
+# discovery.device_batch) may take by the estimate: the estimates are within a few percent of the
+# measured peak; allocator fragmentation and pinned copies need the rest.
+DEVICE_FREE_SHARE = 0.9
+
+
 def largest_fitting(fits, limit: int = 1024) -> int:
     """Largest n in 1..limit with fits(n) (fits is monotone, e.g. "the estimate at batch size n
     is under the budget"), 0 if none."""

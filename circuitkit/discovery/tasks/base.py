@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from circuitkit.core.batching import plan_batches
+from circuitkit.core.device import send
 from circuitkit.core.io import atomic_save_safetensors
 
 _POSITIONAL = ("clean_ids", "corrupted_ids", "attention_mask")  # the fields with a position axis
@@ -34,9 +35,7 @@ class TaskError(ValueError):
 def _to_device(t: torch.Tensor, device: torch.device | str, non_blocking: bool) -> torch.Tensor:
     """`t.to(device)`; with `non_blocking`, a host tensor goes through pinned memory to an
     accelerator, so the copy is queued and the host does not wait for it."""
-    if non_blocking and t.device.type == "cpu" and torch.device(device).type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=non_blocking)
+    return send(t, device) if non_blocking and t.device.type == "cpu" else t.to(device)
 
 
 @dataclass(frozen=True)
