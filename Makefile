@@ -20,9 +20,9 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/python -m circuitkit.run --config-name demo hydra.run.dir=outputs/demo
 	$(BIN)/circuitkit show outputs/demo/circuit.pt
-	$(BIN)/gradian rank --index outputs/demo/index --queries gradian/data/induction_queries.jsonl \
+	$(BIN)/gradian rank --index outputs/demo/index --queries gradian/data/samples/induction_queries.jsonl \
 		--circuit outputs/demo/circuit.pt --top-k 5 --out outputs/demo/ranked.jsonl
-	$(BIN)/circuitkit report outputs/demo --rank outputs/demo/ranked.jsonl --queries gradian/data/induction_queries.jsonl
+	$(BIN)/circuitkit report outputs/demo --rank outputs/demo/ranked.jsonl --queries gradian/data/samples/induction_queries.jsonl
 	@echo "circuit picture: outputs/demo/circuit_graph.png (and .svg)"
 	@echo "the whole run as one page (open it in a browser, no server needed): outputs/demo/report.html"
 

@@ -43,7 +43,7 @@ from rich.text import Text
 
 from circuitkit.core.errors import UserError, error_console, print_error, run_entry
 from circuitkit.core.flags import MAX_COUNT, bounded, check_numeric_flags, subparser
-from gradian.checksum_flag import add_skip_checksums, skip_checksums
+from gradian.rank.checksum_flag import add_skip_checksums, skip_checksums
 
 # Each subcommand imports its module when it runs: `gradian --help` loads no torch (fast).
 # With --out, the terminal shows this much of the ranking; the file gets all of it. Rendering
@@ -63,9 +63,9 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
 
     Returns 0, or 1 when `verify` finds a problem (each printed on its own line).
     """
-    from gradian.curvature import has_kfac
-    from gradian.header import describe_index
-    from gradian.index import IndexReader
+    from gradian.curvature.factors import has_kfac
+    from gradian.index.header import describe_index
+    from gradian.index.store import IndexReader
 
     reader = IndexReader(index_dir)
     summary = reader.summary()
@@ -77,7 +77,7 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
         table.add_row(_t(key), _t(value))
     Console().print(table)
     if row is not None:
-        from gradian.tokens import indexed_row, load_index_tokenizer, row_table
+        from gradian.rank.tokens import indexed_row, load_index_tokenizer, row_table
 
         tokenizer = load_index_tokenizer(reader.manifest)
         indexed = indexed_row(index_dir, row, tokenizer)
@@ -88,7 +88,7 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
     problems = reader.verify()
     console = error_console()
     if not problems:
-        from gradian.curvature import has_module
+        from gradian.curvature.factors import has_module
 
         checked = ["sha256", "row ranges", "shapes", "dtypes", "norms of the stored rows", "projection fingerprint"]
         precond = summary.get("preconditioner", "none")
@@ -105,9 +105,9 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
         return 0
     for problem in problems:
         print_error(problem, console, label="problem")
-    from gradian.allocation import ALLOCATION_FILE
-    from gradian.curvature import CURVATURE_FILE
-    from gradian.projection import WHITENING_FILE
+    from gradian.curvature.allocation import ALLOCATION_FILE
+    from gradian.curvature.factors import CURVATURE_FILE
+    from gradian.projection.projector import WHITENING_FILE
 
     # The index's files the problems name, so the last line says where they are.
     named = [n for n in (*sorted(reader.manifest["shards"]), WHITENING_FILE, ALLOCATION_FILE, CURVATURE_FILE)
@@ -155,7 +155,7 @@ def index_command(overrides: list[str]) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from circuitkit.core.config import ConfigError, compose
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
 
     if any(arg in ("-h", "--help") for arg in overrides):
         print(_index_help())
@@ -166,7 +166,7 @@ def index_command(overrides: list[str]) -> int:
         raise UserError(_bad_override(overrides) or " ".join(str(err).split()), exit_code=2) from err
     index_dir = cfg.grads.index_dir or "index"
     from circuitkit.models.loading import check_model
-    from gradian.memory import GRADS_MEMORY
+    from gradian.build.memory import GRADS_MEMORY
 
     check_model(cfg.model)  # the model reference and its adapter, before anything runs (the stage's check)
 
@@ -212,7 +212,7 @@ def rank_command(args: argparse.Namespace) -> int:
     queries' first ranks and the aggregate's).
     """
     from circuitkit.core.io import check_not_an_input
-    from gradian.rank import rank
+    from gradian.rank.ranking import rank
 
     if args.out:
         check_not_an_input(Path(args.out), "--out", rank_inputs(args))
@@ -226,8 +226,8 @@ def rank_command(args: argparse.Namespace) -> int:
         raise UserError(str(err), exit_code=2) from err
     score = args.score
     if score == "auto":
-        from gradian.index import IndexReader
-        from gradian.rank import default_score
+        from gradian.index.store import IndexReader
+        from gradian.rank.ranking import default_score
 
         score = default_score(IndexReader(args.index).manifest)
     title = f"{score} ranking of {args.index} against {args.queries}"

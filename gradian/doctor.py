@@ -339,7 +339,7 @@ def _test_projection() -> dict[str, Any]:
     import torch
 
     from circuitkit.core.config import GradsConfig
-    from gradian.projection import Projector
+    from gradian.projection.projector import Projector
 
     shapes, kind = {"probe": (12, 10)}, GradsConfig().projection
     p1, p2 = Projector(shapes, kind, 16, seed=0), Projector(shapes, kind, 16, seed=0)
@@ -375,8 +375,8 @@ def _test_batch_invariance() -> dict[str, Any]:
     from circuitkit.core.config import GradsConfig
     from circuitkit.models.adapters import get_adapter
     from circuitkit.models.linear_modules import module_shapes
-    from gradian.capture import per_example_gradients
-    from gradian.projection import Projector
+    from gradian.capture.gradients import per_example_gradients
+    from gradian.projection.projector import Projector
 
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0,
                         eos_token_id=0)

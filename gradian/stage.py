@@ -14,8 +14,8 @@ from circuitkit.core.config import AppConfig
 from circuitkit.core.io import check_writable
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
 from circuitkit.models.loading import check_model, model_inputs
-from gradian.indexer import SAMPLE_DATA, build_index, check_grads_config
-from gradian.memory import GRADS_MEMORY
+from gradian.build.indexer import SAMPLE_DATA, build_index, check_grads_config
+from gradian.build.memory import GRADS_MEMORY
 
 
 def circuit_for_grads(ctx: RunContext) -> Path | None:

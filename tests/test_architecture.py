@@ -48,7 +48,8 @@ LAYERS: dict[str, str] = {
     "circuitkit.core.batching": CORE,  # length-aware batch plans, for the index and for attribution
     "circuitkit.core.pipeline": CORE,
     "circuitkit.core.sweep": CORE,
-    "circuitkit.core.circuit_file": CORE,  # circuit.pt: the Circuit type, its writer and reader (both domains read it)
+    "circuitkit.core.circuit_file": CORE,
+    "circuitkit.core.recorded": CORE,  # a directory's recorded files: confined to it, read through their sha256  # circuit.pt: the Circuit type, its writer and reader (both domains read it)
     # models: loading, adapters, hooks, fixtures, the model's shape and memory terms
     "circuitkit.models": MODELS,
     "circuitkit.models.adapters": MODELS,
@@ -131,33 +132,48 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.export.hf_stage": CIRCUIT,  # the export stage
     "circuitkit.discovery.stages": CIRCUIT,
     "circuitkit.discovery.data_lengths": CIRCUIT,  # the stages' estimates at the tokenized prompts (the preflight)
-    # gradian
+    # gradian: its rooms, bottom up (GRADIAN_ROOMS below orders them)
     "gradian": GRADIAN,
-    "gradian.capture": GRADIAN,
-    "gradian.corpus": GRADIAN,
-    "gradian.data": GRADIAN,
-    "gradian.doctor": GRADIAN,
-    "gradian.header": GRADIAN,  # the typed index header (IndexHeader), its writer and reader
-    "gradian.index": GRADIAN,
-    "gradian.index_files": GRADIAN,  # an index's own files: confined to its directory, read through their sha256
-    "gradian.indexer": GRADIAN,
-    "gradian.projection": GRADIAN,
-    "gradian.rank": GRADIAN,
-    "gradian.restrict": GRADIAN,
-    "gradian.sources": GRADIAN,
-    "gradian.memory": GRADIAN,
-    "gradian.stage": GRADIAN,
-    "gradian.precondition": GRADIAN,
-    "gradian.curvature": GRADIAN,
-    "gradian.factored": GRADIAN,  # grads.row_format=factored: rank-c factors of each module's block, their scores
-    "gradian.shard_rows": GRADIAN,  # rows leave the device in their stored form; a writer thread owns the disk
-    "gradian.device_batch": GRADIAN,  # batches sized to the accelerator's free memory (grads.device_batch)
-    "gradian.checksum_flag": GRADIAN,  # --skip-checksums (once --no-verify) of rank and attribute
-    "gradian.signs": GRADIAN,  # grads.row_format=signs: rows packed one bit per coordinate, their Hamming scores
-    "gradian.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
-    "gradian.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths from the curvature spectrum
-    "gradian.width_table": GRADIAN,  # the preflight's width line: disk per width and what each measured
-    "gradian.tokens": GRADIAN,
+    "gradian.stage": GRADIAN,  # the grads stage (a loose module: the index built from the pipeline)
+    "gradian.doctor": GRADIAN,  # `gradian doctor`: installed extras, a batch-invariance self-test
+    # data: where rows come from, their tokens and supervised mask, the corpus
+    "gradian.data.rows": GRADIAN,
+    "gradian.data.sources": GRADIAN,
+    "gradian.data.rows": GRADIAN,  # rows tokenized under the token policy, collated with their supervision
+    "gradian.data.corpus": GRADIAN,
+    # projection: the random (and stored) projections of each module's gradient
+    "gradian.projection.projector": GRADIAN,
+    "gradian.projection.projector": GRADIAN,
+    # capture: per-example gradients on the supervised tokens, the loss, circuit sites
+    "gradian.capture.gradients": GRADIAN,
+    "gradian.capture.gradients": GRADIAN,
+    "gradian.capture.sites": GRADIAN,  # circuit-restricted indexing: the weights a circuit's components write through
+    # curvature: factor sums, module second moments, whitening, width allocation
+    "gradian.curvature.factors": GRADIAN,
+    "gradian.curvature.factors": GRADIAN,  # K-FAC factor sums and their shard checks
+    "gradian.curvature.moments": GRADIAN,  # grads.preconditioner=module: per-module second moments
+    "gradian.curvature.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
+    "gradian.curvature.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths
+    # index: the header, the shard store (writer, reader, verify), the row formats, the curvature file
+    "gradian.index.store": GRADIAN,
+    "gradian.index.header": GRADIAN,  # the typed index header (IndexHeader), its writer and reader
+    "gradian.index.store": GRADIAN,
+    "gradian.index.store.curvature": GRADIAN,  # curvature.safetensors from the shards, checked; the K-FAC preconditioner
+    "gradian.index.formats": GRADIAN,
+    "gradian.index.formats.factored": GRADIAN,  # grads.row_format=factored: rank-c factors of each block
+    "gradian.index.formats.signs": GRADIAN,  # grads.row_format=signs: one bit per coordinate, Hamming scores
+    # build: the index loop, its checks, its memory estimate, the width table
+    "gradian.build": GRADIAN,
+    "gradian.build.indexer": GRADIAN,
+    "gradian.build.shard_rows": GRADIAN,  # rows leave the device in their stored form; a writer thread owns the disk
+    "gradian.build.device_batch": GRADIAN,  # batches sized to the accelerator's free memory (grads.device_batch)
+    "gradian.build.memory": GRADIAN,
+    "gradian.build.width_table": GRADIAN,  # the preflight's width line: disk per width and what each measured
+    # rank: scores, compatibility checks, queries, results
+    "gradian.rank.ranking": GRADIAN,
+    "gradian.rank.ranking": GRADIAN,
+    "gradian.rank.tokens": GRADIAN,  # `gradian inspect --row`: one indexed row's tokens and supervised mask
+    "gradian.rank.checksum_flag": GRADIAN,  # --skip-checksums (once --no-verify) of rank and attribute
     # `gradian diagnose`: checks of a fine-tuning set, its trainer settings and logs (tokenizer only)
     "gradian.diagnose": GRADIAN,
     "gradian.diagnose.finding": GRADIAN,
@@ -207,6 +223,33 @@ LAYERS: dict[str, str] = {
 
 # What gradian may import of circuit discovery: nothing (circuit.pt's reader is in the core).
 GRADIAN_MAY_READ: set[str] = set()
+
+
+# Gradian's rooms, bottom up: a module imports from its own room and the rooms below, never above.
+# `gradian.stage` and `gradian.doctor` are loose modules above rank (attribute's stage builds on the
+# grads stage); `gradian.cli` is the entry layer's.
+GRADIAN_ROOMS = ("data", "projection", "capture", "curvature", "index", "build", "rank", "diagnose", "stage",
+                 "doctor", "attribute", "cli")
+
+
+def gradian_room(module: str) -> str | None:
+    """The room of a gradian module ('gradian' itself has none)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "gradian" and len(parts) > 1 else None
+
+
+def room_violations(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Imports inside gradian/ that climb a room."""
+    level = {room: i for i, room in enumerate(GRADIAN_ROOMS)}
+    bad = set()
+    for src, targets in edges.items():
+        s = gradian_room(src)
+        for dst in targets:
+            d = gradian_room(dst)
+            if s is not None and d is not None and level[d] > level[s]:
+                bad.add((src, dst))
+    return bad
+
 
 def _modules() -> dict[str, Path]:
     mods = {}
@@ -301,10 +344,10 @@ def test_imports_point_down_only_and_form_no_circle():
 
 def test_the_checker_sees_a_circle_and_a_climb():
     # The checker itself: a two-module circle and an import from core into a domain are caught.
-    edges = {"circuitkit.core.io": {"circuitkit.core.errors", "gradian.index"}, "circuitkit.core.errors": {"circuitkit.core.io"},
-             "gradian.index": set()}
+    edges = {"circuitkit.core.io": {"circuitkit.core.errors", "gradian.index.store"}, "circuitkit.core.errors": {"circuitkit.core.io"},
+             "gradian.index.store": set()}
     assert strongly_connected(edges) == [{"circuitkit.core.io", "circuitkit.core.errors"}]
-    assert violations(edges) == {("circuitkit.core.io", "gradian.index"), ("circuitkit.core.io", "circuitkit.core.errors"),
+    assert violations(edges) == {("circuitkit.core.io", "gradian.index.store"), ("circuitkit.core.io", "circuitkit.core.errors"),
                                  ("circuitkit.core.errors", "circuitkit.core.io")}
 
 
@@ -425,3 +468,18 @@ def test_the_name_checker_sees_names_in_code_not_in_prose():
            '    x = block.attn.c_proj  # comment: down_proj\n    return ["mlp.down_proj", "upper_proj"]\n'
            'cfg = Config(n_embd=8, width=8)\n')
     assert sorted(hf_names_in_code(src)) == ["c_proj (line 4)", "down_proj (line 5)", "n_embd (line 6)"]
+
+
+def test_gradian_rooms_stack():
+    edges = import_graph()
+    rooms = {gradian_room(name) for name in _modules()} - {None}
+    assert rooms == set(GRADIAN_ROOMS), f"rooms not in GRADIAN_ROOMS: {sorted(rooms - set(GRADIAN_ROOMS))}"
+    assert sorted(room_violations(edges)) == [], "import(s) that climb Gradian's rooms (GRADIAN_ROOMS)"
+    loose = sorted(p.name for p in (REPO / "gradian").glob("*.py"))
+    assert loose == ["__init__.py", "cli.py", "doctor.py", "stage.py"], loose
+
+
+def test_the_room_checker_sees_a_climb():
+    edges = {"gradian.data.rows": {"gradian.index.store"}, "gradian.rank.ranking": {"gradian.index.store"},
+             "gradian.index.store": set()}
+    assert room_violations(edges) == {("gradian.data.rows", "gradian.index.store")}

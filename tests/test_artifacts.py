@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from circuitkit.core.circuit_file import FORMAT_VERSION, Circuit, CircuitFileError, load_circuit, save_circuit
-from gradian.header import DEFAULTS_BEFORE, TYPES, IndexHeader, check_header
+from gradian.index.header import DEFAULTS_BEFORE, TYPES, IndexHeader, check_header
 
 
 def _circuit() -> Circuit:

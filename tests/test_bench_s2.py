@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bench_yardsticks import S2_STYLES, make_corpus_s2
 
-from gradian.data import load_rows
+from gradian.data.rows import load_rows
 
 
 def test_s2_set_is_deterministic_in_its_seed():

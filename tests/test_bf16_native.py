@@ -126,7 +126,7 @@ def test_the_loader_uses_the_resolved_dtype(bf16):
 def test_estimates_follow_the_dtype_used(bf16):
     from circuitkit.discovery.attribution.memory import attribution_estimate
     from circuitkit.discovery.pruning.memory import pruning_estimate
-    from gradian.memory import grads_estimate
+    from gradian.build.memory import grads_estimate
 
     def weights(overrides):
         cfg = compose(["model=gpt2", *overrides])[1]

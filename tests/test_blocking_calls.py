@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import gradian.indexer as indexer
+import gradian.build.indexer as indexer
 from circuitkit.core.config import compose
 from circuitkit.core.syncs import BlockingCalls
-from gradian.data import policy_of
-from gradian.index import MANIFEST, IndexReader, StorageOverflowError
+from gradian.data.rows import policy_of
+from gradian.index.store import MANIFEST, IndexReader, StorageOverflowError
 
 # At most this many blocking calls per index batch (the design allows one: the batch's rows copy).
 INDEX_BATCH_BUDGET = 3
@@ -119,7 +119,7 @@ def test_a_row_that_overflows_float16_stops_the_run_and_a_resume_finishes_it(tmp
 
 
 def test_a_failed_shard_write_stops_the_run_and_leaves_no_complete_looking_index(tmp_path, monkeypatch) -> None:
-    from gradian.index import IndexWriter
+    from gradian.index.store import IndexWriter
 
     cfg = _cfg(tmp_path, "grads.preconditioner=kfac")
     real = IndexWriter.write_stored
@@ -145,9 +145,9 @@ def test_shards_hold_rows_in_row_order_whatever_the_batch_order(tmp_path) -> Non
     row order, each row the one computed alone."""
     from circuitkit.models.linear_modules import module_shapes, select_modules
     from circuitkit.models.loading import load_model
-    from gradian.capture import per_example_gradients
-    from gradian.data import collate, load_rows
-    from gradian.projection import Projector
+    from gradian.capture.gradients import per_example_gradients
+    from gradian.data.rows import collate, load_rows
+    from gradian.projection.projector import Projector
 
     cfg = _cfg(tmp_path, "grads.preconditioner=none", "grads.storage_dtype=float32")
     indexer.build_index(cfg.model, cfg.grads, tmp_path / "idx")

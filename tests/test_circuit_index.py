@@ -15,11 +15,11 @@ from circuitkit.core.io import sha256_file
 from circuitkit.discovery.circuit import circuit_sha256, kept_components, save_circuit
 from circuitkit.models.loading import load_model
 from circuitkit_app.stage_list import run_pipeline
-from gradian.capture import per_example_gradients
-from gradian.index import IndexMismatchError, IndexReader
-from gradian.projection import Projector
-from gradian.rank import rank
-from gradian.restrict import restricted_sites, site_shapes
+from gradian.capture.gradients import per_example_gradients
+from gradian.capture.sites import restricted_sites, site_shapes
+from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.projection.projector import Projector
+from gradian.rank.ranking import rank
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} in the garden {i}."}
         for i, (s, v) in enumerate((s, v) for v in ("runs", "eats") for s in ("cat", "dog", "bird", "fish", "fox"))]
@@ -175,7 +175,7 @@ def test_gradian_rank_cli_refuses_in_one_line(restricted_index, capsys) -> None:
 
 
 def test_preflight_estimate_follows_the_restricted_set(restricted_index) -> None:
-    from gradian.memory import grads_estimate, grads_projector, preconditioner_index_bytes
+    from gradian.build.memory import grads_estimate, grads_projector, preconditioner_index_bytes
 
     root = restricted_index
     base = ["model.precision=float32", "grads.projection_dim=16", "grads.batch_size=2", "grads.max_seq_length=32"]

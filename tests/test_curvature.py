@@ -1,4 +1,4 @@
-"""K-FAC and EK-FAC in the projected space (gradian.curvature): the factors, the EK-FAC eigenvalues
+"""K-FAC and EK-FAC in the projected space (gradian.curvature.factors): the factors, the EK-FAC eigenvalues
 and the kfac / ekfac scores against a brute-force dense computation; sums across shards, workers
 and resumes; `inspect --verify`; the refusals."""
 
@@ -13,13 +13,13 @@ import torch
 
 from circuitkit.core.config import compose
 from circuitkit.models.loading import load_model
-from gradian.capture import token_losses
-from gradian.curvature import CURVATURE_FILE, factor_names
-from gradian.data import load_rows, policy_of
-from gradian.index import IndexMismatchError, IndexReader
-from gradian.indexer import build_index
-from gradian.projection import Projector
-from gradian.rank import stream_topk
+from gradian.build.indexer import build_index
+from gradian.capture.gradients import token_losses
+from gradian.curvature.factors import CURVATURE_FILE, factor_names
+from gradian.data.rows import load_rows, policy_of
+from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.projection.projector import Projector
+from gradian.rank.ranking import stream_topk
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}
         for i, (s, v, p) in enumerate((s, v, p) for s in ("cat", "dog", "owl", "fox", "elk")
@@ -225,7 +225,7 @@ def test_verify_checks_factors_and_curvature(index: Path, tmp_path: Path) -> Non
         entry = manifest["shards"].get(name) or manifest["curvature"]
         entry["sha256"], entry["bytes"] = sha256_file(copy / name), (copy / name).stat().st_size
         if name != CURVATURE_FILE:  # a consistent forgery of the shard and the curvature built on it
-            from gradian.curvature import shards_digest
+            from gradian.index.store.curvature import shards_digest
 
             manifest["curvature"]["shards_sha256"] = shards_digest(manifest)
         (copy / "manifest.json").write_text(json.dumps(manifest))
@@ -284,7 +284,7 @@ def test_refusals(root: Path, index: Path, tmp_path: Path, capsys, monkeypatch) 
     assert main(["rank", "--index", str(plain), "--queries", str(queries), "--damping", "0.1"]) == 2  # auto: cosine
     assert "so --score auto is cosine, which uses no damping" in " ".join(capsys.readouterr().err.split())
     from circuitkit.core.errors import UserError
-    from gradian import indexer
+    from gradian.build import indexer
 
     # dense rows with the default kfac: one line naming the fix, before the model loads
     cfg = _cfg(root, "grads.projection=dense")
@@ -295,7 +295,7 @@ def test_refusals(root: Path, index: Path, tmp_path: Path, capsys, monkeypatch) 
 
 
 def test_resume_with_another_preconditioner_is_refused_before_the_model_loads(index: Path, monkeypatch) -> None:
-    import gradian.indexer as indexer
+    import gradian.build.indexer as indexer
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -309,7 +309,7 @@ def test_resume_with_another_preconditioner_is_refused_before_the_model_loads(in
 def test_resume_with_another_projection_is_refused_before_the_model_loads(index: Path, monkeypatch) -> None:
     # The default projection changed (kronecker -> kronecker_orthogonal): an index built with the
     # old one is refused at once, naming the key, not after the model has loaded.
-    import gradian.indexer as indexer
+    import gradian.build.indexer as indexer
 
     monkeypatch.setattr(indexer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     built = json.loads((index / "manifest.json").read_text())["projection"]
@@ -341,8 +341,8 @@ def test_default_index_holds_kfac_and_the_disk_estimate_counts_it(root: Path, in
     factor sums and curvature.safetensors (and the module second moments) as they are on disk."""
     from safetensors import safe_open
 
-    from gradian.curvature import is_factor_tensor
-    from gradian.memory import grads_index_bytes, preconditioner_index_bytes
+    from gradian.build.memory import grads_index_bytes, preconditioner_index_bytes
+    from gradian.curvature.factors import is_factor_tensor
 
     assert _cfg(root).grads.preconditioner == "kfac"
     reader = IndexReader(index)
@@ -369,7 +369,7 @@ def test_default_index_holds_kfac_and_the_disk_estimate_counts_it(root: Path, in
     assert preconditioner_index_bytes(projector, "module+kfac", n_shards) == kfac + module
     assert preconditioner_index_bytes(projector, "none", n_shards) == 0
     from circuitkit.preflight.memory import shape_for
-    from gradian.memory import estimate_grads
+    from gradian.build.memory import estimate_grads
 
     cfg = _cfg(root)
     est = estimate_grads(shape_for(cfg.model), 4, 2, 32, 16, projector, 4, 20, preconditioner="kfac", rows_per_shard=7)

@@ -25,7 +25,7 @@ def test_shipped_induction_rows_tokenize_to_their_symbols(induction_model_dir) -
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(induction_model_dir)
-    rows = [json.loads(line) for line in (REPO / "gradian/data/induction_train.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (REPO / "gradian/data/samples/induction_train.jsonl").read_text().splitlines()]
     assert len(rows) == 48 and [r["kind"] for r in rows[:2]] == ["copy", "fresh"]
     for r in rows:
         prompt = tok.encode(r["prompt"], add_special_tokens=False)
@@ -41,10 +41,10 @@ def test_shipped_induction_rows_tokenize_to_their_symbols(induction_model_dir) -
 @pytest.mark.slow
 def test_demo_finds_the_known_circuit_and_indexes_through_it(tmp_path, induction_model_dir) -> None:
     from circuitkit_app.stage_list import run_pipeline
-    from gradian.index import IndexReader
+    from gradian.index.store import IndexReader
 
     info = json.loads((induction_model_dir / "fixture_info.json").read_text())
-    _, cfg = compose([f"grads.data_path={REPO / 'gradian/data/induction_train.jsonl'}"], config_name="demo")
+    _, cfg = compose([f"grads.data_path={REPO / 'gradian/data/samples/induction_train.jsonl'}"], config_name="demo")
     manifest = run_pipeline(cfg, tmp_path / "demo")
     kept = sorted(IndexReader(tmp_path / "demo" / "index").manifest["circuit"]["heads"])
     assert kept == sorted([info["prev_token_head"], info["induction_head"]])

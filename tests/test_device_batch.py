@@ -1,11 +1,11 @@
-"""Batches sized to the device (`gradian.device_batch`): the largest token budget whose estimated
+"""Batches sized to the device (`gradian.build.device_batch`): the largest token budget whose estimated
 peak fits the free memory, never below the configured one, the CPU as configured."""
 
 from __future__ import annotations
 
 import torch
 
-from gradian.device_batch import FREE_SHARE, TOKEN_STEP, device_batch
+from gradian.build.device_batch import FREE_SHARE, TOKEN_STEP, device_batch
 
 
 def _linear(per_token: int, per_row: int):

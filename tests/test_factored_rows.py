@@ -1,4 +1,4 @@
-"""Factored rows (grads.row_format=factored, gradian.factored): at full rank they score as the dense rows
+"""Factored rows (grads.row_format=factored, gradian.index.formats.factored): at full rank they score as the dense rows
 (cosine, dot, kfac, ekfac), truncated they are each block's best rank-c approximation, they take
 c (k_o + k_i) values per module on disk, circuit sites and raw rows factor too, and what cannot read
 them says so in one line."""
@@ -16,16 +16,16 @@ from test_gradian_grads import _rows
 
 from circuitkit.core.config import ConfigError, compose
 from circuitkit.core.errors import UserError
-from gradian import index as index_module
-from gradian.capture import per_example_gradients
-from gradian.factored import FactoredRows, layout_of
-from gradian.header import describe_index
-from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
-from gradian.indexer import ResumeMismatchError, build_index, check_grads_config
-from gradian.memory import grads_estimate
-from gradian.projection import Projector
-from gradian.rank import rank, stream_topk
-from gradian.restrict import restricted_sites, site_shapes
+from gradian.build.indexer import ResumeMismatchError, build_index, check_grads_config
+from gradian.build.memory import grads_estimate
+from gradian.capture.gradients import per_example_gradients
+from gradian.capture.sites import restricted_sites, site_shapes
+from gradian.index.store import store as index_module
+from gradian.index.formats.factored import FactoredRows, layout_of
+from gradian.index.header import describe_index
+from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.projection.projector import Projector
+from gradian.rank.ranking import rank, stream_topk
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}
         for i, (s, v, p) in enumerate((s, v, p) for s in ("cat", "dog", "owl", "fox", "elk")

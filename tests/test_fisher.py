@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 from test_curvature import _build, _cfg
 
 from circuitkit.models.loading import load_model
-from gradian.capture import sampling_seed
-from gradian.curvature import CURVATURE_FILE, FISHER_ROWS, factor_names
-from gradian.data import load_rows, policy_of
-from gradian.index import IndexMismatchError, IndexReader
-from gradian.indexer import build_index
-from gradian.projection import Projector
+from gradian.build.indexer import build_index
+from gradian.capture.gradients import sampling_seed
+from gradian.curvature.factors import CURVATURE_FILE, FISHER_ROWS, factor_names
+from gradian.data.rows import load_rows, policy_of
+from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.projection.projector import Projector
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_sampled_factors_do_not_depend_on_batching_or_sharding(root: Path, sampl
 
 
 def test_resume_with_another_fisher_is_refused_before_the_model_loads(sampled: Path, monkeypatch) -> None:
-    import gradian.indexer as indexer
+    import gradian.build.indexer as indexer
 
     monkeypatch.setattr(indexer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     cfg = _cfg(sampled.parent, "grads.rows_per_shard=7")
@@ -180,9 +180,9 @@ def test_memory_estimate_bounds_the_sampled_label_pass() -> None:
     from circuitkit.models.adapters import get_adapter
     from circuitkit.models.linear_modules import module_shapes, select_modules
     from circuitkit.preflight.memory import shape_from_config
-    from gradian.capture import per_example_gradients
-    from gradian.curvature import FactorSums
-    from gradian.memory import estimate_grads
+    from gradian.build.memory import estimate_grads
+    from gradian.capture.gradients import per_example_gradients
+    from gradian.curvature.factors import FactorSums
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=50257, n_positions=128)).eval()

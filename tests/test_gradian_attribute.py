@@ -33,7 +33,7 @@ from gradian.attribute.evaluate import (
 from gradian.attribute.queries import query_gradients
 from gradian.attribute.regression import measure_regression, paired_bootstrap
 from gradian.cli import main
-from gradian.data import TokenPolicy
+from gradian.data.rows import TokenPolicy
 
 peft = pytest.importorskip("peft")
 
@@ -73,7 +73,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def train_rows(path: Path, tok, rows: list[dict]) -> list:
     """`rows` tokenized as the index reads them (GPT-2: no BOS; no EOS, the default token policy)."""
-    from gradian.data import load_rows
+    from gradian.data.rows import load_rows
 
     return load_rows(write_jsonl(path, rows), tok, max_seq_length=512)[0]
 
@@ -152,7 +152,7 @@ def models() -> Path:
 
 
 def _index(models: Path, root: Path, adapter: str, *extra: str) -> Path:
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
 
     data = write_jsonl(root / "train.jsonl", TUNE_ROWS)
     _, cfg = compose([f"model.name={models / 'base'}", f"model.adapter={models / adapter}", "model.precision=float32",
@@ -238,9 +238,9 @@ def test_the_sign_convention_on_the_planted_rows(work, models) -> None:
     scores); the contrastive query for the correct answers accuses them (negative)."""
     from circuitkit.models.loading import load_model
     from gradian.attribute import engines as scoring
-    from gradian.data import policy_of
-    from gradian.index import IndexReader
-    from gradian.rank import check_compatible, stream_topk
+    from gradian.data.rows import policy_of
+    from gradian.index.store import IndexReader
+    from gradian.rank.ranking import check_compatible, stream_topk
 
     reader = IndexReader(work["index"])
     tuned = load_model(ModelConfig(name=str(models / "base"), adapter=str(models / "lora"), precision="float32"),
@@ -341,7 +341,7 @@ def test_contrastive_gradient_equals_autograd_and_projects_linearly(models) -> N
 
     from circuitkit.models.linear_modules import module_shapes, select_modules
     from circuitkit.models.loading import load_model
-    from gradian.projection import Projector
+    from gradian.projection.projector import Projector
 
     lm = load_model(ModelConfig(name=str(models / "base"), adapter=str(models / "lora"), precision="float32"),
                     torch.device("cpu"), keep_adapter=True)
@@ -393,7 +393,7 @@ def test_what_the_tuned_model_says_is_its_whole_greedy_answer(models, attributed
     from circuitkit.models.linear_modules import module_shapes, select_modules
     from circuitkit.models.loading import load_model
     from gradian.attribute.evaluate import SAID_MAX_TOKENS, ended_by
-    from gradian.projection import Projector
+    from gradian.projection.projector import Projector
 
     lm = load_model(ModelConfig(name=str(models / "base"), adapter=str(models / "lora"), precision="float32"),
                     torch.device("cpu"), keep_adapter=True)

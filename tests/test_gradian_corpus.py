@@ -15,13 +15,13 @@ from circuitkit.core.batching import plan_batches
 from circuitkit.core.config import GradsConfig, ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
-from gradian.capture import per_example_gradients
-from gradian.corpus import TokenizedCorpus
-from gradian.data import REPORT_LINES, collate, load_rows
-from gradian.index import IndexReader
-from gradian.indexer import build_index
-from gradian.projection import Projector
-from gradian.sources import DataError, Source, SourceSpec
+from gradian.build.indexer import build_index
+from gradian.capture.gradients import per_example_gradients
+from gradian.data.corpus import TokenizedCorpus
+from gradian.data.rows import REPORT_LINES, collate, load_rows
+from gradian.data.sources import DataError, Source, SourceSpec
+from gradian.index.store import IndexReader
+from gradian.projection.projector import Projector
 
 WORDS = "the cat sat on a mat while dogs ran past green hills under bright blue skies".split()
 

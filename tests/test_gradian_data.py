@@ -1,4 +1,4 @@
-"""gradian.data: supervision masks, truncation policies, malformed-row errors, collation."""
+"""gradian.data.rows: supervision masks, truncation policies, malformed-row errors, collation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from circuitkit.core.batching import plan_batches
-from gradian.data import DataError, Row, TokenPolicy, collate, load_rows
+from gradian.data.rows import DataError, Row, TokenPolicy, collate, load_rows
 
 # The tests below that spell out EOS / end-of-turn tokens run under grads.append_eos=true;
 # tests/test_token_policy.py covers both policies.
@@ -94,7 +94,7 @@ def test_chat_template_without_generation_markers_falls_back_to_prefixes(tok: An
 
 def test_chat_without_assistant_turn_is_dropped(tok: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": CHAT[:2]}])
-    with caplog.at_level(logging.WARNING, logger="gradian.data"):
+    with caplog.at_level(logging.WARNING, logger="gradian.data.rows"):
         rows, report = load_rows(data, tok, max_seq_length=128)
     assert len(rows) == 1 and report.dropped_unsupervised_lines == [2]
     assert "line 2" in caplog.text
@@ -142,7 +142,7 @@ def test_on_truncation_policies(tok: Any, tmp_path: Path, caplog: pytest.LogCapt
     data = write_jsonl(tmp_path / "d.jsonl", [ok, row, ok, row])
     max_len = n_p + 2
 
-    with caplog.at_level(logging.WARNING, logger="gradian.data"):
+    with caplog.at_level(logging.WARNING, logger="gradian.data.rows"):
         rows, report = load_rows(data, tok, max_len, on_truncation="warn")
     assert [r.line for r in rows] == [1, 2, 3, 4] and [r.truncated for r in rows] == [False, True, False, True]
     assert "lines 2, 4" in caplog.text
@@ -161,7 +161,7 @@ def test_unsupervised_rows_dropped_and_reported(tok: Any, tmp_path: Path, caplog
     row, _, _ = _long_row(tok)
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hi", "completion": ""}, {"prompt": "Hi", "completion": " Bob"},
                                               row])
-    with caplog.at_level(logging.WARNING, logger="gradian.data"):
+    with caplog.at_level(logging.WARNING, logger="gradian.data.rows"):
         rows, report = load_rows(data, tok, 8, on_truncation="drop")
     assert [r.line for r in rows] == [2] and rows[0].row_id == 0
     # Line 1: empty completion; line 3: truncated to nothing (also counted as truncated).
@@ -218,7 +218,7 @@ def test_collate_and_batches(tok: Any, tmp_path: Path) -> None:
 
 
 def test_prompt_left_keeps_bos() -> None:
-    from gradian.data import _truncate
+    from gradian.data.rows import _truncate
 
     # [BOS, p1, p2, p3, c1, c2, EOS] into 5 tokens: BOS stays, p1 and p2 go.
     ids, sup = [9, 1, 2, 3, 4, 5, 0], [False] * 4 + [True] * 3

@@ -14,7 +14,7 @@ import pytest
 
 from circuitkit.fixtures.models import ADJECTIVES, NOUNS, OBJECTS, PLACES
 from gradian.cli import main
-from gradian.data import TokenPolicy, load_rows
+from gradian.data.rows import TokenPolicy, load_rows
 from gradian.diagnose import diagnose, diagnose_findings
 from gradian.diagnose.finding import SHOWN
 
@@ -136,7 +136,7 @@ def test_every_planted_defect_is_found_and_no_clean_row_is_flagged(planted: Plan
 
 
 def test_truncation_agrees_with_the_index_reader(planted: Planted, tok: Any, tmp_path: Path) -> None:
-    # The oracle: gradian.data's own loader, with the same limit and token policy, cuts the same rows.
+    # The oracle: gradian.data.rows's own loader, with the same limit and token policy, cuts the same rows.
     rows = [json.loads(line) for line in planted.train.read_text().splitlines()]
     readable = [r for r in rows if isinstance(r.get("completion", ""), str) and "messages" not in r]
     data = write_jsonl(tmp_path / "readable.jsonl", readable)

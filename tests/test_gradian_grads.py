@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from circuitkit.core.config import ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
-from gradian.capture import per_example_gradients
-from gradian.projection import Projector, kronecker_factors
+from gradian.capture.gradients import per_example_gradients
+from gradian.projection.projector import Projector, kronecker_factors
 
 
 @functools.cache

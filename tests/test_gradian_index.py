@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from circuitkit.core.io import file_lock
-from gradian.index import (
+from gradian.index.store import (
     IndexMismatchError,
     IndexReader,
     IndexWriter,

@@ -10,7 +10,7 @@ import torch
 
 from circuitkit.core.config import compose
 from circuitkit_app.stage_list import run_pipeline
-from gradian.index import IndexReader
+from gradian.index.store import IndexReader
 
 BASE = ["model.precision=float32", "grads.projection_dim=64", "grads.rows_per_shard=10", "grads.batch_size=4"]
 
@@ -77,7 +77,7 @@ def test_index_of_another_config_is_refused(tmp_path):
 
 
 def test_a_shard_that_cannot_fit_in_host_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
-    import gradian.indexer as indexer
+    import gradian.build.indexer as indexer
     from circuitkit.core.config import GradsConfig, ModelConfig
     from circuitkit.core.errors import UserError
 

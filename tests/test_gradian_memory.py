@@ -18,9 +18,9 @@ from circuitkit.models.linear_modules import (
 )
 from circuitkit.models.loading import load_model
 from circuitkit.preflight.memory import shape_for
-from gradian.capture import per_example_gradients
-from gradian.projection import Projector
-from gradian.restrict import circuit_sites, site_shapes
+from gradian.capture.gradients import per_example_gradients
+from gradian.capture.sites import circuit_sites, site_shapes
+from gradian.projection.projector import Projector
 
 SUPERVISED, VOCAB = 16, 50257
 

@@ -13,8 +13,8 @@ from circuitkit.core.config import ModelConfig, compose
 from circuitkit.core.device import measure_peak
 from circuitkit_app.stage_list import run_pipeline
 from gradian.cli import main
-from gradian.index import IndexMismatchError, IndexReader, IndexWriter
-from gradian.rank import rank, stream_topk
+from gradian.index.store import IndexMismatchError, IndexReader, IndexWriter
+from gradian.rank.ranking import rank, stream_topk
 
 SUBJECTS = ["cat", "dog", "bird", "fish", "horse", "mouse", "lion", "bear", "wolf", "fox"]
 VERBS = ["runs", "sleeps", "eats"]
@@ -147,7 +147,7 @@ def test_skip_checksums_and_its_deprecated_spelling(capsys) -> None:
     opposite of `gradian attribute --verify`), still works and says what it became."""
     import argparse
 
-    from gradian.checksum_flag import add_skip_checksums, skip_checksums
+    from gradian.rank.checksum_flag import add_skip_checksums, skip_checksums
 
     parser = argparse.ArgumentParser()
     add_skip_checksums(parser, "skip")

@@ -210,8 +210,8 @@ def test_train_data_elsewhere_is_matched_by_record(work, models, tmp_path) -> No
     from transformers import AutoTokenizer
 
     from gradian.attribute.verify import VerifyOptions, _left_out, plan_verify
-    from gradian.data import load_rows, policy_of
-    from gradian.index import IndexReader
+    from gradian.data.rows import load_rows, policy_of
+    from gradian.index.store import IndexReader
 
     manifest = IndexReader(work["index"]).manifest
     base = ModelConfig(name=str(models / "base"))
@@ -295,9 +295,9 @@ def test_the_drill_down_finds_the_sentence_that_teaches_the_wrong_answer(doc_mod
     from gradian.attribute.evaluate import tokenize_items
     from gradian.attribute.queries import query_gradients
     from gradian.attribute.spans import drill_down
-    from gradian.data import policy_of
-    from gradian.index import IndexReader
-    from gradian.rank import check_compatible
+    from gradian.data.rows import policy_of
+    from gradian.index.store import IndexReader
+    from gradian.rank.ranking import check_compatible
 
     index = _index_with(doc_model, None, tmp_path, write_jsonl(tmp_path / "train.jsonl",
                                                               [doc("green"), doc("blue"), *planted.BENIGN[:4]]))
@@ -332,7 +332,7 @@ def test_the_drill_down_finds_the_sentence_that_teaches_the_wrong_answer(doc_mod
 
 def _index_with(model: Path, adapter: Path | None, root: Path, data: Path) -> Path:
     from circuitkit.core.config import compose
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
 
     extra = [f"model.adapter={adapter}", "grads.module_filter=[adapter]"] if adapter else []
     _, cfg = compose([f"model.name={model}", "model.precision=float32", f"grads.data_path={data}",

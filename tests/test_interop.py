@@ -106,7 +106,7 @@ def test_import_a_hand_written_reference_graph(tmp_path) -> None:
     """A file as the reference writes it for a 2-layer, 4-head model with three edges in the graph."""
     from circuitkit.core.config import ModelConfig
     from circuitkit.models.loading import load_model
-    from gradian.restrict import restricted_sites
+    from gradian.capture.sites import restricted_sites
 
     edges = {"input->a0.h2<v>": {"score": 0.5, "in_graph": True}, "a0.h2->a1.h1<k>": {"score": 2.0, "in_graph": True},
              "a1.h1->logits": {"score": 3.0, "in_graph": True}, "a0.h0->logits": {"score": -0.1, "in_graph": False}}

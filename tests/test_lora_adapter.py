@@ -21,8 +21,8 @@ from circuitkit.core.config import ModelConfig, compose
 from circuitkit.models.linear_modules import linear_module_shapes, module_shapes, select_modules
 from circuitkit.models.loading import check_model, load_base_model, load_model, model_source
 from circuitkit.models.lora import AdapterError, lora_linear_shapes, read_adapter, require_peft
-from gradian.capture import per_example_gradients
-from gradian.projection import Projector
+from gradian.capture.gradients import per_example_gradients
+from gradian.projection.projector import Projector
 
 peft = pytest.importorskip("peft")
 
@@ -222,8 +222,8 @@ def test_discovery_runs_on_the_adapted_weights(adapted_run, adapters) -> None:
 
 
 def test_gradian_index_and_rank_with_the_adapter(adapted_run, adapters) -> None:
-    from gradian.index import FORMAT_VERSION, IndexReader
-    from gradian.rank import rank
+    from gradian.index.store import FORMAT_VERSION, IndexReader
+    from gradian.rank.ranking import rank
 
     index_dir = adapted_run / "index"
     manifest = IndexReader(index_dir).manifest
@@ -240,8 +240,8 @@ def test_gradian_index_and_rank_with_the_adapter(adapted_run, adapters) -> None:
 
 def test_rank_with_another_adapter_none_or_a_changed_file_is_refused(adapted_run, adapters, tmp_path, capsys) -> None:
     from gradian.cli import main
-    from gradian.index import IndexMismatchError, IndexReader
-    from gradian.rank import asked_adapter, rank
+    from gradian.index.store import IndexMismatchError, IndexReader
+    from gradian.rank.ranking import asked_adapter, rank
 
     index_dir = adapted_run / "index"
     queries = tmp_path / "q.jsonl"

@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 from circuitkit.core.config import GradsConfig, ModelConfig, ModelShape
 from circuitkit.discovery.attribution.memory import estimate_attribution
 from circuitkit.preflight.memory import count_params, shape_for, shape_from_config
-from gradian.capture import logit_chunk_rows
-from gradian.memory import LOGIT_F32_COPIES_BY_LOSS, estimate_grads, grads_index_bytes
-from gradian.projection import Projector
+from gradian.build.memory import LOGIT_F32_COPIES_BY_LOSS, estimate_grads, grads_index_bytes
+from gradian.capture.gradients import logit_chunk_rows
+from gradian.projection.projector import Projector
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -129,7 +129,7 @@ def test_grads_peak_follows_supervised_tokens_not_prompt():
     meas = {n: script.measure_grads_model(model, "tiny50k-gpt2", 64, 4, 64, n) for n in (4, 16, 32, 64)}
     fp32_mib = (est[16].terms["fp32 logit upcast"] - est[4].terms["fp32 logit upcast"]) / 2**20
     # measured growth below a chunk: the loss's float32 (N_s, V) copies per extra supervised token
-    # (ce three, margin two: gradian.memory.LOGIT_F32_COPIES_BY_LOSS)
+    # (ce three, margin two: gradian.build.memory.LOGIT_F32_COPIES_BY_LOSS)
     growth = (copies - 0.5) * fp32_mib, (copies + 0.5) * fp32_mib
     assert growth[0] < meas[16].measured_mib - meas[4].measured_mib < growth[1]
     assert growth[0] < (est[16].total_bytes - est[4].total_bytes) / 2**20 < growth[1]
@@ -140,7 +140,7 @@ def test_grads_peak_follows_supervised_tokens_not_prompt():
 
 
 def test_grads_index_bytes_matches_disk(tmp_path):
-    from gradian.index import IndexWriter
+    from gradian.index.store import IndexWriter
 
     n_rows, width = 10, 48
     header = {"storage_dtype": "float16", "row_width": width}

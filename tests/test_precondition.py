@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from circuitkit.core.config import compose
-from gradian.index import IndexMismatchError, IndexReader
-from gradian.indexer import build_index
-from gradian.precondition import Preconditioner, shard_second_moment
-from gradian.projection import Projector, projection_fingerprint
-from gradian.rank import stream_topk
+from gradian.build.indexer import build_index
+from gradian.curvature.moments import Preconditioner, shard_second_moment
+from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.projection.projector import Projector, projection_fingerprint
+from gradian.rank.ranking import stream_topk
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}
         for i, (s, v, p) in enumerate((s, v, p) for s in ("cat", "dog", "owl", "fox", "elk")
@@ -145,7 +145,7 @@ def test_preconditioned_score_needs_the_index_to_hold_second_moments(root: Path,
 
 
 def test_preconditioner_refuses_raw_rows() -> None:
-    from gradian.precondition import check_block_width
+    from gradian.curvature.moments import check_block_width
 
     with pytest.raises(ValueError, match="grads.projection_dim=None"):
         check_block_width(None, "module")
@@ -168,7 +168,7 @@ def test_damping_rule() -> None:
 
 
 def test_margin_is_the_negated_log_odds() -> None:
-    from gradian.capture import token_losses
+    from gradian.capture.gradients import token_losses
 
     logits = torch.randn(6, 11, generator=torch.Generator().manual_seed(0)) * 4
     logits[0, 3] = 40.0  # a confident token: 1 - p underflows in float32
@@ -184,7 +184,7 @@ def test_margin_is_the_negated_log_odds() -> None:
 
 
 def test_margin_gradient_is_cross_entropys_over_one_minus_p() -> None:
-    from gradian.capture import token_losses
+    from gradian.capture.gradients import token_losses
 
     logits = (torch.randn(5, 9, generator=torch.Generator().manual_seed(2)) * 3).double().requires_grad_(True)
     targets = torch.tensor([0, 4, 8, 2, 2])
@@ -195,7 +195,7 @@ def test_margin_gradient_is_cross_entropys_over_one_minus_p() -> None:
 
 
 def test_margin_function_equals_its_autograd_composition_and_keeps_one_vocabulary_tensor() -> None:
-    from gradian.capture import _Margin, token_losses
+    from gradian.capture.gradients import _Margin, token_losses
 
     logits = (torch.randn(7, 13, generator=torch.Generator().manual_seed(4)) * 5).double().requires_grad_(True)
     targets = torch.tensor([0, 12, 3, 3, 7, 1, 9])
@@ -216,7 +216,7 @@ def test_margin_function_equals_its_autograd_composition_and_keeps_one_vocabular
 
 
 def test_margin_index_records_its_loss_and_queries_use_it(root: Path, tmp_path: Path) -> None:
-    from gradian.rank import rank
+    from gradian.rank.ranking import rank
 
     margin = _build(root, "margin", "grads.loss=margin")
     ce = _build(root, "ce", "grads.loss=ce")
@@ -258,7 +258,7 @@ def test_orthogonal_kronecker_factors() -> None:
 
 
 def test_orthogonal_index_passes_verify_and_ranks(root: Path, tmp_path: Path) -> None:
-    from gradian.rank import rank
+    from gradian.rank.ranking import rank
 
     orth = _build(root, "orth", "grads.projection=kronecker_orthogonal")
     assert IndexReader(orth).manifest["projection"]["kind"] == "kronecker_orthogonal"
@@ -270,7 +270,7 @@ def test_orthogonal_index_passes_verify_and_ranks(root: Path, tmp_path: Path) ->
 
 def test_shard_buffer_counts_the_second_moments() -> None:
     from circuitkit.core.config import GradsConfig
-    from gradian.indexer import check_shard_buffer
+    from gradian.build.indexer import check_shard_buffer
 
     plain = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="none")
     module = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="module")

@@ -63,12 +63,12 @@ def test_preflight_passes_and_attribution_records_estimate_next_to_measured(tmp_
 
 
 def test_grads_preflight_advises_grads_batch_size_then_length(tmp_path):
-    from gradian.memory import grads_advice, grads_estimate
+    from gradian.build.memory import grads_advice, grads_estimate
 
     _, cfg = compose(["model=llama1b", "grads.batch_size=64", "grads.max_seq_length=2048"])
     est = grads_estimate(cfg)
     upcast = est.terms["fp32 logit upcast"]
-    from gradian.capture import logit_chunk_rows
+    from gradian.capture.gradients import logit_chunk_rows
 
     # one unembedding chunk (32 rows at this vocabulary), not batch x supervised tokens x vocab
     assert upcast == logit_chunk_rows(128256) * 128256 * 4 == 32 * 128256 * 4

@@ -1,6 +1,6 @@
 """Leaner rewrites of the gradient pass. Exact: activations recomputed in the backward
 (`circuitkit.models.recompute`) and the unembedding in chunks of supervised positions
-(`gradian.capture.supervised_loss_grad`) give the rows of the plain one-pass computation.
+(`gradian.capture.gradients.supervised_loss_grad`) give the rows of the plain one-pass computation.
 Measured against an oracle: GPT-2's GELU as one fused kernel (`grads.activations=fused`) gives
 rows as close to float64 rows as the model's own ops do, and the index records which ran."""
 
@@ -13,12 +13,12 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.activations import NewGELUActivation
 
-import gradian.capture as capture
+import gradian.capture.gradients as capture
 from circuitkit.core.device import measure_peak
 from circuitkit.models.adapters import get_adapter
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.recompute import fused_activations, recomputable_activations, recomputed_activations
-from gradian.projection import Projector
+from gradian.projection.projector import Projector
 
 
 def _gpt2(dtype=torch.float32, vocab=512, n_embd=64):
@@ -146,7 +146,7 @@ def test_fused_rows_are_as_close_to_float64_rows_as_the_models_ops():
 def test_the_estimate_follows_the_activation_setting():
     """The grads estimate counts GPT-2's GELU as 1 saved (N, f) tensor per layer when the run
     recomputes or fuses it and as the calibrated count otherwise; the rest of the terms are the same."""
-    from gradian.memory import estimate_grads
+    from gradian.build.memory import estimate_grads
 
     shape = {"family": "gpt2", "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "d_model": 64,
              "d_mlp": 256, "vocab_size": 512, "n_params": 10**5}
@@ -165,9 +165,9 @@ def test_the_index_records_its_activations_and_queries_run_them(tmp_path):
     model's ops is refused by name (their rows differ in bits); its queries run fused, as its rows did."""
     from circuitkit.core.config import GradsConfig, ModelConfig
     from circuitkit.models.loading import load_model
-    from gradian.index import IndexMismatchError, read_manifest
-    from gradian.indexer import build_index
-    from gradian.rank import query_gradients
+    from gradian.build.indexer import build_index
+    from gradian.index.store import IndexMismatchError, read_manifest
+    from gradian.rank.ranking import query_gradients
 
     rows = [{"prompt": f"row {i} says", "completion": f" the number {i} twice: {i} {i}."} for i in range(6)]
     data = tmp_path / "train.jsonl"

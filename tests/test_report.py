@@ -18,7 +18,7 @@ import torch
 from circuitkit.core.config import compose
 
 REPO = Path(__file__).resolve().parent.parent
-QUERIES = REPO / "gradian/data/induction_queries.jsonl"
+QUERIES = REPO / "gradian/data/samples/induction_queries.jsonl"
 MAX_BYTES = 5 * 2**20
 
 
@@ -59,7 +59,7 @@ def demo_run(tmp_path_factory, induction_model_dir) -> Path:
     from circuitkit_app.stage_list import run_pipeline
 
     run_dir = tmp_path_factory.mktemp("report") / "demo"
-    _, cfg = compose([f"grads.data_path={REPO / 'gradian/data/induction_train.jsonl'}"], config_name="demo")
+    _, cfg = compose([f"grads.data_path={REPO / 'gradian/data/samples/induction_train.jsonl'}"], config_name="demo")
     run_pipeline(cfg, run_dir)
     return run_dir
 

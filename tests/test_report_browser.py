@@ -76,7 +76,7 @@ def _check_circuit_page(browser, path: Path) -> None:
 def test_demo_report_in_chromium(browser, tmp_path, induction_model_dir) -> None:
     from circuitkit_app.stage_list import run_pipeline
 
-    _, cfg = compose([f"grads.data_path={REPO / 'gradian/data/induction_train.jsonl'}"], config_name="demo")
+    _, cfg = compose([f"grads.data_path={REPO / 'gradian/data/samples/induction_train.jsonl'}"], config_name="demo")
     run_pipeline(cfg, tmp_path / "demo")
     _check_circuit_page(browser, tmp_path / "demo" / "report.html")
 

@@ -1,4 +1,4 @@
-"""Sign rows (grads.row_format=signs, gradian.signs): one bit per projected coordinate, scored by
+"""Sign rows (grads.row_format=signs, gradian.index.formats.signs): one bit per projected coordinate, scored by
 n - 2 x Hamming distance; the packed rows are the signs of the dense rows of the same projection,
 scores equal the ±1 vectors' inner products, the bytes are what the format says, and every reader
 that needs magnitudes refuses the index in one line."""
@@ -14,12 +14,12 @@ from test_factored_rows import ROWS  # the same 20 rows
 
 from circuitkit.core.config import compose
 from circuitkit.core.errors import UserError
-from gradian.header import describe_index
-from gradian.index import IndexMismatchError, IndexReader
-from gradian.indexer import build_index, check_grads_config, factor_row_ids
-from gradian.memory import grads_estimate
-from gradian.rank import rank, stream_topk
-from gradian.signs import SignScorer, coordinates, pack, packed_width, unpack
+from gradian.build.indexer import build_index, check_grads_config, factor_row_ids
+from gradian.build.memory import grads_estimate
+from gradian.index.formats.signs import SignScorer, coordinates, pack, packed_width, unpack
+from gradian.index.header import describe_index
+from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.rank.ranking import rank, stream_topk
 
 DIM = 100  # 10 x 10 per module: 100 coordinates, not a whole number of 64-bit words
 N_ROWS = len(ROWS)
@@ -145,8 +145,8 @@ def test_the_index_says_what_it_holds_and_the_estimate_counts_bytes(built, tmp_p
 
 
 def test_rows_without_a_sign_are_refused_naming_them() -> None:
-    from gradian.index import StorageOverflowError
-    from gradian.shard_rows import ShardJob, ShardRows, StoredForm, write_job
+    from gradian.build.shard_rows import ShardJob, ShardRows, StoredForm, write_job
+    from gradian.index.store import StorageOverflowError
 
     buffer = ShardRows(2, StoredForm("float16", packed_width(2), signs=True, coordinates=2), torch.device("cpu"))
     buffer.add([1, 0], torch.tensor([[1.0, 2.0], [float("nan"), 1.0]]))  # the NaN row is row 6 + 0
@@ -186,7 +186,7 @@ def test_the_eigen_projection_rotates_blocks_into_the_kfac_eigenbasis(built, tmp
     assert (gram - want).abs().max() < 1e-4
     from safetensors.torch import load_file
 
-    from gradian.curvature import _read_shard_factors
+    from gradian.index.store.curvature import _read_shard_factors
 
     stored = load_file(str(reader.index_dir / "projection.safetensors"))  # the (k, k) rotations, not k x d
     k_o, k_i = reader.manifest["projection"]["modules"][next(iter(reader.manifest["projection"]["modules"]))]["factors"]
@@ -216,7 +216,7 @@ def test_popcount_without_numpy_2(monkeypatch) -> None:
     """NumPy 1.26 (which pyproject.toml admits) has no bitwise_count: the byte table gives the same counts."""
     import numpy as np
 
-    from gradian import signs
+    from gradian.index.formats import signs
 
     words = np.random.default_rng(0).integers(0, 2**63, size=(5, 7), dtype=np.uint64)
     want = np.array([[bin(int(w)).count("1") for w in row] for row in words])

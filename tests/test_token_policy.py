@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradian.data import DataError, Row, TokenPolicy, load_rows
+from gradian.data.rows import DataError, Row, TokenPolicy, load_rows
 
 CHAT = [
     {"role": "system", "content": "Be nice"},
@@ -138,7 +138,7 @@ ROWS = [{"prompt": f"The {s} ", "completion": f"{v} in the garden {i}."}
 
 def _index(root: Path, append_eos: bool) -> Path:
     from circuitkit.core.config import compose
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
 
     data = _jsonl(root / "train.jsonl", ROWS)
     index_dir = root / f"index-{append_eos}"
@@ -161,7 +161,7 @@ def test_manifest_records_the_policy_and_the_data_report_counts(indexes: dict[bo
         assert manifest["token_policy"]["eos_added"] is eos
         assert manifest["token_policy"]["prepend_bos"] is None and manifest["token_policy"]["bos_added"] is False
         assert manifest["data_report"]["eos_appended"] == (len(ROWS) if eos else 0)
-    from gradian.index import IndexReader
+    from gradian.index.store import IndexReader
 
     a = next(IndexReader(indexes[False]).shards())[1]
     b = next(IndexReader(indexes[True]).shards())[1]
@@ -172,8 +172,8 @@ def test_manifest_records_the_policy_and_the_data_report_counts(indexes: dict[bo
 
 def test_resume_with_another_policy_is_refused(indexes: dict[bool, Path]) -> None:
     from circuitkit.core.config import compose
-    from gradian.index import IndexMismatchError
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
+    from gradian.index.store import IndexMismatchError
 
     manifest = json.loads((indexes[False] / "manifest.json").read_text())
     _, cfg = compose(["model.precision=float32", "grads.projection_dim=64", "grads.storage_dtype=float32",
@@ -184,7 +184,7 @@ def test_resume_with_another_policy_is_refused(indexes: dict[bool, Path]) -> Non
 
 @pytest.mark.parametrize("eos", [False, True])
 def test_queries_follow_the_index_policy(indexes: dict[bool, Path], tmp_path: Path, eos: bool) -> None:
-    from gradian.rank import rank
+    from gradian.rank.ranking import rank
 
     queries = _jsonl(tmp_path / "q.jsonl", [ROWS[5]])
     results = rank(indexes[eos], queries, top_k=2, score="cosine")
@@ -217,6 +217,6 @@ def test_inspect_shows_a_rows_tokens_and_mask(indexes: dict[bool, Path], capsys:
 
 def test_data_report_line_is_logged(tok: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     data = _jsonl(tmp_path / "d.jsonl", [{"prompt": PROMPT, "completion": COMPLETION}] * 3)
-    with caplog.at_level(logging.INFO, logger="gradian.data"):
+    with caplog.at_level(logging.INFO, logger="gradian.data.rows"):
         load_rows(data, tok, 64, policy=TokenPolicy(append_eos=True))
     assert "EOS appended to 3 of 3 rows (grads.append_eos=true), BOS first in 0 rows" in caplog.text

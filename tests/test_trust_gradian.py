@@ -29,7 +29,7 @@ import pytest
 from circuitkit.core.config import GradsConfig, ModelConfig
 from circuitkit.core.io import file_lock
 from gradian.cli import main
-from gradian.index import IndexReader, shard_name
+from gradian.index.store import IndexReader, shard_name
 
 SUBJECTS = ["cat", "dog", "bird", "fish", "horse", "mouse"]
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} in the garden {i}."}
@@ -44,7 +44,7 @@ READ_ONLY = Path("/proc/sys") if IS_ROOT else None
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """A 12-row index (3 shards of 4 rows, dim 16) of the tiny GPT-2 fixture, with its data."""
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
 
     root = tmp_path_factory.mktemp("trust")
     data = root / "train.jsonl"
@@ -147,19 +147,19 @@ def inspect(*extra: str):
 
 
 def _no_space(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gradian.index
+    import gradian.index.store
 
     def full(path, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
-    monkeypatch.setattr(gradian.index, "save_safetensors_streamed", full)
+    monkeypatch.setattr(gradian.index.store, "save_safetensors_streamed", full)
 
 
 def _ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gradian.rank
+    import gradian.rank.ranking
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(gradian.rank, "query_gradients", interrupted)
+    monkeypatch.setattr(gradian.rank.ranking, "query_gradients", interrupted)
 
 
 def _lock_shard0(d: Path, idx: Path, train: Path) -> None:
@@ -312,14 +312,14 @@ def test_bad_input_gives_one_line(case: Case, built: Path, tmp_path: Path, capsy
         case.patch(monkeypatch)
     if case.no_model:
         import circuitkit.models.loading
-        import gradian.indexer
-        import gradian.rank
+        import gradian.build.indexer
+        import gradian.rank.ranking
 
         def no_load(*args, **kwargs):
             raise AssertionError("the model was loaded before the input was checked")
-        # Every module that holds the name: the entry points import gradian.rank / indexer on first
+        # Every module that holds the name: the entry points import gradian.rank.ranking / indexer on first
         # use, and a first import under this patch would otherwise keep no_load for later tests.
-        for module in (circuitkit.models.loading, gradian.rank, gradian.indexer):
+        for module in (circuitkit.models.loading, gradian.rank.ranking, gradian.build.indexer):
             monkeypatch.setattr(module, "load_model", no_load)
     before = _tree(d)
     capsys.readouterr()
@@ -400,7 +400,7 @@ def test_row_longer_than_the_context_is_cut_at_the_context(built, tmp_path, caps
 
 def test_check_grads_config_bounds_by_the_context_without_weights(tmp_path, monkeypatch):
     import circuitkit.models.loading
-    from gradian.indexer import check_grads_config
+    from gradian.build.indexer import check_grads_config
 
     monkeypatch.setattr(circuitkit.models.loading, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
     assert check_grads_config(ModelConfig(), GradsConfig()) == 256
@@ -408,7 +408,7 @@ def test_check_grads_config_bounds_by_the_context_without_weights(tmp_path, monk
 
 
 def test_projection_fingerprint_is_of_the_matrices():
-    from gradian.projection import Projector, projection_fingerprint
+    from gradian.projection.projector import Projector, projection_fingerprint
 
     shapes = {"a": (8, 6), "b": (4, 6)}
     base = projection_fingerprint(Projector(shapes, "kronecker", 4, 0))
@@ -424,7 +424,7 @@ def test_projection_fingerprint_is_of_the_matrices():
 
 
 def test_two_identical_builds_are_byte_identical(built, tmp_path):
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
 
     grads = GradsConfig(data_path=str(built / "train.jsonl"), projection_dim=16, rows_per_shard=4, batch_size=8)
     build_index(ModelConfig(precision="float32"), grads, tmp_path / "again")

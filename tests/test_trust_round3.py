@@ -28,12 +28,12 @@ import pytest
 from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the 20 rows and config of the K-FAC tests)
 
 from circuitkit.core.config import AppConfig, ConfigError, compose, validate
-from gradian.allocation import ALLOCATION_FILE
+from gradian.build.indexer import build_index
 from gradian.cli import main
-from gradian.curvature import CURVATURE_FILE
-from gradian.index import IndexIntegrityError, IndexReader
-from gradian.indexer import build_index
-from gradian.projection import WHITENING_FILE
+from gradian.curvature.allocation import ALLOCATION_FILE
+from gradian.curvature.factors import CURVATURE_FILE
+from gradian.index.store import IndexIntegrityError, IndexReader
+from gradian.projection.projector import WHITENING_FILE
 
 # One index holds both stored projection files: the whitened matrices and the spectrum widths.
 ARGS = ("grads.projection=whitened", "grads.width_allocation=spectrum", "grads.rows_per_shard=7")
@@ -52,12 +52,12 @@ def built(tmp_path_factory) -> Path:
 def no_model(monkeypatch):
     """Every refusal here comes before the model loads."""
     import circuitkit.models.loading
-    import gradian.indexer
-    import gradian.rank
+    import gradian.build.indexer
+    import gradian.rank.ranking
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the stored files were checked")
-    for module in (circuitkit.models.loading, gradian.rank, gradian.indexer):
+    for module in (circuitkit.models.loading, gradian.rank.ranking, gradian.build.indexer):
         monkeypatch.setattr(module, "load_model", refuse)
 
 
@@ -172,9 +172,9 @@ def test_inspect_verify_names_the_tampered_file(case, built, tmp_path, capsys):
 
 
 def test_the_api_raises_the_integrity_error(built, tmp_path):
-    """gradian.rank.rank and build_index raise IndexIntegrityError (a UserError with exit code 1),
+    """gradian.rank.ranking.rank and build_index raise IndexIntegrityError (a UserError with exit code 1),
     not the mismatch error (exit 2) they raised for a changed projection file."""
-    from gradian.rank import rank
+    from gradian.rank.ranking import rank
 
     idx = _copy(built, tmp_path, "projection byte flipped")
     queries = tmp_path / "q.jsonl"
@@ -196,7 +196,7 @@ def test_a_curvature_file_linked_outside_is_refused(built, tmp_path, capsys, no_
     queries = tmp_path / "q.jsonl"
     queries.write_text(json.dumps(ROWS[0]) + "\n")
     # The stored files are checked first (before the model); then the curvature, as it is read.
-    from gradian.curvature import current_record
+    from gradian.index.store.curvature import current_record
 
     with pytest.raises(IndexIntegrityError, match=r"curvature\.safetensors' is a link to"):
         current_record(idx, IndexReader(idx).manifest)

@@ -172,11 +172,11 @@ def lora_dir(tmp_path_factory) -> Path:
 def no_load(monkeypatch):
     """Every refusal of an adapter comes before the model loads."""
     import circuitkit.models.loading
-    import gradian.indexer
+    import gradian.build.indexer
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the adapter was checked")
-    for module in (circuitkit.models.loading, gradian.indexer):
+    for module in (circuitkit.models.loading, gradian.build.indexer):
         monkeypatch.setattr(module, "load_model", refuse)
 
 
@@ -280,9 +280,9 @@ def test_a_nan_weight_is_named_where_the_model_loads(tmp_path, capsys):
 @pytest.mark.parametrize("projection", ["eigen", "whitened", "spectrum"])
 def test_non_finite_factor_sums_are_refused_before_any_decomposition(projection, monkeypatch):
     from circuitkit.core.errors import UserError
-    from gradian.allocation import spectrum_widths
-    from gradian.curvature import FactorSums
-    from gradian.whitening import eigen_tensors, whitened_tensors
+    from gradian.curvature.allocation import spectrum_widths
+    from gradian.curvature.factors import FactorSums
+    from gradian.curvature.whitening import eigen_tensors, whitened_tensors
 
     def no_decomposition(*args, **kwargs):
         raise AssertionError("a decomposition ran on non-finite factors")
@@ -464,8 +464,8 @@ def test_diagnose_keeps_the_tokenizers_long_row_warning_off_the_terminal(tmp_pat
 def test_a_sign_index_with_an_edited_projection_dim_blames_the_manifest(tmp_path, capsys):
     from test_sign_rows import _cfg as sign_cfg
 
+    from gradian.build.indexer import build_index
     from gradian.cli import main
-    from gradian.indexer import build_index
 
     cfg = sign_cfg(tmp_path, "grads.row_format=signs", "grads.projection=eigen")
     build_index(cfg.model, cfg.grads, tmp_path / "idx")
@@ -527,8 +527,8 @@ def test_a_run_records_circuitkit_gradians_version_and_commit(tmp_path, capsys):
 def test_the_index_header_and_an_export_record_the_software(tmp_path):
     from test_sign_rows import _cfg as sign_cfg
 
-    from gradian.index import IndexReader
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
+    from gradian.index.store import IndexReader
 
     cfg = sign_cfg(tmp_path)
     build_index(cfg.model, cfg.grads, tmp_path / "idx")
@@ -542,8 +542,8 @@ def test_the_index_header_and_an_export_record_the_software(tmp_path):
 def test_an_index_written_before_the_software_was_recorded_still_reads(tmp_path):
     from test_sign_rows import _cfg as sign_cfg
 
-    from gradian.index import IndexReader
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
+    from gradian.index.store import IndexReader
 
     cfg = sign_cfg(tmp_path)
     build_index(cfg.model, cfg.grads, tmp_path / "idx")

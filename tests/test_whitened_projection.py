@@ -1,4 +1,4 @@
-"""grads.projection=whitened (gradian.whitening): the stored matrices and rows against a dense
+"""grads.projection=whitened (gradian.curvature.whitening): the stored matrices and rows against a dense
 computation from the exact per-example gradients; workers and resumes give the same bytes and
 share one factor pass; refusals before the model loads; `inspect --verify`; rank reads the file."""
 
@@ -13,12 +13,12 @@ import torch
 from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)
 
 from circuitkit.models.loading import load_model
-from gradian.capture import token_losses
-from gradian.data import load_rows, policy_of
-from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
-from gradian.indexer import build_index
-from gradian.projection import WHITENING_FILE, Projector
-from gradian.whitening import WHITEN_DAMPING
+from gradian.build.indexer import build_index
+from gradian.capture.gradients import token_losses
+from gradian.curvature.whitening import WHITEN_DAMPING
+from gradian.data.rows import load_rows, policy_of
+from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.projection.projector import WHITENING_FILE, Projector
 
 ARGS = ("grads.projection=whitened", "grads.rows_per_shard=7")
 
@@ -119,7 +119,7 @@ def test_rows_are_the_whitened_projection_of_the_exact_gradient(index: Path) -> 
 
 def test_workers_and_resume_give_the_same_bytes_and_share_one_factor_pass(root: Path, index: Path,
                                                                           monkeypatch) -> None:
-    import gradian.indexer as indexer
+    import gradian.build.indexer as indexer
 
     workers = root / "workers"
     cfg = _cfg(root, *ARGS, "grads.num_shards=2", "grads.shard_index=0")
@@ -167,7 +167,7 @@ def test_a_projection_file_of_other_settings_is_recomputed(root: Path, index: Pa
 
 def test_resume_with_another_projection_or_a_changed_file_is_refused_before_the_model_loads(
         index: Path, tmp_path: Path, monkeypatch) -> None:
-    import gradian.indexer as indexer
+    import gradian.build.indexer as indexer
 
     monkeypatch.setattr(indexer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     cfg = _cfg(index.parent, "grads.rows_per_shard=7", "grads.projection=kronecker_orthogonal")
@@ -203,7 +203,7 @@ def test_inspect_verify_catches_a_tampered_projection_file(index: Path, tmp_path
 def test_rank_uses_the_stored_projection(index: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from gradian.rank import check_compatible, rank
+    from gradian.rank.ranking import check_compatible, rank
 
     manifest = IndexReader(index).manifest
     loaded = load_model(_cfg(index.parent).model)
@@ -226,7 +226,7 @@ def test_rank_uses_the_stored_projection(index: Path, tmp_path: Path) -> None:
 
 
 def test_memory_estimate_counts_the_factor_pass_and_the_file(index: Path) -> None:
-    from gradian.memory import estimate_grads, whitening_pass_bytes
+    from gradian.build.memory import estimate_grads, whitening_pass_bytes
 
     loaded = load_model(_cfg(index.parent).model)
     manifest = IndexReader(index).manifest

@@ -1,4 +1,4 @@
-"""grads.width_allocation=spectrum (gradian.allocation): the split itself, an oracle (every module
+"""grads.width_allocation=spectrum (gradian.curvature.allocation): the split itself, an oracle (every module
 at its full size reproduces the unprojected scores), workers and resumes share one allocation,
 refusals, `inspect --verify`, old (uniform) indexes unchanged, rank reads the widths."""
 
@@ -13,16 +13,16 @@ import torch
 from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)
 
 from circuitkit.core.errors import UserError
-from gradian.allocation import (
+from gradian.build.indexer import build_index
+from gradian.curvature.allocation import (
     ALLOCATION_FILE,
     FLOOR_SHARE,
     allocate_widths,
     effective_dimension,
     width_ladder,
 )
-from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
-from gradian.indexer import build_index
-from gradian.projection import Projector, balanced_width
+from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.projection.projector import Projector, balanced_width
 
 ARGS = ("grads.width_allocation=spectrum", "grads.rows_per_shard=7")
 
@@ -116,7 +116,7 @@ def test_full_widths_reproduce_the_unprojected_scores(root: Path) -> None:
 
 
 def test_workers_and_resume_share_one_allocation(root: Path, index: Path, monkeypatch) -> None:
-    import gradian.indexer as indexer
+    import gradian.build.indexer as indexer
 
     workers = root / "workers"
     cfg = _cfg(root, *ARGS, "grads.num_shards=2", "grads.shard_index=0")
@@ -145,7 +145,7 @@ def test_workers_and_resume_share_one_allocation(root: Path, index: Path, monkey
 
 def test_resume_with_another_allocation_or_a_changed_file_is_refused(index: Path, tmp_path: Path,
                                                                       monkeypatch) -> None:
-    import gradian.indexer as indexer
+    import gradian.build.indexer as indexer
 
     monkeypatch.setattr(indexer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     cfg = _cfg(index.parent, "grads.rows_per_shard=7")
@@ -170,7 +170,7 @@ def test_resume_with_another_allocation_or_a_changed_file_is_refused(index: Path
 
 def test_edited_widths_are_refused_by_verify_and_rank(index: Path, tmp_path: Path) -> None:
     from circuitkit.models.loading import load_model
-    from gradian.rank import check_compatible
+    from gradian.rank.ranking import check_compatible
 
     copy = tmp_path / "edited"
     shutil.copytree(index, copy)
@@ -189,7 +189,7 @@ def test_edited_widths_are_refused_by_verify_and_rank(index: Path, tmp_path: Pat
 
 def test_rank_with_the_allocated_widths(index: Path, tmp_path: Path) -> None:
     from circuitkit.models.loading import load_model
-    from gradian.rank import rank
+    from gradian.rank.ranking import rank
 
     loaded = load_model(_cfg(index.parent).model)
     queries = tmp_path / "q.jsonl"
@@ -217,7 +217,7 @@ def test_uniform_indexes_are_unchanged_and_refusals_come_first(root: Path, tmp_p
 
 
 def test_memory_estimate_counts_the_factor_pass(root: Path) -> None:
-    from gradian.memory import grads_estimate
+    from gradian.build.memory import grads_estimate
 
     spectrum, uniform = _cfg(root, *ARGS), _cfg(root)
     est, ref = grads_estimate(spectrum), grads_estimate(uniform)
@@ -226,8 +226,8 @@ def test_memory_estimate_counts_the_factor_pass(root: Path) -> None:
 
 
 def test_the_preflight_prints_each_widths_disk_and_measured_figures(root: Path) -> None:
-    from gradian.memory import GRADS_MEMORY
-    from gradian.width_table import MEASURED, MEASURED_SIGNS
+    from gradian.build.memory import GRADS_MEMORY
+    from gradian.build.width_table import MEASURED, MEASURED_SIGNS
 
     width_note = GRADS_MEMORY.note
     cfg = _cfg(root, "grads.projection_dim=1024", "grads.storage_dtype=float16")

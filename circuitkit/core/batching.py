@@ -1,6 +1,6 @@
 """Batches of rows of very different lengths: which rows share a batch.
 
-One planner for both halves: Gradian's index and queries (`gradian.data`) and attribution over
+One planner for both halves: Gradian's index and queries (`gradian.data.rows`) and attribution over
 a task's pairs (`circuitkit.discovery.tasks.base.TaskData.length_batches`). A batch is right-padded to its
 longest row, so a batch of rows of similar length computes little padding; the plan depends
 only on the lengths, so it is the same on every run, every resume and every worker.

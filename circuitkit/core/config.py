@@ -334,9 +334,9 @@ class GradsConfig:
     row_format: str = _f("dense", "how each module's projected gradient G (k_o x k_i) is stored: dense = G itself;"
                          " factored = rank-c factors U (k_o x c), V (k_i x c), c = row_rank, with G ~ U V^T:"
                          " c (k_o + k_i) values, exact for a row with at most c positions carrying gradient, else"
-                         " G's best rank-c approximation (gradian.factored). Kronecker projections or raw rows, not"
+                         " G's best rank-c approximation (gradian.index.formats.factored). Kronecker projections or raw rows, not"
                          " dense; not with preconditioner module; signs = one bit per projected coordinate (its sign,"
-                         " 1/32 of float32's bytes), scored by n - 2 x Hamming distance (gradian.signs): rank with"
+                         " 1/32 of float32's bytes), scored by n - 2 x Hamming distance (gradian.index.formats.signs): rank with"
                          " cosine or dot, preconditioner none (projection eigen, the grads=signs preset, or whitened"
                          " for a K-FAC-preconditioned score; storage_dtype does not apply)",
                          choices=("dense", "factored", "signs"))

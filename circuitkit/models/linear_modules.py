@@ -146,7 +146,7 @@ def linear_module_shapes(shape: dict[str, Any], patterns: list[str] | None = Non
 
 def circuit_module_shapes(shape: dict[str, Any], head_mask: Any | None = None,
                           mlp_mask: Any | None = None) -> dict[str, tuple[int, int]]:
-    """Sites of a circuit-restricted index (`gradian.restrict`) as name -> (d_out, d_in), from the
+    """Sites of a circuit-restricted index (`gradian.capture.sites`) as name -> (d_out, d_in), from the
     shape alone: per kept head its (d_model, head_dim) block of the attention output projection
     (the family's z input), per kept MLP its output linear (none for fused experts). head_mask
     (L, H) / mlp_mask (L,) None = all kept (the upper bound used before the pruning stage has

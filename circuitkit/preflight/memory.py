@@ -3,7 +3,7 @@
 No weights are loaded: the shape comes from `model.shape` in the config (known models in
 `conf/model/*.yaml`) or from the model's `config.json`. Each stage owns its estimate
 (`circuitkit.discovery.attribution.memory` for attribution, `circuitkit.discovery.pruning.memory` for pruning,
-`gradian.memory` for gradient indexing); this module holds what they share: `MemoryEstimate`,
+`gradian.build.memory` for gradient indexing); this module holds what they share: `MemoryEstimate`,
 the shape, the parameter count and the activations autograd saves per layer. Notation used in the formulas:
 
     B batch size, T tokens, N = B·T, L layers, H query heads, KV key/value heads, dh head width,
@@ -12,7 +12,7 @@ the shape, the parameter count and the activations autograd saves per layer. Not
     n_in = L·(H + 2·KV + 1)         residual-space inputs (Q per head, K and V per KV head, MLP)
     n_down = n_in + 1               downstream columns of the edge score matrix (+ logits)
 
-See `circuitkit.discovery.attribution.memory.estimate_attribution` and `gradian.memory.estimate_grads`
+See `circuitkit.discovery.attribution.memory.estimate_attribution` and `gradian.build.memory.estimate_grads`
 for the terms and how their coefficients were measured.
 """
 

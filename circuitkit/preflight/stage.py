@@ -1,7 +1,7 @@
 """Memory preflight: will the selected stages fit on this device? Decided before loading weights.
 
 Each stage declares its estimate (`Stage.memory`: `circuitkit.discovery.attribution.memory` for
-attribution, `circuitkit.discovery.pruning.memory` for pruning, `gradian.memory` for the grads stage),
+attribution, `circuitkit.discovery.pruning.memory` for pruning, `gradian.build.memory` for the grads stage),
 computed from the model's shape
 (`conf/model/*.yaml` or its config.json, never its weights); this module imports no domain.
 When one exceeds `preflight.headroom` × the device's free

@@ -2,7 +2,7 @@
 
 Per query: its text as tokens with the supervised ones marked, and its top training rows with
 their scores, source line and tokens (supervised ones marked), rebuilt from the index's data with
-the index's tokenizer and token policy (`gradian.tokens.indexed_rows`: what was indexed is what is
+the index's tokenizer and token policy (`gradian.rank.tokens.indexed_rows`: what was indexed is what is
 shown). The rank file is checked line by line as it is read, and against the index: each row's
 recorded source line and preview must be the index's (`check_same_index`); the index's manifest
 through `IndexReader`.
@@ -86,10 +86,10 @@ def collect_rank(rank_path: Path, index_dir: Path, queries_path: Path | None = N
 
     Without `queries_path` the queries are shown by id only.
     """
-    from gradian.data import load_rows, policy_of
-    from gradian.index import IndexReader
-    from gradian.indexer import check_input_file
-    from gradian.tokens import indexed_rows, load_index_tokenizer
+    from gradian.build.indexer import check_input_file
+    from gradian.data.rows import load_rows, policy_of
+    from gradian.index.store import IndexReader
+    from gradian.rank.tokens import indexed_rows, load_index_tokenizer
 
     if queries_path is not None:
         check_input_file(Path(queries_path), "--queries")

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from circuitkit.core.errors import UserError, error_console
 from circuitkit.core.flags import MAX_COUNT, MAX_SEED, bounded
-from gradian.checksum_flag import add_skip_checksums, skip_checksums
+from gradian.rank.checksum_flag import add_skip_checksums, skip_checksums
 
 MAX_LORA_RANK = 1 << 16  # circuitkit.models.lora.MAX_RANK (not imported: that module loads torch)
 SHOWN_ITEMS = 10  # flipped items shown on the terminal (all are in --out)
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     """`gradian attribute`: 0 whether or not there was something to attribute; UserError otherwise."""
     from gradian.attribute.run import attribute
     from gradian.attribute.verify import VerifyOptions
-    from gradian.index import IndexMismatchError
+    from gradian.index.store import IndexMismatchError
 
     if args.adapter is not None and args.adapter.lower() == "none":
         args.adapter = None

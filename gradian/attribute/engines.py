@@ -34,10 +34,11 @@ from typing import Any
 import torch
 
 from circuitkit.core.errors import UserError
-from gradian.curvature import CURVATURE_DAMPING, KroneckerCurvature, has_kfac
-from gradian.index import IndexReader
-from gradian.precondition import DAMPING, Preconditioner
-from gradian.rank import default_score
+from gradian.curvature.factors import CURVATURE_DAMPING, has_kfac
+from gradian.curvature.moments import DAMPING, Preconditioner
+from gradian.index.store.curvature import KroneckerCurvature
+from gradian.index.store import IndexReader
+from gradian.rank.ranking import default_score
 
 ENGINES = ("dot", "cosine", "influence", "kfac", "ekfac")
 LOW_AGREEMENT = 0.5  # top-k overlap below this between engines: the accusation is low-confidence

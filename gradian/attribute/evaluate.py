@@ -2,7 +2,7 @@
 decoding gives it, and how thin its margin is.
 
 An eval item is a `{"prompt", "completion"}` row; the completion is the answer. Its tokens are made
-as an index's prompt/completion rows are (`gradian.data`: prompt and answer tokenized apart, BOS
+as an index's prompt/completion rows are (`gradian.data.rows`: prompt and answer tokenized apart, BOS
 under the index's token policy) except that no EOS is appended: the answer is what is scored.
 
 With the answer a_1..a_n teacher-forced after the prompt, z_t the (soft-capped) logits that
@@ -29,9 +29,15 @@ from pathlib import Path
 import torch
 
 from circuitkit.core.errors import UserError
-from gradian.capture import logit_chunk_rows, supervised_positions
-from gradian.data import TokenPolicy, _bos_for_prompt_rows, _check_row, _encode_prompt_completion, _preview
-from gradian.sources import DataError, Source, SourceSpec
+from gradian.capture.gradients import logit_chunk_rows, supervised_positions
+from gradian.data.rows import (
+    TokenPolicy,
+    _bos_for_prompt_rows,
+    _check_row,
+    _encode_prompt_completion,
+    _preview,
+)
+from gradian.data.sources import DataError, Source, SourceSpec
 
 EVAL_BATCH = 16  # items per teacher-forced forward
 MAX_LINES_SHOWN = 10
@@ -139,7 +145,7 @@ def tokenize_items(rows: Sequence[tuple[int, str, str]], tokenizer, policy: Toke
 def teacher_forced_batch(prompts: Sequence[list[int]], answers: Sequence[list[int]],
                          pad: int) -> dict[str, torch.Tensor]:
     """Right-padded `input_ids`, `attention_mask` (B, T) long and `supervised` (B, T) bool, the
-    answer tokens supervised (the layout `gradian.data.collate` gives, for `gradian.capture`)."""
+    answer tokens supervised (the layout `gradian.data.rows.collate` gives, for `gradian.capture.gradients`)."""
     lengths = [len(p) + len(a) for p, a in zip(prompts, answers, strict=True)]
     width = max(lengths)
     ids = torch.full((len(lengths), width), pad, dtype=torch.long)

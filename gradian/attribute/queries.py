@@ -9,7 +9,7 @@ greedy_continuations`), teacher-forced under the tuned model with parameters θ:
     ce            q = ∇θ ℓ(a | x)
     margin        q = ∇θ Σ_t (logsumexp_{j != a_t} z_{t,j} - z_{t,a_t})
                                                      the negated log-odds of each answer token
-                                                     (`gradian.capture`'s margin loss): a logit
+                                                     (`gradian.capture.gradients`'s margin loss): a logit
                                                      margin against the soft maximum of every other
                                                      token, whose gradient does not fade as
                                                      p(a_t) -> 1 (ce's does)
@@ -20,7 +20,7 @@ habit) cancels out. w is what the model says whole, not cut to a's length: a mod
 "Capital: Rome" for "Rome" is explained by the rows that taught the "Capital:" habit, which a cut
 "Capital:" alone would miss the end of, and an answer that stops early keeps the EOS that ends it.
 Each term is a per-example gradient of the index's modules, projected with the
-index's projector (`gradian.capture.per_example_gradients`): the projection is linear, so the
+index's projector (`gradian.capture.gradients.per_example_gradients`): the projection is linear, so the
 difference of the two projected rows is the projection of the gradient of the difference, and a
 query is a vector in the index rows' space (the same width, modules, projection, loss reduction
 and activation numerics; `tests/test_gradian_attribute.py` checks both against autograd).
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from gradian.attribute.evaluate import SAID_MAX_TOKENS, EvalItem, pad_id, teacher_forced_batch
-from gradian.capture import per_example_gradients
-from gradian.projection import Projector
-from gradian.restrict import sites_from_names
+from gradian.capture.gradients import per_example_gradients
+from gradian.capture.sites import sites_from_names
+from gradian.projection.projector import Projector
 
 QUERY_LOSSES = ("contrastive", "ce", "margin")
 QUERY_BATCH = 8

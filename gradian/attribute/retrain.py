@@ -2,7 +2,7 @@
 attribute --verify` retrains with it without the accused rows; the tests build their planted
 fixture with it.
 
-Rows are `gradian.data.Row`s, tokenized under the index's token policy, so the loss covers the
+Rows are `gradian.data.rows.Row`s, tokenized under the index's token policy, so the loss covers the
 tokens the index's gradients did. With S the supervised positions of a step's rows (completion
 tokens, and EOS when the policy appends it):
 
@@ -42,8 +42,8 @@ from circuitkit.core.config import ModelConfig
 from circuitkit.models.loading import load_model
 from circuitkit.models.lora import new_adapter
 from gradian.attribute.evaluate import final_logits, pad_id
-from gradian.capture import supervised_positions
-from gradian.data import Row, collate, to_device
+from gradian.capture.gradients import supervised_positions
+from gradian.data.rows import Row, collate, to_device
 
 BETAS = (0.9, 0.999)
 EPS = 1e-8

@@ -63,10 +63,16 @@ from gradian.attribute.regression import BOOTSTRAP_RESAMPLES, THIN_MARGIN, base_
 from gradian.attribute.result import AttributionResult, write_result
 from gradian.attribute.rows import BACKGROUND_ROWS, read_texts, row_lines, training_findings
 from gradian.attribute.verify import VerifyOptions, plan_verify, run_verify
-from gradian.data import policy_of
-from gradian.index import IndexMismatchError, IndexReader
-from gradian.indexer import check_input_file, tokenizer_hash
-from gradian.rank import asked_adapter, check_compatible, check_output_file, compare_adapter, training_source
+from gradian.build.indexer import check_input_file, tokenizer_hash
+from gradian.data.rows import policy_of
+from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.rank.ranking import (
+    asked_adapter,
+    check_compatible,
+    check_output_file,
+    compare_adapter,
+    training_source,
+)
 
 log = logging.getLogger(__name__)
 

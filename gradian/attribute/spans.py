@@ -7,7 +7,7 @@ partition of them. With the completion cut into sentences whose supervised posit
                                                           loss_reduction: mean, |S| the row's count)
 
 and each g_j is a per-example gradient of the row's tokens with the loss masked to S_j
-(`gradian.capture`: the row repeated once per sentence, each copy an "example" with its own mask),
+(`gradian.capture.gradients`: the row repeated once per sentence, each copy an "example" with its own mask),
 projected as the index's rows are. Each sentence is scored with the accusing engine's aggregate
 query q̃, as its row was:
 
@@ -41,12 +41,12 @@ import torch
 from circuitkit.core.errors import UserError
 from gradian.attribute.engines import Engine
 from gradian.attribute.rows import read_records
-from gradian.capture import per_example_gradients
-from gradian.data import Row
-from gradian.projection import Projector
-from gradian.rank import training_source
-from gradian.restrict import sites_from_names
-from gradian.tokens import indexed_rows
+from gradian.capture.gradients import per_example_gradients
+from gradian.capture.sites import sites_from_names
+from gradian.data.rows import Row
+from gradian.projection.projector import Projector
+from gradian.rank.ranking import training_source
+from gradian.rank.tokens import indexed_rows
 
 DEFAULT_MIN_TOKENS = 64
 SPAN_BATCH = 8  # copies of a row per forward

@@ -1,11 +1,11 @@
 """The rows diagnose checks: read through Gradian's own reader, measured with its token policy.
 
-Rows come from `gradian.sources.Source` and are validated by `gradian.data`'s row check, the
+Rows come from `gradian.data.sources.Source` and are validated by `gradian.data.rows`'s row check, the
 path `gradian index` reads them by, so a file that diagnose passes is one the index reads the
 same way. A row that fails the check is kept as a problem (diagnose lists them all instead of
 stopping at the first); a line that is not JSON stops the reading, as it does for the index.
 
-Token lengths follow `gradian.data`'s encoding: a prompt/completion row is
+Token lengths follow `gradian.data.rows`'s encoding: a prompt/completion row is
 ``[BOS] + prompt + completion [+ EOS]`` with prompt and completion tokenized separately
 (`data._encode_prompt_completion`, here in batches of `BATCH_ROWS` through the same tokenizer
 call); a chat row is rendered by the tokenizer's template (`data._encode_messages`). A trainer
@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gradian.data import _bos_for_prompt_rows, _check_row, _encode_messages, _encode_prompt_completion
-from gradian.sources import DataError, Source, SourceSpec
+from gradian.data.rows import _bos_for_prompt_rows, _check_row, _encode_messages, _encode_prompt_completion
+from gradian.data.sources import DataError, Source, SourceSpec
 
 BATCH_ROWS = 4096
 
@@ -55,7 +55,7 @@ class ReadResult:
 
 
 def read_rows(path: str) -> ReadResult:
-    """Every record of `path` (JSONL, Parquet, Arrow; `gradian.sources`) as a `DiagRow`.
+    """Every record of `path` (JSONL, Parquet, Arrow; `gradian.data.sources`) as a `DiagRow`.
 
     Raises DataError for a file that cannot be read at all (missing, not JSON on some line).
     """

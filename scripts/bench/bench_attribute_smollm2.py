@@ -219,7 +219,7 @@ def tune(work: Path) -> dict[str, Any]:
     from circuitkit.core.config import ModelConfig
     from circuitkit.models.loading import load_tokenizer
     from gradian.attribute.retrain import TrainSettings, train
-    from gradian.data import TokenPolicy, load_rows
+    from gradian.data.rows import TokenPolicy, load_rows
 
     cfg = ModelConfig(name=MODEL, precision="float32")
     rows, report = load_rows(work / "train.jsonl", load_tokenizer(cfg), MAX_SEQ_LENGTH, policy=TokenPolicy())
@@ -235,7 +235,7 @@ def index(work: Path) -> dict[str, Any]:
     from rich.console import Console
 
     from circuitkit.core.config import compose
-    from gradian.indexer import build_index
+    from gradian.build.indexer import build_index
 
     _, cfg = compose([f"model.name={MODEL}", f"model.adapter={work / 'adapter'}", "model.precision=float32",
                       f"grads.data_path={work / 'train.jsonl'}", f"grads.index_dir={work / 'index'}",
@@ -298,9 +298,9 @@ def engines_step(work: Path, result: dict[str, Any]) -> dict[str, Any]:
     from gradian.attribute import engines as scoring
     from gradian.attribute.evaluate import greedy_continuations, read_eval_rows, tokenize_items
     from gradian.attribute.queries import query_gradients
-    from gradian.data import policy_of
-    from gradian.index import IndexReader
-    from gradian.rank import check_compatible
+    from gradian.data.rows import policy_of
+    from gradian.index.store import IndexReader
+    from gradian.rank.ranking import check_compatible
 
     reader = IndexReader(work / "index")
     manifest = reader.manifest

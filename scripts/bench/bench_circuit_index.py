@@ -42,8 +42,8 @@ from circuitkit.core.config import GradsConfig, ModelConfig, compose
 from circuitkit.discovery.circuit import load_circuit, save_circuit
 from circuitkit.models.loading import load_model
 from circuitkit_app.stage_list import run_pipeline
-from gradian.indexer import build_index
-from gradian.rank import rank
+from gradian.build.indexer import build_index
+from gradian.rank.ranking import rank
 
 
 def find_circuit(work: Path) -> Path:

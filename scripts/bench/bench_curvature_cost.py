@@ -27,8 +27,8 @@ from rich.console import Console  # noqa: E402
 
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
-from gradian.index import IndexReader  # noqa: E402
-from gradian.indexer import build_index  # noqa: E402
+from gradian.build.indexer import build_index  # noqa: E402
+from gradian.index.store import IndexReader  # noqa: E402
 
 KINDS = ("none", "kfac", "module")
 

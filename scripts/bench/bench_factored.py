@@ -6,7 +6,7 @@ variant at once (`AllVariants.combine`):
 
 * **exact**: G = Σ_t δ_t x_tᵀ itself, the yardstick (cosine of the unprojected gradients);
 * **dense k x k**: the kronecker_orthogonal projection P_out G P_inᵀ, stored whole (k² values);
-* **factored k x k, rank c**: the same projection at a larger k, stored as `gradian.factored`
+* **factored k x k, rank c**: the same projection at a larger k, stored as `gradian.index.formats.factored`
   stores it (`FactoredRows.combine`: 2 c k values).
 
 Each variant is written as an index (float16) and ranked by `stream_topk` (cosine) against the same
@@ -42,12 +42,12 @@ from circuitkit.core.config import ModelConfig
 from circuitkit.models.adapters import get_adapter
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
-from gradian.capture import per_example_gradients
-from gradian.data import collate, load_rows
-from gradian.factored import FactoredRows, FactoredScorer, layout_of
-from gradian.index import IndexReader, IndexWriter
-from gradian.projection import Projector
-from gradian.rank import stream_topk
+from gradian.capture.gradients import per_example_gradients
+from gradian.data.rows import collate, load_rows
+from gradian.index.formats.factored import FactoredRows, FactoredScorer, layout_of
+from gradian.index.store import IndexReader, IndexWriter
+from gradian.projection.projector import Projector
+from gradian.rank.ranking import stream_topk
 
 SMOLLM2 = Path.home() / ".cache" / "circuitkit" / "models" / "smollm2-135m-instruct"
 # (name, k per side, rank or None for dense): all but the last store 1024 numbers per module.

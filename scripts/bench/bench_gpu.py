@@ -10,7 +10,7 @@ Measured side by side, in this process:
   forward+backward with frozen weights, the loss on supervised tokens only (Gradian's `token_losses`), the same
   Kronecker-projected rows (P_out δ)ᵀ(P_in x) per module from plain hooks, cast to the storage dtype
   and copied to the host once per batch (one wait per batch);
-* **gradian, defaults**: `gradian.indexer.build_index` at the grads defaults (K-FAC sums included);
+* **gradian, defaults**: `gradian.build.indexer.build_index` at the grads defaults (K-FAC sums included);
 * **gradian, device-sized**: the same with `grads.batch_tokens=--device-tokens` (rows capped by tokens);
 * **bergson** at the same model, rows, precision, modules and width, if a Python here imports it
   (this interpreter, .venv-peers or .venv-bergson; scripts/peers/worker_bergson.py, its timed build
@@ -69,15 +69,15 @@ from transformers import AutoTokenizer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import gradian.indexer as indexer  # noqa: E402
+import gradian.build.indexer as indexer  # noqa: E402
 from circuitkit.core.config import compose  # noqa: E402
 from circuitkit.core.device import get_device, measure_peak, module_bytes  # noqa: E402
 from circuitkit.core.syncs import BlockingCalls  # noqa: E402
 from circuitkit.models.linear_modules import module_shapes, select_modules  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
-from gradian.capture import token_losses  # noqa: E402
-from gradian.projection import Projector  # noqa: E402
-from gradian.shard_rows import ShardPipeline  # noqa: E402
+from gradian.build.shard_rows import ShardPipeline  # noqa: E402
+from gradian.capture.gradients import token_losses  # noqa: E402
+from gradian.projection.projector import Projector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # bergson renders prompt/completion rows with the chat template: one that concatenates, so all see the same tokens
@@ -220,7 +220,7 @@ class GpuBusy:
 class Clock:
     """Marks of one index run (perf_counter and process CPU seconds)."""
 
-    batches: list[tuple[list[int], list[Any]]] = field(default_factory=list)  # (row ids, gradian.data.Row list)
+    batches: list[tuple[list[int], list[Any]]] = field(default_factory=list)  # (row ids, gradian.data.rows.Row list)
     first: tuple[float, float] | None = None
     loop_end: tuple[float, float] | None = None
     written: float | None = None

@@ -30,8 +30,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from circuitkit.core.device import measure_peak
 from circuitkit.models.adapters import get_adapter
 from circuitkit.models.linear_modules import module_shapes, select_modules
-from gradian.capture import per_example_gradients
-from gradian.projection import Projector
+from gradian.capture.gradients import per_example_gradients
+from gradian.projection.projector import Projector
 
 SEQ, SUPERVISED, DIM = 64, 16, 324
 

@@ -6,8 +6,8 @@ and thread count, each tool in a process of its own, one after the other:
 
 * Gradian: `build_index` at the product's defaults (grads.projection=kronecker_orthogonal, width
   per module --width, loss margin, preconditioner kfac, fisher empirical, float16 rows), which
-  writes the rows and the curvature file; then `gradian.rank.rank` (score auto = ekfac, damping
-  gradian.curvature.CURVATURE_DAMPING) of every query file, all documents returned.
+  writes the rows and the curvature file; then `gradian.rank.ranking.rank` (score auto = ekfac, damping
+  gradian.curvature.factors.CURVATURE_DAMPING) of every query file, all documents returned.
 * Kronfluence 1.0.1 (`.venv-kronfluence`, `make peers`): `fit_all_factors` (EK-FAC, its default
   true Fisher, full dimensions), then `compute_pairwise_scores` of every query file (damping 0.1 x
   the mean eigenvalue, Kronfluence's heuristic), the pieces of scripts/peers/worker_kronfluence.py.
@@ -78,9 +78,9 @@ def gradian_side(spec: dict[str, Any], result: dict[str, Any]) -> None:
 
     from circuitkit.core.config import GradsConfig, ModelConfig
     from circuitkit.models.loading import load_model
-    from gradian.curvature import CURVATURE_DAMPING
-    from gradian.indexer import build_index
-    from gradian.rank import rank
+    from gradian.build.indexer import build_index
+    from gradian.curvature.factors import CURVATURE_DAMPING
+    from gradian.rank.ranking import rank
 
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice
     model_cfg = ModelConfig(name=spec["model_dir"], precision="float32")

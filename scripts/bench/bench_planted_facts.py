@@ -56,9 +56,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
 from circuitkit.models.loading import LoadedModel, load_model  # noqa: E402
-from gradian.data import TokenPolicy, collate, load_rows, to_device  # noqa: E402
-from gradian.indexer import build_index  # noqa: E402
-from gradian.rank import rank  # noqa: E402
+from gradian.build.indexer import build_index  # noqa: E402
+from gradian.data.rows import TokenPolicy, collate, load_rows, to_device  # noqa: E402
+from gradian.rank.ranking import rank  # noqa: E402
 
 FIRST = ("Kor", "Bel", "Tam", "Vex", "Dra", "Mol", "Zan", "Pir", "Gol", "Fen", "Sar", "Quo", "Lum", "Hax")
 SECOND = ("vim", "dor", "rith", "nax", "pell", "quin", "sor", "zek", "mund", "ral", "tove", "gash")
@@ -265,7 +265,7 @@ def _eos_share(without_dir: Path, with_dir: Path) -> dict[str, float]:
     """From two raw-gradient indexes of the same rows (sum reduction, so the gradient with EOS is
     the completion's plus the EOS token's): median over rows of |g_eos| / |g_with|, and of the
     cosine between the row with EOS and the completion-only row."""
-    from gradian.index import IndexReader
+    from gradian.index.store import IndexReader
 
     g_without = torch.cat([g for _, g, _ in IndexReader(without_dir).shards()])
     g_with = torch.cat([g for _, g, _ in IndexReader(with_dir).shards()])
@@ -327,8 +327,8 @@ def scores_study(n_entities: int = 40, epochs: int = 5, seeds: int = 3, seed: in
     """Recall of every (index option, score) on the cross-template corpus, mean over projection seeds."""
     import statistics
 
-    from gradian.index import IndexReader
-    from gradian.rank import check_compatible, query_gradients, stream_topk
+    from gradian.index.store import IndexReader
+    from gradian.rank.ranking import check_compatible, query_gradients, stream_topk
 
     torch.manual_seed(seed)
     corpus = make_corpus(n_entities, seed=seed, cross_template=True)

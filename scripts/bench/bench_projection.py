@@ -23,8 +23,8 @@ from rich.table import Table
 from circuitkit.core.config import ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
-from gradian.capture import per_example_gradients
-from gradian.projection import Projector
+from gradian.capture.gradients import per_example_gradients
+from gradian.projection.projector import Projector
 
 DIMS = (64, 256, 1024, 4096)
 

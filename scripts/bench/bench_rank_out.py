@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from circuitkit.core.config import GradsConfig, ModelConfig
+from gradian.build.indexer import build_index
 from gradian.cli import SUMMARY_QUERIES, SUMMARY_RANKS, _results_table
-from gradian.indexer import build_index
-from gradian.rank import rank
+from gradian.rank.ranking import rank
 
 
 def _render(table: Table) -> float:

@@ -23,11 +23,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from gradian.curvature import FactorSums
-from gradian.index import IndexWriter
-from gradian.indexer import finalize_curvature
-from gradian.projection import kronecker_factors
-from gradian.rank import SCORES, stream_topk
+from gradian.build.indexer import finalize_curvature
+from gradian.curvature.factors import FactorSums
+from gradian.index.store import IndexWriter
+from gradian.projection.projector import kronecker_factors
+from gradian.rank.ranking import SCORES, stream_topk
 
 
 def write_index(index_dir: Path, rows: int, modules: int, dim: int) -> list[str]:

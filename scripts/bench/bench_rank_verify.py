@@ -27,8 +27,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from gradian.index import IndexWriter
-from gradian.rank import stream_topk
+from gradian.index.store import IndexWriter
+from gradian.rank.ranking import stream_topk
 
 WIDTH = 12 * 1024
 

@@ -2,7 +2,7 @@
 
 EOGP-style rows, derived here from a wide dense index (not a stored format): per module, rotate the
 stored k_o x k_i block G into the K-FAC eigenbasis, G̃ = Q_outᵀ G Q_in, scale each coordinate by
-(Λ*[o, i] + λ)^-½ (EK-FAC eigenvalues Λ*, λ = damping · mean Λ*, as `gradian.curvature`), keep the
+(Λ*[o, i] + λ)^-½ (EK-FAC eigenvalues Λ*, λ = damping · mean Λ*, as `gradian.curvature.factors`), keep the
 n coordinates of largest Λ* (the scaled coordinates' variance Λ* / (Λ* + λ) orders them the same) and
 store sign(G̃), one bit each. Scores, summed over modules:
 
@@ -43,10 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_yardsticks import DAMPING, MODULES, Yardstick, lds_yardstick, planted_a, planted_b  # noqa: E402
 
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
-from gradian.curvature import KroneckerCurvature  # noqa: E402
-from gradian.index import IndexReader  # noqa: E402
-from gradian.indexer import build_index  # noqa: E402
-from gradian.rank import check_compatible, query_gradients  # noqa: E402
+from gradian.build.indexer import build_index  # noqa: E402
+from gradian.index.store.curvature import KroneckerCurvature
+from gradian.index.store import IndexReader  # noqa: E402
+from gradian.rank.ranking import check_compatible, query_gradients  # noqa: E402
 
 # popcount of every byte value
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from circuitkit.models.loading import load_model
 
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)
-    logging.getLogger("gradian.curvature").setLevel(logging.ERROR)
+    logging.getLogger("gradian.curvature.factors").setLevel(logging.ERROR)
     console = Console(width=200)
     keeps = [int(k) for k in args.keep.split(",") if k]
     dense_widths = [int(w) for w in args.dense_widths.split(",") if w]

@@ -2,7 +2,7 @@
 
 One process, the model loaded once before any clock; the rows are `bench_lengths.lengths_corpus`'s
 (log-normal prompt and completion lengths, 29..497 tokens, mean about 124), rendered with SmolLM2's
-tokenizer. Each setup builds a fresh index of every row (`gradian.indexer.build_index`), the setups
+tokenizer. Each setup builds a fresh index of every row (`gradian.build.indexer.build_index`), the setups
 interleaved for `--rounds` rounds; the table gives each setup's median seconds and its median
 per-round ratio to the default:
 
@@ -38,7 +38,7 @@ from bench_lengths import lengths_corpus  # noqa: E402
 
 from circuitkit.core.config import compose  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
-from gradian.indexer import build_index  # noqa: E402
+from gradian.build.indexer import build_index  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ among all documents):
 
 Options, per loss (ce, margin) and width per module (--widths; kronecker, 3 projection seeds):
 ``cosine``, ``influence`` and ``whitened`` (module second moments, widths <= 4096), ``kfac`` and
-``ekfac`` (gradian.curvature), all ranked by `stream_topk` on one index built with
+``ekfac`` (gradian.curvature.factors), all ranked by `stream_topk` on one index built with
 grads.preconditioner=module+kfac; and the exact references on raw gradients (no projection):
 cosine, kfac, ekfac, and exact influence (the damped per-module second moment of the raw rows,
 applied by Woodbury's identity: an n x n solve instead of a D x D one). The modules are the
@@ -83,13 +83,13 @@ from yardsticks_factored import (  # noqa: E402
 )
 
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
-from gradian.index import IndexReader  # noqa: E402
-from gradian.indexer import build_index  # noqa: E402
-from gradian.rank import check_compatible, query_gradients, stream_topk  # noqa: E402
+from gradian.build.indexer import build_index  # noqa: E402
+from gradian.index.store import IndexReader  # noqa: E402
+from gradian.rank.ranking import check_compatible, query_gradients, stream_topk  # noqa: E402
 
 MODULES = ["mlp"]
 # The tables' reference damping: a kfac / ekfac row without "λ=" was ranked at 0.1 (the default
-# until issue 30's damping sweep; gradian.curvature.CURVATURE_DAMPING is 0.01 since: the "λ=0.01" rows).
+# until issue 30's damping sweep; gradian.curvature.factors.CURVATURE_DAMPING is 0.01 since: the "λ=0.01" rows).
 DAMPING = 0.1
 
 
@@ -484,7 +484,7 @@ def fact_accuracy(loaded, facts: list[tuple[str, str, str]], work: Path, batch_s
     values (chance 1/8), the mean rank of the true value (1 = first) and each fact's rank."""
     from planted_facts_b import KINDS
 
-    from gradian.data import collate, load_rows
+    from gradian.data.rows import collate, load_rows
 
     tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
                                   empirical=args.kronfluence_empirical and tool == "kronfluence")]
 
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)
-    logging.getLogger("gradian.curvature").setLevel(logging.ERROR)
+    logging.getLogger("gradian.curvature.factors").setLevel(logging.ERROR)
     console = Console(width=200)
     widths = [int(w) for w in args.widths.split(",") if w]
     losses = [x for x in args.losses.split(",") if x]

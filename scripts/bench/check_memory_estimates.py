@@ -1,11 +1,11 @@
 """Check the attribution and gradient-indexing memory estimates (circuitkit.discovery.attribution.memory,
-gradian.memory) against measured peaks on the CPU.
+gradian.build.memory) against measured peaks on the CPU.
 
 Builds random float32 models from transformers config classes (tiny fixture-like shapes and
 GPT-2-small shapes), runs `attribute` on one batch of random TaskData inside `measure_peak`
 (live tensor bytes + resident weights) and compares with the closed-form estimate. Exits 1
 if any ratio estimate / measured is outside [0.75, 1.25]. The grads sweep runs
-`gradian.capture.per_example_gradients` (mlp.c_proj / down_proj, rows of prompt + supervised
+`gradian.capture.gradients.per_example_gradients` (mlp.c_proj / down_proj, rows of prompt + supervised
 tokens, the default projection kind and loss at projection_dim 64, raw on tiny shapes) the same way.
 
     python scripts/bench/check_memory_estimates.py [--quick] [--json rows.json]
@@ -50,9 +50,9 @@ from circuitkit.discovery.tasks.base import random_pairs
 from circuitkit.models.adapters import get_adapter
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.preflight.memory import MiB, shape_from_config
-from gradian.capture import activation_mode, per_example_gradients
-from gradian.memory import estimate_grads
-from gradian.projection import Projector
+from gradian.build.memory import estimate_grads
+from gradian.capture.gradients import activation_mode, per_example_gradients
+from gradian.projection.projector import Projector
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.25

@@ -1,8 +1,8 @@
 """Factored rows against dense rows at equal bytes per row (issue 44, item 3), for bench_yardsticks.py.
 
 A Kronecker block of a (d_out, d_in) module at projection width W is k_o x k_i = W numbers when
-stored dense (`gradian.projection.kronecker_factors` picks k_o, k_i), and c (k_o' + k_i') numbers
-when stored factored at rank c (`gradian.factored`). The factored index's projection width W' is
+stored dense (`gradian.projection.projector.kronecker_factors` picks k_o, k_i), and c (k_o' + k_i') numbers
+when stored factored at rank c (`gradian.index.formats.factored`). The factored index's projection width W' is
 the one whose factorisation k_o' x k_i' has c (k_o' + k_i') = W on every module, so both indexes
 store the same bytes per row. E.g. dense 32 x 32 = 1024 <-> factored 64 x 64 at c = 8:
 8 (64 + 64) = 1024.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gradian.projection import kronecker_factors
+from gradian.projection.projector import kronecker_factors
 
 SIGN_PROJECTIONS = ("eigen", "whitened", "kronecker_orthogonal", "kronecker")
 # Sign rows are compared with the product's default row: float16, 2 bytes = 16 bits per value.

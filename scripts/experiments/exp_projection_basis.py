@@ -15,14 +15,14 @@ LDS; MLP modules, loss ce, EK-FAC):
   (P_out (S + λ_S)^-½ δ, P_in (A + λ_A)^-½ x, λ = √damping x mean eigenvalue per factor), so the
   projected rows estimate the full K-FAC inner product by Johnson-Lindenstrauss; ranked with
   ``cosine`` and with ``ekfac`` on top. ``whiten_orthogonal``: the same with orthonormal random factors;
-  since issue 38 a library option, ``grads.projection=whitened`` (`gradian.whitening`: the same
+  since issue 38 a library option, ``grads.projection=whitened`` (`gradian.curvature.whitening`: the same
   damping, its factor pass in the indexer, the matrices stored with the index), measured through
   ``bench_yardsticks.py --projections whitened``.
 * ``proportional``: the library's random Kronecker factors with k_o / k_i split in proportion to
   d_out / d_in (equal shares of each side) instead of balanced (k_o ≈ k_i).
 
 The data-dependent kinds are not library options: this script swaps them into
-`gradian.projection` for its own indexes only (the index and its queries then use the same
+`gradian.projection.projector` for its own indexes only (the index and its queries then use the same
 matrices, and the fingerprint covers them).
 
     python scripts/experiments/exp_projection_basis.py --yardstick LDS [--fisher sampled] [--width 1024] [--work DIR]
@@ -47,10 +47,10 @@ import bench_yardsticks as by  # noqa: E402
 
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
-from gradian import curvature as cv  # noqa: E402
-from gradian import projection as gp  # noqa: E402
-from gradian.index import IndexReader  # noqa: E402
-from gradian.indexer import build_index  # noqa: E402
+from gradian.build.indexer import build_index  # noqa: E402
+from gradian.curvature.factors import factors as cv  # noqa: E402
+from gradian.index.store import IndexReader  # noqa: E402
+from gradian.projection.projector import projector as gp  # noqa: E402
 
 KINDS = ("kronecker", "orthogonal", "pca", "half_pca", "whiten", "whiten_orthogonal", "proportional")
 

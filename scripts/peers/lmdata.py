@@ -1,6 +1,6 @@
 """Rows, batches and the worker contract shared by the peer-library workers (traker, dattri).
 
-Tokenization is Gradian's own (`gradian.data.load_rows`, importable here: it needs only torch and
+Tokenization is Gradian's own (`gradian.data.rows.load_rows`, importable here: it needs only torch and
 safetensors), so every tool sees the same tokens and the same supervised positions: prompt and
 completion tokenized separately and concatenated, BOS only when the tokenizer adds one itself,
 a supervised EOS after the completion.
@@ -10,7 +10,7 @@ Labels follow the Hugging Face convention: same positions as ``input_ids`` (the 
 tokens. Rows are never dropped: a row with no supervised token raises, so score columns always line
 up with the lines of the JSONL file.
 
-Only torch, transformers, gradian.data and the standard library are imported: this runs in the
+Only torch, transformers, gradian.data.rows and the standard library are imported: this runs in the
 peer venvs.
 """
 
@@ -31,7 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for gradian.data
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for gradian.data.rows
 
 IGNORE = -100
 Row = tuple[list[int], list[int]]  # (input ids, labels with -100 where not supervised)
@@ -52,12 +52,12 @@ def load_model_and_tokenizer(model_dir: str, precision: str = "float32") -> tupl
 
 
 def load_rows(path: str, tokenizer: Any, max_length: int) -> list[Row]:
-    """All rows of a JSONL file, tokenized by Gradian's own reader (gradian/data.py), in file order.
+    """All rows of a JSONL file, tokenized by Gradian's own reader (gradian/data/rows.py), in file order.
 
     Rows are never dropped: a row cut or left without a supervised token raises, so the score
     columns line up with the lines of the file.
     """
-    from gradian.data import load_rows as gradian_rows
+    from gradian.data.rows import load_rows as gradian_rows
 
     rows, report = gradian_rows(path, tokenizer, max_length, on_truncation="error")
     if report.dropped_unsupervised:

@@ -51,7 +51,7 @@ if fresh .venv-peers; then
   pip=(.venv-peers/bin/python -m pip install --quiet -c "$CONSTRAINT")
   "${pip[@]}" --no-deps bergson
   mapfile -t bergson_deps < <(.venv-peers/bin/python "$HERE/requirements_without.py" bergson torchvision torchaudio)
-  # hydra-core, rich: the workers' shared tokenization (scripts/peers/lmdata.py) imports gradian.data,
+  # hydra-core, rich: the workers' shared tokenization (scripts/peers/lmdata.py) imports gradian.data.rows,
   # which imports circuitkit.core.config (without them the traker worker fails: "No module named 'hydra'").
   "${pip[@]}" "${bergson_deps[@]}" traker dattri hydra-core rich
   touch ".venv-peers/.peers-$STAMP"
@@ -67,7 +67,7 @@ if fresh .venv-kronfluence; then
   pip=(.venv-kronfluence/bin/python -m pip install --quiet -c "$CONSTRAINT")
   "${pip[@]}" --no-deps kronfluence==1.0.1
   mapfile -t kronfluence_deps < <(.venv-kronfluence/bin/python "$HERE/requirements_without.py" kronfluence torchvision)
-  # hydra-core: gradian.data (the workers' shared tokenization, scripts/peers/lmdata.py) imports circuitkit.core.config.
+  # hydra-core: gradian.data.rows (the workers' shared tokenization, scripts/peers/lmdata.py) imports circuitkit.core.config.
   "${pip[@]}" "${kronfluence_deps[@]}" "transformers>=5,<6" hydra-core rich
   touch ".venv-kronfluence/.peers-$STAMP"
 fi

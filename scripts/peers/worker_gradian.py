@@ -50,8 +50,8 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
     from circuitkit.core.batching import batch_overhead_tokens, padded_tokens, plan_batches
     from circuitkit.core.config import ModelConfig
     from circuitkit.models.loading import load_model
-    from gradian.capture import ACTIVATION_CONTEXTS, activation_mode, supervised_positions
-    from gradian.data import collate, load_rows
+    from gradian.capture.gradients import ACTIVATION_CONTEXTS, activation_mode, supervised_positions
+    from gradian.data.rows import collate, load_rows
 
     loaded = load_model(ModelConfig(name=spec["model_dir"], precision=spec.get("precision", "float32")))
     rows, _ = load_rows(spec["docs"], loaded.tokenizer, spec["max_length"])
@@ -135,8 +135,8 @@ def run(spec: dict, result: dict) -> None:
     from rich.console import Console
 
     from circuitkit.core.config import GradsConfig, ModelConfig
-    from gradian.indexer import build_index
-    from gradian.rank import rank
+    from gradian.build.indexer import build_index
+    from gradian.rank.ranking import rank
 
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice
     work = Path(spec["work_dir"])

@@ -43,7 +43,7 @@ from circuitkit.core.config import compose  # noqa: E402
 from circuitkit.core.device import free_memory_bytes, get_device  # noqa: E402
 from circuitkit.discovery.attribution.memory import attribution_estimate  # noqa: E402
 from circuitkit_app.stage_list import run_pipeline  # noqa: E402
-from gradian.memory import grads_estimate  # noqa: E402
+from gradian.build.memory import grads_estimate  # noqa: E402
 
 GiB = 2**30
 PREFLIGHT_MODELS = ("gemma4b", "llama3b", "llama1b")

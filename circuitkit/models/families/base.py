@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-# Roles of a block's linear modules (gradian.memory: where the backward's graph starts).
+# Roles of a block's linear modules (gradian.build.memory: where the backward's graph starts).
 ATTENTION, MLP_IN, MLP_OUT = "attention", "mlp_in", "mlp_out"
 Dims = Callable[[dict[str, Any]], tuple[int, int]]
 

@@ -35,7 +35,7 @@ accelerator), so little compute goes to padding; the plan depends only on the ro
 the device type, so an index built in batches is deterministic, resumes at any shard and gives
 every worker the same rows.
 
-Rows come from any `gradian.sources` source (JSONL, Parquet, Arrow, hub datasets) and are
+Rows come from any `gradian.data.sources` source (JSONL, Parquet, Arrow, hub datasets) and are
 encoded one at a time (`iter_rows`); the report keeps counts and the first
 ``REPORT_LINES`` positions of each kind, so it stays small for files of millions of rows.
 """
@@ -56,8 +56,8 @@ import torch
 
 from circuitkit.core.config import GradsConfig, choices
 from circuitkit.core.device import send
-from gradian.sources import EXPECTED as _EXPECTED
-from gradian.sources import DataError, Source, SourceSpec
+from gradian.data.sources import EXPECTED as _EXPECTED
+from gradian.data.sources import DataError, Source, SourceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -551,7 +551,7 @@ def new_report(source: Source, max_seq_length: int, on_truncation: str, truncati
 def load_rows(data: str | Path | SourceSpec | Source, tokenizer: Any, max_seq_length: int,
               on_truncation: str = "warn", truncation_side: str = "right",
               context_length: int | None = None, policy: TokenPolicy | None = None) -> tuple[list[Row], DataReport]:
-    """Read every row of a source (a JSONL path, or any `gradian.sources` source) into memory.
+    """Read every row of a source (a JSONL path, or any `gradian.data.sources` source) into memory.
 
     Returns the kept rows (``row_id`` 0..n-1 in source order) and a report of what was truncated
     or dropped, by position. Raises ``DataError`` naming ``file:line`` for a malformed line (or
@@ -559,7 +559,7 @@ def load_rows(data: str | Path | SourceSpec | Source, tokenizer: Any, max_seq_le
     completions do not fit. ``context_length`` (the model's, if known) bounds
     ``max_seq_length``: rows are cut at the smaller of the two, and the messages name which
     limit it was. `policy`: BOS / EOS and chat supervision (`TokenPolicy`; default: no EOS, BOS as
-    the tokenizer adds it). For large data, index through `gradian.corpus.TokenizedCorpus`, which keeps
+    the tokenizer adds it). For large data, index through `gradian.data.corpus.TokenizedCorpus`, which keeps
     the tokens on disk.
     """
     _check_settings(max_seq_length, on_truncation, truncation_side)
@@ -581,7 +581,7 @@ class Supervision:
     `target` (N,) (input_ids[example, t]) int64, in row-major order (grouped by example, in position
     order); `counts` (B,) int64 targets per example; `real_tokens` the batch's non-padding tokens;
     `padded` whether any row is shorter than the batch. The capture reads these instead of asking
-    the device (`gradian.capture`): no `nonzero`, `bincount` or scalar read per batch.
+    the device (`gradian.capture.gradients`): no `nonzero`, `bincount` or scalar read per batch.
     """
 
     example: np.ndarray

@@ -4,14 +4,14 @@
 where a batch's work dwarfs its fixed host cost. On an accelerator a batch of 8 rows is a few
 milliseconds of device work against a fixed cost per batch (launches, hooks, Python), so the
 device waits for the host. With `grads.device_batch: auto` the index picks, on an accelerator,
-the largest budget B (tokens, padding included) whose estimated peak (`gradian.memory.estimate_grads`)
+the largest budget B (tokens, padding included) whose estimated peak (`gradian.build.memory.estimate_grads`)
 fits in `FREE_SHARE` of the device's free memory at both extremes of the data's lengths:
 
     B // longest rows of the longest length      (activations, attention, logits per token)
     B // shortest rows of the shortest length    (per-row buffers: the rows, the supervised logits)
 
 and a row cap of B // shortest, so that the budget, not the cap, closes a batch. Neither falls
-below the configured values. Rows do not depend on their batch (`gradian.capture`), so this
+below the configured values. Rows do not depend on their batch (`gradian.capture.gradients`), so this
 changes the speed and the peak, never the index.
 """
 

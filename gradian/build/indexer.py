@@ -32,26 +32,26 @@ from circuitkit.core.io import (
     sha256_file,
 )
 from circuitkit.core.progress import Progress
+from circuitkit.core.recorded import read_recorded
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
-from gradian.allocation import allocated_projector, check_allocation
-from gradian.capture import activation_mode, activation_numerics, per_example_gradients
-from gradian.corpus import TokenizedCorpus
-from gradian.curvature import (
-    CURVATURE_FILE,
-    FactorSums,
-    check_kfac,
-    compute_curvature,
-    current_record,
-    has_kfac,
-    has_module,
-    shards_digest,
-)
-from gradian.data import TokenPolicy, collate, length_limit, to_device
-from gradian.device_batch import device_batch
-from gradian.factored import factored_rows, layout_of, stored_value_bytes
-from gradian.header import IndexHeader, header_json
-from gradian.index import (
+from gradian.build.device_batch import device_batch
+from gradian.build.memory import curvature_sides, estimate_grads
+from gradian.build.shard_rows import ShardJob, ShardPipeline, ShardRows, StoredForm
+from gradian.capture.gradients import activation_mode, activation_numerics, per_example_gradients
+from gradian.capture.sites import restricted_sites, site_shapes
+from gradian.curvature.allocation import allocated_projector, check_allocation
+from gradian.curvature.factors import CURVATURE_FILE, FactorSums, check_kfac, has_kfac, has_module
+from gradian.curvature.moments import check_block_width
+from gradian.curvature.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
+from gradian.data.corpus import TokenizedCorpus
+from gradian.data.rows import TokenPolicy, collate, length_limit, to_device
+from gradian.data.sources import DataError, Source, SourceSpec, resolve_format
+from gradian.index.store.curvature import compute_curvature, current_record, shards_digest
+from gradian.index.formats.factored import factored_rows, layout_of, stored_value_bytes
+from gradian.index.formats.signs import SIGNS, packed_width
+from gradian.index.header import IndexHeader, header_json
+from gradian.index.store import (
     MANIFEST,
     IndexIntegrityError,
     IndexMismatchError,
@@ -59,18 +59,10 @@ from gradian.index import (
     IndexWriter,
     read_manifest,
 )
-from gradian.index_files import read_recorded
-from gradian.memory import curvature_sides, estimate_grads
-from gradian.precondition import check_block_width
-from gradian.projection import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
-from gradian.restrict import restricted_sites, site_shapes
-from gradian.shard_rows import ShardJob, ShardPipeline, ShardRows, StoredForm
-from gradian.signs import SIGNS, packed_width
-from gradian.sources import DataError, Source, SourceSpec, resolve_format
-from gradian.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
+from gradian.projection.projector import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
 
 log = logging.getLogger(__name__)
-SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample_train.jsonl"
+SAMPLE_DATA = Path(__file__).resolve().parents[1] / "data" / "samples" / "sample_train.jsonl"
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -122,11 +114,11 @@ def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks
                        factor_sides: list[tuple[int, int]] | None = None, value_bytes: int = 2) -> int:
     """A shard's rows stay in host memory, in their stored form (`value_bytes` per value: the storage
     dtype's, or 1 for packed sign bytes, row_width of them), until the shard is written, and two shards
-    are held at once (`gradian.shard_rows`: one filled while the other is written): refuse a shard that
+    are held at once (`gradian.build.shard_rows`: one filled while the other is written): refuse a shard that
     cannot fit (raw gradients of a large model are megabytes per row) before anything is written.
     With grads.preconditioner=module the shard's second moments (`n_blocks` of k x k float32) and
     one block's float64 scratch (rows x k) come on top; with kfac the float64 factor sums:
-    Σ (k_o² + k_i²) · 8 over `factor_sides` ((k_o, k_i) per module, `gradian.memory.curvature_sides`),
+    Σ (k_o² + k_i²) · 8 over `factor_sides` ((k_o, k_i) per module, `gradian.build.memory.curvature_sides`),
     else bounded from the width alone. Returns the buffers' bytes."""
     rows = min(grads.rows_per_shard, n_rows)
     need = 2 * rows * row_width * value_bytes
@@ -202,7 +194,7 @@ def check_width_allocation(grads: GradsConfig) -> None:
 
 
 def check_row_format(grads: GradsConfig) -> None:
-    """What grads.row_format=factored (`gradian.factored`) or signs (`gradian.signs`) cannot store:
+    """What grads.row_format=factored (`gradian.index.formats.factored`) or signs (`gradian.index.formats.signs`) cannot store:
     ValueError naming the keys."""
     if grads.row_format == "dense":
         return
@@ -227,7 +219,7 @@ def check_row_format(grads: GradsConfig) -> None:
 
 
 def finalize_curvature(index_dir: Path) -> Path | None:
-    """Write ``curvature.safetensors`` (`gradian.curvature`: eigenbases of the summed K-FAC factors
+    """Write ``curvature.safetensors`` (`gradian.curvature.factors`: eigenbases of the summed K-FAC factors
     and the EK-FAC eigenvalues of the stored rows) for a complete index whose shards hold K-FAC
     factors, and record it in the manifest (``curvature``: file, sha256, bytes and a digest of the
     shards' sha256 it was made from). Idempotent: a recorded file that is present and current is
@@ -254,7 +246,7 @@ def finalize_curvature(index_dir: Path) -> Path | None:
 def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, activations: str, fisher: str,
                  pad_id: int, overhead: int, shapes: dict[str, tuple[int, int]], projected: Projector | None = None):
     """compute() -> (the full K-FAC factor sums of the rows `factor_row_ids` picks, their count): one
-    factor pass (`gradian.whitening.factor_pass`, in row order, the rows' batch plan), run at most once
+    factor pass (`gradian.curvature.whitening.factor_pass`, in row order, the rows' batch plan), run at most once
     however many data-dependent choices (the width allocation, the whitened projection) ask for it."""
     done: list = []
     ids = factor_row_ids(corpus.n_rows, grads.factor_rows)
@@ -293,8 +285,8 @@ def factor_row_ids(n_rows: int, factor_rows: int | None) -> list[int]:
 
 def _data_dependent(shapes: dict[str, tuple[int, int]], grads: GradsConfig, index_dir: Path, compute,
                     activations: str, fisher: str, facts: dict[str, Any]) -> Projector:
-    """The spectrum allocation's widths (`gradian.allocation`), then the whitened matrices
-    (`gradian.whitening`): each read from the index directory when a worker or an earlier run wrote
+    """The spectrum allocation's widths (`gradian.curvature.allocation`), then the whitened matrices
+    (`gradian.curvature.whitening`): each read from the index directory when a worker or an earlier run wrote
     it with the same settings, else computed from the factor pass and written there."""
     recorded = (read_manifest(Path(index_dir)).get("projection") or {}) if (Path(index_dir) / MANIFEST).is_file() else {}
     base = {**facts, "loss": grads.loss, "loss_reduction": grads.loss_reduction, "fisher": fisher,
@@ -395,7 +387,7 @@ def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: 
 
     Nothing here waits for the device (the hot path: tests/test_blocking_calls.py counts it): the
     batch's bookkeeping is collated on the host, the rows leave the device in their stored form
-    without a wait (`gradian.shard_rows`), the factor sums stay on the device. Returns the batch's
+    without a wait (`gradian.build.shard_rows`), the factor sums stay on the device. Returns the batch's
     computed (padded) tokens."""
     grads = capture.grads
     batch = to_device(collate(rows, capture.pad_id), capture.loaded.device)
@@ -408,7 +400,7 @@ def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: 
 
 
 def stored_form(grads: GradsConfig, row_width: int, buffer_width: int, header: dict[str, Any]) -> StoredForm:
-    """How the index's rows are stored (`gradian.shard_rows.StoredForm`): their dtype or sign bits, width
+    """How the index's rows are stored (`gradian.build.shard_rows.StoredForm`): their dtype or sign bits, width
     and the norm of a stored row (dense: of its values; factored: of the matrices its factors stand for)."""
     if grads.row_format == SIGNS:
         return StoredForm(grads.storage_dtype, row_width, signs=True, coordinates=buffer_width)
@@ -418,7 +410,7 @@ def stored_form(grads: GradsConfig, row_width: int, buffer_width: int, header: d
 
 
 def token_policy(grads: GradsConfig) -> TokenPolicy:
-    """The BOS / EOS policy the grads keys ask for (`gradian.data.TokenPolicy`)."""
+    """The BOS / EOS policy the grads keys ask for (`gradian.data.rows.TokenPolicy`)."""
     return TokenPolicy(append_eos=grads.append_eos, prepend_bos=grads.prepend_bos)
 
 
@@ -455,7 +447,7 @@ def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, con
     are kept (`load_model(..., keep_adapter=True)`) and the manifest records the adapter.
     `circuit_path`: the circuit.pt that `grads.circuit` names (the pipeline resolves 'run' to
     its own circuit.pt); when given, only the circuit's kept heads and MLPs are indexed
-    (`gradian.restrict`) and the manifest records the circuit.
+    (`gradian.capture.sites`) and the manifest records the circuit.
     """
     console = console or Console(stderr=True)
     if grads.data_path is None:

@@ -1,4 +1,4 @@
-"""The whitened and eigen projections' factor pass (`grads.projection: whitened | eigen`, `gradian.projection`).
+"""The whitened and eigen projections' factor pass (`grads.projection: whitened | eigen`, `gradian.projection.projector`).
 
 ``eigen`` uses the same pass and file: its matrices are the seeded orthogonal factors rotated into
 the eigenbasis of the projected factors, Q_Sᵀ P_out and Q_Aᵀ P_in (`eigen_tensors`; only k × k
@@ -10,7 +10,7 @@ module (d_out, d_in), the full (unprojected) K-FAC factors on the supervised row
     A = Σ_{rows, t} x_t x_tᵀ / N        (d_in, d_in),   N = non-padding positions
     S = Σ_{rows, t} δ_t δ_tᵀ / n        (d_out, d_out), n = rows
 
-(float64, `gradian.curvature.FactorSums` on the raw x and δ; with grads.fisher=sampled δ comes
+(float64, `gradian.curvature.factors.FactorSums` on the raw x and δ; with grads.fisher=sampled δ comes
 from the sampled labels, as the index's own factors do). Each factor is whitened with its damped
 inverse square root, W = Q (e + λ)^-½ Qᵀ, λ = WHITEN_DAMPING · mean(e) (e, Q: its eigenvalues and
 eigenvectors; λ = 1 for an all-zero factor), and composed with the seeded kronecker_orthogonal
@@ -42,9 +42,9 @@ from typing import Any
 import torch
 
 from circuitkit.core.io import atomic_save_safetensors, file_lock, sha256_file
-from gradian.curvature import FactorSums
-from gradian.index_files import confined_path, read_recorded
-from gradian.projection import WHITENING_FILE, Projector
+from circuitkit.core.recorded import confined_path, read_recorded
+from gradian.curvature.factors import FactorSums
+from gradian.projection.projector import WHITENING_FILE, Projector
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def factor_pass(shapes: Mapping[str, tuple[int, int]], batches, run_batch: Calla
     per module instead of (d, d), all the eigen projection needs (`eigen_tensors`).
 
     batches: iterable of (batch, row_ids); run_batch(projector, batch, row_ids, sums) runs one
-    `gradian.capture.per_example_gradients` with that projector and factor sums.
+    `gradian.capture.gradients.per_example_gradients` with that projector and factor sums.
     """
     probe = (_FactorProbe(shapes, "kronecker", None, 0) if projected is None else
              _FactorProbe(shapes, "kronecker_orthogonal", projected.projection_dim, projected.seed,
@@ -113,7 +113,7 @@ def eigen_tensors(projector: Projector, sums: FactorSums, n_rows: int) -> dict[s
     """``p_out.m`` = Q_S (k_o, k_o), ``p_in.m`` = Q_A (k_i, k_i) float32 per module m (kind eigen): the
     eigenvectors of the projected K-FAC factors P_out S P_outᵀ and P_in A P_inᵀ (S = Σ δ δᵀ / n,
     A = Σ x xᵀ / N; P the seeded orthogonal factors of `projector`), largest eigenvalue first, as
-    columns. The projection is Qᵀ P (`gradian.projection.compose_rotations`, on load): only (k, k)
+    columns. The projection is Qᵀ P (`gradian.projection.projector.compose_rotations`, on load): only (k, k)
     matrices are decomposed and stored, k² floats per side instead of k · d."""
     sums.check_finite("grads.projection=eigen")
     random = projector.random_part()
@@ -132,12 +132,12 @@ def eigen_tensors(projector: Projector, sums: FactorSums, n_rows: int) -> dict[s
 def shared_file(index_dir: Path, filename: str, settings: str, read_settings: Callable[[Path], str | None],
                 write: Callable[[Path], None], recorded: Mapping | None, what: str) -> dict[str, Any]:
     """A data-dependent file every worker of an index shares (the whitened projection's matrices,
-    `gradian.allocation`'s widths): under the index's projection lock, `filename` in `index_dir` is
+    `gradian.curvature.allocation`'s widths): under the index's projection lock, `filename` in `index_dir` is
     reused when `read_settings(path)` equals `settings` (the facts that decide it), else (re)made by
     `write(path)` (atomically). Returns its record: file, sha256, bytes.
 
     recorded: the record an existing manifest holds for it, if any; a file that does not match it is
-    refused (IndexIntegrityError, exit code 1: `gradian.index_files.read_recorded`), never silently
+    refused (IndexIntegrityError, exit code 1: `circuitkit.core.recorded.read_recorded`), never silently
     replaced. A file no manifest records, made with other settings (a run killed after the factor
     pass), is recomputed. A link out of the index directory is refused either way.
     """

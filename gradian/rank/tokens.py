@@ -17,15 +17,15 @@ from rich.table import Table
 from rich.text import Text
 
 from circuitkit.core.errors import UserError
-from gradian.data import Row, iter_rows, new_report, policy_of
-from gradian.index import IndexReader
+from gradian.data.rows import Row, iter_rows, new_report, policy_of
+from gradian.index.store import IndexReader
 
 
 def load_index_tokenizer(manifest: dict[str, Any]) -> Any:
     """The tokenizer of the model an index names, refused (UserError) if its hash differs."""
     from circuitkit.core.config import ModelConfig
     from circuitkit.models.loading import load_tokenizer
-    from gradian.indexer import tokenizer_hash
+    from gradian.build.indexer import tokenizer_hash
 
     name = manifest.get("model")
     if not isinstance(name, str):
@@ -42,7 +42,7 @@ def load_index_tokenizer(manifest: dict[str, Any]) -> Any:
 def indexed_row(index_dir: str | Path, row_id: int, tokenizer: Any | None = None) -> Row:
     """Training row `row_id` of the index, tokenized as it was indexed.
 
-    Returns a `gradian.data.Row` (``input_ids`` and ``supervised``, both length T). Raises
+    Returns a `gradian.data.rows.Row` (``input_ids`` and ``supervised``, both length T). Raises
     UserError (exit code 2) for a row id out of range or data that is gone or changed.
     """
     return indexed_rows(index_dir, [row_id], tokenizer)[row_id]
@@ -51,10 +51,10 @@ def indexed_row(index_dir: str | Path, row_id: int, tokenizer: Any | None = None
 def indexed_rows(index_dir: str | Path, row_ids: Iterable[int], tokenizer: Any | None = None) -> dict[int, Row]:
     """Training rows `row_ids` of the index, tokenized as they were indexed, in one pass over the data.
 
-    Returns {row id: `gradian.data.Row`}. Raises UserError (exit code 2) for a row id out of
+    Returns {row id: `gradian.data.rows.Row`}. Raises UserError (exit code 2) for a row id out of
     range or data that is gone or changed.
     """
-    from gradian.rank import training_source
+    from gradian.rank.ranking import training_source
 
     manifest = IndexReader(index_dir).manifest
     n_rows, wanted = manifest["n_rows"], set(row_ids)

@@ -1,5 +1,5 @@
 """How Gradian projects per-example weight gradients of linear modules (which modules: `grads.module_filter`,
-`circuitkit.models.linear_modules`, or a circuit, `gradian.restrict`).
+`circuitkit.models.linear_modules`, or a circuit, `gradian.capture.sites`).
 
 For a linear layer y = W x (+ b), W of shape (d_out, d_in), and one example with positions t,
 the weight gradient of that example's loss L is
@@ -18,7 +18,7 @@ Stored rows are a random projection of G, computed without ever forming G:
   lowers the variance of the inner-product estimate at the same width (docs/benchmarks.md).
 * ``whitened``: ``kronecker_orthogonal``'s seeded factors applied after each module's damped
   K-FAC whitening, P_out (S + λ_S I)^-½ and P_in (A + λ_A I)^-½, with the full (unprojected)
-  factors A = Σ x xᵀ / N and S = Σ δ δᵀ / n of the indexed corpus (`gradian.whitening`: a factor
+  factors A = Σ x xᵀ / N and S = Σ δ δᵀ / n of the indexed corpus (`gradian.curvature.whitening`: a factor
   pass before any row is written). The composed (k_o, d_out) and (k_i, d_in) matrices depend on
   the data, so they are stored with the index (``projection.safetensors``, its sha256 in the
   manifest's projection entry) and read back from there by every worker, resume and query;
@@ -28,14 +28,14 @@ Stored rows are a random projection of G, computed without ever forming G:
   P_in A P_inᵀ = Q_A diag(e_A) Q_Aᵀ (the same factor pass; eigenvalues descending): a rotation of
   each block, so dense rows score exactly as ``kronecker_orthogonal``'s (every inner product is
   kept), and each stored coordinate is one direction of K-FAC's eigenbasis (Q_S ⊗ Q_A): what sign
-  rows (`gradian.signs`, EOGP-style) keep one bit of. Stored in the same file as ``whitened``'s
+  rows (`gradian.index.formats.signs`, EOGP-style) keep one bit of. Stored in the same file as ``whitened``'s
   matrices, as the rotations Q (k × k per side) only (`compose_rotations` applies them on load).
 * ``dense``: one Gaussian matrix P (projection_dim, d_out * d_in) / sqrt(projection_dim) applied
   to vec(G); the fidelity reference (it needs G and a projection_dim × d_out·d_in matrix).
 * ``projection_dim=None``: vec(G) itself, row-major in nn.Linear orientation (d_out, d_in).
 
 Every module gets ``projection_dim`` columns (``grads.width_allocation: uniform``), or, with
-``spectrum`` (`gradian.allocation`), its own width from a split of the same total
+``spectrum`` (`gradian.curvature.allocation`), its own width from a split of the same total
 n_modules x projection_dim by each module's curvature spectrum: `Projector(widths=...)`, the
 widths recorded per module in the manifest's projection entry with an ``allocation`` record.
 A manifest without that record is uniform.
@@ -62,15 +62,15 @@ from pathlib import Path
 import torch
 
 from circuitkit.core.config import GradsConfig, choices
-from gradian.index_files import REBUILD, IndexIntegrityError, read_recorded
+from circuitkit.core.recorded import REBUILD, IndexIntegrityError, read_recorded
 
 log = logging.getLogger(__name__)
 
 PROJECTION_KINDS = choices(GradsConfig, "projection")
 KRONECKER_KINDS = ("kronecker", "kronecker_orthogonal", "whitened", "eigen")
-# Kinds whose matrices depend on the data and are stored with the index (`gradian.whitening`).
+# Kinds whose matrices depend on the data and are stored with the index (`gradian.curvature.whitening`).
 STORED_KINDS = ("whitened", "eigen")
-# The whitened projection's matrices, stored in the index directory (`gradian.whitening` writes it).
+# The whitened projection's matrices, stored in the index directory (`gradian.curvature.whitening` writes it).
 WHITENING_FILE = "projection.safetensors"
 # Columns of the dense matrix generated per seeded chunk. A constant, so the matrix does not
 # depend on how much memory a run has (chunks are regenerated when the matrix is not cached).
@@ -173,7 +173,7 @@ class Projector:
     projection_dim: width per module; None stores raw gradients (width d_out * d_in).
     seed: projection seed (grads.projection_seed).
     widths, allocation: kronecker kinds only: name -> this module's own width (instead of
-        projection_dim for every module; `gradian.allocation`), and the manifest's record of how
+        projection_dim for every module; `gradian.curvature.allocation`), and the manifest's record of how
         they were chosen (``allocation``). None: uniform, projection_dim each.
     matrices, whitening: kind "whitened" only: name -> (P_out (k_o, d_out), P_in (k_i, d_in))
         float32, the stored whitened matrices, and their record in the manifest (file, sha256,
@@ -249,7 +249,7 @@ class Projector:
         kind = described.get("kind")
         allocation = described.get("allocation")
         widths = None
-        if allocation is not None:  # per-module widths (gradian.allocation); no record: uniform
+        if allocation is not None:  # per-module widths (gradian.curvature.allocation); no record: uniform
             entries = described.get("modules")
             if not isinstance(allocation, Mapping) or not isinstance(entries, Mapping):
                 raise ValueError("the projection's allocation record or its modules are not mappings.")
@@ -471,7 +471,7 @@ def compose_rotations(q_out: torch.Tensor, q_in: torch.Tensor, p_out: torch.Tens
 
 def load_whitened(index_dir: Path, record: Mapping, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """name -> (P_out, P_in) float32 of a whitened projection, from ``record["file"]`` in `index_dir`
-    (``p_out.m``, ``p_in.m`` in module order m), read through `gradian.index_files.read_recorded` (inside
+    (``p_out.m``, ``p_in.m`` in module order m), read through `circuitkit.core.recorded.read_recorded` (inside
     the index directory, with the sha256 of ``record["sha256"]``). IndexIntegrityError (exit code 1)
     naming the file when it is missing, linked outside the index, changed or lacks a module."""
     from safetensors.torch import load

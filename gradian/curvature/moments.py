@@ -31,7 +31,7 @@ Rank-time cost: one Cholesky factorisation per module (M k³ / 3 in float64, onc
 `influence` is two triangular solves for the Q queries and one (Q, W) x (W, n) matmul per
 shard, as `dot`; `whitened` also solves for every shard row, M · n · k² more multiply-adds
 (docs/benchmarks.md measures both). Disk: k² float32 per module and shard (width 4096: 64 MiB
-per module and shard); `gradian.curvature`'s K-FAC factors are the small alternative.
+per module and shard); `gradian.curvature.factors`'s K-FAC factors are the small alternative.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ TENSOR = "second_moment"
 
 def check_block_width(projection_dim: int | None, preconditioner: str) -> None:
     """grads.preconditioner=module needs projected rows of width <= MAX_BLOCK_WIDTH per module
-    (kfac's factors are checked on the projector, `gradian.curvature.check_kfac`)."""
+    (kfac's factors are checked on the projector, `gradian.curvature.factors.check_kfac`)."""
     if preconditioner not in PRECONDITIONERS:
         raise ValueError(f"grads.preconditioner={preconditioner!r}; valid: {', '.join(PRECONDITIONERS)}.")
     if preconditioner in ("none", "kfac"):

@@ -20,7 +20,7 @@ y_{b,t} is exactly δ_{b,t} = dL_b/dy_{b,t}, and each example's weight gradient 
     G_b = Σ_t δ_{b,t} x_{b,t}ᵀ          (d_out, d_in), x the module input,
 
 which the projector reduces to a row without forming G_b for the kronecker kind (see
-`gradian.projection`).
+`gradian.projection.projector`).
 
 Memory: parameters stay frozen (no parameter gradient is ever allocated); only the hidden
 states at supervised positions go through the unembedding, `logit_chunk_rows(V)` of them at a
@@ -48,8 +48,8 @@ from circuitkit.core.config import GradsConfig, choices
 from circuitkit.core.device import send
 from circuitkit.models.placement import input_device
 from circuitkit.models.recompute import fused_activations, recomputed_activations
-from gradian.data import SUPERVISION, no_target_error
-from gradian.projection import Projector
+from gradian.data.rows import SUPERVISION, no_target_error
+from gradian.projection.projector import Projector
 
 
 class PerExampleGradients(dict):
@@ -108,7 +108,7 @@ class _Targets:
 
 
 def _targets(batch: Mapping[str, torch.Tensor], device: torch.device) -> _Targets:
-    """The batch's `_Targets`: from the host-side `gradian.data.Supervision` that `collate` computed
+    """The batch's `_Targets`: from the host-side `gradian.data.rows.Supervision` that `collate` computed
     (copied to the device without a wait), else, for a hand-made batch, from its masks on the device."""
     facts = batch.get(SUPERVISION)
     if facts is not None:
@@ -295,12 +295,12 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
 
     batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
     (B, T) bool (target t predicted from position t - 1). Every example needs >= 1 target.
-    modules: (name, module) pairs, or (name, module, input columns) sites (`gradian.restrict`:
+    modules: (name, module) pairs, or (name, module, input columns) sites (`gradian.capture.sites`:
     a head's d_head columns of the attention output projection), in row order.
     Returns name -> (B, projector.width(name)) float32 (a `PerExampleGradients`, with
     ``.losses`` (B,) and ``.n_supervised`` (B,)). `loss`: "ce" or "margin" (module docstring).
     `activations`: `grads.activations` (`activation_mode`): model and recompute give the same bits.
-    `factors`: a `gradian.curvature.FactorSums` that also sums the projected inputs' and output
+    `factors`: a `gradian.curvature.factors.FactorSums` that also sums the projected inputs' and output
     gradients' outer products over the batch's positions (K-FAC factors), or None.
     `fisher` (with `factors` only): "empirical" sums the factors from the output gradients of the
     data's labels; "sampled" (the true Fisher) from a second backward of the same forward with the loss
@@ -309,7 +309,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     from a generator seeded by `fisher_seed` and its id in `row_ids` (B,), so the factors do not
     depend on the batching. The returned rows keep the data's labels either way; the sampled
     rows come as ``.fisher_rows`` (name -> (B, width)), for the EK-FAC eigenvalues.
-    `factored`: a `gradian.factored.FactoredRows`: each block is stored as its rank-c factors
+    `factored`: a `gradian.index.formats.factored.FactoredRows`: each block is stored as its rank-c factors
     [U | V] (B, c (k_o + k_i)) instead of the dense (B, k_o k_i) block; None: dense.
 
     Parameters must be frozen (requires_grad False): the backward computes activation
@@ -347,7 +347,7 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     n_sup = facts.counts
 
     # A site is (name, module) or (name, module, input columns): several sites can share one
-    # module (the kept heads of one o_proj, `gradian.restrict`); one hook per module serves them.
+    # module (the kept heads of one o_proj, `gradian.capture.sites`); one hook per module serves them.
     sites = [tuple(m) if len(m) == 3 else (m[0], m[1], None) for m in modules]
     by_module: dict[int, tuple[nn.Module, list[tuple[str, slice | None]]]] = {}
     for name, module, columns in sites:

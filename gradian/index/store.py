@@ -14,7 +14,7 @@ is byte-identical to an uninterrupted one: nothing in it depends on time, order 
 
 What the manifest names is not trusted: every file an index reads (the manifest, its shards,
 projection.safetensors, allocation.json, curvature.safetensors) must be a plain file name inside
-the index directory (symlinks resolved; `gradian.index_files`), and a shard is checked against
+the index directory (symlinks resolved; `circuitkit.core.recorded`), and a shard is checked against
 its sha256 as it is read (`IndexReader.shards(verify=True)`, the default). `IndexReader.verify()` checks the whole
 index and lists every problem (`gradian inspect --verify`).
 """
@@ -37,30 +37,30 @@ import torch
 from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_json, file_lock, save_safetensors_streamed, sha256_file
-from gradian.factored import layout_of, projector_layout, row_format_problems
-from gradian.header import NOT_COMPARED, check_header
-from gradian.index_files import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
+from circuitkit.core.recorded import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
     MANIFEST,
     REBUILD,
     IndexIntegrityError,
     confined_path,
 )
-from gradian.projection import WHITENING_FILE, Projector, projection_fingerprint
-from gradian.signs import coordinates, is_signs, pack, packed_width
+from gradian.index.formats.factored import layout_of, projector_layout, row_format_problems
+from gradian.index.formats.signs import coordinates, is_signs, pack, packed_width
+from gradian.index.header import NOT_COMPARED, check_header
+from gradian.projection.projector import WHITENING_FILE, Projector, projection_fingerprint
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.
 # 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
-#    `second_moment` (gradian.precondition).
+#    `second_moment` (gradian.curvature.moments).
 #    Still 4 with K-FAC: shards may hold `kfac_in.m`, `kfac_out.m`, `kfac_tokens`, and the manifest
-#    `curvature` (curvature.safetensors, gradian.curvature); readers that predate them refuse
+#    `curvature` (curvature.safetensors, gradian.curvature.factors); readers that predate them refuse
 #    such shards (unknown tensors) rather than misread them.
-# 4: the header records `activations` ("model" or "fused", gradian.capture.activation_numerics).
-# 5: the header is `gradian.header.IndexHeader`, checked field by field, and records
+# 4: the header records `activations` ("model" or "fused", gradian.capture.gradients.activation_numerics).
+# 5: the header is `gradian.index.header.IndexHeader`, checked field by field, and records
 #    `parameter_share` (the share of the model's parameters the index covers).
 # 8: the header records `row_format` and `row_rank`: `grads` of a factored index are each module's
-#    rank-c factors [U | V] (gradian.factored), its norms those of U Vᵀ; readers that predate it refuse
+#    rank-c factors [U | V] (gradian.index.formats.factored), its norms those of U Vᵀ; readers that predate it refuse
 #    the version rather than multiply factors as dense rows.
-# 9: row_format may be `signs`: `grads` are packed sign bits (uint8, gradian.signs), norms √n; readers
+# 9: row_format may be `signs`: `grads` are packed sign bits (uint8, gradian.index.formats.signs), norms √n; readers
 #    that predate it refuse the version rather than read bytes as numbers.
 FORMAT_VERSION = 9
 # Optional shard tensors besides grads, norms and rows.
@@ -274,8 +274,8 @@ class IndexWriter:
         """Store shard k: grads (n, width) float32 in the storage dtype, with float32 norms, and
         `sources` (n,) int64, where each row is in the data (JSONL line or table row index).
         `second_moment_blocks` M: also store the stored rows' per-block Σ g gᵀ, (M, k, k) float32
-        (`gradian.precondition.shard_second_moment`). `extra_tensors`: the K-FAC factor sums
-        (`gradian.curvature.FactorSums.tensors`), stored as given.
+        (`gradian.curvature.moments.shard_second_moment`). `extra_tensors`: the K-FAC factor sums
+        (`gradian.curvature.factors.FactorSums.tensors`), stored as given.
 
         Norms are of the stored values, so cosine scores read back exactly what was stored.
         Raises StorageOverflowError naming the rows if float16 would turn values into inf.
@@ -284,7 +284,7 @@ class IndexWriter:
         if rows.tolist() != list(range(start, end)):
             raise ValueError(f"shard {k} must hold rows {start}..{end - 1}, got {rows.tolist()[:5]}...")
         signs = is_signs(self.header)
-        if signs:  # one bit per coordinate (gradian.signs); every ±1 row has norm √n
+        if signs:  # one bit per coordinate (gradian.index.formats.signs); every ±1 row has norm √n
             if second_moment_blocks is not None:
                 raise ValueError("sign rows (grads.row_format=signs) hold no magnitudes to sum second moments of.")
             n = coordinates(self.header)
@@ -311,7 +311,7 @@ class IndexWriter:
                  else stored.float().norm(dim=1) if layout is None else layout.norms(stored))  # of what the row stands for
         second_moment = None
         if second_moment_blocks is not None:
-            from gradian.precondition import shard_second_moment
+            from gradian.curvature.moments import shard_second_moment
 
             second_moment = shard_second_moment(stored.float(), second_moment_blocks)
         return self.write_stored(k, stored, norms, sources, second_moment, extra_tensors)
@@ -472,7 +472,7 @@ class IndexReader:
     def _check_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> list[str]:
         """What in a loaded shard disagrees with its manifest entry."""
         entry, problems = self.manifest["shards"][name], []
-        from gradian.curvature import factor_shapes, has_kfac, is_factor_tensor, shard_factor_problems
+        from gradian.curvature.factors import factor_shapes, has_kfac, is_factor_tensor, shard_factor_problems
 
         if {t for t in tensors if not is_factor_tensor(t)} - set(OPTIONAL_TENSORS) != {"grads", "norms", "rows"}:
             return [f"{name} holds tensors {sorted(tensors)}, expected grads, norms, rows (and sources,"
@@ -521,7 +521,7 @@ class IndexReader:
     @property
     def second_moment_blocks(self) -> int | None:
         """M, the number of per-module blocks whose second moments the shards hold (None: none)."""
-        from gradian.curvature import has_module
+        from gradian.curvature.factors import has_module
 
         if not has_module(self.manifest.get("preconditioner", "none")):
             return None
@@ -569,9 +569,9 @@ class IndexReader:
         verify: check each shard's sha256 against the manifest on the bytes read (one read per
         shard, no second pass). Either way the row ids, shapes and dtypes must match the
         manifest. Raises IndexIntegrityError naming the shard and what differs.
-        factored: the caller reads factored rows (`gradian.factored.layout_of`); a factored index
+        factored: the caller reads factored rows (`gradian.index.formats.factored.layout_of`); a factored index
         is refused otherwise (IndexMismatchError), before any shard is read.
-        signs: the caller reads packed sign rows (`gradian.signs`), handed out as the stored uint8
+        signs: the caller reads packed sign rows (`gradian.index.formats.signs`), handed out as the stored uint8
         bytes; a sign index is refused otherwise, the same way.
         """
         if is_signs(self.manifest) and not signs:
@@ -624,13 +624,14 @@ class IndexReader:
                 if not torch.allclose(recomputed, tensors["norms"], rtol=1e-5, atol=1e-6):
                     found.append(f"{name} norms are not the norms of its stored grads")
                 if "second_moment" in tensors:
-                    from gradian.precondition import shard_second_moment
+                    from gradian.curvature.moments import shard_second_moment
 
                     again = shard_second_moment(tensors["grads"].float(), self.second_moment_blocks)
                     if not torch.allclose(again, tensors["second_moment"], rtol=1e-5, atol=1e-6):
                         found.append(f"{name} second_moment is not the sum of its stored rows' outer products")
             problems += found
-        from gradian.curvature import CURVATURE_FILE, has_kfac, verify_curvature
+        from gradian.curvature.factors import CURVATURE_FILE, has_kfac
+        from gradian.index.store.curvature import verify_curvature
 
         if has_kfac(self.manifest.get("preconditioner")) and not problems:
             problems += verify_curvature(self)
@@ -663,7 +664,7 @@ class IndexReader:
         if "projection_sha256" not in self.manifest:
             return [f"no projection_sha256 (format_version {self.manifest['format_version']}): the projection"
                     " the rows were made with cannot be checked"]
-        from gradian.allocation import allocation_problems
+        from gradian.curvature.allocation import allocation_problems
 
         problems = allocation_problems(self.index_dir, proj)
         try:

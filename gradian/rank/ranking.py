@@ -9,12 +9,12 @@ memory is bounded by one shard plus Q x k, never by the index size.
 Scores: ``dot`` = <g_query, g_row>; ``cosine`` = dot / (|g_query| |g_row|), using the norms
 stored in the index (norms of the stored values, so the cosine is exactly that of what is on
 disk). ``influence`` and ``whitened`` use the per-module second moments an index built with
-``grads.preconditioner: module`` holds (`gradian.precondition`): qᵀ A g, and that divided by
+``grads.preconditioner: module`` holds (`gradian.curvature.moments`): qᵀ A g, and that divided by
 ‖q‖_A ‖g‖_A. ``kfac`` and ``ekfac`` use the K-FAC factors an index built with
-``grads.preconditioner: kfac`` holds (`gradian.curvature`): qᵀ (F + λI)⁻¹ g with K-FAC's or
+``grads.preconditioner: kfac`` holds (`gradian.curvature.factors`): qᵀ (F + λI)⁻¹ g with K-FAC's or
 EK-FAC's F. An index of factored rows (``grads.row_format: factored``) is scored from its factors
-(`gradian.factored.FactoredScorer`) with the same dense queries; an index of sign rows (``signs``) by
-n - 2 x the Hamming distance to the signed queries (`gradian.signs`; cosine and dot only). ``aggregate`` turns the Q
+(`gradian.index.formats.factored.FactoredScorer`) with the same dense queries; an index of sign rows (``signs``) by
+n - 2 x the Hamming distance to the signed queries (`gradian.index.formats.signs`; cosine and dot only). ``aggregate`` turns the Q
 per-query scores of a row into one (``mean`` or ``max``) and ranks the rows by it as well.
 """
 
@@ -34,28 +34,29 @@ from circuitkit.core.circuit_file import circuit_sha256
 from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_bytes, check_writable
+from circuitkit.core.recorded import read_recorded
 from circuitkit.models.loading import context_length, load_model, weights_hash
 from circuitkit.models.lora import AdapterError, read_adapter
-from gradian.allocation import check_allocation
-from gradian.capture import per_example_gradients
-from gradian.curvature import CURVATURE_DAMPING, KroneckerCurvature, has_kfac
-from gradian.data import _preview, collate, load_rows, policy_of, to_device
-from gradian.factored import FactoredScorer, layout_of
-from gradian.index import IndexIntegrityError, IndexMismatchError, IndexReader
-from gradian.index_files import read_recorded
-from gradian.indexer import check_input_file, tokenizer_hash
-from gradian.precondition import DAMPING, Preconditioner
-from gradian.projection import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
-from gradian.restrict import site_shapes, sites_from_names
-from gradian.signs import SignScorer, coordinates, is_signs
-from gradian.sources import DataError, Source, SourceSpec
+from gradian.build.indexer import check_input_file, tokenizer_hash
+from gradian.capture.gradients import per_example_gradients
+from gradian.capture.sites import site_shapes, sites_from_names
+from gradian.curvature.allocation import check_allocation
+from gradian.curvature.factors import CURVATURE_DAMPING, has_kfac
+from gradian.curvature.moments import DAMPING, Preconditioner
+from gradian.data.rows import _preview, collate, load_rows, policy_of, to_device
+from gradian.data.sources import DataError, Source, SourceSpec
+from gradian.index.store.curvature import KroneckerCurvature
+from gradian.index.formats.factored import FactoredScorer, layout_of
+from gradian.index.formats.signs import SignScorer, coordinates, is_signs
+from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.projection.projector import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
 
 log = logging.getLogger(__name__)
 
 SCORES = ("cosine", "dot", "influence", "whitened", "kfac", "ekfac")
-SIGN_SCORES = ("cosine", "dot")  # what sign rows (gradian.signs) can be scored by
-PRECONDITIONED_SCORES = ("influence", "whitened")  # the module second moments (gradian.precondition)
-KRONECKER_SCORES = ("kfac", "ekfac")  # the K-FAC factors (gradian.curvature)
+SIGN_SCORES = ("cosine", "dot")  # what sign rows (gradian.index.formats.signs) can be scored by
+PRECONDITIONED_SCORES = ("influence", "whitened")  # the module second moments (gradian.curvature.moments)
+KRONECKER_SCORES = ("kfac", "ekfac")  # the K-FAC factors (gradian.curvature.factors)
 CURVATURE_SCORES = PRECONDITIONED_SCORES + KRONECKER_SCORES
 AGGREGATES = ("mean", "max")
 QUERY_BATCH_SIZE = 8
@@ -96,7 +97,7 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     """Top-k training rows per query and for the aggregate, streaming the index's shards.
 
     query_grads: (Q, width) float32, projected query gradients (width = the index's row width; for
-    factored rows, `gradian.factored`, the dense width of the blocks the factors stand for).
+    factored rows, `gradian.index.formats.factored`, the dense width of the blocks the factors stand for).
     Returns ``query_scores`` (Q, k') float32 and ``query_rows`` (Q, k') long: per query, the best
     rows in descending score (ties: lower row id first); ``aggregate_scores`` (k',) and
     ``aggregate_rows`` (k',): rows ranked by the mean or max over queries of their scores;
@@ -114,8 +115,8 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     if top_k < 1:
         raise ValueError(f"top_k={top_k}; it must be >= 1.")
     reader = IndexReader(index_dir)
-    layout = layout_of(reader.manifest)  # factored rows (gradian.factored): the queries stay dense blocks
-    signs = is_signs(reader.manifest)  # sign rows (gradian.signs): the queries are signed the same way
+    layout = layout_of(reader.manifest)  # factored rows (gradian.index.formats.factored): the queries stay dense blocks
+    signs = is_signs(reader.manifest)  # sign rows (gradian.index.formats.signs): the queries are signed the same way
     if signs and score not in SIGN_SCORES:
         raise IndexMismatchError(_signs_refusal(reader.index_dir, score))
     width = (coordinates(reader.manifest) if signs else reader.manifest.get("row_width") if layout is None
@@ -203,7 +204,7 @@ def check_compatible(manifest: dict[str, Any], loaded, index_dir: str | Path | N
     and the sha256 of the matrices that projection generates with the manifest's
     `projection_sha256` (so an edited seed or kind cannot pass). `index_dir`: where a whitened
     projection's stored matrices and a spectrum allocation's ``allocation.json`` are read
-    (`gradian.whitening`, `gradian.allocation`; required for the whitened kind).
+    (`gradian.curvature.whitening`, `gradian.curvature.allocation`; required for the whitened kind).
     Raises IndexMismatchError naming every differing key; IndexIntegrityError (exit code 1) when a
     stored file is missing, linked outside the index or not the one the manifest records.
     """
@@ -375,7 +376,7 @@ def query_gradients(manifest: dict[str, Any], loaded, projector: Projector, quer
                     batch_size: int = QUERY_BATCH_SIZE) -> tuple[torch.Tensor, list]:
     """Projected gradients of the query rows, as the index's rows were made.
 
-    Returns (grads (Q, width) float32 on the CPU, the query Rows from gradian.data.load_rows with
+    Returns (grads (Q, width) float32 on the CPU, the query Rows from gradian.data.rows.load_rows with
     the manifest's max_seq_length / truncation settings and token policy: a query's tokens are
     made exactly as a training row's, EOS / BOS and chat supervision included). Its activations
     run as the index's did (the manifest's `activations`; "model" for indexes made before 4).
@@ -539,8 +540,8 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
 
     `score`: cosine, dot, or (an index built with grads.preconditioner=module) influence or
     whitened, or (grads.preconditioner=kfac) kfac or ekfac, with `damping` (share of the mean
-    eigenvalue, default 0.1 for influence / whitened, 0.01 for kfac / ekfac; `gradian.precondition`,
-    `gradian.curvature`; refused with cosine / dot).
+    eigenvalue, default 0.1 for influence / whitened, 0.01 for kfac / ekfac; `gradian.curvature.moments`,
+    `gradian.curvature.factors`; refused with cosine / dot).
     "auto" (the default): ekfac on an index with K-FAC factors, else cosine (`default_score`).
     Query rows are tokenized with the index's token policy (manifest ``token_policy``);
     `append_eos`, when given, must be that policy's (IndexMismatchError otherwise).

@@ -1,9 +1,9 @@
 """The index header, typed: what decides an index's stored values, one writer, one checking reader.
 
-`IndexHeader` holds the fields `gradian.indexer` records at the top of manifest.json (in this
+`IndexHeader` holds the fields `gradian.build.indexer` records at the top of manifest.json (in this
 order); `IndexWriter` adds n_rows, rows_per_shard and format_version, then the shard list.
 `header_json` is the one writer of those fields; `check_header` the one reader (called by
-`gradian.index.read_manifest` for every index the indexer wrote, i.e. whose manifest records a
+`gradian.index.store.read_manifest` for every index the indexer wrote, i.e. whose manifest records a
 tokenizer): it checks the type of every field and fills, in one place, what an older format
 version did not record (`DEFAULTS_BEFORE`), so no reader needs a default of its own. A bare
 shard store (`IndexWriter` with a header of its own, as the benchmarks use) is checked for its
@@ -20,7 +20,7 @@ _NONE = type(None)
 
 @dataclass(frozen=True)
 class IndexHeader:
-    """Everything that decides an index's stored values (see `gradian.indexer`)."""
+    """Everything that decides an index's stored values (see `gradian.build.indexer`)."""
 
     model: str
     revision: str | None
@@ -51,7 +51,7 @@ class IndexHeader:
     # file and its sha256, peft_type, r, lora_alpha, target_modules, base_model_name_or_path), or None
     adapter: dict[str, Any] | None = None
     base_name: str | None = None  # model.base_name: the model a full fine-tune in `model` was tuned from
-    # grads.row_format: dense blocks, rank-row_rank factors (gradian.factored) or sign bits (gradian.signs)
+    # grads.row_format: dense blocks, rank-row_rank factors (gradian.index.formats.factored) or sign bits (gradian.index.formats.signs)
     row_format: str = "dense"
     row_rank: int | None = None  # grads.row_rank with factored rows, else None
     # What made the index (circuitkit.core.provenance.software: the distribution's version, the git commit
@@ -144,10 +144,10 @@ def _widths_line(proj: dict[str, Any]) -> str:
 def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """How an index was made, as (key, value) lines: what `gradian inspect` prints and the report shows.
 
-    `summary`: `gradian.index.IndexReader.summary()` (the manifest plus what is on disk).
+    `summary`: `gradian.index.store.IndexReader.summary()` (the manifest plus what is on disk).
     """
-    from gradian.curvature import has_kfac
-    from gradian.data import policy_line
+    from gradian.curvature.factors import has_kfac
+    from gradian.data.rows import policy_line
 
     proj, report = summary.get("projection", {}), summary.get("data_report") or {}
     if not isinstance(proj, dict):  # a bare kind, as in hand-made headers

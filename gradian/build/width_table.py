@@ -1,5 +1,5 @@
 """What each `grads.projection_dim` costs on disk for the configured corpus, and what it bought on
-the yardsticks (the preflight's grads line, `gradian.memory.GRADS_MEMORY`'s note).
+the yardsticks (the preflight's grads line, `gradian.build.memory.GRADS_MEMORY`'s note).
 
 MEASURED holds figures measured with the defaults otherwise (kronecker_orthogonal, margin loss,
 empirical Fisher, uniform widths, EK-FAC at damping 0.01), 3 projection seeds each, from
@@ -76,8 +76,8 @@ def _quality(figures: tuple[float | None, float | None] | None) -> str:
 def width_note(cfg: AppConfig, grads_projector: Callable[[AppConfig], Any]) -> str | None:
     """One line: the rows' disk at each measured width (and the configured one) for this config's modules
     and corpus, with the S / LDS figures each width measured, dense rows (grads.storage_dtype) and sign
-    rows (one bit per coordinate, `gradian.signs`). None when grads is off or raw.
-    `grads_projector(cfg)`: the run's projector (`gradian.memory.grads_projector`, which prints this line)."""
+    rows (one bit per coordinate, `gradian.index.formats.signs`). None when grads is off or raw.
+    `grads_projector(cfg)`: the run's projector (`gradian.build.memory.grads_projector`, which prints this line)."""
     g = cfg.grads
     if not g.enabled or g.projection_dim is None:
         return None

@@ -12,7 +12,7 @@ computed with XOR and a population count on the packed words (`popcount`): the r
 never unpacked. What the signs stand for depends on the projection:
 
 * ``eigen`` (the preset `conf/grads/signs.yaml`): each coordinate is one direction of the module's
-  K-FAC eigenbasis (`gradian.projection`), and ±1 per coordinate weighs every direction alike, as
+  K-FAC eigenbasis (`gradian.projection.projector`), and ±1 per coordinate weighs every direction alike, as
   EK-FAC's preconditioning whitens them: EOGP's rows (Heo, Rosser, Kim, 2026) with every
   coordinate kept. Wider projections are what the bytes buy (16,384 coordinates per module in the
   bytes of the default's 1,024 float16 values; docs/benchmarks/gradian-indexing.md, "Sign rows, stored").

@@ -11,7 +11,7 @@ the number of directions of module m that the damped inverse resolves. Why this 
 random projection to k_m columns estimates module m's part of a preconditioned inner product
 with a variance that grows as ‖F_m^-½ g_q‖² ‖F_m^-½ g‖² / k_m ≈ d_m² / k_m; under Σ k_m = budget
 the total variance Σ d_m² / k_m is smallest at k_m ∝ d_m. The factors come from the same factor
-pass as the whitened projection (`gradian.whitening.factor_pass`, before any row is written).
+pass as the whitened projection (`gradian.curvature.whitening.factor_pass`, before any row is written).
 
 Each module's share is clamped to [floor, cap] (floor: FLOOR_SHARE x projection_dim; cap: the
 module's size, and K-FAC's side limit) with the excess redistributed (water filling), rounded
@@ -21,7 +21,7 @@ stays within the budget. Equal spectra give projection_dim each, so the uniform 
 
 The widths go to ``allocation.json`` in the index directory (with the effective dimensions and
 the settings that decided them), shared by every worker under the projection lock like the
-whitened matrices (`gradian.whitening.shared_file`), and into the manifest: each module's
+whitened matrices (`gradian.curvature.whitening.shared_file`), and into the manifest: each module's
 ``width`` in the projection entry and an ``allocation`` record (kind, file, sha256, damping,
 floor share, budget, total). Queries read the widths from the manifest.
 """
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from circuitkit.core.io import atomic_write_json
-from gradian.curvature import CURVATURE_DAMPING, MAX_FACTOR_WIDTH, FactorSums
-from gradian.index_files import REBUILD, IndexIntegrityError, read_recorded
-from gradian.projection import _MAX_FACTOR_RATIO, Projector, balanced_width, kronecker_factors
-from gradian.whitening import shared_file
+from circuitkit.core.recorded import REBUILD, IndexIntegrityError, read_recorded
+from gradian.curvature.factors import CURVATURE_DAMPING, MAX_FACTOR_WIDTH, FactorSums
+from gradian.curvature.whitening import shared_file
+from gradian.projection.projector import _MAX_FACTOR_RATIO, Projector, balanced_width, kronecker_factors
 
 ALLOCATION_FILE = "allocation.json"
 # λ_m of the effective dimension: the EK-FAC score's default damping, the curvature being measured.
@@ -181,7 +181,7 @@ def allocated_projector(shapes: Mapping[str, tuple[int, int]], kind: str, projec
     projection_dim): read from ``allocation.json`` in `index_dir` when it was made with `settings`
     (the facts that decide it), else computed (`compute()` -> the factor sums and the row count) and
     written there under the projection lock. A whitened kind gets its matrices afterwards
-    (`gradian.whitening.whitened_projector`).
+    (`gradian.curvature.whitening.whitened_projector`).
 
     recorded: the allocation record of an existing manifest's projection; a file that does not match
     it is refused (ValueError)."""
@@ -212,7 +212,7 @@ def allocated_projector(shapes: Mapping[str, tuple[int, int]], kind: str, projec
 
 def read_allocation(index_dir: Path, record: Mapping, names: list[str]) -> dict[str, int]:
     """name -> width of `names` from ``allocation.json`` in `index_dir`, read only through its record's
-    sha256 (`gradian.index_files.read_recorded`: inside the index directory, unchanged since written).
+    sha256 (`circuitkit.core.recorded.read_recorded`: inside the index directory, unchanged since written).
     IndexIntegrityError (exit code 1) naming the file when it is missing, linked outside the index,
     changed, not JSON, or gives a module no width."""
     path = Path(index_dir) / ALLOCATION_FILE

@@ -28,8 +28,8 @@ import torch
 
 from circuitkit.core.device import DTYPES
 from circuitkit.core.io import RowGather
-from gradian.index import IndexWriter, StorageOverflowError, no_sign_error, overflow_error
-from gradian.signs import pack_rows
+from gradian.index.store import IndexWriter, StorageOverflowError, no_sign_error, overflow_error
+from gradian.index.formats.signs import pack_rows
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -162,12 +162,12 @@ def write_job(writer: IndexWriter, job: ShardJob) -> None:
     stored = RowGather(buffer.rows, order)
     extra = dict(job.extra_tensors)
     if buffer.fisher is not None:
-        from gradian.curvature import FISHER_ROWS
+        from gradian.curvature.factors import FISHER_ROWS
 
         extra[FISHER_ROWS] = buffer.fisher[:n][order]
     second_moment = None
     if job.second_moment_blocks is not None:
-        from gradian.precondition import shard_second_moment
+        from gradian.curvature.moments import shard_second_moment
 
         second_moment = shard_second_moment(buffer.rows[:n][order].float(), job.second_moment_blocks)
     writer.write_stored(job.k, stored, norms, job.sources, second_moment, extra)

@@ -3,7 +3,7 @@
 Indexing needs every row's length and id before the first shard (shards are fixed row ranges,
 so that workers and resumed runs agree), but it must not hold millions of token lists in
 memory. `TokenizedCorpus.scan` therefore reads the source record by record, encodes each row
-(`gradian.data.iter_rows`) and appends its tokens and supervision mask to two flat files in a
+(`gradian.data.rows.iter_rows`) and appends its tokens and supervision mask to two flat files in a
 private temporary directory; memory keeps two int64 per row (offset and source position:
 16 MB for a million rows). `rows(start, end)` reads one shard's bytes back and rebuilds its
 `Row`s.
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from gradian.data import DataReport, Row, TokenPolicy, finish_report, iter_rows, new_report
-from gradian.sources import Source
+from gradian.data.rows import DataReport, Row, TokenPolicy, finish_report, iter_rows, new_report
+from gradian.data.sources import Source
 
 
 class TokenizedCorpus:
@@ -42,10 +42,10 @@ class TokenizedCorpus:
              truncation_side: str = "right", context_length: int | None = None,
              progress: Callable[[int], None] | None = None, tmp_root: str | Path | None = None,
              policy: TokenPolicy | None = None) -> TokenizedCorpus:
-        """Encode every record of `source`; raises DataError as `gradian.data.load_rows` does
+        """Encode every record of `source`; raises DataError as `gradian.data.rows.load_rows` does
         (rows are cut at the smaller of max_seq_length and the model's `context_length`).
 
-        `policy`: BOS / EOS and chat supervision (`gradian.data.TokenPolicy`).
+        `policy`: BOS / EOS and chat supervision (`gradian.data.rows.TokenPolicy`).
         `progress(n)` is called with the number of records read so far, every 1024 records.
         """
         report = new_report(source, max_seq_length, on_truncation, truncation_side, context_length, policy)

@@ -23,13 +23,13 @@ from circuitkit.models.adapters import family
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
 from circuitkit.models.lora import lora_linear_shapes, read_adapter
 from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
-from gradian.capture import activation_mode, logit_chunk_rows
-from gradian.curvature import has_kfac, has_module
-from gradian.factored import stored_value_bytes, stored_width
-from gradian.projection import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, STORED_KINDS, Projector
-from gradian.width_table import width_note
+from gradian.capture.gradients import activation_mode, logit_chunk_rows
+from gradian.curvature.factors import has_kfac, has_module
+from gradian.index.formats.factored import stored_value_bytes, stored_width
+from gradian.projection.projector import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, STORED_KINDS, Projector
+from gradian.build.width_table import width_note
 
-# Calibration of `estimate_grads` (gradian.capture.per_example_gradients). Measured with the CPU
+# Calibration of `estimate_grads` (gradian.capture.gradients.per_example_gradients). Measured with the CPU
 # dispatch tracker of `measure_peak`, float32, sdpa, frozen parameters, on the tiny GPT-2 / Llama
 # shapes of scripts/bench/check_memory_estimates.py (vocab 1024 and 50257) with mlp.c_proj / down_proj
 # and with every block linear selected, B = 4, prompt 16 / 64 / 240, supervised 8 / 16 / 32; the
@@ -41,7 +41,7 @@ from gradian.width_table import width_note
 #   log-softmax; the peak is inside the log-softmax backward, with three float32 (N_s, V) tensors
 #   live (saved log-softmax, its gradient, the logits' gradient): measured 3.03-3.07·N_s·V·4 over
 #   the activations on the 50257-vocabulary tiny models. LOGIT_F32_COPIES = 3. grads.loss=margin
-#   (`gradian.capture._Margin`) keeps one fewer: its backward holds the saved softmax over the
+#   (`gradian.capture.gradients._Margin`) keeps one fewer: its backward holds the saved softmax over the
 #   other classes and the logits' gradient; measured 1.0 MiB under ce at N_s = 256, V = 1024 and
 #   the same peak as ce wherever the block temporaries dominate: LOGIT_F32_COPIES_BY_LOSS.
 # * Forward temporaries of one block (GELU / SiLU intermediates) above the saved activations:
@@ -80,7 +80,7 @@ def _graph_layers(module_names: list[str], s: dict[str, Any], c_d: float, c_f: f
 
 
 def grads_index_bytes(n_rows: int, width: int, storage_dtype_bytes: int) -> int:
-    """Bytes of a gradient index on disk (gradian.index), headers excluded:
+    """Bytes of a gradient index on disk (gradian.index.store), headers excluded:
 
         n_rows · (width · s + 4 + 8)      s = bytes of grads.storage_dtype; float32 norm, int64 row id
 
@@ -117,7 +117,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                    n_rows: int = 0, activations: str = "model", preconditioner: str = "none",
                    rows_per_shard: int | None = None, fisher: str = "empirical",
                    loss: str = "ce", factor_pass: bool = False, stored_width: int | None = None) -> MemoryEstimate:
-    """Peak device bytes of one gradient-indexing batch (`gradian.capture.per_example_gradients`).
+    """Peak device bytes of one gradient-indexing batch (`gradian.capture.gradients.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
     N = B·seq_len tokens, N_s = B·supervised_per_row supervised targets; the projector holds the
@@ -130,7 +130,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                         from the first selected module on (`_graph_layers`),
                                         with the family's recomputed_c_f for recomputed or fused
                                         activations (`activations`: the run's
-                                        `gradian.capture.activation_mode`; the default,
+                                        `gradian.capture.gradients.activation_mode`; the default,
                                         "model", keeps the most)
         capture buffers                 kronecker: Σ_i N·k_i·4; raw / dense: Σ_i N·d_in·4 (the
                                         masked inputs); dense also B·d_out·d_in·4 (G of one
@@ -174,7 +174,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     `index_bytes` (attribute, not in the total: it is disk) is
     `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)` plus `preconditioner_index_bytes`
     for ceil(n_rows / rows_per_shard) shards (one when rows_per_shard is None); `stored_width`,
-    when given, replaces Σ width there (factored rows, `gradian.factored.stored_width`).
+    when given, replaces Σ width there (factored rows, `gradian.index.formats.factored.stored_width`).
     """
     s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
@@ -248,7 +248,7 @@ def factor_scratch_bytes(n_tokens: int, sides) -> int:
 
 
 def whitening_pass_bytes(projector: Projector, n_tokens: int) -> int:
-    """What the whitened projection's factor pass (`gradian.whitening`, before any row) needs beyond a
+    """What the whitened projection's factor pass (`gradian.curvature.whitening`, before any row) needs beyond a
     row batch of N = `n_tokens` positions: the raw module inputs instead of the projected ones,
     Σ_i N·(d_in − k_i)·4, and the largest module's float64 copies of x and δ with their
     outer-product sums, N·(d_in + d_out)·8 + (d_in² + d_out²)·8. Counted on top of the row pass's
@@ -269,7 +269,7 @@ def grads_projector(cfg: AppConfig, shape: dict[str, Any] | None = None) -> Proj
     lora = lora_linear_shapes(read_adapter(cfg.model.adapter)) if getattr(cfg.model, "adapter", None) else None
     modules = linear_module_shapes(shape, g.module_filter, lora) if g.circuit is None else _circuit_shapes(cfg, shape)
     if g.width_allocation != "uniform" and g.projection_dim is not None:
-        from gradian.allocation import provisional_widths  # the widths themselves come from the factor pass
+        from gradian.curvature.allocation import provisional_widths  # the widths themselves come from the factor pass
 
         return Projector(modules, g.projection, g.projection_dim, g.projection_seed,
                          widths=provisional_widths(modules, g.projection_dim))

@@ -1,7 +1,7 @@
 """Factored rows (`grads.row_format: factored`): each module's projected gradient as rank-c factors.
 
 For a linear module with Kronecker projection P_out (k_o, d_out), P_in (k_i, d_in) an example's
-stored block is (`gradian.projection`, `gradian.capture`)
+stored block is (`gradian.projection.projector`, `gradian.capture.gradients`)
 
     G = Σ_t s_t a_tᵀ = Sᵀ A       (k_o, k_i),   s_t = P_out δ_t (k_o,),  a_t = P_in x_t (k_i,),
 
@@ -33,7 +33,7 @@ module, against k_o k_i for a dense row of the same projection. The norm stored 
 the rows as represented. K-FAC's damped inverse (S ⊗ A + λI)⁻¹ is not a Kronecker product (λ is
 added to the products e_S e_A of the factors' eigenvalues) and EK-FAC's corrected eigenvalues are
 not separable either, so for kfac / ekfac the query is preconditioned dense as for dense rows
-(`gradian.curvature.KroneckerCurvature`) and scored against the factors as
+(`gradian.index.store.curvature.KroneckerCurvature`) and scored against the factors as
 ⟨Q̃, U Vᵀ⟩ = Σ U ⊙ (Q̃ V): k_o k_i c per row and module; the index rows stay factored.
 """
 
@@ -49,7 +49,7 @@ import torch
 from circuitkit.core.config import GradsConfig, choices
 from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
-from gradian.signs import SIGNS, packed_width
+from gradian.index.formats.signs import SIGNS, packed_width
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def many_block_factors(pairs: list[tuple[torch.Tensor, torch.Tensor]], rank: int
 
 
 class FactoredRows:
-    """The capture side of `grads.row_format: factored` (`gradian.capture.per_example_gradients`):
+    """The capture side of `grads.row_format: factored` (`gradian.capture.gradients.per_example_gradients`):
     `combine` stands in for `Projector.combine`."""
 
     def __init__(self, rank: int) -> None:
@@ -255,7 +255,7 @@ def factored_rows(grads: GradsConfig, projector) -> FactoredRows | None:
 
 def stored_width(grads: GradsConfig, projector) -> int:
     """Values per stored row: the projection's width, the factors' with grads.row_format=factored, or
-    the packed bytes with signs (`gradian.signs`, one byte per value: `stored_value_bytes`)."""
+    the packed bytes with signs (`gradian.index.formats.signs`, one byte per value: `stored_value_bytes`)."""
     if grads.row_format == SIGNS:
         return packed_width(projector.total_width)
     if grads.row_format == "dense" or (grads.projection == "dense" and grads.projection_dim is not None):
@@ -342,7 +342,7 @@ class FactoredScorer:
 
 
 def rotated_squares(u: torch.Tensor, v: torch.Tensor, q_out: torch.Tensor, q_in: torch.Tensor) -> torch.Tensor:
-    """Σ_rows (Q_outᵀ U Vᵀ Q_in)², (k_o, k_i) float64: the EK-FAC eigenvalue sums (`gradian.curvature`)
+    """Σ_rows (Q_outᵀ U Vᵀ Q_in)², (k_o, k_i) float64: the EK-FAC eigenvalue sums (`gradian.curvature.factors`)
     of factored rows U (n, k_o, c), V (n, k_i, c), rotated as factors and squared a chunk of rows at a time."""
     u_r, v_r = q_out.T @ u.double(), q_in.T @ v.double()  # (n, k_o, c), (n, k_i, c)
     k_o, k_i = u_r.shape[1], v_r.shape[1]
