@@ -137,28 +137,28 @@ LAYERS: dict[str, str] = {
     "gradian.stage": GRADIAN,  # the grads stage (a loose module: the index built from the pipeline)
     "gradian.doctor": GRADIAN,  # `gradian doctor`: installed extras, a batch-invariance self-test
     # data: where rows come from, their tokens and supervised mask, the corpus
-    "gradian.data.rows": GRADIAN,
+    "gradian.data": GRADIAN,
     "gradian.data.sources": GRADIAN,
     "gradian.data.rows": GRADIAN,  # rows tokenized under the token policy, collated with their supervision
     "gradian.data.corpus": GRADIAN,
     # projection: the random (and stored) projections of each module's gradient
-    "gradian.projection.projector": GRADIAN,
+    "gradian.projection": GRADIAN,
     "gradian.projection.projector": GRADIAN,
     # capture: per-example gradients on the supervised tokens, the loss, circuit sites
-    "gradian.capture.gradients": GRADIAN,
+    "gradian.capture": GRADIAN,
     "gradian.capture.gradients": GRADIAN,
     "gradian.capture.sites": GRADIAN,  # circuit-restricted indexing: the weights a circuit's components write through
     # curvature: factor sums, module second moments, whitening, width allocation
-    "gradian.curvature.factors": GRADIAN,
+    "gradian.curvature": GRADIAN,
     "gradian.curvature.factors": GRADIAN,  # K-FAC factor sums and their shard checks
     "gradian.curvature.moments": GRADIAN,  # grads.preconditioner=module: per-module second moments
     "gradian.curvature.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
     "gradian.curvature.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths
     # index: the header, the shard store (writer, reader, verify), the row formats, the curvature file
-    "gradian.index.store": GRADIAN,
+    "gradian.index": GRADIAN,
     "gradian.index.header": GRADIAN,  # the typed index header (IndexHeader), its writer and reader
     "gradian.index.store": GRADIAN,
-    "gradian.index.store.curvature": GRADIAN,  # curvature.safetensors from the shards, checked; the K-FAC preconditioner
+    "gradian.index.curvature": GRADIAN,  # curvature.safetensors from the shards, checked; the K-FAC preconditioner
     "gradian.index.formats": GRADIAN,
     "gradian.index.formats.factored": GRADIAN,  # grads.row_format=factored: rank-c factors of each block
     "gradian.index.formats.signs": GRADIAN,  # grads.row_format=signs: one bit per coordinate, Hamming scores
@@ -170,7 +170,7 @@ LAYERS: dict[str, str] = {
     "gradian.build.memory": GRADIAN,
     "gradian.build.width_table": GRADIAN,  # the preflight's width line: disk per width and what each measured
     # rank: scores, compatibility checks, queries, results
-    "gradian.rank.ranking": GRADIAN,
+    "gradian.rank": GRADIAN,
     "gradian.rank.ranking": GRADIAN,
     "gradian.rank.tokens": GRADIAN,  # `gradian inspect --row`: one indexed row's tokens and supervised mask
     "gradian.rank.checksum_flag": GRADIAN,  # --skip-checksums (once --no-verify) of rank and attribute

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from bench_signbits import eigen_coordinates, pack_signs, packed_sign_scores
 
-from gradian.index.store.curvature import KroneckerCurvature
+from gradian.index.curvature import KroneckerCurvature
 
 
 def test_packed_scores_equal_the_sign_inner_products():

@@ -225,7 +225,7 @@ def test_verify_checks_factors_and_curvature(index: Path, tmp_path: Path) -> Non
         entry = manifest["shards"].get(name) or manifest["curvature"]
         entry["sha256"], entry["bytes"] = sha256_file(copy / name), (copy / name).stat().st_size
         if name != CURVATURE_FILE:  # a consistent forgery of the shard and the curvature built on it
-            from gradian.index.store.curvature import shards_digest
+            from gradian.index.curvature import shards_digest
 
             manifest["curvature"]["shards_sha256"] = shards_digest(manifest)
         (copy / "manifest.json").write_text(json.dumps(manifest))

@@ -186,7 +186,7 @@ def test_the_eigen_projection_rotates_blocks_into_the_kfac_eigenbasis(built, tmp
     assert (gram - want).abs().max() < 1e-4
     from safetensors.torch import load_file
 
-    from gradian.index.store.curvature import _read_shard_factors
+    from gradian.index.curvature import _read_shard_factors
 
     stored = load_file(str(reader.index_dir / "projection.safetensors"))  # the (k, k) rotations, not k x d
     k_o, k_i = reader.manifest["projection"]["modules"][next(iter(reader.manifest["projection"]["modules"]))]["factors"]

@@ -196,7 +196,7 @@ def test_a_curvature_file_linked_outside_is_refused(built, tmp_path, capsys, no_
     queries = tmp_path / "q.jsonl"
     queries.write_text(json.dumps(ROWS[0]) + "\n")
     # The stored files are checked first (before the model); then the curvature, as it is read.
-    from gradian.index.store.curvature import current_record
+    from gradian.index.curvature import current_record
 
     with pytest.raises(IndexIntegrityError, match=r"curvature\.safetensors' is a link to"):
         current_record(idx, IndexReader(idx).manifest)

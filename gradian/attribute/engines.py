@@ -36,7 +36,7 @@ import torch
 from circuitkit.core.errors import UserError
 from gradian.curvature.factors import CURVATURE_DAMPING, has_kfac
 from gradian.curvature.moments import DAMPING, Preconditioner
-from gradian.index.store.curvature import KroneckerCurvature
+from gradian.index.curvature import KroneckerCurvature
 from gradian.index.store import IndexReader
 from gradian.rank.ranking import default_score
 

@@ -47,7 +47,7 @@ from gradian.curvature.whitening import WHITEN_DAMPING, factor_pass, whitened_pr
 from gradian.data.corpus import TokenizedCorpus
 from gradian.data.rows import TokenPolicy, collate, length_limit, to_device
 from gradian.data.sources import DataError, Source, SourceSpec, resolve_format
-from gradian.index.store.curvature import compute_curvature, current_record, shards_digest
+from gradian.index.curvature import compute_curvature, current_record, shards_digest
 from gradian.index.formats.factored import factored_rows, layout_of, stored_value_bytes
 from gradian.index.formats.signs import SIGNS, packed_width
 from gradian.index.header import IndexHeader, header_json

@@ -631,7 +631,7 @@ class IndexReader:
                         found.append(f"{name} second_moment is not the sum of its stored rows' outer products")
             problems += found
         from gradian.curvature.factors import CURVATURE_FILE, has_kfac
-        from gradian.index.store.curvature import verify_curvature
+        from gradian.index.curvature import verify_curvature
 
         if has_kfac(self.manifest.get("preconditioner")) and not problems:
             problems += verify_curvature(self)

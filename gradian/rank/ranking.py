@@ -45,7 +45,7 @@ from gradian.curvature.factors import CURVATURE_DAMPING, has_kfac
 from gradian.curvature.moments import DAMPING, Preconditioner
 from gradian.data.rows import _preview, collate, load_rows, policy_of, to_device
 from gradian.data.sources import DataError, Source, SourceSpec
-from gradian.index.store.curvature import KroneckerCurvature
+from gradian.index.curvature import KroneckerCurvature
 from gradian.index.formats.factored import FactoredScorer, layout_of
 from gradian.index.formats.signs import SignScorer, coordinates, is_signs
 from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader

@@ -44,7 +44,7 @@ from bench_yardsticks import DAMPING, MODULES, Yardstick, lds_yardstick, planted
 
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
-from gradian.index.store.curvature import KroneckerCurvature
+from gradian.index.curvature import KroneckerCurvature
 from gradian.index.store import IndexReader  # noqa: E402
 from gradian.rank.ranking import check_compatible, query_gradients  # noqa: E402
 

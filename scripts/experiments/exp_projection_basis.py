@@ -48,9 +48,9 @@ import bench_yardsticks as by  # noqa: E402
 from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
-from gradian.curvature.factors import factors as cv  # noqa: E402
+from gradian.curvature import factors as cv  # noqa: E402
 from gradian.index.store import IndexReader  # noqa: E402
-from gradian.projection.projector import projector as gp  # noqa: E402
+from gradian.projection import projector as gp  # noqa: E402
 
 KINDS = ("kronecker", "orthogonal", "pca", "half_pca", "whiten", "whiten_orthogonal", "proportional")
 

@@ -33,7 +33,7 @@ module, against k_o k_i for a dense row of the same projection. The norm stored 
 the rows as represented. K-FAC's damped inverse (S ⊗ A + λI)⁻¹ is not a Kronecker product (λ is
 added to the products e_S e_A of the factors' eigenvalues) and EK-FAC's corrected eigenvalues are
 not separable either, so for kfac / ekfac the query is preconditioned dense as for dense rows
-(`gradian.index.store.curvature.KroneckerCurvature`) and scored against the factors as
+(`gradian.index.curvature.KroneckerCurvature`) and scored against the factors as
 ⟨Q̃, U Vᵀ⟩ = Σ U ⊙ (Q̃ V): k_o k_i c per row and module; the index rows stay factored.
 """
 
