@@ -171,7 +171,11 @@ LAYERS: dict[str, str] = {
     "gradian.build.width_table": GRADIAN,  # the preflight's width line: disk per width and what each measured
     # rank: scores, compatibility checks, queries, results
     "gradian.rank": GRADIAN,
-    "gradian.rank.ranking": GRADIAN,
+    "gradian.rank.ranking": GRADIAN,  # `gradian rank`: the steps in order
+    "gradian.rank.scores": GRADIAN,  # the scores streamed over the shards, the running top-k
+    "gradian.rank.checks": GRADIAN,  # a query against an index: weights, tokenizer, adapter, projection, policy, circuit
+    "gradian.rank.queries": GRADIAN,  # the query rows' gradients, computed as the index's rows were
+    "gradian.rank.results": GRADIAN,  # the ranked rows' lines and previews
     "gradian.rank.tokens": GRADIAN,  # `gradian inspect --row`: one indexed row's tokens and supervised mask
     "gradian.rank.checksum_flag": GRADIAN,  # --skip-checksums (once --no-verify) of rank and attribute
     # `gradian diagnose`: checks of a fine-tuning set, its trainer settings and logs (tokenizer only)

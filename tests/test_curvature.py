@@ -19,7 +19,7 @@ from gradian.curvature.factors import CURVATURE_FILE, factor_names
 from gradian.data.rows import load_rows, policy_of
 from gradian.index.store import IndexMismatchError, IndexReader
 from gradian.projection.projector import Projector
-from gradian.rank.ranking import stream_topk
+from gradian.rank.scores import stream_topk
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}
         for i, (s, v, p) in enumerate((s, v, p) for s in ("cat", "dog", "owl", "fox", "elk")

@@ -25,7 +25,8 @@ from gradian.index.formats.factored import FactoredRows, layout_of
 from gradian.index.header import describe_index
 from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.projection.projector import Projector
-from gradian.rank.ranking import rank, stream_topk
+from gradian.rank.ranking import rank
+from gradian.rank.scores import stream_topk
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}
         for i, (s, v, p) in enumerate((s, v, p) for s in ("cat", "dog", "owl", "fox", "elk")

@@ -240,7 +240,8 @@ def test_the_sign_convention_on_the_planted_rows(work, models) -> None:
     from gradian.attribute import engines as scoring
     from gradian.data.rows import policy_of
     from gradian.index.store import IndexReader
-    from gradian.rank.ranking import check_compatible, stream_topk
+    from gradian.rank.checks import check_compatible
+    from gradian.rank.scores import stream_topk
 
     reader = IndexReader(work["index"])
     tuned = load_model(ModelConfig(name=str(models / "base"), adapter=str(models / "lora"), precision="float32"),

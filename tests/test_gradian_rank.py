@@ -14,7 +14,8 @@ from circuitkit.core.device import measure_peak
 from circuitkit_app.stage_list import run_pipeline
 from gradian.cli import main
 from gradian.index.store import IndexMismatchError, IndexReader, IndexWriter
-from gradian.rank.ranking import rank, stream_topk
+from gradian.rank.ranking import rank
+from gradian.rank.scores import stream_topk
 
 SUBJECTS = ["cat", "dog", "bird", "fish", "horse", "mouse", "lion", "bear", "wolf", "fox"]
 VERBS = ["runs", "sleeps", "eats"]

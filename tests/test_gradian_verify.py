@@ -297,7 +297,7 @@ def test_the_drill_down_finds_the_sentence_that_teaches_the_wrong_answer(doc_mod
     from gradian.attribute.spans import drill_down
     from gradian.data.rows import policy_of
     from gradian.index.store import IndexReader
-    from gradian.rank.ranking import check_compatible
+    from gradian.rank.checks import check_compatible
 
     index = _index_with(doc_model, None, tmp_path, write_jsonl(tmp_path / "train.jsonl",
                                                               [doc("green"), doc("blue"), *planted.BENIGN[:4]]))

@@ -241,7 +241,8 @@ def test_gradian_index_and_rank_with_the_adapter(adapted_run, adapters) -> None:
 def test_rank_with_another_adapter_none_or_a_changed_file_is_refused(adapted_run, adapters, tmp_path, capsys) -> None:
     from gradian.cli import main
     from gradian.index.store import IndexMismatchError, IndexReader
-    from gradian.rank.ranking import asked_adapter, rank
+    from gradian.rank.checks import asked_adapter
+    from gradian.rank.ranking import rank
 
     index_dir = adapted_run / "index"
     queries = tmp_path / "q.jsonl"

@@ -14,7 +14,7 @@ from gradian.build.indexer import build_index
 from gradian.curvature.moments import Preconditioner, shard_second_moment
 from gradian.index.store import IndexMismatchError, IndexReader
 from gradian.projection.projector import Projector, projection_fingerprint
-from gradian.rank.ranking import stream_topk
+from gradian.rank.scores import stream_topk
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}
         for i, (s, v, p) in enumerate((s, v, p) for s in ("cat", "dog", "owl", "fox", "elk")

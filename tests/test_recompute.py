@@ -167,7 +167,7 @@ def test_the_index_records_its_activations_and_queries_run_them(tmp_path):
     from circuitkit.models.loading import load_model
     from gradian.build.indexer import build_index
     from gradian.index.store import IndexMismatchError, read_manifest
-    from gradian.rank.ranking import query_gradients
+    from gradian.rank.queries import query_gradients
 
     rows = [{"prompt": f"row {i} says", "completion": f" the number {i} twice: {i} {i}."} for i in range(6)]
     data = tmp_path / "train.jsonl"

@@ -19,7 +19,8 @@ from gradian.build.memory import grads_estimate
 from gradian.index.formats.signs import SignScorer, coordinates, pack, packed_width, unpack
 from gradian.index.header import describe_index
 from gradian.index.store import IndexMismatchError, IndexReader
-from gradian.rank.ranking import rank, stream_topk
+from gradian.rank.ranking import rank
+from gradian.rank.scores import stream_topk
 
 DIM = 100  # 10 x 10 per module: 100 coordinates, not a whole number of 64-bit words
 N_ROWS = len(ROWS)

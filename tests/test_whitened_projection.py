@@ -203,7 +203,8 @@ def test_inspect_verify_catches_a_tampered_projection_file(index: Path, tmp_path
 def test_rank_uses_the_stored_projection(index: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from gradian.rank.ranking import check_compatible, rank
+    from gradian.rank.checks import check_compatible
+    from gradian.rank.ranking import rank
 
     manifest = IndexReader(index).manifest
     loaded = load_model(_cfg(index.parent).model)

@@ -170,7 +170,7 @@ def test_resume_with_another_allocation_or_a_changed_file_is_refused(index: Path
 
 def test_edited_widths_are_refused_by_verify_and_rank(index: Path, tmp_path: Path) -> None:
     from circuitkit.models.loading import load_model
-    from gradian.rank.ranking import check_compatible
+    from gradian.rank.checks import check_compatible
 
     copy = tmp_path / "edited"
     shutil.copytree(index, copy)

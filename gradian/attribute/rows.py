@@ -3,7 +3,7 @@ on the training set they come from.
 
 Row ids map to source positions through the shards' `sources` tensors (`IndexReader.source_positions`),
 or, for an index written before shards carried them, the manifest's kept lines. Texts are read from
-the index's training data only while it is unchanged (`gradian.rank.ranking.training_source` compares its
+the index's training data only while it is unchanged (`gradian.rank.results.training_source` compares its
 sha256 with the manifest's); otherwise the rows have no text, and no clusters or findings.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from circuitkit.core.errors import UserError
 from gradian.data.sources import DataError, Source
 from gradian.index.store import IndexReader
-from gradian.rank.ranking import training_source
+from gradian.rank.results import training_source
 
 log = logging.getLogger(__name__)
 

@@ -66,13 +66,9 @@ from gradian.attribute.verify import VerifyOptions, plan_verify, run_verify
 from gradian.build.indexer import check_input_file, tokenizer_hash
 from gradian.data.rows import policy_of
 from gradian.index.store import IndexMismatchError, IndexReader
-from gradian.rank.ranking import (
-    asked_adapter,
-    check_compatible,
-    check_output_file,
-    compare_adapter,
-    training_source,
-)
+from gradian.rank.checks import asked_adapter, check_compatible, compare_adapter
+from gradian.rank.ranking import check_output_file
+from gradian.rank.results import training_source
 
 log = logging.getLogger(__name__)
 

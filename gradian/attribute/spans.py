@@ -45,7 +45,7 @@ from gradian.capture.gradients import per_example_gradients
 from gradian.capture.sites import sites_from_names
 from gradian.data.rows import Row
 from gradian.projection.projector import Projector
-from gradian.rank.ranking import training_source
+from gradian.rank.results import training_source
 from gradian.rank.tokens import indexed_rows
 
 DEFAULT_MIN_TOKENS = 64

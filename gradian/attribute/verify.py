@@ -61,7 +61,7 @@ from gradian.attribute.rows import read_records
 from gradian.build.indexer import check_input_file
 from gradian.data.rows import load_rows, policy_of
 from gradian.data.sources import DataError, Source, SourceSpec
-from gradian.rank.ranking import training_source
+from gradian.rank.results import training_source
 
 HOLDS_SHARE = 0.5  # the accused rows recover at least half the accuracy drop ...
 HOLDS_MARGIN = 0.25  # ... and at least this much more of it than the control

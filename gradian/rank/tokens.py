@@ -54,7 +54,7 @@ def indexed_rows(index_dir: str | Path, row_ids: Iterable[int], tokenizer: Any |
     Returns {row id: `gradian.data.rows.Row`}. Raises UserError (exit code 2) for a row id out of
     range or data that is gone or changed.
     """
-    from gradian.rank.ranking import training_source
+    from gradian.rank.results import training_source
 
     manifest = IndexReader(index_dir).manifest
     n_rows, wanted = manifest["n_rows"], set(row_ids)
