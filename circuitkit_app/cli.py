@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_config(overrides: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
 
     if any(flag in overrides for flag in HELP_FLAGS):
         sys.stdout.write(CONFIG_HELP)
@@ -94,7 +94,7 @@ def _check_top_edges(n: int) -> None:
     the config key), else UserError (exit 2)."""
     import dataclasses
 
-    from circuitkit.core.config import ReportConfig
+    from circuitkit_app.report.config import ReportConfig
 
     meta = next(f.metadata for f in dataclasses.fields(ReportConfig) if f.name == "top_edges")
     if not meta["ge"] <= n <= meta["le"]:
@@ -125,13 +125,13 @@ def _main(argv: list[str]) -> int:
     if command == "export" and ("--check-mib" in rest or "--format=mib" in rest
                                 or any(a == "--format" and b == "mib" for a, b in zip(rest, rest[1:], strict=False))):
         from circuitkit.discovery.export.mib import (
-            export_main as mib_export,  # issue 28: MIB's leaderboard folder
+            export_main as mib_export,  # MIB's leaderboard folder
         )
 
         return mib_export(rest)
     if command == "export" and ("--format=hf" in rest
                                 or any(a == "--format" and b == "hf" for a, b in zip(rest, rest[1:], strict=False))):
-        from circuitkit.discovery.export.hf import export_main as hf_export  # issue 42: the pruned checkpoint
+        from circuitkit.discovery.export.hf import export_main as hf_export  # the pruned checkpoint
 
         return hf_export(rest)
     if command in ("export", "import"):

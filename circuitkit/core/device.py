@@ -7,7 +7,7 @@ There is no device config key: `get_device()` picks CUDA > MPS > CPU. Set
 `model.precision` into the dtype a run uses (`auto`: bfloat16 where native, else float32), and
 `model_dtype()` is the one function the loader and every memory estimate read it through. A CPU
 without bf16 instructions emulates it: measured 25x slower than float32 for a forward + backward
-on an AVX2 EPYC (issue 49, docs/memory.md).
+on an AVX2 EPYC (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 # flags above these have no bf16 arithmetic at all, so bf16 is decided "not native" untimed.
 CPU_CAPABILITIES_WITHOUT_BF16 = ("NO AVX", "AVX2", "DEFAULT")
 # The slowdown quoted where it was decided, not timed: bf16 / float32 wall time of a 4-layer
-# GPT-2-width forward + backward on a 2-core AMD EPYC with capability AVX2 (issue 49).
+# GPT-2-width forward + backward on a 2-core AMD EPYC with capability AVX2.
 EXPECTED_SLOWDOWN = 25.0
 # The timed check: a linear layer (256 x 768) @ (768 x 768)^T in both dtypes, interleaved, the
 # fastest of TIMED_REPEATS each. Native bf16 runs it at 0.25-0.4x float32's time (AMX, measured);

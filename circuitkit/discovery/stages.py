@@ -11,12 +11,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.table import Table
 from safetensors import safe_open
 
-from circuitkit.core.config import IG_ALGORITHMS, AppConfig, ConfigError, to_dict
+from circuitkit.core.config import ConfigError, to_dict
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import check_writable
 from circuitkit.core.pipeline import RunContext, Stage, StageResult, package_versions
@@ -30,6 +31,7 @@ from circuitkit.discovery.attribution.eap import graph_of
 from circuitkit.discovery.attribution.metrics import answer_forward
 from circuitkit.discovery.circuit import Circuit, load_circuit, run_circuit_path, save_circuit, verdict_table
 from circuitkit.discovery.circuit_graph import write_circuit_graph
+from circuitkit.discovery.config import IG_ALGORITHMS
 from circuitkit.discovery.data_lengths import (
     ATTRIBUTION_AT_DATA,
     PRUNING_AT_DATA,
@@ -69,7 +71,7 @@ SCORES_FILE = "scores.safetensors"
 HEATMAP_FILE = "head_scores.png"
 
 
-def primary_params(cfg: AppConfig):
+def primary_params(cfg: Any):
     """discovery.data_params as the task builders read them: with several corruptions, the primary
     (first) one as the task's single corruption."""
     d = cfg.discovery
@@ -417,7 +419,7 @@ def _pruning(ctx: RunContext) -> StageResult:
         "heads_kept": int(head_mask.sum()), f"{unit}_kept": int(kept.sum()), "metric_full": m_full,
         "metric_empty": m_empty, "metric_circuit": m_circuit, "cpr": cpr, "cmd": cmd, "circuit_path": str(out_path),
         "selection": found.extra.get("selection"), "curve_definition": found.extra.get("curve_definition"),
-        **({"mib_cpr": found.extra["mib"]["cpr"], "mib_cmd": found.extra["mib"]["cmd"]}  # MIB's pair (issue 48)
+        **({"mib_cpr": found.extra["mib"]["cpr"], "mib_cmd": found.extra["mib"]["cmd"]}  # MIB's pair
            if found.extra.get("mib") else {}),
         **({"corruption": corruption} if corruption else {}),
         **({"corruptions": joint["names"], "corruption_faithfulness": joint["rule"],
@@ -432,7 +434,7 @@ def _pruning(ctx: RunContext) -> StageResult:
 
 # --------------------------------------------------------------------------- inputs
 
-def task_data_file(cfg: AppConfig) -> Path | None:
+def task_data_file(cfg: Any) -> Path | None:
     """The file (or directory) a file-based discovery task reads; None for generated tasks."""
     d = cfg.discovery
     if d.task not in SAMPLE_FILES:
@@ -440,21 +442,21 @@ def task_data_file(cfg: AppConfig) -> Path | None:
     return Path(d.data_params.data_path).expanduser() if d.data_params.data_path else SAMPLE_FILES[d.task]
 
 
-def _data_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+def _data_inputs(cfg: Any, run_dir: Path) -> dict[str, Path | str]:
     data_file = task_data_file(cfg)
     return {**model_inputs(cfg.model), **({"discovery.data_params.data_path": data_file} if data_file else {})}
 
 
-def _corruption_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path]:
+def _corruption_inputs(cfg: Any, run_dir: Path) -> dict[str, Path]:
     names = discovery_corruptions(cfg.discovery.task, cfg.discovery.data_params)
     return {corruption_file(Path(DATA_FILE), c).name: corruption_file(run_dir / DATA_FILE, c) for c in names[1:]}
 
 
-def _attribution_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+def _attribution_inputs(cfg: Any, run_dir: Path) -> dict[str, Path | str]:
     return {**model_inputs(cfg.model), DATA_FILE: run_dir / DATA_FILE, **_corruption_inputs(cfg, run_dir)}
 
 
-def _pruning_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+def _pruning_inputs(cfg: Any, run_dir: Path) -> dict[str, Path | str]:
     try:
         n_templates = heldout_template_count(cfg.discovery.task, cfg.discovery.data_params)
     except TaskError:  # reported by the data stage's check
@@ -474,7 +476,7 @@ def _check_input_file(path: Path, key: str, allow_dir: bool = False) -> None:
         raise UserError(f"{key}={str(path)!r} is a directory, but a file is expected: give the data file's path.", 2)
 
 
-def _check_data(cfg: AppConfig) -> None:
+def _check_data(cfg: Any) -> None:
     """The model reference, the task's data file, and synthetic lengths within the context."""
     check_model(cfg.model)
     d = cfg.discovery
@@ -500,11 +502,11 @@ def _check_data(cfg: AppConfig) -> None:
                               f" context of {cfg.model.name} ({limit} tokens); set it to at most {limit}.")
 
 
-def _check_attribution(cfg: AppConfig) -> None:
+def _check_attribution(cfg: Any) -> None:
     check_model(cfg.model)
 
 
-def _check_pruning(cfg: AppConfig) -> None:
+def _check_pruning(cfg: Any) -> None:
     """Edge pruning needs edge scores; output_path must be writable (checked before attribution)."""
     if cfg.pruning.scope == "edges" and cfg.discovery.level == "node" and "attribution" in cfg.stages:
         raise ConfigError("pruning.scope=edges needs edge scores, but discovery.level=node: set"

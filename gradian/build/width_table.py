@@ -3,7 +3,7 @@ the yardsticks (the preflight's grads line, `gradian.build.memory.GRADS_MEMORY`'
 
 MEASURED holds figures measured with the defaults otherwise (kronecker_orthogonal, margin loss,
 empirical Fisher, uniform widths, EK-FAC at damping 0.01), 3 projection seeds each, from
-docs/benchmarks.md ("Gradian's default width", issue 38), by
+docs/benchmarks.md ("Gradian's default width"), by
 
     python scripts/bench/bench_yardsticks.py --yardsticks '' --smollm2 DIR --smollm2-widths W --smollm2-seeds 3 \\
         --losses margin --scores ekfac --dampings 0.01 --fisher empirical --projections kronecker_orthogonal
@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from circuitkit.core.config import AppConfig
 from circuitkit.core.device import DTYPES
 
 # width per module -> (S answer recall@10, LDS full) with the defaults; None: not measured / not possible.
@@ -73,7 +72,7 @@ def _quality(figures: tuple[float | None, float | None] | None) -> str:
                      if x) or "not measured"
 
 
-def width_note(cfg: AppConfig, grads_projector: Callable[[AppConfig], Any]) -> str | None:
+def width_note(cfg: Any, grads_projector: Callable[[Any], Any]) -> str | None:
     """One line: the rows' disk at each measured width (and the configured one) for this config's modules
     and corpus, with the S / LDS figures each width measured, dense rows (grads.storage_dtype) and sign
     rows (one bit per coordinate, `gradian.index.formats.signs`). None when grads is off or raw.

@@ -1,5 +1,5 @@
 """Benchmark: does `gradian attribute` find the training rows that broke a LoRA fine-tune of
-SmolLM2-135M-Instruct, and does `gradian diagnose` find the truncated ones (issue 43, item 4)?
+SmolLM2-135M-Instruct, and does `gradian diagnose` find the truncated ones?
 
 The training set (`build_dataset`, deterministic in --seed) holds about a thousand short chat-styled
 prompt/completion rows of several kinds (arithmetic, continents, foreign words, opposites, spelling
@@ -28,7 +28,7 @@ learns to stop. The run, each step kept under --work so that a rerun resumes:
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python scripts/bench/bench_attribute_smollm2.py \\
         [--work .cache/bench-attribute] [--seed 0] [--no-verify] [--json out.json]
 
-Goals (issue 43): planted recall@40 >= 0.9 with the defaults; the accused rows recover >= 80 % of
+Goals: planted recall@40 >= 0.9 with the defaults; the accused rows recover >= 80 % of
 the regression where random rows recover <= 20 %; diagnose finds every truncated row and flags no
 clean row.
 """
@@ -216,7 +216,7 @@ def tune(work: Path) -> dict[str, Any]:
     """The LoRA fine-tune of SmolLM2 on train.jsonl (the trainer --verify redoes)."""
     import torch
 
-    from circuitkit.core.config import ModelConfig
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_tokenizer
     from gradian.attribute.retrain import TrainSettings, train
     from gradian.data.rows import TokenPolicy, load_rows
@@ -234,7 +234,7 @@ def index(work: Path) -> dict[str, Any]:
     """`gradian index` of train.jsonl on the tuned model (the adapter's weights, every engine's curvature)."""
     from rich.console import Console
 
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
     from gradian.build.indexer import build_index
 
     _, cfg = compose([f"model.name={MODEL}", f"model.adapter={work / 'adapter'}", "model.precision=float32",
@@ -293,14 +293,14 @@ def engines_step(work: Path, result: dict[str, Any]) -> dict[str, Any]:
     made as `gradian attribute` makes them (its queries, its engines)."""
     import dataclasses
 
-    from circuitkit.core.config import ModelConfig
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.attribute import engines as scoring
     from gradian.attribute.evaluate import greedy_continuations, read_eval_rows, tokenize_items
     from gradian.attribute.queries import query_gradients
     from gradian.data.rows import policy_of
     from gradian.index.store import IndexReader
-    from gradian.rank.ranking import check_compatible
+    from gradian.rank.checks import check_compatible
 
     reader = IndexReader(work / "index")
     manifest = reader.manifest

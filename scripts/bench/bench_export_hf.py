@@ -1,4 +1,4 @@
-"""The pruned checkpoint against its base model, side by side in one run (issue 42 part 2).
+"""The pruned checkpoint against its base model, side by side in one run.
 
     python scripts/bench/bench_export_hf.py RUN_DIR [--text FILE] [--tokens 128] [--batch 4] [--repeats 3]
 
@@ -23,11 +23,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from circuitkit.core.circuit_file import load_circuit
-from circuitkit.core.config import ModelConfig
 from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
 from circuitkit.discovery.export.hf import PROVENANCE_FILE
 from circuitkit.discovery.pruning.heads import faithfulness
 from circuitkit.discovery.stages import _read_task_data
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import pretrained_args
 
 GPL = Path("/usr/share/common-licenses/GPL-3")

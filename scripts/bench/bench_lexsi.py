@@ -1,4 +1,4 @@
-"""Benchmark: CircuitKit against Lexsi Labs' CircuitKIT 0.2.0, node-level EAP / EAP-IG, in one run (issue 42).
+"""Benchmark: CircuitKit against Lexsi Labs' CircuitKIT 0.2.0, node-level EAP / EAP-IG, in one run.
 
 Two models: the GPT-2-small shape of conf/model/gpt2.yaml with random weights (seed 0) and
 SmolLM2-135M-Instruct (`circuitkit fetch smollm2`). One task file: IOI pairs built once with

@@ -1,4 +1,4 @@
-"""Issue 46: circuit-discovery methods side by side at head level, on one model, same pairs.
+"""Circuit-discovery methods side by side at head level, on one model, same pairs.
 
 For each task, every method scores the heads on the same attribution pairs, and every ranking
 is measured on the same held-out pairs (`pruning.heads.Evaluator`, corrupted ablation, MLPs and
@@ -39,14 +39,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.core.config import DataParams, DiscoveryConfig, ModelConfig, PruningConfig, mask_steps_of
 from circuitkit.core.device import measure_peak, module_bytes
 from circuitkit.discovery.attribution import run_attribution
+from circuitkit.discovery.config import DataParams, DiscoveryConfig, PruningConfig, mask_steps_of
 from circuitkit.discovery.pruning.heads import Evaluator, curve_count, faithfulness
 from circuitkit.discovery.pruning.optimize import learn_head_mask
 from circuitkit.discovery.pruning.selection import keep_top
 from circuitkit.discovery.pruning.selection_ip import positive_select
 from circuitkit.discovery.tasks import build_task, corruption_of
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import context_length, load_model
 
 # method -> (the attribution it ranks, its selection rule: abs | signed | positive | mask)

@@ -1,4 +1,4 @@
-"""Issue 37: integer-programming selection (`pruning.selection=ip`) and the signed rule (`positive`)
+"""Integer-programming selection (`pruning.selection=ip`) and the signed rule (`positive`)
 beside top_k and bootstrap, on one model and task, in one process (same pairs, same scores).
 
 Edge level, MIB's setting (counterfactual ablation, MIB's grid of shares of the edges), EAP-IG
@@ -25,13 +25,14 @@ import time
 
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution.eap import attribute
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.edges import EdgeEvaluator
 from circuitkit.discovery.pruning.heads import Evaluator, curve_areas, faithfulness, keep_top, sparsity_curve
 from circuitkit.discovery.pruning.selection import BootstrapSelector
 from circuitkit.discovery.pruning.selection_ip import IPSelector, positive_select
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import context_length, load_model
 
 TARGET = 0.8

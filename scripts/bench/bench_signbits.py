@@ -1,4 +1,4 @@
-"""Benchmark: sign bits in the preconditioned EK-FAC eigenbasis against dense and factored rows (issue 44, item 2).
+"""Benchmark: sign bits in the preconditioned EK-FAC eigenbasis against dense and factored rows.
 
 EOGP-style rows, derived here from a wide dense index (not a stored format): per module, rotate the
 stored k_o x k_i block G into the K-FAC eigenbasis, G̃ = Q_outᵀ G Q_in, scale each coordinate by
@@ -42,11 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_yardsticks import DAMPING, MODULES, Yardstick, lds_yardstick, planted_a, planted_b  # noqa: E402
 
-from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
+from circuitkit.models.config import ModelConfig  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
 from gradian.index.curvature import KroneckerCurvature
 from gradian.index.store import IndexReader  # noqa: E402
-from gradian.rank.ranking import check_compatible, query_gradients  # noqa: E402
+from gradian.rank.checks import check_compatible
+from gradian.rank.queries import query_gradients
+from gradian.settings.grads import GradsConfig  # noqa: E402
 
 # popcount of every byte value
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32)

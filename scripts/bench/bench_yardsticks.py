@@ -40,7 +40,7 @@ fisher" column (rows of JSON files from before these options read as "kronecker,
 A projection written KIND+spectrum (kronecker_orthogonal+spectrum) also sets
 grads.width_allocation=spectrum; its rows record the modules' widths.
 
---row-formats dense,factored:C (issue 44) also builds every projected index with factored rows
+--row-formats dense,factored:C also builds every projected index with factored rows
 (grads.row_format=factored, grads.row_rank=C) at the projection width whose rank-C factors store as
 many numbers per module as the dense width does (yardsticks_factored.equal_bytes_width): its rows
 sit under the dense width with a setup label "..., factored c=C @W'", and a last table sets each
@@ -82,14 +82,17 @@ from yardsticks_factored import (  # noqa: E402
     sign_width,
 )
 
-from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
+from circuitkit.models.config import ModelConfig  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
 from gradian.index.store import IndexReader  # noqa: E402
-from gradian.rank.ranking import check_compatible, query_gradients, stream_topk  # noqa: E402
+from gradian.rank.checks import check_compatible
+from gradian.rank.queries import query_gradients
+from gradian.rank.scores import stream_topk
+from gradian.settings.grads import GradsConfig  # noqa: E402
 
 MODULES = ["mlp"]
 # The tables' reference damping: a kfac / ekfac row without "λ=" was ranked at 0.1 (the default
-# until issue 30's damping sweep; gradian.curvature.factors.CURVATURE_DAMPING is 0.01 since: the "λ=0.01" rows).
+# until the damping sweep; gradian.curvature.factors.CURVATURE_DAMPING is 0.01 since: the "λ=0.01" rows).
 DAMPING = 0.1
 
 
@@ -200,7 +203,7 @@ def run_yardstick(ys: Yardstick, widths: list[int], seeds: int, losses: list[str
                   row_formats: tuple[tuple[str, int | None], ...] = (("dense", None),)) -> list[dict[str, Any]]:
     """Rows of every (loss, width, seed, row format) index's scores; `row_formats` ("factored", c) builds
     the width's index also with factored rows at the equal-bytes width (`equal_bytes_width`), recorded
-    under the dense width with its setup label saying so (issue 44)."""
+    under the dense width with its setup label saying so."""
     from circuitkit.models.linear_modules import module_shapes, select_modules
     from circuitkit.models.loading import load_model
 
@@ -699,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-formats", default="dense",
                    help="grads.row_format of the projected indexes, a comma list of dense, factored:C (C: grads.row_rank);"
                         " a factored index of width W is built at the projection width whose rank-C factors store W"
-                        " numbers per module, as the dense k_o x k_i = W block does (equal bytes per row; issue 44). Factored"
+                        " numbers per module, as the dense k_o x k_i = W block does (equal bytes per row). Factored"
                         " rows rank cosine, kfac, ekfac only; signs:P (P: eigen, whitened, kronecker_orthogonal, kronecker)"
                         " builds sign rows of projection P at width 16 W, the bytes of a float16 dense row of W (cosine"
                         " only)")

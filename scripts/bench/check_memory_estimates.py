@@ -42,7 +42,6 @@ import transformers as tf
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.core.config import GradsConfig
 from circuitkit.core.device import measure_peak, module_bytes
 from circuitkit.discovery.attribution.eap import attribute
 from circuitkit.discovery.attribution.memory import estimate_attribution
@@ -53,6 +52,7 @@ from circuitkit.preflight.memory import MiB, shape_from_config
 from gradian.build.memory import estimate_grads
 from gradian.capture.gradients import activation_mode, per_example_gradients
 from gradian.projection.projector import Projector
+from gradian.settings.grads import GradsConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.25
@@ -305,7 +305,7 @@ def rows_table(rows: list[Row], title: str = "CPU, float32, eap-ig") -> Table:
 
 GRID_SEQS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 GRID_BATCHES = (1, 2, 4, 8, 16)
-GRID_RANGE = (0.95, 1.10)  # issue 31: every point within -5 % .. +10 % of the measured peak
+GRID_RANGE = (0.95, 1.10)  # every point within -5 % .. +10 % of the measured peak
 
 
 def build_real_fast(name: str, dtype: torch.dtype, n_layers: int) -> torch.nn.Module:
@@ -434,8 +434,8 @@ def measure_pruning(model: torch.nn.Module, name: str, scope: str, selection: st
                     n_eval: int, n_attr: int, mask_steps: int = 2, ablation: str = "corrupted") -> PruneRow:
     """`prune` on random pairs (n_attr attribution + n_eval held out) inside measure_peak (weights
     resident) against `estimate_pruning`, with the edge record budget the evaluator reads."""
-    from circuitkit.core.config import PruningConfig
     from circuitkit.core.device import free_memory_bytes
+    from circuitkit.discovery.config import PruningConfig
     from circuitkit.discovery.pruning.edges import RECORD_SHARE
     from circuitkit.discovery.pruning.heads import prune
     from circuitkit.discovery.pruning.memory import estimate_pruning
@@ -459,7 +459,7 @@ def pruning_model(spec: str, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     name, _, layers = spec.partition(":")
     label = f"{name}{f'[{layers}L]' if layers else ''} {str(dtype).removeprefix('torch.')}"
     if name in PRETRAINED and not layers:
-        from circuitkit.core.config import ModelConfig
+        from circuitkit.models.config import ModelConfig
         from circuitkit.models.loading import load_model
 
         precision = str(dtype).removeprefix("torch.")

@@ -1,4 +1,4 @@
-"""Factored rows against dense rows at equal bytes per row (issue 44, item 3), for bench_yardsticks.py.
+"""Factored rows against dense rows at equal bytes per row, for bench_yardsticks.py.
 
 A Kronecker block of a (d_out, d_in) module at projection width W is k_o x k_i = W numbers when
 stored dense (`gradian.projection.projector.kronecker_factors` picks k_o, k_i), and c (k_o' + k_i') numbers

@@ -1,4 +1,4 @@
-"""Issue 37, part 2: stability of edge circuits (Meloux et al.'s Jaccard >= 0.8 over 100 resamples)
+"""Stability of edge circuits (Meloux et al.'s Jaccard >= 0.8 over 100 resamples)
 against the levers the field names, on one model and task, from one set of per-example scores.
 
 Edge level, the settings of the issue-28 table (`scripts/bench/bench_mib.py`): EAP-IG m = 5 (right
@@ -30,13 +30,14 @@ import time
 
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution.eap import attribute, graph_of
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.edges import EdgeEvaluator
 from circuitkit.discovery.pruning.heads import curve_areas, keep_top, sparsity_curve
 from circuitkit.discovery.pruning.selection import BootstrapSelector, RankSelector
 from circuitkit.discovery.pruning.stability import selector_stability
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import context_length, load_model
 
 N_EVAL = 16

@@ -1,4 +1,4 @@
-"""Why is the head-level faithfulness curve on a real model low and not monotone? (issue 28)
+"""Why is the head-level faithfulness curve on a real model low and not monotone?
 
 One process, one model load, one attribution (per-example scores kept), then every variant
 evaluated on the same held-out pairs:
@@ -21,10 +21,11 @@ import time
 
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution.eap import attribute
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.heads import Evaluator, faithfulness, keep_top, mean_z
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import context_length, load_model
 
 DENSE = (1, 2, 3, 5, 8, 14, 20, 27, 40, 54, 81, 108, 135, 189, 243)

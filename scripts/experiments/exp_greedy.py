@@ -1,4 +1,4 @@
-"""The greedy oracle and bootstrapped selection on a real model (issue 28).
+"""The greedy oracle and bootstrapped selection on a real model.
 
 Reads the per-example head scores that scripts/experiments/exp_faithfulness.py saved (same model, task,
 seed and split), then:
@@ -21,10 +21,11 @@ import time
 
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.heads import Evaluator, faithfulness, keep_top
 from circuitkit.discovery.pruning.selection import bootstrap_select, greedy_heads, greedy_mask
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import context_length, load_model
 
 

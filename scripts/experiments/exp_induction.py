@@ -1,4 +1,4 @@
-"""Induction on the real model at real scale (issue 37, part 1): the smallest faithful circuit.
+"""Induction on the real model at real scale: the smallest faithful circuit.
 
 For one induction format (`discovery.data_params.induction_format`) on a model, it measures:
 
@@ -34,17 +34,18 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution import graph_of
 from circuitkit.discovery.attribution.eap import attribute
 from circuitkit.discovery.attribution.eap_activations import attribute_activations
 from circuitkit.discovery.attribution.exact import exact_patching
 from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.edges import EdgeEvaluator
 from circuitkit.discovery.pruning.heads import Evaluator, faithfulness, keep_top
 from circuitkit.discovery.pruning.optimize import learn_edge_mask, learn_head_mask
 from circuitkit.discovery.pruning.selection import BootstrapSelector, RankSelector, greedy_heads, greedy_mask
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import context_length, load_model
 
 NODE_GRID = list(range(1, 31)) + list(range(32, 61, 2)) + list(range(64, 137, 8)) + list(range(150, 271, 20))

@@ -1,6 +1,6 @@
 """Experiment: does a data-dependent Kronecker projection beat a random one at the same width?
 
-Issue 30 asks for K-FAC / EK-FAC in the projected space within reach of the unprojected scores
+The question: K-FAC / EK-FAC in the projected space within reach of the unprojected scores
 at width 1024. The projection is where the information goes, so this script tries projections
 other than the seeded random ones, at the same width, on bench_yardsticks' yardsticks (A, B,
 LDS; MLP modules, loss ce, EK-FAC):
@@ -15,7 +15,7 @@ LDS; MLP modules, loss ce, EK-FAC):
   (P_out (S + λ_S)^-½ δ, P_in (A + λ_A)^-½ x, λ = √damping x mean eigenvalue per factor), so the
   projected rows estimate the full K-FAC inner product by Johnson-Lindenstrauss; ranked with
   ``cosine`` and with ``ekfac`` on top. ``whiten_orthogonal``: the same with orthonormal random factors;
-  since issue 38 a library option, ``grads.projection=whitened`` (`gradian.curvature.whitening`: the same
+  now a library option, ``grads.projection=whitened`` (`gradian.curvature.whitening`: the same
   damping, its factor pass in the indexer, the matrices stored with the index), measured through
   ``bench_yardsticks.py --projections whitened``.
 * ``proportional``: the library's random Kronecker factors with k_o / k_i split in proportion to
@@ -45,12 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench_
 
 import bench_yardsticks as by  # noqa: E402
 
-from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
+from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
 from gradian.curvature import factors as cv  # noqa: E402
 from gradian.index.store import IndexReader  # noqa: E402
 from gradian.projection import projector as gp  # noqa: E402
+from gradian.settings.grads import GradsConfig  # noqa: E402
 
 KINDS = ("kronecker", "orthogonal", "pca", "half_pca", "whiten", "whiten_orthogonal", "proportional")
 

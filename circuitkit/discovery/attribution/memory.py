@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from circuitkit.core.config import AppConfig
 from circuitkit.core.device import model_dtype
 from circuitkit.core.pipeline import StageMemory
 from circuitkit.discovery.attribution.corruptions import SHARED_CLEAN
@@ -38,7 +37,7 @@ FWD_TMP_F = 2.0
 # float32 rows: einsum output and norm_backward intermediates for Q, K, V, the parts list, the
 # torch.cat result and (first step) its float32 copy. Fitted at edge level with ig_steps = 1 (where
 # this phase is the peak): 2.2 left ≤ 2 % over the measurement for GPT-2-small and tiny GPT-2.
-# Raised to 2.6 by the small-input grid at the Llama-3.2-1B width (issue 31, docs/benchmarks.md):
+# Raised to 2.6 by the small-input grid at the Llama-3.2-1B width (docs/benchmarks.md):
 # measured minus estimate there was 19·N·d float32 per batch (0.39 of the 49 rows), the same at
 # 1 and 2 layers (one layer's temporaries, not a per-layer term), which left one layer at
 # N = 1024 tokens at 0.950 of its measured peak.
@@ -176,7 +175,7 @@ def _one_corruption(shape: dict[str, Any], dtype_bytes: int, batch_size: int, se
     return MemoryEstimate(terms, phase=phase)
 
 
-def attribution_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int | None = None) -> MemoryEstimate:
+def attribution_estimate(cfg: Any, batch_size: int | None = None, seq_len: int | None = None) -> MemoryEstimate:
     """Estimated peak of the attribution stage for `cfg` (optionally another batch size / length).
 
     The sequence length is `discovery.data_params.seq_len`: the induction task's length, and the
@@ -190,12 +189,12 @@ def attribution_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len:
                                 n_corruptions=max(len(discovery_corruptions(d.task, d.data_params)), 1))
 
 
-def largest_fitting_batch(cfg: AppConfig, budget_bytes: int, limit: int = 1024) -> int:
+def largest_fitting_batch(cfg: Any, budget_bytes: int, limit: int = 1024) -> int:
     """The largest discovery.batch_size whose estimate fits `budget_bytes` (0 if even 1 does not)."""
     return largest_fitting(lambda b: attribution_estimate(cfg, batch_size=b).total_bytes <= budget_bytes, limit)
 
 
-def advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
+def advice(cfg: Any, budget_bytes: int) -> list[str]:
     """Knobs that bring the attribution peak under `budget_bytes`, in the order to try them."""
     tips = []
     best = largest_fitting_batch(cfg, budget_bytes)
@@ -215,7 +214,7 @@ def advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
     return tips
 
 
-def ig_advice(cfg: AppConfig) -> str | None:
+def ig_advice(cfg: Any) -> str | None:
     """The speed/accuracy line for EAP-IG (None for other algorithms or without a measured table)."""
     d = cfg.discovery
     if d.algorithm == "eap-ig-activations":  # O(m x layers): one interpolation per group of nodes

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from circuitkit.core.config import PruningConfig, mask_steps_of
 from circuitkit.discovery.attribution.eap import AttributionScores, cached_run
+from circuitkit.discovery.config import PruningConfig, mask_steps_of
 from circuitkit.discovery.pruning.circuit_forward import ablate_heads  # noqa: F401  (re-exported)
 from circuitkit.discovery.pruning.edges import EdgeEvaluator, mean_writes
 from circuitkit.discovery.pruning.evaluator import (  # noqa: F401  (re-exported: the names callers know)
@@ -159,7 +159,7 @@ class PrunedCircuit:
     cpr: float
     cmd: float
     ablation_values: dict  # stored in circuit.pt: mean_z (heads) or the edge mask and node lists
-    extra: dict = field(default_factory=dict)  # circuit.pt fields of issue 28: see `circuit_fields`
+    extra: dict = field(default_factory=dict)  # circuit.pt's selection and curve fields: see `circuit_fields`
     # Head scope: the Evaluator that measured `metrics` (the verdict reuses it; not stored).
     evaluator: Evaluator | None = field(default=None, repr=False)
 
@@ -207,7 +207,7 @@ def curve_definition(scope: str, ablation: str, rank_by: str, selection: str, me
 
 
 def circuit_fields(found: PrunedCircuit) -> dict:
-    """The circuit.pt fields added by issue 28, in one place (for the typed Circuit artifact):
+    """The circuit.pt fields of the selection and its curve, in one place (for the typed Circuit artifact):
 
         curve_definition  str: what the curve is (`curve_definition`)
         selection         str: pruning.selection (top_k / bootstrap / edge_pruning / mask / ...)

@@ -41,7 +41,7 @@ with a positive score only; when fewer than n are positive the circuit is smalle
 Negative components (IOI's negative name movers, Wang et al. 2023) push against the answer,
 so a circuit without them can exceed the model's metric: the rule aims at CPR (which rewards
 f above 1) rather than CMD, which the |score| ranking (`keep_top`, as in MIB) aims at by
-keeping both signs. Measured in docs/benchmarks.md (issue 37): it overshoots on IOI and fails
+keeping both signs. Measured in docs/benchmarks.md: it overshoots on IOI and fails
 on induction's edges, so it is an option, not the default.
 """
 
