@@ -249,7 +249,7 @@ def machine() -> dict:
 
 
 def targets(models: dict) -> dict:
-    """The issue's goal per model and algorithm: >= 5x faster, peak at or below Lexsi's, neutral F >= Lexsi's."""
+    """The goal per model and algorithm: >= 5x faster, peak at or below Lexsi's, neutral F >= Lexsi's."""
     out = {}
     for name, m in models.items():
         for row in m["timing"]:

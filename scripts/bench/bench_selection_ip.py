@@ -3,7 +3,7 @@ beside top_k and bootstrap, on one model and task, in one process (same pairs, s
 
 Edge level, MIB's setting (counterfactual ablation, MIB's grid of shares of the edges), EAP-IG
 m = 5 (right rule) on --attr pairs with per-example scores, faithfulness on the next --eval
-pairs; the settings of the issue-28 table (`scripts/bench/bench_mib.py`), so its top_k and bootstrap
+pairs; the settings of the MIB edge table (`scripts/bench/bench_mib.py`), so its top_k and bootstrap
 rows are reproduced here and its edge_pruning row (585-736 s of optimization) compares. Per
 selection: CPR, CMD, f at 10 % and at 50 % (pruning.target_sparsity's default), the smallest n
 with f >= 0.8 (the first grid share reaching it, then --bisect halvings of the gap before it,
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--selections", default="top_k,bootstrap,ip,positive", help="also: edge_pruning")
     ap.add_argument("--ip-time-limit", type=float, default=120.0)
     ap.add_argument("--bisect", type=int, default=3)
-    ap.add_argument("--mask-steps", type=int, default=12, help="edge_pruning: the issue-28 rows' 12 steps")
+    ap.add_argument("--mask-steps", type=int, default=12, help="edge_pruning: the MIB edge table's 12 steps")
     ap.add_argument("--mask-lr", type=float, default=0.1)
     ap.add_argument("--mask-pairs", type=int, default=8)
     ap.add_argument("--node", action="store_true", help="also the head rows (top_k, positive)")
@@ -170,7 +170,7 @@ def main() -> None:
             selector = BootstrapSelector(per_ex, "abs", a.resamples, 0, mask_valid)
         elif sel == "ip":
             selector = IPSelector(ranked, valid, graph, "abs", "path", a.ip_time_limit)
-        elif sel == "edge_pruning":  # the issue-28 rows' settings (docs/benchmarks.md)
+        elif sel == "edge_pruning":  # the MIB edge table's settings (docs/benchmarks.md)
             from circuitkit.discovery.pruning.optimize import learn_edge_mask
 
             theta = learn_edge_mask(adapter, attr[:a.mask_pairs], ranked, valid, "logit_diff", a.mask_steps, a.mask_lr,

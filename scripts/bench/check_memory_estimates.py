@@ -13,7 +13,7 @@ tokens, the default projection kind and loss at projection_dim 64, raw on tiny s
 `--real` runs the real shapes of conf/model/*.yaml instead (gpt2, pythia70m, llama1b; gemma4b
 with --real-models when ~20 GB are free) with random weights, in float32 and bfloat16, node and
 edge level and the grads stage, batch 1 and 4 (--real-batches), 32 tokens, ig_steps 3, against
-the tighter tolerance of the issue: estimate / measured within [0.95, 1.10]. `--layers N`
+the tighter tolerance: estimate / measured within [0.95, 1.10]. `--layers N`
 builds N layers of the real width instead of the full depth (every term is linear in the
 depth but the score matrix, which is small).
 

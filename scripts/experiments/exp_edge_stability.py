@@ -1,7 +1,7 @@
 """Stability of edge circuits (Meloux et al.'s Jaccard >= 0.8 over 100 resamples)
 against the levers the field names, on one model and task, from one set of per-example scores.
 
-Edge level, the settings of the issue-28 table (`scripts/bench/bench_mib.py`): EAP-IG m = 5 (right
+Edge level, the settings of the MIB edge table (`scripts/bench/bench_mib.py`): EAP-IG m = 5 (right
 rule), logit difference, counterfactual ablation, |score|, MIB's grid of shares for CPR / CMD.
 The evaluation pairs are fixed for every row: pairs 16..31 of seed 0 (the table's held-out
 pairs); the attribution pool is pairs 0..15 (the table's attribution pairs) then 32, 33, ...,

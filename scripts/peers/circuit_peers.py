@@ -250,8 +250,8 @@ def _edge_rank(edges: list, up: str, down: str) -> int:
 def induction_check(work: Path, console, steps: int = 5) -> dict:
     """Both tools on the trained induction fixture (32 pairs of 64 tokens, batch 16): top-2 heads
     by |score| (expected: the previous-token and induction heads) and the K-composition edge's rank."""
-    from circuitkit.core.config import ModelConfig
     from circuitkit.discovery.tasks import induction
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
 
     work = work / "induction"
@@ -327,7 +327,7 @@ def _pair(rows: list[dict], method: str, level: str) -> tuple[dict, dict]:
 
 
 def targets(rows: list[dict]) -> dict:
-    """The issue's targets: node-level eap-ig >= 3x faster with lower peak; EAP Spearman >= 0.95."""
+    """The targets: node-level eap-ig >= 3x faster with lower peak; EAP Spearman >= 0.95."""
     ours, theirs = _pair(rows, "eap-ig", "node")
     out = {}
     if not (ours["error"] or theirs["error"]):
