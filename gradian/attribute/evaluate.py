@@ -32,10 +32,10 @@ from circuitkit.core.errors import UserError
 from gradian.capture.gradients import logit_chunk_rows, supervised_positions
 from gradian.data.rows import (
     TokenPolicy,
-    _bos_for_prompt_rows,
-    _check_row,
-    _encode_prompt_completion,
-    _preview,
+    bos_for_prompt_rows,
+    check_row,
+    encode_prompt_completion,
+    preview_text,
 )
 from gradian.data.sources import DataError, Source, SourceSpec
 
@@ -83,7 +83,7 @@ def read_eval_rows(path: str | Path) -> list[tuple[int, str, str]]:
     chat, empty = [], []
     try:
         for position, at, obj in Source(SourceSpec(path=str(path))).records():
-            if _check_row(obj, at) == "messages":
+            if check_row(obj, at) == "messages":
                 chat.append(position)
                 continue
             if not obj["completion"].strip():
@@ -118,10 +118,10 @@ def tokenize_items(rows: Sequence[tuple[int, str, str]], tokenizer, policy: Toke
     UserError (exit code 1) naming the lines whose answer has no token, whose answer has nothing
     before it (an empty prompt without BOS), or whose prompt + answer exceed the model's context
     (`context` tokens, None: unknown)."""
-    bos = _bos_for_prompt_rows(tokenizer, policy.prepend_bos)
+    bos = bos_for_prompt_rows(tokenizer, policy.prepend_bos)
     items, tokenless, too_long, headless = [], [], [], []
     for i, (line, prompt, answer) in enumerate(rows):
-        ids, sup, _ = _encode_prompt_completion(tokenizer, prompt, answer, bos, append_eos=False)
+        ids, sup, _ = encode_prompt_completion(tokenizer, prompt, answer, bos, append_eos=False)
         n_answer = sum(sup)
         if n_answer == 0:
             tokenless.append(line)
@@ -251,4 +251,4 @@ def ended_by(said: Sequence[int], tokenizer) -> str:
 
 def preview(text: str) -> str:
     """A one-line preview of a prompt or answer (the index's preview length)."""
-    return _preview(text)
+    return preview_text(text)

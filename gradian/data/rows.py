@@ -93,7 +93,7 @@ class TokenPolicy:
     def resolve(self, tokenizer: Any) -> dict[str, Any]:
         """The policy as applied with `tokenizer` (JSON-ready, for the manifest): the keys, whether
         BOS / EOS are really added (a tokenizer may have none), and the tokens themselves."""
-        bos = _bos_for_prompt_rows(tokenizer, self.prepend_bos)
+        bos = bos_for_prompt_rows(tokenizer, self.prepend_bos)
         return {"append_eos": self.append_eos, "prepend_bos": self.prepend_bos,
                 "bos_added": bos, "bos_token": tokenizer.bos_token if bos else None,
                 "eos_added": self.append_eos and tokenizer.eos_token_id is not None,
@@ -202,12 +202,12 @@ def _lines_text(lines: Sequence[int], total: int | None = None) -> str:
     return f"line{'s' if total != 1 else ''} {shown}{more}"
 
 
-def _preview(text: str) -> str:
+def preview_text(text: str) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= PREVIEW_CHARS else flat[: PREVIEW_CHARS - 3] + "..."
 
 
-def _check_row(obj: Any, where: str) -> str:
+def check_row(obj: Any, where: str) -> str:
     """Validate one parsed line; returns its format, "prompt" or "messages"."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected {_EXPECTED}, got a JSON {type(obj).__name__}.")
@@ -252,7 +252,7 @@ def _adds_bos(tokenizer: Any) -> bool:
     return bool(with_special) and with_special[0] == bos and (not without or without[0] != bos)
 
 
-def _bos_for_prompt_rows(tokenizer: Any, prepend_bos: bool | None) -> bool:
+def bos_for_prompt_rows(tokenizer: Any, prepend_bos: bool | None) -> bool:
     """Whether prompt/completion rows start with BOS under ``grads.prepend_bos``."""
     if prepend_bos is None:
         return _adds_bos(tokenizer)
@@ -262,7 +262,7 @@ def _bos_for_prompt_rows(tokenizer: Any, prepend_bos: bool | None) -> bool:
     return bool(prepend_bos)
 
 
-def _encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, bos: bool,
+def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, bos: bool,
                               append_eos: bool) -> tuple[list[int], list[bool], bool]:
     """(ids, supervised, whether EOS was appended)."""
     # Separate calls so no BPE merge spans the boundary and the mask is exact; special tokens are
@@ -286,7 +286,7 @@ def _has_generation_tags(tokenizer: Any) -> bool:
     return bool(template) and bool(_GENERATION_TAG.search(template))
 
 
-def _encode_messages(tokenizer: Any, messages: list[dict], where: str,
+def encode_messages(tokenizer: Any, messages: list[dict], where: str,
                      end_of_turn: bool = True) -> tuple[list[int], list[bool]]:
     """(ids, supervised) of a conversation: the assistant turns as the template marks them, or,
     with ``end_of_turn=False``, only the tokens of the assistant contents (`_content_only`)."""
@@ -445,22 +445,22 @@ def iter_rows(source: Source, tokenizer: Any, report: DataReport) -> Iterator[Ro
     """
     _check_settings(report.max_seq_length, report.on_truncation, report.truncation_side)
     policy = report.policy
-    bos = _bos_for_prompt_rows(tokenizer, policy.prepend_bos)
+    bos = bos_for_prompt_rows(tokenizer, policy.prepend_bos)
     bos_id = tokenizer.bos_token_id
     if policy.append_eos and tokenizer.eos_token_id is None:
         logger.warning("grads.append_eos=true, but the tokenizer has no EOS token: prompt/completion rows end"
                        " with their completion.")
     for position, where, obj in source.records():
-        kind = _check_row(obj, where)
+        kind = check_row(obj, where)
         report.rows_read += 1
         eos_added = False
         if kind == "prompt":
-            ids, sup, eos_added = _encode_prompt_completion(tokenizer, obj["prompt"], obj["completion"], bos,
+            ids, sup, eos_added = encode_prompt_completion(tokenizer, obj["prompt"], obj["completion"], bos,
                                                             policy.append_eos)
-            preview = _preview(obj["prompt"] + obj["completion"])
+            preview = preview_text(obj["prompt"] + obj["completion"])
         else:
-            ids, sup = _encode_messages(tokenizer, obj["messages"], where, end_of_turn=policy.append_eos)
-            preview = _preview(" / ".join(f"{m['role']}: {m['content']}" for m in obj["messages"]))
+            ids, sup = encode_messages(tokenizer, obj["messages"], where, end_of_turn=policy.append_eos)
+            preview = preview_text(" / ".join(f"{m['role']}: {m['content']}" for m in obj["messages"]))
         head = 1 if (ids and bos_id is not None and ids[0] == bos_id and not sup[0]) else 0
         ids, sup, truncated = _truncate(ids, sup, report.max_seq_length, report.truncation_side, head)
         if sup and sup[0]:

@@ -7,8 +7,8 @@ stopping at the first); a line that is not JSON stops the reading, as it does fo
 
 Token lengths follow `gradian.data.rows`'s encoding: a prompt/completion row is
 ``[BOS] + prompt + completion [+ EOS]`` with prompt and completion tokenized separately
-(`data._encode_prompt_completion`, here in batches of `BATCH_ROWS` through the same tokenizer
-call); a chat row is rendered by the tokenizer's template (`data._encode_messages`). A trainer
+(`gradian.data.rows.encode_prompt_completion`, here in batches of `BATCH_ROWS` through the same tokenizer
+call); a chat row is rendered by the tokenizer's template (`gradian.data.rows.encode_messages`). A trainer
 cuts the end of a row, so a row loses supervised tokens at ``max_seq_length`` when its last
 supervised token lies past it.
 """
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gradian.data.rows import _bos_for_prompt_rows, _check_row, _encode_messages, _encode_prompt_completion
+from gradian.data.rows import bos_for_prompt_rows, check_row, encode_messages, encode_prompt_completion
 from gradian.data.sources import DataError, Source, SourceSpec
 
 BATCH_ROWS = 4096
@@ -64,7 +64,7 @@ def read_rows(path: str) -> ReadResult:
     malformed: list[tuple[int, str]] = []
     for position, where, obj in source.records():
         try:
-            kind = _check_row(obj, where)
+            kind = check_row(obj, where)
         except DataError as err:
             malformed.append((position, str(err)))
             continue
@@ -90,7 +90,7 @@ def _lengths(tokenizer: Any, texts: list[str]) -> list[int]:
         nonempty = [t for t in chunk if t]
         ids = iter(tokenizer(nonempty, add_special_tokens=False, return_attention_mask=False,
                                   return_token_type_ids=False)["input_ids"]) if nonempty else iter(())
-        # An empty string gets no tokens, as in `_encode_prompt_completion` (it skips the call).
+        # An empty string gets no tokens, as in `encode_prompt_completion` (it skips the call).
         out.extend(len(next(ids)) if t else 0 for t in chunk)
     return out
 
@@ -101,9 +101,9 @@ def measure(rows: list[DiagRow], tokenizer: Any, append_eos: bool) -> list[tuple
 
     `append_eos`: the trainer appends the tokenizer's EOS to each non-empty completion
     (`grads.append_eos`'s meaning; for chat rows, the template's own end of turn is counted
-    either way, as `_encode_messages` renders it).
+    either way, as `encode_messages` renders it).
     """
-    bos = 1 if _bos_for_prompt_rows(tokenizer, None) else 0
+    bos = 1 if bos_for_prompt_rows(tokenizer, None) else 0
     eos = 1 if (append_eos and tokenizer.eos_token_id is not None) else 0
     plain = [r for r in rows if r.kind == "prompt"]
     for row, p, c in zip(plain, _lengths(tokenizer, [r.prompt for r in plain]),
@@ -117,7 +117,7 @@ def measure(rows: list[DiagRow], tokenizer: Any, append_eos: bool) -> list[tuple
         if row.kind != "messages":
             continue
         try:
-            ids, sup = _encode_messages(tokenizer, row.messages, f"line {row.line}", end_of_turn=True)
+            ids, sup = encode_messages(tokenizer, row.messages, f"line {row.line}", end_of_turn=True)
         except DataError as err:
             failed.append((row.line, str(err)))
             continue
@@ -131,6 +131,6 @@ def measure(rows: list[DiagRow], tokenizer: Any, append_eos: bool) -> list[tuple
 def row_tokens(row: DiagRow, tokenizer: Any, append_eos: bool) -> list[int]:
     """The token ids of one row, as `measure` counted them (for evidence: where a cut falls)."""
     if row.kind == "messages":
-        return _encode_messages(tokenizer, row.messages, f"line {row.line}", end_of_turn=True)[0]
-    return _encode_prompt_completion(tokenizer, row.prompt, row.completion, _bos_for_prompt_rows(tokenizer, None),
+        return encode_messages(tokenizer, row.messages, f"line {row.line}", end_of_turn=True)[0]
+    return encode_prompt_completion(tokenizer, row.prompt, row.completion, bos_for_prompt_rows(tokenizer, None),
                                      append_eos)[0]

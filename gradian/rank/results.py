@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from gradian.data.rows import _preview
+from gradian.data.rows import preview_text
 from gradian.data.sources import DataError, Source, SourceSpec
 from gradian.index.store import IndexReader
 
@@ -84,7 +84,7 @@ def _read_previews(source: Source, positions: Iterable[int]) -> dict[int, str]:
                                       if isinstance(m, dict))
                 else:
                     text = f"{obj.get('prompt', '')}{obj.get('completion', '')}"
-                out[position] = _preview(text)
+                out[position] = preview_text(text)
             if position >= last:
                 break
     except DataError as err:  # a record that does not parse any more: previews stop there
