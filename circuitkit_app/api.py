@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from circuitkit.core.config import validate
 from circuitkit.discovery.circuit import load_circuit
+from circuitkit_app.config import validate
 from circuitkit_app.stage_list import CIRCUIT_STAGE_NAMES, run_pipeline
 
 

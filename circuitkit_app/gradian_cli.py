@@ -1,8 +1,10 @@
-"""The installed `gradian` command: gradian's own commands (`gradian.cli`) plus the pages the
-report draws, which need the entry layer (`gradian report RANK.jsonl`, `gradian rank ... --report`).
+"""The installed `gradian` command: gradian's own commands (`gradian.cli`) plus what needs the entry
+layer: the pages the report draws (`gradian report RANK.jsonl`, `gradian rank ... --report`) and
+`gradian index`, which composes the pipeline's config (AppConfig, `circuitkit_app.config`).
 
-`gradian.cli` sits below the entry layer and cannot import the report; this shim parses with
-its parser, runs its rank command and then writes the page, and hands every other command over unchanged.
+`gradian.cli` sits below the entry layer and cannot import the report or the config's root; this
+shim composes the config for `index`, parses with its parser, runs its rank command and then writes
+the page, and hands every other command over unchanged.
 """
 
 from __future__ import annotations
@@ -27,8 +29,30 @@ def _check_page(page: Path, args) -> None:
     check_writable(page, "--report")
 
 
+def _index(overrides: list[str]) -> int:
+    """`gradian index [overrides]`: the config composed as `python -m circuitkit.run` would, then the
+    grads stage on its own (gradian.cli.index_command)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from circuitkit.core.config import ConfigError
+    from circuitkit_app.config import compose
+
+    if any(arg in ("-h", "--help") for arg in overrides):
+        print(gradian_cli.index_help())
+        return 0
+    try:
+        _, cfg = compose(overrides)
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        raise UserError(gradian_cli.bad_override(overrides) or " ".join(str(err).split()), exit_code=2) from err
+    return gradian_cli.index_command(cfg)
+
+
 def _main(argv: list[str]) -> int:
     from circuitkit_app.report import write_rank_report
+
+    if argv and argv[0] == "index":
+        return _index(argv[1:])
 
     if argv and argv[0] == "report":
         args = gradian_cli.parse(argv)

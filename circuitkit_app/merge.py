@@ -37,7 +37,6 @@ def _parser() -> argparse.ArgumentParser:
 def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console: Console | None = None) -> dict:
     """Merge the shards of `run_dirs` into `out`; returns out's manifest (or the merge record
     when `prune` is False). UserError naming what is wrong for a missing or mismatched shard."""
-    from circuitkit.core.config import validate
     from circuitkit.core.io import atomic_write_json
     from circuitkit.core.pipeline import MANIFEST, load_manifest, make_console
     from circuitkit.discovery.attribution import save_scores
@@ -50,6 +49,7 @@ def merge_run_dirs(run_dirs: list[Path], out: Path, prune: bool = True, console:
         shard_records,
     )
     from circuitkit.discovery.stages import HELDOUT_TEMPLATES_FILE
+    from circuitkit_app.config import validate
     from circuitkit_app.stage_list import run_pipeline
 
     console = console or make_console()

@@ -21,11 +21,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from circuitkit.core.config import CONF_DIR, check_overrides, compose_with_run_dir, hydra_dir, validate
+from circuitkit.core.config import CONF_DIR
 from circuitkit.core.errors import UserError, debug_enabled, exit_code_and_message, print_error, run_entry
 from circuitkit.core.io import check_writable
 from circuitkit.core.pipeline import make_console
 from circuitkit.core.sweep import forget_last_sweep, last_sweep, record_job_failure
+from circuitkit_app.config import check_overrides, compose_with_run_dir, hydra_dir, validate
 from circuitkit_app.stage_list import check_stages, run_pipeline
 
 # Hydra flags that take a value (the value is not an override).

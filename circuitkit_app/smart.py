@@ -20,13 +20,15 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.core.config import CONF_DIR, AppConfig, DiscoveryConfig, choices, compose
+from circuitkit.core.config import CONF_DIR, choices
 from circuitkit.core.device import free_memory_bytes, get_device
 from circuitkit.core.errors import EXIT_USAGE, UserError
 from circuitkit.core.pipeline import make_console
 from circuitkit.discovery.attribution.memory import attribution_estimate, ig_advice
+from circuitkit.discovery.config import DiscoveryConfig
 from circuitkit.preflight.memory import MemoryEstimate, largest_fitting
 from circuitkit.preflight.stage import table
+from circuitkit_app.config import AppConfig, compose
 from circuitkit_app.run import main as run_main
 from circuitkit_app.stage_list import CIRCUIT_STAGE_NAMES, PIPELINE
 

@@ -4,7 +4,7 @@
 
 Each stage lives with its domain (`circuitkit.preflight.stage`, `circuitkit.discovery.stages` for the circuit
 stages, `gradian.stage`, `gradian.attribute.stage`); a new stage is one more entry here (and its name in
-`circuitkit.core.config.ALL_STAGES`, the schema's choices for `stages`). `run_pipeline` and
+`circuitkit_app.config.ALL_STAGES`, the schema's choices for `stages`). `run_pipeline` and
 `check_stages` are what run.py, api.py, smart.py, the scripts and the tests call.
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 
 from rich.console import Console
 
-from circuitkit.core.config import AppConfig
 from circuitkit.core.pipeline import Pipeline
 from circuitkit.discovery.export.hf_stage import EXPORT_STAGE
 from circuitkit.discovery.stages import CIRCUIT_STAGES
 from circuitkit.models.loading import load_model, model_source
 from circuitkit.preflight.stage import PREFLIGHT_STAGE
+from circuitkit_app.config import AppConfig
 from gradian.attribute.stage import ATTRIBUTE_STAGE
 from gradian.stage import GRADS_STAGE
 

@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -118,8 +119,9 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
     return 1
 
 
-def _index_help() -> str:
-    from circuitkit.core.config import GradsConfig
+def index_help() -> str:
+    """`gradian index --help`: the command, then every grads key with its doc and default."""
+    from gradian.settings.grads import GradsConfig
 
     lines = ["usage: gradian index [KEY=VALUE ...]", "",
              "Build a gradient index of grads.data_path into grads.index_dir (default ./index) with the",
@@ -133,7 +135,7 @@ def _index_help() -> str:
     return "\n".join(lines)
 
 
-def _bad_override(overrides: list[str]) -> str | None:
+def bad_override(overrides: list[str]) -> str | None:
     """A message naming the first override Hydra cannot parse, or None if each parses alone."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -149,21 +151,12 @@ def _bad_override(overrides: list[str]) -> str | None:
     return None
 
 
-def index_command(overrides: list[str]) -> int:
-    """`gradian index [overrides]`: the grads stage on its own (index_dir default ./index)."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from circuitkit.core.config import ConfigError, compose
+def index_command(cfg: Any) -> int:
+    """`gradian index [overrides]`: the grads stage on its own, on the composed config (the app's
+    AppConfig; index_dir default ./index). The installed `gradian` composes it
+    (circuitkit_app.gradian_cli): the config's root knows both domains, which this module may not."""
     from gradian.build.indexer import build_index
 
-    if any(arg in ("-h", "--help") for arg in overrides):
-        print(_index_help())
-        return 0
-    try:
-        _, cfg = compose(overrides)
-    except (ConfigError, HydraException, OmegaConfBaseException) as err:
-        raise UserError(_bad_override(overrides) or " ".join(str(err).split()), exit_code=2) from err
     index_dir = cfg.grads.index_dir or "index"
     from circuitkit.models.loading import check_model
     from gradian.build.memory import GRADS_MEMORY
@@ -379,8 +372,12 @@ def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
-    if argv[0] == "index":
-        return index_command(argv[1:])
+    if argv[0] == "index":  # composing the pipeline's config is the entry layer's: circuitkit_app.gradian_cli
+        if any(arg in ("-h", "--help") for arg in argv[1:]):
+            print(index_help())
+            return 0
+        raise UserError("`gradian index` composes the pipeline's config (conf/), which the installed `gradian`"
+                        " command does (circuitkit_app.gradian_cli); run it as `gradian index ...`.", exit_code=2)
     if argv[0] == "inspect":
         args = parse(argv)
         return inspect_index(args.index, verify=args.verify, row=args.row)

@@ -338,8 +338,8 @@ def _test_projection() -> dict[str, Any]:
     default projection kind (grads.projection)."""
     import torch
 
-    from circuitkit.core.config import GradsConfig
     from gradian.projection.projector import Projector
+    from gradian.settings.grads import GradsConfig
 
     shapes, kind = {"probe": (12, 10)}, GradsConfig().projection
     p1, p2 = Projector(shapes, kind, 16, seed=0), Projector(shapes, kind, 16, seed=0)
@@ -372,11 +372,11 @@ def _test_batch_invariance() -> dict[str, Any]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from circuitkit.core.config import GradsConfig
     from circuitkit.models.adapters import get_adapter
     from circuitkit.models.linear_modules import module_shapes
     from gradian.capture.gradients import per_example_gradients
     from gradian.projection.projector import Projector
+    from gradian.settings.grads import GradsConfig
 
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0,
                         eos_token_id=0)

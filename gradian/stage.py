@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from circuitkit.core.circuit_file import grads_circuit_path
-from circuitkit.core.config import AppConfig
 from circuitkit.core.io import check_writable
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
 from circuitkit.models.loading import check_model, model_inputs
@@ -62,16 +62,16 @@ def _grads(ctx: RunContext) -> StageResult:
                        estimated_peak_bytes=summary["estimated_peak_bytes"])
 
 
-def run_index_dir(cfg: AppConfig, run_dir: Path) -> Path:
+def run_index_dir(cfg: Any, run_dir: Path) -> Path:
     """The index the grads stage writes (and the attribute stage reads): grads.index_dir, or <run dir>/index."""
     return Path(cfg.grads.index_dir).expanduser() if cfg.grads.index_dir else Path(run_dir) / "index"
 
 
-def grads_data_file(cfg: AppConfig) -> Path:
+def grads_data_file(cfg: Any) -> Path:
     return Path(cfg.grads.data_path).expanduser() if cfg.grads.data_path else SAMPLE_DATA
 
 
-def _grads_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+def _grads_inputs(cfg: Any, run_dir: Path) -> dict[str, Path | str]:
     if not cfg.grads.enabled:
         return {}
     data = grads_data_file(cfg)
@@ -86,7 +86,7 @@ def _grads_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     return inputs
 
 
-def _check_grads(cfg: AppConfig) -> None:
+def _check_grads(cfg: Any) -> None:
     """The model reference, then Gradian's own pre-run checks from config files alone: the data
     can be read, the index dir written, shard_index < num_shards, rows bounded by the context."""
     if not cfg.grads.enabled:

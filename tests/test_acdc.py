@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.core.config import ConfigError, DataParams, ModelConfig, compose
+from circuitkit.core.config import ConfigError
 from circuitkit.discovery.attribution import load_scores
 from circuitkit.discovery.attribution.acdc import acdc, column_order, column_owners, node_order
 from circuitkit.discovery.attribution.eap import cached_run, deltas, graph_of
@@ -24,8 +24,11 @@ from circuitkit.discovery.attribution.exact import _edge_patch, _metric, exact_p
 from circuitkit.discovery.attribution.graph import Graph
 from circuitkit.discovery.attribution.memory import estimate_attribution
 from circuitkit.discovery.attribution.metrics import compute_metric
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from circuitkit_app.config import compose
 
 
 @functools.cache
@@ -165,9 +168,9 @@ def test_memory_estimate_covers_the_measured_peak(level):
     import transformers as tf
     from check_memory_estimates import _tiny
 
-    from circuitkit.core.config import DiscoveryConfig
     from circuitkit.core.device import measure_peak, module_bytes
     from circuitkit.discovery.attribution import run_attribution
+    from circuitkit.discovery.config import DiscoveryConfig
     from circuitkit.discovery.tasks.base import random_pairs
     from circuitkit.models.adapters import get_adapter
     from circuitkit.preflight.memory import shape_from_config

@@ -9,8 +9,8 @@ import pytest
 import torch
 from named_hooks import hook_names, hooks, run_with_cache
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.models.adapters import UnsupportedArchitectureError, get_adapter
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 FAMILIES = {"tiny-gpt2": "gpt2", "tiny-neox": "gpt_neox", "tiny-neox-seq": "gpt_neox", "tiny-llama": "llama",

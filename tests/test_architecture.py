@@ -35,7 +35,7 @@ RANK = {CORE: 0, MODELS: 1, CIRCUIT: 2, GRADIAN: 2, ENTRY: 3}
 LAYERS: dict[str, str] = {
     # runner core
     "circuitkit.core": CORE,
-    "circuitkit.core.config": CORE,
+    "circuitkit.core.config": CORE,  # the config machinery: field metadata, validation, Hydra's compose, schema flags
     "circuitkit.core.errors": CORE,
     "circuitkit.core.hub": CORE,  # is the Hugging Face hub reachable (asked once; offline mode on when not)
     "circuitkit.core.io": CORE,
@@ -52,6 +52,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.core.recorded": CORE,  # a directory's recorded files: confined to it, read through their sha256  # circuit.pt: the Circuit type, its writer and reader (both domains read it)
     # models: loading, adapters, hooks, fixtures, the model's shape and memory terms
     "circuitkit.models": MODELS,
+    "circuitkit.models.config": MODELS,  # the model group's schema (model.*), its placement rule
     "circuitkit.models.adapters": MODELS,
     # one module per architecture family (the only code with HF module names) and their registry
     "circuitkit.models.families": MODELS,
@@ -77,10 +78,12 @@ LAYERS: dict[str, str] = {
     "circuitkit.models.lora": MODELS,  # model.adapter: PEFT LoRA adapters (the one module that imports peft)
     "circuitkit.models.recompute": MODELS,  # activations recomputed in the backward (exact)
     "circuitkit.preflight": MODELS,  # the preflight room: model shapes, memory terms, the stage
+    "circuitkit.preflight.config": MODELS,  # the preflight group's schema
     "circuitkit.preflight.memory": MODELS,  # reads model shapes (HF config.json); the generic memory terms
     "circuitkit.preflight.stage": MODELS,  # sums the estimates the stages declare; imports no domain
     # circuit discovery and pruning
     "circuitkit.discovery": CIRCUIT,
+    "circuitkit.discovery.config": CIRCUIT,  # discovery's schemas (discovery, data_params, pruning, export), their rules
     "circuitkit.discovery.pruning": CIRCUIT,
     "circuitkit.discovery.export": CIRCUIT,
     "circuitkit.discovery.tasks": CIRCUIT,
@@ -136,6 +139,10 @@ LAYERS: dict[str, str] = {
     "gradian": GRADIAN,
     "gradian.stage": GRADIAN,  # the grads stage (a loose module: the index built from the pipeline)
     "gradian.doctor": GRADIAN,  # `gradian doctor`: installed extras, a batch-invariance self-test
+    # settings: the schemas every room reads (grads.*, attribute.*)
+    "gradian.settings": GRADIAN,
+    "gradian.settings.grads": GRADIAN,  # the grads group's schema and its rules
+    "gradian.settings.attribute": GRADIAN,  # the attribute stage's schema: the one list of query losses and engines
     # data: where rows come from, their tokens and supervised mask, the corpus
     "gradian.data": GRADIAN,
     "gradian.data.sources": GRADIAN,
@@ -203,6 +210,7 @@ LAYERS: dict[str, str] = {
     "gradian.attribute.stage": GRADIAN,  # the pipeline's attribute stage, after grads
     # entry points: circuitkit_app/ (above both domains) and gradian's own command
     "circuitkit_app": ENTRY,
+    "circuitkit_app.config": ENTRY,  # AppConfig: every owner's section, the cross-section rules, validate and compose
     "circuitkit_app.stage_list": ENTRY,  # the one list of stages: circuit discovery's and gradian's
     "circuitkit_app.run": ENTRY,
     "circuitkit_app.cli": ENTRY,
@@ -213,6 +221,7 @@ LAYERS: dict[str, str] = {
     "circuitkit_app.gradian_cli": ENTRY,  # the installed `gradian`: gradian.cli plus the report's pages
     # report.html: reads both domains' artifacts through their readers; no stage imports it
     "circuitkit_app.report": ENTRY,
+    "circuitkit_app.report.config": ENTRY,  # the report group's schema
     "circuitkit_app.report.collect": ENTRY,
     "circuitkit_app.report.ranked": ENTRY,
     "circuitkit_app.report.accused": ENTRY,  # the attribute stage's section
@@ -232,7 +241,7 @@ GRADIAN_MAY_READ: set[str] = set()
 # Gradian's rooms, bottom up: a module imports from its own room and the rooms below, never above.
 # `gradian.stage` and `gradian.doctor` are loose modules above rank (attribute's stage builds on the
 # grads stage); `gradian.cli` is the entry layer's.
-GRADIAN_ROOMS = ("data", "projection", "capture", "curvature", "index", "build", "rank", "diagnose", "stage",
+GRADIAN_ROOMS = ("settings", "data", "projection", "capture", "curvature", "index", "build", "rank", "diagnose", "stage",
                  "doctor", "attribute", "cli")
 
 

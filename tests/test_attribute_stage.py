@@ -188,12 +188,27 @@ def test_no_section_without_a_finished_attribute_stage(pipeline_run, tmp_path) -
     assert "attribute" not in view and 'id="attribute"' not in render(view, "t")
 
 
-def test_the_config_choices_are_gradians_lists() -> None:
-    from circuitkit.core.config import ATTRIBUTE_ENGINES, ATTRIBUTE_QUERY_LOSSES
-    from gradian.attribute.engines import ENGINES
-    from gradian.attribute.queries import QUERY_LOSSES
+def test_gradian_attributes_flags_take_the_schemas_defaults_choices_and_ranges() -> None:
+    """`gradian attribute --top-k/--query-loss/--bootstrap/--span-min-tokens` are the attribute keys'
+    fields: the same default, choices and lower bound, so the command and the stage cannot drift."""
+    import dataclasses
 
-    assert ATTRIBUTE_QUERY_LOSSES == QUERY_LOSSES and ATTRIBUTE_ENGINES == ("auto", *ENGINES)
+    from circuitkit.core.flags import subparser
+    from gradian.cli import _parser
+    from gradian.settings.attribute import AttributeConfig
+
+    sub = subparser(_parser(), "attribute")
+    actions = {a.dest: a for a in sub._actions}  # noqa: SLF001
+    fields = {f.name: f for f in dataclasses.fields(AttributeConfig)}
+    for key in ("top_k", "query_loss", "bootstrap", "span_min_tokens"):
+        action, meta = actions[key], fields[key].metadata
+        assert action.default == fields[key].default, key
+        assert action.choices == meta["choices"], key
+        bounds = getattr(action, "bounds", None)
+        assert (bounds.ge if bounds else None) == meta["ge"], key
+    assert sub.parse_args(["--index", "i", "--eval-dataset", "e"]).top_k == 40
+    assert actions["query_loss"].choices == ("contrastive", "ce", "margin")
+    assert actions["top_k"].bounds.le == 100_000  # the key's own upper bound
 
 
 def test_the_section_shows_verify_and_the_spans_when_the_result_has_them(pipeline_run) -> None:

@@ -8,9 +8,10 @@ import pytest
 import torch
 from reference_eap import reference_edge_scores
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution import attribute, exact_patching
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 FAMILIES = ("tiny-gpt2", "tiny-neox", "tiny-neox-seq", "tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gemma3-cg",

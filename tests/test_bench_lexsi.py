@@ -19,8 +19,8 @@ from neutral_heads import NeutralJudge, Pairs, load_model, top_heads  # noqa: E4
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny GPT-2 fixture (2 layers x 4 heads) and 12 IOI pairs of unequal lengths."""
-    from circuitkit.core.config import ModelConfig
     from circuitkit.discovery.tasks import ioi
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model as load_fixture
 
     lm = load_fixture(ModelConfig(name="builtin:tiny-gpt2", precision="float32"))

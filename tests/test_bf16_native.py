@@ -12,8 +12,9 @@ import torch
 from rich.console import Console
 
 from circuitkit.core import device
-from circuitkit.core.config import ModelConfig, compose
 from circuitkit.core.device import Bf16Support, resolve_precision
+from circuitkit.models.config import ModelConfig
+from circuitkit_app.config import compose
 
 NATIVE = Bf16Support(True, "cpu", "cpu flags amx_bf16, avx512_bf16 (torch cpu capability AVX512)")
 EMULATED = Bf16Support(False, "cpu", "torch cpu capability AVX2, no avx512_bf16 / amx_bf16 flag")

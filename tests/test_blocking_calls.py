@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import gradian.build.indexer as indexer
-from circuitkit.core.config import compose
 from circuitkit.core.syncs import BlockingCalls
+from circuitkit_app.config import compose
 from gradian.data.rows import policy_of
 from gradian.index.store import MANIFEST, IndexReader, StorageOverflowError
 

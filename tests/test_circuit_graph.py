@@ -100,8 +100,8 @@ def test_induction_circuit_picture_shows_the_known_circuit(tmp_path, induction_m
     the copied token into the previous-token head's value, its K-composition with the induction
     head, the induction head's write to the logits (EAP-IG m=5; with m=1 the chain is still the
     top 3 edges here but the order shifts). And the stage writes the picture."""
-    from circuitkit.core.config import compose
     from circuitkit.discovery.circuit import load_circuit
+    from circuitkit_app.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     info = __import__("json").loads((induction_model_dir / "fixture_info.json").read_text())

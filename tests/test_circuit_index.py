@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from test_gradian_grads import _rows  # the right-padded batch builder those tests use
 
-from circuitkit.core.config import ModelConfig, compose
 from circuitkit.core.io import sha256_file
 from circuitkit.discovery.circuit import circuit_sha256, kept_components, save_circuit
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from circuitkit_app.config import compose
 from circuitkit_app.stage_list import run_pipeline
 from gradian.capture.gradients import per_example_gradients
 from gradian.capture.sites import restricted_sites, site_shapes
@@ -163,7 +164,7 @@ def test_manifest_records_the_circuit_and_rank_refuses_another(restricted_index)
 
 
 def test_gradian_rank_cli_refuses_in_one_line(restricted_index, capsys) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     root = restricted_index
     queries = root / "q.jsonl"
@@ -229,7 +230,7 @@ def test_grads_circuit_run_without_a_circuit_is_one_clear_error(tmp_path) -> Non
 
 
 def test_gradian_index_and_inspect_with_a_circuit(restricted_index, capsys) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     root = restricted_index
     data = root / "train.jsonl"

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from circuitkit.core.config import ALL_STAGES, DEFAULT_STAGES, ConfigError, compose, iter_keys, validate
+from circuitkit.core.config import ConfigError, iter_keys
+from circuitkit_app.config import ALL_STAGES, DEFAULT_STAGES, AppConfig, compose, validate
 
 
 def test_defaults_compose_and_validate():
@@ -72,7 +73,7 @@ def test_bad_override_is_an_error_naming_key_value_and_allowed(override, must_me
 def test_stages_out_of_order_and_sweep_values_are_checked():
     with pytest.raises(ConfigError, match="pipeline order"):
         compose(["stages=[attribution,data]"])
-    from circuitkit.core.config import check_overrides
+    from circuitkit_app.config import check_overrides
 
     check_overrides(["discovery.batch_size=1,2,4"])  # a valid sweep
     with pytest.raises(ConfigError, match="discovery.batch_size"):
@@ -94,7 +95,7 @@ def test_plain_dict_validation_catches_unknown_and_misplaced_keys():
 
 
 def test_every_schema_key_has_documentation():
-    for path, _tp, meta in iter_keys():
+    for path, _tp, meta in iter_keys(AppConfig):
         assert meta.get("doc"), path
 
 

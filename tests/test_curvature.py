@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.core.config import compose
 from circuitkit.models.loading import load_model
+from circuitkit_app.config import compose
 from gradian.build.indexer import build_index
 from gradian.capture.gradients import token_losses
 from gradian.curvature.factors import CURVATURE_FILE, factor_names
@@ -260,7 +260,7 @@ def test_verify_checks_factors_and_curvature(index: Path, tmp_path: Path) -> Non
 
 
 def test_inspect_verify_says_what_it_checked(index: Path, capsys) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     assert main(["inspect", str(index), "--verify"]) == 0
     line = " ".join(capsys.readouterr().err.split())
@@ -269,7 +269,7 @@ def test_inspect_verify_says_what_it_checked(index: Path, capsys) -> None:
 
 
 def test_refusals(root: Path, index: Path, tmp_path: Path, capsys, monkeypatch) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     plain = _build(root, "module-only", "grads.preconditioner=module", "grads.rows_per_shard=7")
     with pytest.raises(IndexMismatchError, match="grads.preconditioner=kfac"):
@@ -322,7 +322,7 @@ def test_resume_with_another_projection_is_refused_before_the_model_loads(index:
 
 
 def test_rank_with_kfac_from_the_command_line_and_a_short_summary(index: Path, tmp_path: Path, capsys) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     queries = tmp_path / "q.jsonl"
     queries.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:4]))

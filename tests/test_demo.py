@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from circuitkit.core.config import compose
+from circuitkit_app.config import compose
 
 REPO = Path(__file__).resolve().parent.parent
 

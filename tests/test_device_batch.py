@@ -39,13 +39,13 @@ def test_a_device_too_small_for_more_keeps_the_configured_batch() -> None:
 
 
 def test_attribution_runs_the_largest_batch_that_fits_on_an_accelerator_only() -> None:
-    from circuitkit.core.config import compose
     from circuitkit.discovery.data_lengths import (
         DEVICE_FREE_SHARE,
         attribution_at,
         device_attribution_batch,
         pairs_lengths,
     )
+    from circuitkit_app.config import compose
 
     _, cfg = compose(["model=tiny_gpt2", "discovery.batch_size=2", "discovery.data_params.num_examples=64"])
     lengths = pairs_lengths([24] * 64, 24)

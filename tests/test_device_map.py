@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 
 pytest.importorskip("accelerate")
 
-from circuitkit.core.config import ConfigError, compose  # noqa: E402
+from circuitkit.core.config import ConfigError  # noqa: E402
 from circuitkit.discovery.attribution import run_attribution  # noqa: E402
 from circuitkit.discovery.tasks.base import random_pairs  # noqa: E402
 from circuitkit.models.loading import load_model, weights_hash  # noqa: E402
+from circuitkit_app.config import compose  # noqa: E402
 from circuitkit_app.stage_list import run_pipeline  # noqa: E402
 
 SPLITS = {  # every module on the CPU except the last block, offloaded to disk

@@ -12,12 +12,15 @@ import functools
 import pytest
 import torch
 
-from circuitkit.core.config import ConfigError, DataParams, ModelConfig, compose
+from circuitkit.core.config import ConfigError
 from circuitkit.discovery.attribution import attribute, load_scores
 from circuitkit.discovery.attribution.eap_gp import attribute_gradpath, next_point
 from circuitkit.discovery.attribution.memory import estimate_attribution
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from circuitkit_app.config import compose
 
 
 @functools.cache
@@ -131,9 +134,9 @@ def test_peak_is_one_batch_and_the_estimate_covers_it(level):
     import transformers as tf
     from check_memory_estimates import _tiny
 
-    from circuitkit.core.config import DiscoveryConfig
     from circuitkit.core.device import measure_peak, module_bytes
     from circuitkit.discovery.attribution import run_attribution
+    from circuitkit.discovery.config import DiscoveryConfig
     from circuitkit.discovery.tasks.base import random_pairs
     from circuitkit.models.adapters import get_adapter
     from circuitkit.preflight.memory import shape_from_config

@@ -56,10 +56,11 @@ def test_selector_stability_lists_sizes_and_a_fixed_rule_is_stable():
 
 
 def test_prune_with_a_rank_rule_on_a_tiny_model_reports_the_rules_own_stability():
-    from circuitkit.core.config import DataParams, ModelConfig, PruningConfig
     from circuitkit.discovery.attribution import attribute
+    from circuitkit.discovery.config import DataParams, PruningConfig
     from circuitkit.discovery.pruning.heads import prune
     from circuitkit.discovery.tasks import build_task
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
 
     lm = load_model(ModelConfig(name="builtin:tiny-llama", precision="float32"))

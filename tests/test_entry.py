@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from circuitkit.core.circuit_file import grads_circuit_path
-from circuitkit.core.config import compose
 from circuitkit.core.errors import UserError
+from circuitkit_app.config import compose
 
 REPO = Path(__file__).resolve().parent.parent
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0

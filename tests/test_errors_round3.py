@@ -164,7 +164,7 @@ def test_a_garbled_length_in_the_header_is_refused_without_reading_it(tmp_path):
 
 
 def test_gradian_resume_with_another_projection_is_a_config_error(tmp_path, monkeypatch, capsys):
-    from gradian.cli import main as gradian_main
+    from circuitkit_app.gradian_cli import main as gradian_main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CIRCUITKIT_DEBUG", raising=False)

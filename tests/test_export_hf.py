@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from circuitkit.core.circuit_file import Circuit, load_circuit, save_circuit
-from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
 from circuitkit.discovery.export.hf import PROVENANCE_FILE, ExportError, export_hf
 from circuitkit.discovery.pruning.heads import ablate_heads
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 FAMILY_FIXTURES = ("tiny-gpt2", "tiny-neox", "tiny-neox-seq", "tiny-llama", "tiny-gemma3", "tiny-gemma3-cg",
@@ -183,7 +183,7 @@ def test_exported_metric_is_the_reported_weight_ablation_faithfulness(name, tmp_
     `head_means` of the attribution examples) is what the exported checkpoint scores."""
     from transformers import AutoModelForCausalLM
 
-    from circuitkit.core.config import DataParams
+    from circuitkit.discovery.config import DataParams
     from circuitkit.discovery.pruning.heads import faithfulness, head_means, weight_ablation_faithfulness
     from circuitkit.discovery.tasks import build_task
 
@@ -211,9 +211,9 @@ def test_pipeline_export_metric_is_the_reported_faithfulness(fixture, tmp_path):
     pruning stage reported under the export's ablation, and so is its faithfulness."""
     from transformers import AutoModelForCausalLM
 
-    from circuitkit.core.config import compose
     from circuitkit.discovery.pruning.heads import faithfulness
     from circuitkit.discovery.stages import _read_task_data
+    from circuitkit_app.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose([f"model.name=builtin:{fixture}", "model.precision=float32",
@@ -237,7 +237,7 @@ def test_pipeline_export_metric_is_the_reported_faithfulness(fixture, tmp_path):
 
 
 def test_export_is_off_by_default(tmp_path):
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
 
     _, cfg = compose([])
     assert cfg.export.format is None and "export" in cfg.stages

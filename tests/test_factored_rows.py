@@ -14,8 +14,9 @@ import torch
 from test_circuit_index import _circuit, _load
 from test_gradian_grads import _rows
 
-from circuitkit.core.config import ConfigError, compose
+from circuitkit.core.config import ConfigError
 from circuitkit.core.errors import UserError
+from circuitkit_app.config import compose
 from gradian.build.indexer import ResumeMismatchError, build_index, check_grads_config
 from gradian.build.memory import grads_estimate
 from gradian.capture.gradients import per_example_gradients

@@ -155,7 +155,7 @@ def test_an_index_without_fisher_reads_as_empirical_and_inspect_shows_it(empiric
                                                                           capsys) -> None:
     import shutil
 
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     old = tmp_path / "old"
     shutil.copytree(empirical, old)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from circuitkit.core.config import DataParams
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import TaskError, build_task, corruption_of
 
 # (entity, answer): facts made of names, which the fixture's tokenizer has as whole tokens.

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
 from circuitkit.fixtures.gguf import dequantized_state, ensure_gguf_fixture, write_header_only_gguf
 from circuitkit.models import fetch as fetch_mod
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.gguf import GGUFError, check_gguf, read_gguf_header
 from circuitkit.models.loading import load_model, model_inputs, model_source, pretrained_args
 

@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from circuitkit.core.config import ModelConfig, compose
 from circuitkit.fixtures.cache import cache_root
+from circuitkit.models.config import ModelConfig
+from circuitkit_app.config import compose
+from circuitkit_app.gradian_cli import main
 from gradian.attribute.evaluate import (
     EvalItem,
     greedy_continuations,
@@ -32,7 +34,6 @@ from gradian.attribute.evaluate import (
 )
 from gradian.attribute.queries import query_gradients
 from gradian.attribute.regression import measure_regression, paired_bootstrap
-from gradian.cli import main
 from gradian.data.rows import TokenPolicy
 
 peft = pytest.importorskip("peft")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from circuitkit.core.batching import plan_batches
-from circuitkit.core.config import GradsConfig, ModelConfig
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.build.indexer import build_index
@@ -22,6 +22,7 @@ from gradian.data.rows import REPORT_LINES, collate, load_rows
 from gradian.data.sources import DataError, Source, SourceSpec
 from gradian.index.store import IndexReader
 from gradian.projection.projector import Projector
+from gradian.settings.grads import GradsConfig
 
 WORDS = "the cat sat on a mat while dogs ran past green hills under bright blue skies".split()
 

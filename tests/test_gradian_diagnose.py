@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from circuitkit.fixtures.models import ADJECTIVES, NOUNS, OBJECTS, PLACES
-from gradian.cli import main
+from circuitkit_app.gradian_cli import main
 from gradian.data.rows import TokenPolicy, load_rows
 from gradian.diagnose import diagnose, diagnose_findings
 from gradian.diagnose.finding import SHOWN

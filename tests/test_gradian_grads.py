@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from circuitkit.core.config import ModelConfig
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.capture.gradients import per_example_gradients

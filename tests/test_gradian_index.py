@@ -101,7 +101,7 @@ def test_two_writers_on_one_shard_are_refused(tmp_path):
 
 
 def test_gradian_inspect_prints_the_summary(tmp_path, capsys):
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     _build(tmp_path)
     assert main(["inspect", str(tmp_path)]) == 0

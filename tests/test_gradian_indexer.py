@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from circuitkit.core.config import compose
+from circuitkit_app.config import compose
 from circuitkit_app.stage_list import run_pipeline
 from gradian.index.store import IndexReader
 
@@ -78,8 +78,9 @@ def test_index_of_another_config_is_refused(tmp_path):
 
 def test_a_shard_that_cannot_fit_in_host_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     import gradian.build.indexer as indexer
-    from circuitkit.core.config import GradsConfig, ModelConfig
     from circuitkit.core.errors import UserError
+    from circuitkit.models.config import ModelConfig
+    from gradian.settings.grads import GradsConfig
 
     # Raw gradients of the tiny GPT-2's two mlp.c_proj: 2 x 64 x 256 float32 values per row.
     grads = GradsConfig(projection_dim=None, module_filter=["mlp.c_proj"], rows_per_shard=4096)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.core.device import measure_peak
 from circuitkit.fixtures.models import FIXTURE_NAMES
 from circuitkit.models.adapters import get_adapter
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.linear_modules import (
     circuit_module_shapes,
     linear_module_shapes,

@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from circuitkit.core.config import ModelConfig, compose
 from circuitkit.core.device import measure_peak
+from circuitkit.models.config import ModelConfig
+from circuitkit_app.config import compose
+from circuitkit_app.gradian_cli import main
 from circuitkit_app.stage_list import run_pipeline
-from gradian.cli import main
 from gradian.index.store import IndexMismatchError, IndexReader, IndexWriter
 from gradian.rank.ranking import rank
 from gradian.rank.scores import stream_topk

@@ -24,7 +24,7 @@ def _write_rows(path, n: int) -> None:
 
 
 def _cmd(data, index_dir) -> list[str]:
-    return [sys.executable, "-m", "gradian.cli", "index", "model.precision=float32", f"grads.data_path={data}",
+    return [sys.executable, "-m", "circuitkit_app.gradian_cli", "index", "model.precision=float32", f"grads.data_path={data}",
             f"grads.index_dir={index_dir}", "grads.rows_per_shard=3", "grads.batch_size=1", "grads.projection_dim=64"]
 
 

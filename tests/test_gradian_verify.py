@@ -31,10 +31,10 @@ from test_gradian_attribute import (
     write_jsonl,
 )
 
-from circuitkit.core.config import ModelConfig
+from circuitkit.models.config import ModelConfig
+from circuitkit_app.gradian_cli import main
 from gradian.attribute.retrain import TrainSettings, step_plan, train
 from gradian.attribute.spans import split_sentences, token_sentences
-from gradian.cli import main
 
 pytest.importorskip("peft")
 
@@ -331,7 +331,7 @@ def test_the_drill_down_finds_the_sentence_that_teaches_the_wrong_answer(doc_mod
 
 
 def _index_with(model: Path, adapter: Path | None, root: Path, data: Path) -> Path:
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
     from gradian.build.indexer import build_index
 
     extra = [f"model.adapter={adapter}", "grads.module_filter=[adapter]"] if adapter else []

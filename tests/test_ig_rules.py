@@ -7,13 +7,16 @@ import functools
 import pytest
 import torch
 
-from circuitkit.core.config import ConfigError, DataParams, ModelConfig, compose
+from circuitkit.core.config import ConfigError
 from circuitkit.discovery.attribution import attribute, load_scores, save_scores
 from circuitkit.discovery.attribution.eap import accumulate
 from circuitkit.discovery.attribution.memory import estimate_attribution
 from circuitkit.discovery.attribution.quadrature import EXACT_DEGREE, IG_RULES, integration_rule, quadrature
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from circuitkit_app.config import compose
 
 
 @functools.cache

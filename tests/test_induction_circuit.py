@@ -14,12 +14,13 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution import attribute, exact_patching
 from circuitkit.discovery.attribution.eap import graph_of
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.heads import Evaluator, faithfulness, mean_z, select_heads
 from circuitkit.discovery.tasks import build_task
 from circuitkit.fixtures.induction import head_pattern_scores, induction_batch
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 SEQ = 64

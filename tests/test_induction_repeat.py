@@ -7,12 +7,13 @@ import functools
 import pytest
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution import attribute
 from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.heads import Evaluator, keep_top
 from circuitkit.discovery.pruning.optimize import install_head_mask, learn_head_mask
 from circuitkit.discovery.tasks import build_task, corruption_of
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.hooks import HookSet
 from circuitkit.models.loading import load_model
 
@@ -91,7 +92,7 @@ def test_head_mask_rejects_pairs_without_a_gap():
 
 
 def test_pruning_selection_mask_at_head_scope_keeps_the_known_circuit(caplog):
-    from circuitkit.core.config import PruningConfig
+    from circuitkit.discovery.config import PruningConfig
     from circuitkit.discovery.pruning.heads import prune
 
     lm, data = setup()

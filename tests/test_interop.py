@@ -104,7 +104,7 @@ def test_round_trip_through_json_and_files(tmp_path, n_kv: int, scope: str) -> N
 
 def test_import_a_hand_written_reference_graph(tmp_path) -> None:
     """A file as the reference writes it for a 2-layer, 4-head model with three edges in the graph."""
-    from circuitkit.core.config import ModelConfig
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.capture.sites import restricted_sites
 
@@ -148,7 +148,7 @@ def test_bad_graphs_are_one_clear_error(tmp_path, capsys, edge: str, match: str)
 
 
 def test_pipeline_circuit_exports_with_its_token_policy(tmp_path) -> None:
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["stages=[data,attribution,pruning]", "model.precision=float32", "discovery.level=edge",
@@ -240,7 +240,7 @@ def test_prepend_bos_policy_on_a_tokenizer_without_bos(tiny_model_dir) -> None:
     """GPT-2-style tokenizers add no BOS: the key adds it (true) or leaves prompts as they are (false)."""
     from transformers import AutoTokenizer
 
-    from circuitkit.core.config import DataParams
+    from circuitkit.discovery.config import DataParams
     from circuitkit.discovery.tasks import build_task
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -258,7 +258,7 @@ def test_prepend_bos_policy_on_a_tokenizer_without_bos(tiny_model_dir) -> None:
 
 def test_imported_scores_are_pruned_and_measured_here(tmp_path) -> None:
     """A graph found elsewhere: import its scores into a run dir, then prune and measure it."""
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     g = Graph(2, 4, 4, False)

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from circuitkit.core.config import ConfigError, DataParams, compose
+from circuitkit.core.config import ConfigError
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import (
     TaskError,
     build_heldout_templates,
@@ -22,6 +23,7 @@ from circuitkit.discovery.tasks import (
     heldout_template_count,
     ioi,
 )
+from circuitkit_app.config import compose
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +129,10 @@ def abc_run(tmp_path_factory):
 
 
 def test_corruption_and_heldout_faithfulness_are_recorded(abc_run):
-    from circuitkit.core.config import ModelConfig
     from circuitkit.discovery.circuit import load_circuit
     from circuitkit.discovery.pruning.heads import Evaluator, faithfulness
     from circuitkit.discovery.tasks import TaskData
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
 
     run_dir, manifest = abc_run

@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from circuitkit.core.config import ModelConfig, compose
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.linear_modules import linear_module_shapes, module_shapes, select_modules
 from circuitkit.models.loading import check_model, load_base_model, load_model, model_source
 from circuitkit.models.lora import AdapterError, lora_linear_shapes, read_adapter, require_peft
+from circuitkit_app.config import compose
 from gradian.capture.gradients import per_example_gradients
 from gradian.projection.projector import Projector
 
@@ -120,7 +121,7 @@ def test_an_adapter_for_another_base_model_is_refused_naming_both(tmp_path, caps
                                            r" the adapter's lora_B·lora_A is 96 x 32"):
         load_model(_cfg(small), CPU)
     # the command line: exit code 2 and one line, no traceback
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     code = main(["index", "model.name=builtin:tiny-gpt2", f"model.adapter={llama}", "model.precision=float32",
                  f"grads.index_dir={tmp_path / 'idx'}"])
@@ -239,7 +240,7 @@ def test_gradian_index_and_rank_with_the_adapter(adapted_run, adapters) -> None:
 
 
 def test_rank_with_another_adapter_none_or_a_changed_file_is_refused(adapted_run, adapters, tmp_path, capsys) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
     from gradian.index.store import IndexMismatchError, IndexReader
     from gradian.rank.checks import asked_adapter
     from gradian.rank.ranking import rank

@@ -10,12 +10,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from circuitkit.core.config import GradsConfig, ModelConfig, ModelShape
 from circuitkit.discovery.attribution.memory import estimate_attribution
+from circuitkit.models.config import ModelConfig, ModelShape
 from circuitkit.preflight.memory import count_params, shape_for, shape_from_config
 from gradian.build.memory import LOGIT_F32_COPIES_BY_LOSS, estimate_grads, grads_index_bytes
 from gradian.capture.gradients import logit_chunk_rows
 from gradian.projection.projector import Projector
+from gradian.settings.grads import GradsConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -187,9 +188,9 @@ def test_real_width_llama1b_point_within_the_tight_range(dtype):
 def test_attribution_peak_does_not_grow_with_the_number_of_batches(algorithm, level):
     """The estimate is one batch's peak: a second batch must not run while the first batch's Δ,
     cached runs and gradient sums are still alive (they were: +8 % on SmolLM2 at edge level)."""
-    from circuitkit.core.config import DiscoveryConfig
     from circuitkit.core.device import measure_peak
     from circuitkit.discovery.attribution import run_attribution
+    from circuitkit.discovery.config import DiscoveryConfig
     from circuitkit.discovery.tasks.base import random_pairs
     from circuitkit.models.adapters import get_adapter
 

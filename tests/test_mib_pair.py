@@ -17,11 +17,12 @@ import pytest
 import torch
 from reference_edges import reference_metric
 
-from circuitkit.core.config import DataParams, ModelConfig, PruningConfig
 from circuitkit.discovery.attribution import attribute
+from circuitkit.discovery.config import DataParams, PruningConfig
 from circuitkit.discovery.pruning.edges import EdgeEvaluator
 from circuitkit.discovery.pruning.heads import curve_areas, prune
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 SHARES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig, compose
 from circuitkit.discovery.attribution import attribute, exact_patching
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from circuitkit_app.config import compose
 
 REPO = Path(__file__).resolve().parent.parent
 NEW = ("tiny-qwen3", "tiny-qwen3-moe")

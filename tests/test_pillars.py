@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.heads import Evaluator, faithfulness
 from circuitkit.discovery.pruning.pillars import (
     magnitude_scores,
@@ -17,6 +17,7 @@ from circuitkit.discovery.pruning.pillars import (
     wanda_scores,
 )
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 KNOWN = {(0, 2), (1, 1)}

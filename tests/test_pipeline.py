@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from circuitkit.core.config import compose
 from circuitkit.core.pipeline import PipelineError, Stage, StageResult
+from circuitkit_app.config import compose
 from circuitkit_app.stage_list import PIPELINE, run_pipeline
 
 

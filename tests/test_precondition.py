@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.core.config import compose
+from circuitkit_app.config import compose
 from gradian.build.indexer import build_index
 from gradian.curvature.moments import Preconditioner, shard_second_moment
 from gradian.index.store import IndexMismatchError, IndexReader
@@ -133,7 +133,7 @@ def test_verify_recomputes_the_second_moment(index: Path, tmp_path: Path) -> Non
 
 
 def test_preconditioned_score_needs_the_index_to_hold_second_moments(root: Path, tmp_path: Path) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     plain = _build(root, "plain")
     assert "second_moment" not in json.dumps(IndexReader(plain).manifest)
@@ -269,8 +269,8 @@ def test_orthogonal_index_passes_verify_and_ranks(root: Path, tmp_path: Path) ->
 
 
 def test_shard_buffer_counts_the_second_moments() -> None:
-    from circuitkit.core.config import GradsConfig
     from gradian.build.indexer import check_shard_buffer
+    from gradian.settings.grads import GradsConfig
 
     plain = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="none")
     module = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="module")

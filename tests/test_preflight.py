@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from circuitkit.core.config import compose
 from circuitkit.discovery.attribution.memory import attribution_estimate, largest_fitting_batch
+from circuitkit_app.config import compose
 from circuitkit_app.stage_list import run_pipeline
 
 

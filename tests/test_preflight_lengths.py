@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from circuitkit.core.config import compose
 from circuitkit.core.device import measure_peak, module_bytes
 from circuitkit.core.pipeline import RunContext
 from circuitkit.discovery.attribution import run_attribution
@@ -30,6 +29,7 @@ from circuitkit.discovery.pruning.memory import pruning_estimate
 from circuitkit.discovery.tasks import build_heldout_templates, build_task
 from circuitkit.models.loading import load_model
 from circuitkit.preflight.stage import PREFLIGHT_STAGE
+from circuitkit_app.config import compose
 from circuitkit_app.smart import bound_line, largest_batch
 from circuitkit_app.stage_list import PIPELINE
 

@@ -8,12 +8,13 @@ import logging
 import pytest
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution import attribute, graph_of
 from circuitkit.discovery.circuit import apply_circuit, load_circuit, save_circuit
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.edges import EdgeEvaluator, mean_writes
 from circuitkit.discovery.pruning.heads import Evaluator, ablate_heads, keep_top, mean_z, select_heads
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 
@@ -135,8 +136,8 @@ def test_circuit_pt_round_trips_with_weights_only(tmp_path):
 
 
 def test_pruning_without_scores_names_the_missing_stage(tmp_path):
-    from circuitkit.core.config import compose
     from circuitkit.core.pipeline import PipelineError
+    from circuitkit_app.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["stages=[data,pruning]", "model.precision=float32", "discovery.data_params.num_examples=4",
@@ -147,7 +148,7 @@ def test_pruning_without_scores_names_the_missing_stage(tmp_path):
 
 
 def test_edge_scope_pipeline_on_the_induction_model(tmp_path):
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["model=induction", "stages=[data,attribution,pruning]", "discovery.level=edge",

@@ -9,13 +9,14 @@ import functools
 import pytest
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution.eap import record_head_runs
 from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.circuit_forward import ablate_heads, shared_prefix
 from circuitkit.discovery.pruning.heads import Evaluator, mean_z
 from circuitkit.discovery.pruning.pillars import random_baseline, random_same_shape
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 FAMILIES = ["tiny-gpt2", "tiny-neox", "tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-qwen3-moe"]

@@ -8,9 +8,9 @@ import torch
 import transformers as tf
 
 import circuitkit.discovery.pruning.edges as pruning_edges
-from circuitkit.core.config import PruningConfig, compose
 from circuitkit.core.device import measure_peak, module_bytes
 from circuitkit.discovery.attribution.eap import AttributionScores, graph_of
+from circuitkit.discovery.config import PruningConfig
 from circuitkit.discovery.data_lengths import PRUNING_AT_DATA
 from circuitkit.discovery.pruning.heads import prune
 from circuitkit.discovery.pruning.memory import (
@@ -24,6 +24,7 @@ from circuitkit.discovery.tasks.base import random_pairs
 from circuitkit.models.adapters import get_adapter
 from circuitkit.preflight.memory import shape_from_config
 from circuitkit.preflight.stage import PreflightError, check
+from circuitkit_app.config import compose
 
 V = 1024
 

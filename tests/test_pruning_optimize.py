@@ -7,13 +7,14 @@ import functools
 import pytest
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig, PruningConfig
 from circuitkit.discovery.attribution import attribute, graph_of
 from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
+from circuitkit.discovery.config import DataParams, PruningConfig
 from circuitkit.discovery.pruning.edges import EdgeEvaluator, _install_edge_circuit
 from circuitkit.discovery.pruning.heads import keep_top, prune
 from circuitkit.discovery.pruning.optimize import learn_edge_mask, warm_start
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.hooks import HookSet
 from circuitkit.models.loading import load_model
 
@@ -101,7 +102,8 @@ def test_prune_with_edge_pruning_selects_by_the_learned_mask(caplog):
 
 
 def test_edge_pruning_keys_compose_and_are_checked():
-    from circuitkit.core.config import ConfigError, compose
+    from circuitkit.core.config import ConfigError
+    from circuitkit_app.config import compose
 
     _, cfg = compose(["pruning.scope=edges", "pruning.selection=edge_pruning", "pruning.mask_steps=7",
                       "pruning.mask_lr=0.3", "pruning.mask_penalty=0"])

@@ -28,8 +28,8 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'circ
 pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="hydra-ray-launcher is not installed:"
                     " pip install 'circuitkit-gradian[ray]'")
 
-from circuitkit.core.config import compose  # noqa: E402
 from circuitkit.discovery.attribution import load_scores  # noqa: E402
+from circuitkit_app.config import compose  # noqa: E402
 from circuitkit_app.stage_list import run_pipeline  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
+from circuitkit.discovery.config import DataParams
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 pytestmark = pytest.mark.slow

@@ -163,11 +163,12 @@ def test_the_estimate_follows_the_activation_setting():
 def test_the_index_records_its_activations_and_queries_run_them(tmp_path):
     """A bfloat16 index made with the default records `activations: fused`; resuming it with the
     model's ops is refused by name (their rows differ in bits); its queries run fused, as its rows did."""
-    from circuitkit.core.config import GradsConfig, ModelConfig
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.build.indexer import build_index
     from gradian.index.store import IndexMismatchError, read_manifest
     from gradian.rank.queries import query_gradients
+    from gradian.settings.grads import GradsConfig
 
     rows = [{"prompt": f"row {i} says", "completion": f" the number {i} twice: {i} {i}."} for i in range(6)]
     data = tmp_path / "train.jsonl"

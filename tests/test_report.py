@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from circuitkit.core.config import compose
+from circuitkit_app.config import compose
 
 REPO = Path(__file__).resolve().parent.parent
 QUERIES = REPO / "gradian/data/samples/induction_queries.jsonl"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from circuitkit.core.config import compose
+from circuitkit_app.config import compose
 from tests.report_browser import INSTALL, chromium_path, distinct_colours, open_report
 
 pytestmark = pytest.mark.slow

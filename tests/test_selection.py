@@ -9,8 +9,8 @@ import pytest
 import torch
 from reference_edges import reference_metric
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution import attribute, exact_patching, graph_of
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.edges import EdgeEvaluator, mean_writes
 from circuitkit.discovery.pruning.heads import CURVE_PERCENTS, curve_areas, curve_count, keep_top
 from circuitkit.discovery.pruning.selection import (
@@ -21,6 +21,7 @@ from circuitkit.discovery.pruning.selection import (
 )
 from circuitkit.discovery.pruning.stability import jaccard, stability
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 
@@ -142,8 +143,8 @@ def test_edge_evaluator_matches_the_direct_sum_over_removed_edges(name):
 
 
 def test_pipeline_writes_stability_and_selection(tmp_path):
-    from circuitkit.core.config import compose
     from circuitkit.discovery.circuit import load_circuit, show_circuit
+    from circuitkit_app.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     _, cfg = compose(["model=induction", "stages=[data,attribution,pruning]", "pruning.selection=bootstrap",

@@ -199,9 +199,10 @@ def test_positive_rule_keeps_only_positive_scores_best_first():
 
 @functools.cache
 def tiny_setup():
-    from circuitkit.core.config import DataParams, ModelConfig
     from circuitkit.discovery.attribution import attribute
+    from circuitkit.discovery.config import DataParams
     from circuitkit.discovery.tasks import build_task
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
 
     lm = load_model(ModelConfig(name="builtin:tiny-llama", precision="float32"))
@@ -210,7 +211,7 @@ def tiny_setup():
 
 
 def test_prune_selects_by_the_ip_and_by_sign_on_a_tiny_model(caplog):
-    from circuitkit.core.config import PruningConfig
+    from circuitkit.discovery.config import PruningConfig
     from circuitkit.discovery.pruning.heads import prune
 
     lm, data, scores = tiny_setup()
@@ -236,7 +237,8 @@ def test_prune_selects_by_the_ip_and_by_sign_on_a_tiny_model(caplog):
 
 
 def test_ip_keys_compose_and_are_checked():
-    from circuitkit.core.config import ConfigError, compose
+    from circuitkit.core.config import ConfigError
+    from circuitkit_app.config import compose
 
     _, cfg = compose(["pruning.scope=edges", "pruning.selection=ip", "pruning.ip_connectivity=input",
                       "pruning.ip_time_limit_s=5"])

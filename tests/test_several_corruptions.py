@@ -17,16 +17,17 @@ from safetensors import safe_open
 from test_trust_pipeline import SMALL, error_lines, invoke
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from circuitkit.core.config import DataParams, PruningConfig, compose
 from circuitkit.discovery.attribution import attribute, load_scores, save_scores
 from circuitkit.discovery.attribution.corruptions import combine, combine_shares
 from circuitkit.discovery.attribution.eap import attribute_corruptions
+from circuitkit.discovery.config import DataParams, PruningConfig
 from circuitkit.discovery.pruning.heads import prune
 from circuitkit.discovery.pruning.optimize import learn_head_mask
 from circuitkit.discovery.tasks import build_task
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.discovery.tasks.corruption_sets import check_corruptions, effective
 from circuitkit.models.adapters import get_adapter
+from circuitkit_app.config import compose
 
 PREV_TOKEN, INDUCTION = (0, 2), (1, 1)
 N_ATTR, N_EVAL = 8, 8

@@ -12,15 +12,16 @@ import torch
 from test_memory import _load_script
 from test_pruning_memory import V, _model, _scores
 
-from circuitkit.core.config import PruningConfig, compose
 from circuitkit.core.device import measure_peak, module_bytes
 from circuitkit.discovery.attribution.eap import attribute_corruptions
 from circuitkit.discovery.attribution.memory import attribution_estimate, estimate_attribution
+from circuitkit.discovery.config import PruningConfig
 from circuitkit.discovery.pruning.heads import prune
 from circuitkit.discovery.pruning.memory import estimate_pruning, pruning_estimate
 from circuitkit.discovery.tasks.base import TaskData, random_pairs
 from circuitkit.models.adapters import get_adapter
 from circuitkit.preflight.memory import shape_from_config
+from circuitkit_app.config import compose
 
 
 def _second_corruption(data: TaskData, seed: int = 7) -> TaskData:

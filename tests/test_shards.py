@@ -10,12 +10,13 @@ import sys
 import pytest
 import torch
 
-from circuitkit.core.config import ConfigError, compose
+from circuitkit.core.config import ConfigError
 from circuitkit.core.pipeline import PipelineError, load_manifest
 from circuitkit.discovery.attribution import load_scores
 from circuitkit.discovery.attribution.shards import shard_range
 from circuitkit.discovery.circuit import load_circuit
 from circuitkit_app.cli import main as cli_main
+from circuitkit_app.config import compose
 from circuitkit_app.stage_list import run_pipeline
 
 # 11 attribution examples over 4 shards: ranges of 2, 3, 3, 3 examples, batches of 2 (so the
@@ -211,8 +212,8 @@ def test_per_example_rows_are_in_data_order_whatever_the_batching():
     the rows of shards (contiguous example ranges) concatenate to one job's."""
     from test_task_lengths import _lm, _pairs
 
-    from circuitkit.core.config import DiscoveryConfig
     from circuitkit.discovery.attribution import attribute, run_attribution
+    from circuitkit.discovery.config import DiscoveryConfig
 
     data = _pairs(9, seed=2)
     assert data.lengths() != sorted(data.lengths(), reverse=True)  # batching by length reorders them

@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_factored_rows import ROWS  # the same 20 rows
 
-from circuitkit.core.config import compose
 from circuitkit.core.errors import UserError
+from circuitkit_app.config import compose
 from gradian.build.indexer import build_index, check_grads_config, factor_row_ids
 from gradian.build.memory import grads_estimate
 from gradian.index.formats.signs import SignScorer, coordinates, pack, packed_width, unpack

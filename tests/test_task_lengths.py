@@ -6,9 +6,9 @@ import functools
 
 import torch
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.discovery.attribution import attribute
 from circuitkit.discovery.tasks.base import from_token_lists
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from circuitkit.core.config import DataParams
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import (
     BUILT_TASKS,
     SAMPLE_FILES,

@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from circuitkit.core.config import DataParams
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import BUILT_TASKS, TaskError, build_task, capitals, sva
 
 

@@ -137,7 +137,7 @@ ROWS = [{"prompt": f"The {s} ", "completion": f"{v} in the garden {i}."}
 
 
 def _index(root: Path, append_eos: bool) -> Path:
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
     from gradian.build.indexer import build_index
 
     data = _jsonl(root / "train.jsonl", ROWS)
@@ -171,7 +171,7 @@ def test_manifest_records_the_policy_and_the_data_report_counts(indexes: dict[bo
 
 
 def test_resume_with_another_policy_is_refused(indexes: dict[bool, Path]) -> None:
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
     from gradian.build.indexer import build_index
     from gradian.index.store import IndexMismatchError
 
@@ -193,7 +193,7 @@ def test_queries_follow_the_index_policy(indexes: dict[bool, Path], tmp_path: Pa
 
 
 def test_rank_refuses_queries_asked_with_another_policy(indexes: dict[bool, Path], tmp_path: Path) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     queries = _jsonl(tmp_path / "q.jsonl", [ROWS[0]])
     assert main(["rank", "--index", str(indexes[False]), "--queries", str(queries), "--append-eos", "true"]) == 2
@@ -201,7 +201,7 @@ def test_rank_refuses_queries_asked_with_another_policy(indexes: dict[bool, Path
 
 
 def test_inspect_shows_a_rows_tokens_and_mask(indexes: dict[bool, Path], capsys: pytest.CaptureFixture) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     assert main(["inspect", str(indexes[True]), "--row", "2"]) == 0
     out = capsys.readouterr().out

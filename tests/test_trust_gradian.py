@@ -26,10 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from circuitkit.core.config import GradsConfig, ModelConfig
 from circuitkit.core.io import file_lock
-from gradian.cli import main
+from circuitkit.models.config import ModelConfig
+from circuitkit_app.gradian_cli import main
 from gradian.index.store import IndexReader, shard_name
+from gradian.settings.grads import GradsConfig
 
 SUBJECTS = ["cat", "dog", "bird", "fish", "horse", "mouse"]
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} in the garden {i}."}
@@ -473,7 +474,7 @@ def test_ctrl_c_during_index_exits_130_with_one_line(tmp_path):
     data = _write(tmp_path / "rows.jsonl", [ROWS[i % len(ROWS)] | {"completion": f" row {i}."} for i in range(400)])
     idx = tmp_path / "idx"
     env = {**os.environ, "COLUMNS": "120"}
-    proc = subprocess.Popen([sys.executable, "-m", "gradian.cli", "index", "grads.rows_per_shard=2",
+    proc = subprocess.Popen([sys.executable, "-m", "circuitkit_app.gradian_cli", "index", "grads.rows_per_shard=2",
                              "grads.batch_size=1", "grads.projection_dim=16", f"grads.data_path={data}",
                              f"grads.index_dir={idx}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             # a shell's background job starts with SIGINT ignored, and Python keeps an ignored

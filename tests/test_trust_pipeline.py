@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from circuitkit.core import pipeline
-from circuitkit.core.config import ConfigError, compose
+from circuitkit.core.config import ConfigError
 from circuitkit.core.errors import UserError
 from circuitkit_app.cli import main as cli_main
+from circuitkit_app.config import compose
 from circuitkit_app.run import main as run_main
 from circuitkit_app.stage_list import PIPELINE, run_pipeline
 

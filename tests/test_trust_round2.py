@@ -29,7 +29,7 @@ from test_trust_pipeline import (
     invoke,
 )
 
-from circuitkit.core.config import compose, to_dict
+from circuitkit.core.config import to_dict
 from circuitkit.core.io import atomic_save_safetensors, atomic_write_json, sha256_file
 from circuitkit.discovery.attribution import AttributionScores, Graph, save_scores
 from circuitkit.discovery.attribution.shards import (
@@ -40,6 +40,7 @@ from circuitkit.discovery.attribution.shards import (
     save_partial,
     shard_file_name,
 )
+from circuitkit_app.config import compose
 
 TINY = Graph(2, 4, 4, False)  # the tiny GPT-2 fixture's graph
 GPT2_SMALL = Graph(12, 12, 12, False)

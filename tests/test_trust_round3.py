@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the 20 rows and config of the K-FAC tests)
 
-from circuitkit.core.config import AppConfig, ConfigError, compose, validate
+from circuitkit.core.config import ConfigError
+from circuitkit_app.config import AppConfig, compose, validate
+from circuitkit_app.gradian_cli import main
 from gradian.build.indexer import build_index
-from gradian.cli import main
 from gradian.curvature.allocation import ALLOCATION_FILE
 from gradian.curvature.factors import CURVATURE_FILE
 from gradian.index.store import IndexIntegrityError, IndexReader

@@ -120,7 +120,8 @@ def test_export_dir_overlapping_the_run_or_the_model_is_a_config_error(where, tm
 
 def _hand_run(run: Path, output_path: str | None, artifacts: dict | None = None) -> Path:
     """A run directory with only a manifest.json, as a run writes it (config, stages)."""
-    from circuitkit.core.config import AppConfig, to_dict
+    from circuitkit.core.config import to_dict
+    from circuitkit_app.config import AppConfig
 
     run.mkdir(parents=True, exist_ok=True)
     config = {**to_dict(AppConfig()), "output_path": output_path}
@@ -194,7 +195,7 @@ def _adapter_copy(src: Path, dst: Path, config: dict | None = None, weights=None
 
 
 def _gradian_index(tmp_path: Path, adapter: Path, capsys) -> tuple[int, str]:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     capsys.readouterr()
     code = main(["index", "model.name=builtin:tiny-gpt2", f"model.adapter={adapter}", "model.precision=float32",
@@ -267,7 +268,7 @@ def _nan_weight_model(tmp_path: Path) -> Path:
 def test_a_nan_weight_is_named_where_the_model_loads(tmp_path, capsys):
     """grads=signs (the eigen projection's factor pass) on a model with a NaN weight: one line naming
     the weight, exit 1, instead of linalg.eigh failing to converge."""
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     model = _nan_weight_model(tmp_path)
     capsys.readouterr()
@@ -365,7 +366,7 @@ def test_the_sweep_covers_every_numeric_option():
 def test_every_numeric_flag_refuses_nan_infinity_and_out_of_range(entry, argv, flag, tmp_path, monkeypatch,
                                                                   capsys, no_load):
     from circuitkit_app.cli import main as circuitkit_main
-    from gradian.cli import main as gradian_main
+    from circuitkit_app.gradian_cli import main as gradian_main
 
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
@@ -378,7 +379,7 @@ def test_every_numeric_flag_refuses_nan_infinity_and_out_of_range(entry, argv, f
 
 
 def test_attribute_seed_minus_one_names_the_flag(capsys):
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     code = main(["attribute", "--index", "IDX", "--eval-dataset", "E.jsonl", "--seed", "-1"])
     line = _one_error(capsys.readouterr().err)
@@ -420,7 +421,7 @@ def test_check_mib_on_a_damaged_folder_ends_in_a_one_line_verdict(tmp_path, caps
 
 @pytest.mark.parametrize("content", ["", "\n\n   \n\n"])
 def test_diagnose_of_an_empty_dataset_names_the_file(content, tmp_path, capsys):
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     (tmp_path / "train.jsonl").write_text(content)
     capsys.readouterr()
@@ -434,7 +435,7 @@ def test_diagnose_of_an_empty_dataset_names_the_file(content, tmp_path, capsys):
                                                       ("num_train_epochs", float("nan"), "num_train_epochs is nan"),
                                                       ("max_seq_length", 512.5, "max_seq_length is 512.5")])
 def test_diagnose_trainer_args_name_the_file_and_the_key(key, value, needle, tmp_path, capsys):
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "a ", "completion": "b"}\n')
     (tmp_path / "args.json").write_text(json.dumps({key: value, "per_device_train_batch_size": 4}))
@@ -464,8 +465,8 @@ def test_diagnose_keeps_the_tokenizers_long_row_warning_off_the_terminal(tmp_pat
 def test_a_sign_index_with_an_edited_projection_dim_blames_the_manifest(tmp_path, capsys):
     from test_sign_rows import _cfg as sign_cfg
 
+    from circuitkit_app.gradian_cli import main
     from gradian.build.indexer import build_index
-    from gradian.cli import main
 
     cfg = sign_cfg(tmp_path, "grads.row_format=signs", "grads.projection=eigen")
     build_index(cfg.model, cfg.grads, tmp_path / "idx")

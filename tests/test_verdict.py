@@ -17,10 +17,12 @@ import torch
 from transformers import AutoTokenizer
 
 from circuitkit.core.circuit_file import Circuit, CircuitFileError, load_circuit, save_circuit
-from circuitkit.core.config import ConfigError, DataParams, compose
+from circuitkit.core.config import ConfigError
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.pillars import DEFINITIONS, PILLARS
 from circuitkit.discovery.pruning.verdict import other_corruptions, robustness_pairs
 from circuitkit.discovery.tasks import build_task
+from circuitkit_app.config import compose
 
 N_RANDOM = 20
 INDUCTION = ["model=induction", "stages=[data,attribution,pruning]", "model.precision=float32",

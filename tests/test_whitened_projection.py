@@ -184,7 +184,7 @@ def test_resume_with_another_projection_or_a_changed_file_is_refused_before_the_
 
 
 def test_inspect_verify_catches_a_tampered_projection_file(index: Path, tmp_path: Path, capsys) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     assert IndexReader(index).verify() == []
     assert main(["inspect", str(index), "--verify"]) == 0

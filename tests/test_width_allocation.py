@@ -81,7 +81,7 @@ def test_the_split_of_a_large_model_is_quick() -> None:
 
 
 def test_the_index_records_the_widths_and_verifies(index: Path, capsys) -> None:
-    from gradian.cli import main
+    from circuitkit_app.gradian_cli import main
 
     manifest = IndexReader(index).manifest
     proj = manifest["projection"]

@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from circuitkit.core.config import AppConfig, to_dict
+from circuitkit.core.config import to_dict
 from circuitkit.core.device import PRECISION_AUTO, get_device, measure_peak, module_bytes, resolve_precision
 from circuitkit.core.errors import UserError, describe_os_error
 from circuitkit.core.fingerprint import Fingerprinter, changed_inputs
@@ -68,7 +68,7 @@ class StageResult:
     estimated_peak_bytes: int | None = None
 
 
-InputsFn = Callable[[AppConfig, Path], dict[str, "Path | str"]]
+InputsFn = Callable[[Any, Path], dict[str, "Path | str"]]
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,9 @@ class StageMemory:
     note(cfg): an optional line printed with the estimate (e.g. EAP-IG's time/accuracy).
     """
 
-    estimate: Callable[[AppConfig], Any]
-    advice: Callable[[AppConfig, int], list[str]]
-    note: Callable[[AppConfig], str | None] | None = None
+    estimate: Callable[[Any], Any]
+    advice: Callable[[Any, int], list[str]]
+    note: Callable[[Any], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,9 @@ class Stage:
     run: Callable[[RunContext], StageResult]
     cached: bool = True  # False: runs every time and feeds no later stage (the preflight)
     inputs: InputsFn | None = None
-    check: Callable[[AppConfig], None] | None = None
+    check: Callable[[Any], None] | None = None
     memory: StageMemory | None = None
-    check_run_dir: Callable[[AppConfig, Path], None] | None = None
+    check_run_dir: Callable[[Any, Path], None] | None = None
 
 
 class RunContext:
@@ -116,7 +116,7 @@ class RunContext:
     reloaded from its artifacts by the stage that needs them.
     """
 
-    def __init__(self, cfg: AppConfig, run_dir: Path, console: Console | None = None,
+    def __init__(self, cfg: Any, run_dir: Path, console: Console | None = None,
                  load_model: Callable[[Any], Any] | None = None, stages: tuple[Stage, ...] = ()) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -186,7 +186,7 @@ def _block_value(cfg_dict: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def stage_hashes(cfg: AppConfig, stages: list[Stage]) -> dict[str, str]:
+def stage_hashes(cfg: Any, stages: list[Stage]) -> dict[str, str]:
     """Config hash per stage: its own blocks plus the hash of the stage before it.
 
     `model.precision=auto` is hashed as the dtype it resolves to on this device, so a run dir
@@ -303,7 +303,7 @@ class Pipeline:
     load_model: Callable[[Any], Any]
     describe_model: Callable[[Any, Callable[[Path], str]], dict[str, Any]] | None = None
 
-    def selected(self, cfg: AppConfig) -> list[Stage]:
+    def selected(self, cfg: Any) -> list[Stage]:
         """The stages `cfg.stages` names, in order; PipelineError naming any this pipeline lacks."""
         missing = [name for name in cfg.stages if name not in self.stages]
         if missing:
@@ -311,7 +311,7 @@ class Pipeline:
                                 f" {', '.join(self.stages)}.")
         return [self.stages[name] for name in cfg.stages]
 
-    def check(self, cfg: AppConfig, run_dir: Path | None = None) -> None:
+    def check(self, cfg: Any, run_dir: Path | None = None) -> None:
         """Run every selected stage's pre-run check (and, given the run directory, its
         `check_run_dir`); the first problem raises (nothing written)."""
         for stage in self.selected(cfg):
@@ -320,7 +320,7 @@ class Pipeline:
             if stage.check_run_dir is not None and run_dir is not None:
                 stage.check_run_dir(cfg, Path(run_dir))
 
-    def run(self, cfg: AppConfig, run_dir: Path, console: Console | None = None,
+    def run(self, cfg: Any, run_dir: Path, console: Console | None = None,
             overrides: list[str] | None = None, checked: bool = False) -> dict[str, Any]:
         """Run `cfg.stages` in order in `run_dir`; returns the manifest (also written to disk).
 
@@ -332,7 +332,7 @@ class Pipeline:
         return _run(self, cfg, run_dir, console, overrides, checked)
 
 
-def _run(pipeline: Pipeline, cfg: AppConfig, run_dir: Path, console: Console | None,
+def _run(pipeline: Pipeline, cfg: Any, run_dir: Path, console: Console | None,
          overrides: list[str] | None, checked: bool) -> dict[str, Any]:
     run_dir = Path(run_dir)
     selected = pipeline.selected(cfg)

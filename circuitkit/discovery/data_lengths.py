@@ -32,9 +32,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from circuitkit.core.batching import plan_batches
-from circuitkit.core.config import AppConfig, to_dict
+from circuitkit.core.config import to_dict
 from circuitkit.core.pipeline import StageMemory
 from circuitkit.discovery.attribution.memory import advice as configured_attribution_advice
 from circuitkit.discovery.attribution.memory import attribution_estimate, ig_advice
@@ -84,7 +85,7 @@ def split_sizes(n_rows: int, n_attr: int, n_eval: int) -> tuple[int, int]:
 _cache: dict[str, TaskLengths] = {}
 
 
-def task_lengths(cfg: AppConfig) -> TaskLengths:
+def task_lengths(cfg: Any) -> TaskLengths:
     """The lengths of the pairs the data stage will build for `cfg` (cached: the preflight's advice
     and `discover-smart` ask for many batch sizes)."""
     plain = to_dict(cfg)
@@ -97,7 +98,7 @@ def task_lengths(cfg: AppConfig) -> TaskLengths:
     return _cache[key]
 
 
-def configured_lengths(cfg: AppConfig, why: str) -> TaskLengths:
+def configured_lengths(cfg: Any, why: str) -> TaskLengths:
     """Every pair `discovery.data_params.seq_len` tokens long, with the reason they are not known."""
     dp = cfg.discovery.data_params
     seq = dp.seq_len
@@ -126,7 +127,7 @@ def _quiet_tasks() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _local_tokenizer(cfg: AppConfig):
+def _local_tokenizer(cfg: Any):
     """The model's tokenizer from files on this machine (a local or fetched directory, the
     Hugging Face cache); never the network: the preflight runs before anything is downloaded.
     The same source as `circuitkit.models.loading.load_tokenizer`."""
@@ -137,7 +138,7 @@ def _local_tokenizer(cfg: AppConfig):
                                          local_files_only=True, **kwargs)
 
 
-def _build_lengths(cfg: AppConfig) -> TaskLengths:
+def _build_lengths(cfg: Any) -> TaskLengths:
     d, dp = cfg.discovery, cfg.discovery.data_params
     # several corruptions share their clean prompts, so their pairs' lengths: the primary's are built
     names = discovery_corruptions(d.task, dp)
@@ -186,7 +187,7 @@ def pairs_lengths(attr_lengths: list[int], width: int, n_eval: int = 0, template
 
 # --------------------------------------------------------------------------- the estimates
 
-def attribution_batches(cfg: AppConfig, lengths: TaskLengths, batch_size: int | None = None) -> list[tuple[int, int]]:
+def attribution_batches(cfg: Any, lengths: TaskLengths, batch_size: int | None = None) -> list[tuple[int, int]]:
     """The distinct (pairs, tokens) shapes of the attribution batches, as the stage will run them."""
     d = cfg.discovery
     b = batch_size or d.batch_size
@@ -212,7 +213,7 @@ def _with_lengths(estimate: MemoryEstimate, lengths: TaskLengths, rows: int, tok
     return estimate
 
 
-def attribution_at(cfg: AppConfig, lengths: TaskLengths, batch_size: int | None = None) -> MemoryEstimate:
+def attribution_at(cfg: Any, lengths: TaskLengths, batch_size: int | None = None) -> MemoryEstimate:
     """The attribution estimate at its largest batch over `lengths` (its `lengths` say which)."""
     best = None
     for rows, tokens in attribution_batches(cfg, lengths, batch_size):
@@ -223,7 +224,7 @@ def attribution_at(cfg: AppConfig, lengths: TaskLengths, batch_size: int | None 
     return _with_lengths(est, lengths, rows, tokens, f"{rows} pairs x {tokens} tokens (its largest batch)")
 
 
-def device_attribution_batch(cfg: AppConfig, lengths: TaskLengths, device, free_bytes: int | None = None) -> tuple[int, str]:
+def device_attribution_batch(cfg: Any, lengths: TaskLengths, device, free_bytes: int | None = None) -> tuple[int, str]:
     """(the attribution batch size, why): discovery.batch_size on the CPU or with device_batch=off; on an
     accelerator with device_batch=auto the largest batch whose estimate (less the weights, already
     loaded) fits DEVICE_FREE_SHARE of the free memory at these lengths, never below batch_size.
@@ -246,7 +247,7 @@ def device_attribution_batch(cfg: AppConfig, lengths: TaskLengths, device, free_
                   f" {free / 2**30:.1f} GiB free (discovery.device_batch=auto; batch_size {d.batch_size})")
 
 
-def pruning_at(cfg: AppConfig, lengths: TaskLengths, batch_size: int | None = None,
+def pruning_at(cfg: Any, lengths: TaskLengths, batch_size: int | None = None,
                free_bytes: int | None = None) -> MemoryEstimate:
     """The pruning estimate for the held-out pairs (and held-out templates) of `lengths`, edge
     records bounded by the memory free once the weights are loaded (`pruning_estimate`)."""
@@ -262,11 +263,11 @@ def _pruning_args(lengths: TaskLengths) -> dict:
             "n_templates": lengths.n_templates, "templates_seq_len": lengths.templates_width or None}
 
 
-def _attribution_estimate(cfg: AppConfig) -> MemoryEstimate:
+def _attribution_estimate(cfg: Any) -> MemoryEstimate:
     return attribution_at(cfg, task_lengths(cfg))
 
 
-def _attribution_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
+def _attribution_advice(cfg: Any, budget_bytes: int) -> list[str]:
     """The largest batch that fits at the tokenized lengths; else the configured-length levers."""
     lengths = task_lengths(cfg)
     d = cfg.discovery
@@ -283,11 +284,11 @@ def _attribution_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
             " tokens)", *rest]
 
 
-def _pruning_estimate(cfg: AppConfig) -> MemoryEstimate:
+def _pruning_estimate(cfg: Any) -> MemoryEstimate:
     return pruning_at(cfg, task_lengths(cfg))
 
 
-def _pruning_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
+def _pruning_advice(cfg: Any, budget_bytes: int) -> list[str]:
     lengths = task_lengths(cfg)
     return pruning_advice(cfg, budget_bytes, **_pruning_args(lengths)) if lengths.tokenized else \
         pruning_advice(cfg, budget_bytes)

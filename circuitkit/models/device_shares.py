@@ -6,7 +6,7 @@ device runs. The preflight prints and checks these per device (docs/scale-out.md
 
 from __future__ import annotations
 
-from circuitkit.core.config import ModelConfig
+from circuitkit.models.config import ModelConfig
 from circuitkit.preflight.memory import MemoryEstimate
 
 

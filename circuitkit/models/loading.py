@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.core.device import PRECISION_AUTO, get_device, resolve_precision
 from circuitkit.core.errors import UserError
 from circuitkit.core.fingerprint import hub_revision
 from circuitkit.core.syncs import all_finite
 from circuitkit.fixtures.models import FIXTURE_NAMES, ensure_fixture
 from circuitkit.models.adapters import ModelAdapter, get_adapter
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.families import IMAGE_TEXT_MODEL_TYPES
 from circuitkit.models.fetch import FETCHED_PREFIX, resolve_fetched
 from circuitkit.models.gguf import GGUFError, check_gguf, gguf_reference, provenance, read_source

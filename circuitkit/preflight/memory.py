@@ -23,7 +23,7 @@ from typing import Any
 
 from rich.table import Table
 
-from circuitkit.core.config import ModelConfig, ModelShape
+from circuitkit.models.config import ModelConfig, ModelShape
 from circuitkit.models.families import FAMILIES, family, family_of_config
 from circuitkit.models.loading import auto_config, pretrained_args
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.core.config import AppConfig
 from circuitkit.core.device import free_memory_bytes, get_device, resolve_precision
 from circuitkit.core.io import _atomic
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
@@ -72,7 +72,7 @@ def memory_plot(estimate: MemoryEstimate, path: Path, budget_bytes: int) -> Path
     return Path(path)
 
 
-def check(cfg: AppConfig, stages: Sequence[Stage], console: Console | None = None) -> dict[str, MemoryEstimate]:
+def check(cfg: Any, stages: Sequence[Stage], console: Console | None = None) -> dict[str, MemoryEstimate]:
     """Estimate each of `stages` that declares a memory estimate, compare with free memory, and
     raise PreflightError (on_exceed=error) naming every stage that does not fit and what to change.
 
@@ -111,7 +111,7 @@ def check(cfg: AppConfig, stages: Sequence[Stage], console: Console | None = Non
     return estimates
 
 
-def _check_split(cfg: AppConfig, estimates: dict[str, MemoryEstimate], console: Console) -> list[str]:
+def _check_split(cfg: Any, estimates: dict[str, MemoryEstimate], console: Console) -> list[str]:
     """model.device_map: a table per stage of each device's share (weights it holds, the other
     terms in proportion to the layers it runs), each against that device's free memory."""
     from circuitkit.models.device_shares import per_device_estimates

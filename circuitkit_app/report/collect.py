@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from circuitkit.core.circuit_file import load_circuit, run_circuit_path
-from circuitkit.core.config import AppConfig, flatten, to_dict
+from circuitkit.core.config import flatten, to_dict
 from circuitkit.core.io import sha256_file
 from circuitkit.core.pipeline import load_manifest
 from circuitkit.discovery.circuit_graph import (
@@ -29,6 +29,7 @@ from circuitkit.discovery.circuit_graph import (
     layer_of,
     ranked_edges,
 )
+from circuitkit_app.config import AppConfig
 
 MAX_PER_EXAMPLE = 256  # examples whose per-head scores are embedded (clicking a head shows them)
 TOP_LIST = 25  # rows of the node and edge top lists

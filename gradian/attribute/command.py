@@ -13,9 +13,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from circuitkit.core.config import add_schema_flag
 from circuitkit.core.errors import UserError, error_console
 from circuitkit.core.flags import MAX_COUNT, MAX_SEED, bounded
 from gradian.rank.checksum_flag import add_skip_checksums, skip_checksums
+from gradian.settings.attribute import AttributeConfig
 
 MAX_LORA_RANK = 1 << 16  # circuitkit.models.lora.MAX_RANK (not imported: that module loads torch)
 SHOWN_ITEMS = 10  # flipped items shown on the terminal (all are in --out)
@@ -40,24 +42,18 @@ def add_parser(sub) -> None:
                         " model.base_name for a full fine-tune)")
     p.add_argument("--adapter", default="index", metavar="DIR|none",
                    help="the tuned model's LoRA adapter; by default the index's (another one is refused)")
-    bounded(p.add_argument("--top-k", type=int, default=40, help="training rows accused (default 40)"), ge=1,
-            le=MAX_COUNT)
-    p.add_argument("--query-loss", choices=("contrastive", "ce", "margin"), default="contrastive",
-                   help="contrastive (default): ∇[ℓ(answer) − ℓ(what the tuned model says)]; ce: ∇ℓ(answer);"
-                        " margin: ∇ of the answer tokens' negated log-odds")
+    # The flags that mirror the attribute stage's keys (attribute.top_k, ...) read them from its schema.
+    add_schema_flag(p, AttributeConfig, "top_k")
+    add_schema_flag(p, AttributeConfig, "query_loss")
     p.add_argument("--engines", default="auto", metavar="E1,E2",
                    help="comma-separated scoring engines, the first accuses, the others report their agreement:"
                         " auto (gradian rank's default score), dot, cosine, influence, kfac, ekfac")
     p.add_argument("--out", default=None, help="write the whole result as JSON here (atomic; not one of the inputs)")
     bounded(p.add_argument("--seed", type=int, default=0, help="the paired bootstrap's seed (default 0)"), ge=0,
             le=MAX_SEED)
-    bounded(p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)"),
-            ge=100, le=MAX_COUNT, why="at least 100 resamples for a 95 % interval")
+    add_schema_flag(p, AttributeConfig, "bootstrap", why="at least 100 resamples for a 95 % interval")
     add_skip_checksums(p, "skip checking each shard's sha256 while streaming (not --verify's retraining)")
-    bounded(p.add_argument("--span-min-tokens", type=int, default=64, metavar="N",
-                           help="accused rows with at least N supervised tokens get one gradient per sentence, and"
-                                " the sentence that carries their score is shown (default 64; 0: no drill-down)"),
-            ge=0, le=MAX_COUNT, why="0: no drill-down")
+    add_schema_flag(p, AttributeConfig, "span_min_tokens", le=MAX_COUNT, why="0: no drill-down", metavar="N")
     v = p.add_argument_group("--verify: retrain without the accused rows (and, as a control, without as many random"
                              " rows) and measure the share of the regression each recovers")
     v.add_argument("--verify", action="store_true", help="retrain twice and score both models on the eval set")

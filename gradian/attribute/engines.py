@@ -33,14 +33,17 @@ from typing import Any
 
 import torch
 
+from circuitkit.core.config import choices
 from circuitkit.core.errors import UserError
 from gradian.curvature.factors import CURVATURE_DAMPING, has_kfac
 from gradian.curvature.moments import DAMPING, Preconditioner
 from gradian.index.curvature import KroneckerCurvature
 from gradian.index.store import IndexReader
 from gradian.rank.ranking import default_score
+from gradian.settings.attribute import AttributeConfig
 
-ENGINES = ("dot", "cosine", "influence", "kfac", "ekfac")
+# The schema's list (attribute.engines), but for "auto", which resolve_engines picks.
+ENGINES = tuple(e for e in choices(AttributeConfig, "engines") if e != "auto")
 LOW_AGREEMENT = 0.5  # top-k overlap below this between engines: the accusation is low-confidence
 _EPS = 1e-12
 

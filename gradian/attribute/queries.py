@@ -33,12 +33,14 @@ from typing import Any
 
 import torch
 
+from circuitkit.core.config import choices
 from gradian.attribute.evaluate import SAID_MAX_TOKENS, EvalItem, pad_id, teacher_forced_batch
 from gradian.capture.gradients import per_example_gradients
 from gradian.capture.sites import sites_from_names
 from gradian.projection.projector import Projector
+from gradian.settings.attribute import AttributeConfig
 
-QUERY_LOSSES = ("contrastive", "ce", "margin")
+QUERY_LOSSES = choices(AttributeConfig, "query_loss")  # the schema's list: attribute.query_loss, --query-loss
 QUERY_BATCH = 8
 
 

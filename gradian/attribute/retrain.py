@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from circuitkit.core.config import ModelConfig
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 from circuitkit.models.lora import new_adapter
 from gradian.attribute.evaluate import final_logits, pad_id

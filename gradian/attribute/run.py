@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import check_not_an_input, check_writable, sha256_file
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import (
     ModelReferenceError,
     check_base_model,

@@ -16,9 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from circuitkit.core.config import AppConfig, ModelConfig
 from circuitkit.core.errors import UserError
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import check_model, model_inputs
 from gradian.build.indexer import check_input_file
 from gradian.stage import grads_data_file, run_index_dir
@@ -26,7 +26,7 @@ from gradian.stage import grads_data_file, run_index_dir
 RESULT_FILE = "attribute.json"
 
 
-def _base_model(cfg: AppConfig) -> str | None:
+def _base_model(cfg: Any) -> str | None:
     """The base model to name explicitly: model.base_name for a full fine-tune; None for a LoRA tune
     (the index's model without its adapter)."""
     return cfg.model.base_name if not cfg.model.adapter else None
@@ -68,7 +68,7 @@ def _attribute(ctx: RunContext) -> StageResult:
     return StageResult([out], _summary(result, out))
 
 
-def _attribute_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+def _attribute_inputs(cfg: Any, run_dir: Path) -> dict[str, Path | str]:
     if cfg.attribute.eval_path is None:
         return {}
     inputs: dict[str, Path | str] = {**model_inputs(cfg.model),
@@ -83,7 +83,7 @@ def _attribute_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
     return inputs
 
 
-def _check_attribute(cfg: AppConfig) -> None:
+def _check_attribute(cfg: Any) -> None:
     """Configs and files only: the model and its base resolve, the eval set is a readable file.
     (That the stage is listed with an eval set, a base model and an index is the config's rule.)"""
     if cfg.attribute.eval_path is None:

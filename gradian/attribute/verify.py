@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 from circuitkit.models.lora import lora_config, read_adapter
 from gradian.attribute import retrain

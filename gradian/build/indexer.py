@@ -21,7 +21,6 @@ import torch
 from rich.console import Console
 
 from circuitkit.core.batching import batch_overhead_tokens, plan_batches, rows_within_budget
-from circuitkit.core.config import GradsConfig, ModelConfig
 from circuitkit.core.device import DTYPES, free_memory_bytes
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import (
@@ -33,6 +32,7 @@ from circuitkit.core.io import (
 )
 from circuitkit.core.progress import Progress
 from circuitkit.core.recorded import read_recorded
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.build.device_batch import device_batch
@@ -60,6 +60,7 @@ from gradian.index.store import (
     read_manifest,
 )
 from gradian.projection.projector import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
+from gradian.settings.grads import GradsConfig
 
 log = logging.getLogger(__name__)
 SAMPLE_DATA = Path(__file__).resolve().parents[1] / "data" / "samples" / "sample_train.jsonl"

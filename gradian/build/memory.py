@@ -16,18 +16,23 @@ from typing import Any
 
 from circuitkit.core.batching import rows_within_budget
 from circuitkit.core.circuit_file import grads_circuit_path, kept_components, load_circuit
-from circuitkit.core.config import AppConfig
 from circuitkit.core.device import model_dtype
 from circuitkit.core.pipeline import StageMemory
 from circuitkit.models.adapters import family
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
 from circuitkit.models.lora import lora_linear_shapes, read_adapter
 from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrated, largest_fitting, shape_for
+from gradian.build.width_table import width_note
 from gradian.capture.gradients import activation_mode, logit_chunk_rows
 from gradian.curvature.factors import has_kfac, has_module
 from gradian.index.formats.factored import stored_value_bytes, stored_width
-from gradian.projection.projector import _DENSE_CACHE_BYTES, _DENSE_CHUNK_COLS, KRONECKER_KINDS, STORED_KINDS, Projector
-from gradian.build.width_table import width_note
+from gradian.projection.projector import (
+    _DENSE_CACHE_BYTES,
+    _DENSE_CHUNK_COLS,
+    KRONECKER_KINDS,
+    STORED_KINDS,
+    Projector,
+)
 
 # Calibration of `estimate_grads` (gradian.capture.gradients.per_example_gradients). Measured with the CPU
 # dispatch tracker of `measure_peak`, float32, sdpa, frozen parameters, on the tiny GPT-2 / Llama
@@ -260,7 +265,7 @@ def whitening_pass_bytes(projector: Projector, n_tokens: int) -> int:
     return int(extra + scratch)
 
 
-def grads_projector(cfg: AppConfig, shape: dict[str, Any] | None = None) -> Projector:
+def grads_projector(cfg: Any, shape: dict[str, Any] | None = None) -> Projector:
     """The Projector of the modules `cfg.grads` selects, named from the model's shape alone:
     `grads.module_filter` over the blocks' linear modules (a `model.adapter`'s LoRA linears among
     them, their shapes read from its weights file), or the sites of `grads.circuit`."""
@@ -269,14 +274,16 @@ def grads_projector(cfg: AppConfig, shape: dict[str, Any] | None = None) -> Proj
     lora = lora_linear_shapes(read_adapter(cfg.model.adapter)) if getattr(cfg.model, "adapter", None) else None
     modules = linear_module_shapes(shape, g.module_filter, lora) if g.circuit is None else _circuit_shapes(cfg, shape)
     if g.width_allocation != "uniform" and g.projection_dim is not None:
-        from gradian.curvature.allocation import provisional_widths  # the widths themselves come from the factor pass
+        from gradian.curvature.allocation import (
+            provisional_widths,  # the widths themselves come from the factor pass
+        )
 
         return Projector(modules, g.projection, g.projection_dim, g.projection_seed,
                          widths=provisional_widths(modules, g.projection_dim))
     return Projector(modules, g.projection, g.projection_dim, g.projection_seed)
 
 
-def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int | None = None,
+def grads_estimate(cfg: Any, batch_size: int | None = None, seq_len: int | None = None,
                    supervised: int | None = None, n_rows: int = 0, projector: Projector | None = None) -> MemoryEstimate:
     """Estimated peak of gradient indexing. Before the data is read, rows are assumed as long
     as `grads.max_seq_length` and fully supervised (the worst case the settings allow); a batch
@@ -294,7 +301,7 @@ def grads_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int |
                           factor_pass=g.width_allocation != "uniform", stored_width=stored_width(g, projector))
 
 
-def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:
+def _circuit_shapes(cfg: Any, shape) -> dict[str, tuple[int, int]]:
     """Sites of a grads.circuit-restricted index: from the circuit file when it exists already,
     else (grads.circuit=run before pruning has run) every head and MLP, an upper bound."""
     path = grads_circuit_path(cfg.grads.circuit, cfg.output_path, None)  # no run dir before the run
@@ -306,7 +313,7 @@ def _circuit_shapes(cfg: AppConfig, shape) -> dict[str, tuple[int, int]]:
     return circuit_module_shapes(shape, heads, mlps)
 
 
-def grads_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
+def grads_advice(cfg: Any, budget_bytes: int) -> list[str]:
     """grads.batch_size first, then grads.max_seq_length: the two settings that move the peak."""
     g = cfg.grads
     projector = grads_projector(cfg)  # once: its kronecker factors (and their warnings) do not change
@@ -322,11 +329,11 @@ def grads_advice(cfg: AppConfig, budget_bytes: int) -> list[str]:
                    " buffers and projection matrices)"]
 
 
-def _grads_stage_estimate(cfg: AppConfig) -> MemoryEstimate | None:
+def _grads_stage_estimate(cfg: Any) -> MemoryEstimate | None:
     return grads_estimate(cfg) if cfg.grads.enabled else None
 
 
-def _width_note(cfg: AppConfig) -> str | None:
+def _width_note(cfg: Any) -> str | None:
     return width_note(cfg, grads_projector)
 
 

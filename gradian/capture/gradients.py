@@ -44,12 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.config import choices
 from circuitkit.core.device import send
 from circuitkit.models.placement import input_device
 from circuitkit.models.recompute import fused_activations, recomputed_activations
 from gradian.data.rows import SUPERVISION, no_target_error
 from gradian.projection.projector import Projector
+from gradian.settings.grads import GradsConfig
 
 
 class PerExampleGradients(dict):

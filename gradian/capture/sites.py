@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from circuitkit.core.circuit_file import circuit_sha256, kept_components, load_circuit
-from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.config import choices
 from circuitkit.core.errors import UserError
 from circuitkit.models.linear_modules import module_shape, modules_by_name
 from circuitkit.models.lora import canonical_name, unwrap_linear
+from gradian.settings.grads import GradsConfig
 
 log = logging.getLogger(__name__)
 _HEAD_SUFFIX = re.compile(r"^(?P<module>.+):head(?P<head>\d+)$")

@@ -40,7 +40,8 @@ from collections.abc import Iterable
 
 import torch
 
-from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.config import choices
+from gradian.settings.grads import GradsConfig
 
 PRECONDITIONERS = choices(GradsConfig, "preconditioner")
 DAMPING = 0.1

@@ -54,10 +54,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.config import choices
 from circuitkit.core.device import send
 from gradian.data.sources import EXPECTED as _EXPECTED
 from gradian.data.sources import DataError, Source, SourceSpec
+from gradian.settings.grads import GradsConfig
 
 logger = logging.getLogger(__name__)
 

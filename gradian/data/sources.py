@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.config import choices
 from circuitkit.core.io import jsonl_objects, sha256_file
+from gradian.settings.grads import GradsConfig
 
 FORMATS = choices(GradsConfig, "data_format")
 _TABLE_CHUNK_ROWS = 1024

@@ -58,7 +58,7 @@ def _quiet_about_long_rows(tokenizer: Any) -> None:
 
 
 def _tokenizer(model: str) -> Any:
-    from circuitkit.core.config import ModelConfig
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_tokenizer
 
     try:

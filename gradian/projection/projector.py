@@ -61,8 +61,9 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.config import choices
 from circuitkit.core.recorded import REBUILD, IndexIntegrityError, read_recorded
+from gradian.settings.grads import GradsConfig
 
 log = logging.getLogger(__name__)
 

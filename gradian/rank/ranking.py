@@ -13,10 +13,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_bytes, check_writable
 from circuitkit.core.recorded import read_recorded
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 from gradian.build.indexer import check_input_file
 from gradian.curvature.allocation import check_allocation

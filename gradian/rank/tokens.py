@@ -23,7 +23,7 @@ from gradian.index.store import IndexReader
 
 def load_index_tokenizer(manifest: dict[str, Any]) -> Any:
     """The tokenizer of the model an index names, refused (UserError) if its hash differs."""
-    from circuitkit.core.config import ModelConfig
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_tokenizer
     from gradian.build.indexer import tokenizer_hash
 

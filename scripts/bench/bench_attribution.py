@@ -84,8 +84,9 @@ def main() -> None:
         label = "GPT-2-small shape"
         data = random_pairs(args.batch, args.seq, model.config.vocab_size)
     else:
-        from circuitkit.core.config import DataParams, ModelConfig
+        from circuitkit.discovery.config import DataParams
         from circuitkit.discovery.tasks import build_task
+        from circuitkit.models.config import ModelConfig
         from circuitkit.models.loading import load_model
 
         loaded = load_model(ModelConfig(name=args.model, precision=args.dtype), torch.device("cpu"))

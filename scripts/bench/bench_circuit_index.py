@@ -38,12 +38,14 @@ from induction_rows import induction_rows
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.core.config import GradsConfig, ModelConfig, compose
 from circuitkit.discovery.circuit import load_circuit, save_circuit
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from circuitkit_app.config import compose
 from circuitkit_app.stage_list import run_pipeline
 from gradian.build.indexer import build_index
 from gradian.rank.ranking import rank
+from gradian.settings.grads import GradsConfig
 
 
 def find_circuit(work: Path) -> Path:

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution.corruptions import combine
 from circuitkit.discovery.attribution.eap import attribute, attribute_corruptions
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.corruptions import fold
 from circuitkit.discovery.pruning.heads import Evaluator, faithfulness
 from circuitkit.discovery.pruning.optimize import learn_head_mask
@@ -43,6 +43,7 @@ from circuitkit.discovery.pruning.stability import stability
 from circuitkit.discovery.stages import answer_changed
 from circuitkit.discovery.tasks.capitals import COUNTRIES, TEMPLATES
 from circuitkit.discovery.tasks.corruption_sets import build_corruption_set
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import context_length, load_model
 
 TASKS = {"ioi": ("s2", "abc"), "induction": ("swap", "fresh"), "jsonl": ("entity_swap", "token_replace")}

@@ -25,10 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planted_facts_b import make_corpus_b  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
+from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
 from gradian.index.store import IndexReader  # noqa: E402
+from gradian.settings.grads import GradsConfig  # noqa: E402
 
 KINDS = ("none", "kfac", "module")
 

@@ -38,8 +38,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.models.adapters import get_adapter
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.capture.gradients import per_example_gradients

@@ -70,11 +70,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import gradian.build.indexer as indexer  # noqa: E402
-from circuitkit.core.config import compose  # noqa: E402
 from circuitkit.core.device import get_device, measure_peak, module_bytes  # noqa: E402
 from circuitkit.core.syncs import BlockingCalls  # noqa: E402
 from circuitkit.models.linear_modules import module_shapes, select_modules  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
+from circuitkit_app.config import compose  # noqa: E402
 from gradian.build.shard_rows import ShardPipeline  # noqa: E402
 from gradian.capture.gradients import token_losses  # noqa: E402
 from gradian.projection.projector import Projector  # noqa: E402

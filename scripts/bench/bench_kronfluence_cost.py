@@ -76,11 +76,12 @@ def gradian_side(spec: dict[str, Any], result: dict[str, Any]) -> None:
     from rich.console import Console
     from worker_gradian import score_matrix
 
-    from circuitkit.core.config import GradsConfig, ModelConfig
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.build.indexer import build_index
     from gradian.curvature.factors import CURVATURE_DAMPING
     from gradian.rank.ranking import rank
+    from gradian.settings.grads import GradsConfig
 
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice
     model_cfg = ModelConfig(name=spec["model_dir"], precision="float32")

@@ -62,8 +62,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from bench_peers import CONCAT_TEMPLATE, THROUGHPUT, THROUGHPUT_DIM, run_worker, write_jsonl  # noqa: E402
 
-from circuitkit.core.config import GradsConfig, ModelConfig, choices  # noqa: E402
+from circuitkit.core.config import choices  # noqa: E402
+from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
+from gradian.settings.grads import GradsConfig  # noqa: E402
 
 PROMPT_MEDIAN, COMPLETION_MEDIAN, SIGMA = 74, 20, 0.7
 MIN_TOKENS, MAX_TOKENS = 29, 497

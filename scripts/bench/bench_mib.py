@@ -26,16 +26,17 @@ import time
 
 import torch
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution.eap import attribute
 from circuitkit.discovery.attribution.eap_activations import attribute_activations
 from circuitkit.discovery.attribution.exact import exact_patching
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.pruning.edges import EdgeEvaluator
 from circuitkit.discovery.pruning.heads import Evaluator, curve_areas, curve_count, keep_top, sparsity_curve
 from circuitkit.discovery.pruning.optimize import learn_edge_mask
 from circuitkit.discovery.pruning.selection import BootstrapSelector
 from circuitkit.discovery.pruning.stability import stability
 from circuitkit.discovery.tasks import build_task
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import context_length, load_model
 
 

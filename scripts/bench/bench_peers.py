@@ -48,7 +48,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from bench_planted_facts import fine_tuned_model, make_corpus, metrics, write_jsonl  # noqa: E402
 
-from circuitkit.core.config import ModelConfig  # noqa: E402
+from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.linear_modules import select_modules  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 

@@ -54,11 +54,12 @@ from rich.table import Table
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from circuitkit.core.config import GradsConfig, ModelConfig  # noqa: E402
+from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import LoadedModel, load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
 from gradian.data.rows import TokenPolicy, collate, load_rows, to_device  # noqa: E402
 from gradian.rank.ranking import rank  # noqa: E402
+from gradian.settings.grads import GradsConfig  # noqa: E402
 
 FIRST = ("Kor", "Bel", "Tam", "Vex", "Dra", "Mol", "Zan", "Pir", "Gol", "Fen", "Sar", "Quo", "Lum", "Hax")
 SECOND = ("vim", "dor", "rith", "nax", "pell", "quin", "sor", "zek", "mund", "ral", "tove", "gash")

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.core.config import ModelConfig
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.capture.gradients import per_example_gradients

@@ -24,10 +24,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.core.config import GradsConfig, ModelConfig
+from circuitkit.models.config import ModelConfig
 from gradian.build.indexer import build_index
 from gradian.cli import SUMMARY_QUERIES, SUMMARY_RANKS, _results_table
 from gradian.rank.ranking import rank
+from gradian.settings.grads import GradsConfig
 
 
 def _render(table: Table) -> float:

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lengths import lengths_corpus  # noqa: E402
 
-from circuitkit.core.config import compose  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
+from circuitkit_app.config import compose  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
 
 

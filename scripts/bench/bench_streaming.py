@@ -43,7 +43,7 @@ def write_corpus(path: Path, n_rows: int, seed: int = 0) -> Path:
 
 def run_index(data: Path, index_dir: Path, rows_per_shard: int) -> dict:
     """`gradian index` in a child process; its wall time and peak RSS."""
-    cmd = [sys.executable, "-m", "gradian.cli", "index", f"grads.data_path={data}", f"grads.index_dir={index_dir}",
+    cmd = [sys.executable, "-m", "circuitkit_app.gradian_cli", "index", f"grads.data_path={data}", f"grads.index_dir={index_dir}",
            "grads.batch_size=512", "grads.projection_dim=16", "grads.module_filter=[mlp.c_proj]",
            f"grads.rows_per_shard={rows_per_shard}", "model.precision=float32"]
     t0 = time.perf_counter()

@@ -64,7 +64,7 @@ class Bench:
 
 
 def _ioi(n: int, seed: int) -> TaskData:
-    from circuitkit.core.config import DataParams
+    from circuitkit.discovery.config import DataParams
     from circuitkit.discovery.tasks import build_task
     from circuitkit.fixtures.models import build_tokenizer
 
@@ -85,8 +85,9 @@ def build(name: str, args: argparse.Namespace) -> Bench:
     import transformers as tf
 
     if name == "induction":
-        from circuitkit.core.config import DataParams, ModelConfig
+        from circuitkit.discovery.config import DataParams
         from circuitkit.discovery.tasks import build_task
+        from circuitkit.models.config import ModelConfig
         from circuitkit.models.loading import load_model
 
         lm = load_model(ModelConfig(name="builtin:induction", precision="float32"))

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.core.config import compose
 from circuitkit.core.device import measure_peak, module_bytes
 from circuitkit.discovery.attribution import load_scores
 from circuitkit.discovery.attribution.memory import attribution_estimate
@@ -35,6 +34,7 @@ from circuitkit.discovery.pruning.memory import pruning_estimate
 from circuitkit.discovery.stages import HELDOUT_TEMPLATES_FILE, _read_task_data
 from circuitkit.discovery.tasks import TaskData
 from circuitkit.models.loading import load_model
+from circuitkit_app.config import compose
 
 
 def main(argv: list[str]) -> int:

@@ -79,7 +79,7 @@ def _index_hashes(index_dir: Path) -> dict[str, str]:
 
 def produce(work: Path) -> dict[str, dict[str, str]]:
     """Run the pipeline on every fixture under `work` and hash what it wrote."""
-    from circuitkit.core.config import compose
+    from circuitkit_app.config import compose
     from circuitkit_app.stage_list import run_pipeline
 
     if work.exists():

@@ -13,8 +13,8 @@ import tempfile
 from rich.console import Console
 from scipy.stats import spearmanr
 
-from circuitkit.core.config import compose
 from circuitkit.discovery.attribution import load_scores
+from circuitkit_app.config import compose
 from circuitkit_app.stage_list import run_pipeline
 
 

@@ -23,10 +23,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from circuitkit.core.config import DataParams, ModelConfig
 from circuitkit.discovery.attribution import attribute, exact_patching
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import build_task
 from circuitkit.fixtures.induction import head_pattern_scores
+from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 
 

@@ -48,7 +48,7 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
     import torch.nn.functional as F
 
     from circuitkit.core.batching import batch_overhead_tokens, padded_tokens, plan_batches
-    from circuitkit.core.config import ModelConfig
+    from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.capture.gradients import ACTIVATION_CONTEXTS, activation_mode, supervised_positions
     from gradian.data.rows import collate, load_rows
@@ -134,9 +134,10 @@ def floor_seconds(spec: dict, paired: object = None) -> dict[str, object]:
 def run(spec: dict, result: dict) -> None:
     from rich.console import Console
 
-    from circuitkit.core.config import GradsConfig, ModelConfig
+    from circuitkit.models.config import ModelConfig
     from gradian.build.indexer import build_index
     from gradian.rank.ranking import rank
+    from gradian.settings.grads import GradsConfig
 
     logging.getLogger("circuitkit.models.loading").setLevel(logging.ERROR)  # the float32 notice
     work = Path(spec["work_dir"])

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.core.config import compose
 from circuitkit.core.pipeline import make_console
+from circuitkit_app.config import compose
 from circuitkit_app.stage_list import run_pipeline
 
 

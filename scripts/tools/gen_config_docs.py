@@ -1,4 +1,4 @@
-"""Regenerate the key tables of docs/configuration.md from the schema in circuitkit/core/config.py.
+"""Regenerate the key tables of docs/configuration.md from the schema (AppConfig, circuitkit_app/config.py).
 
 The tables sit between `<!-- keys:GROUP -->` and `<!-- /keys:GROUP -->` markers; the prose
 around them is written by hand. `--check` exits 1 when the file is out of date (used by tests).
@@ -11,7 +11,8 @@ import re
 import sys
 from pathlib import Path
 
-from circuitkit.core.config import AppConfig, _describe_allowed, _unwrap_optional, iter_keys
+from circuitkit.core.config import _describe_allowed, _unwrap_optional, iter_keys
+from circuitkit_app.config import AppConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -35,7 +36,7 @@ def _fmt(value) -> str:
 
 def table(group: str) -> str:
     rows = ["| key | default | allowed | effect |", "|---|---|---|---|"]
-    for path, tp, meta in iter_keys():
+    for path, tp, meta in iter_keys(AppConfig):
         top = path.split(".")[0]
         in_group = top == group if group != "top" else "." not in path
         if not in_group:

@@ -39,9 +39,9 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from circuitkit.core.config import compose  # noqa: E402
 from circuitkit.core.device import free_memory_bytes, get_device  # noqa: E402
 from circuitkit.discovery.attribution.memory import attribution_estimate  # noqa: E402
+from circuitkit_app.config import compose  # noqa: E402
 from circuitkit_app.stage_list import run_pipeline  # noqa: E402
 from gradian.build.memory import grads_estimate  # noqa: E402
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.core.config import DiscoveryConfig
 from circuitkit.core.io import atomic_save_safetensors
 from circuitkit.discovery.attribution.eap import AttributionScores, attribute, graph_of
 from circuitkit.discovery.attribution.exact import exact_patching
 from circuitkit.discovery.attribution.graph import Graph
+from circuitkit.discovery.config import DiscoveryConfig
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.models.adapters import ModelAdapter
 

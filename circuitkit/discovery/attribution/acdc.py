@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import torch
 from rich.progress import Progress
 
-from circuitkit.core.config import DiscoveryConfig
 from circuitkit.discovery.attribution.accumulators import total_dtype
 from circuitkit.discovery.attribution.eap import (
     AttributionScores,
@@ -54,6 +53,7 @@ from circuitkit.discovery.attribution.eap import (
 from circuitkit.discovery.attribution.exact import _edge_patch, _metric, _node_patches
 from circuitkit.discovery.attribution.graph import Graph
 from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
+from circuitkit.discovery.config import DiscoveryConfig
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.placement import input_device

@@ -19,8 +19,8 @@ import dataclasses
 
 import torch
 
-from circuitkit.core.config import DiscoveryConfig
 from circuitkit.discovery.attribution.eap import AttributionScores, attribute_corruptions
+from circuitkit.discovery.config import DiscoveryConfig
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.models.adapters import ModelAdapter
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import torch
 from rich.progress import Progress
 
-from circuitkit.core.config import GRADPATH_RULES
 from circuitkit.discovery.attribution.accumulators import (
     add_metrics,
     score_accumulators,
@@ -60,6 +59,7 @@ from circuitkit.discovery.attribution.eap import (
     graph_of,
 )
 from circuitkit.discovery.attribution.quadrature import resolved_steps
+from circuitkit.discovery.config import GRADPATH_RULES
 from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.models.adapters import ModelAdapter
 from circuitkit.models.placement import input_device

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from circuitkit.core.config import DiscoveryConfig, choices
+from circuitkit.core.config import choices
+from circuitkit.discovery.config import DiscoveryConfig
 from circuitkit.discovery.tasks.base import AnswerColumns, TaskData
 
 METRICS = choices(DiscoveryConfig, "metric")

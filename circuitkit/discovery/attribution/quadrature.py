@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from circuitkit.core.config import DiscoveryConfig, choices
+from circuitkit.core.config import choices
+from circuitkit.discovery.config import DiscoveryConfig
 
 DEFAULT_IG_STEPS = 30  # used when discovery.ig_steps is null
 IG_RULES = choices(DiscoveryConfig, "ig_rule")

@@ -38,11 +38,12 @@ from typing import Any
 import torch
 
 from circuitkit.core.circuit_file import Circuit, circuit_sha256, load_circuit
-from circuitkit.core.config import ConfigError, ModelConfig, validate
+from circuitkit.core.config import ConfigError
 from circuitkit.core.errors import EXIT_USAGE, UserError
 from circuitkit.core.io import atomic_write_json, check_writable
 from circuitkit.core.provenance import software
 from circuitkit.models.adapters import ModelAdapter
+from circuitkit.models.config import ModelConfig, validate_model
 from circuitkit.models.loading import LoadedModel, load_model, model_source, weights_hash
 
 FORMATS = ("hf",)
@@ -59,7 +60,7 @@ def model_config_of(circuit: Circuit, name: str | None = None, precision: str | 
     `precision` overrides the dtype."""
     base = (circuit.config or {}).get("model") or {}
     try:
-        cfg = validate({"model": dict(base)}).model
+        cfg = validate_model(dict(base))
     except ConfigError:  # a config written by another version: its name is what we need
         cfg = ModelConfig(name=circuit.model_name)
     if name is not None and name != cfg.name:

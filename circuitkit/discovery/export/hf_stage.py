@@ -4,9 +4,10 @@ of this run's circuit.pt (`circuitkit.discovery.export.hf`); `export.format=null
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from circuitkit.core.circuit_file import run_circuit_path
-from circuitkit.core.config import AppConfig, ConfigError
+from circuitkit.core.config import ConfigError
 from circuitkit.core.io import check_writable
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
 from circuitkit.discovery.export.hf import PROVENANCE_FILE, export_hf, summary_line
@@ -15,7 +16,7 @@ from circuitkit.models.loading import check_model, model_inputs
 EXPORT_DIR = "pruned_model"
 
 
-def export_dir(cfg: AppConfig, run_dir: Path) -> Path:
+def export_dir(cfg: Any, run_dir: Path) -> Path:
     """Where the checkpoint goes: export.dir, or <run dir>/pruned_model."""
     return Path(cfg.export.dir).expanduser() if cfg.export.dir else Path(run_dir) / EXPORT_DIR
 
@@ -45,7 +46,7 @@ def _export(ctx: RunContext) -> StageResult:
         "reference_faithfulness": f.get("reference_faithfulness"), "provenance": str(out / PROVENANCE_FILE)})
 
 
-def _export_inputs(cfg: AppConfig, run_dir: Path) -> dict[str, Path | str]:
+def _export_inputs(cfg: Any, run_dir: Path) -> dict[str, Path | str]:
     if cfg.export.format is None:
         return {}
     return {**model_inputs(cfg.model), "circuit.pt": run_circuit_path(cfg.output_path, run_dir)}
@@ -55,7 +56,7 @@ def _within(path: Path, other: Path) -> bool:
     return path == other or other in path.parents
 
 
-def _model_dir(cfg: AppConfig) -> Path | None:
+def _model_dir(cfg: Any) -> Path | None:
     """The base model's local directory (a hub model's cache is not the user's to write into)."""
     model = model_inputs(cfg.model).get("model")
     if not isinstance(model, Path):
@@ -63,7 +64,7 @@ def _model_dir(cfg: AppConfig) -> Path | None:
     return (model if model.is_dir() else model.parent).resolve()
 
 
-def _check_export(cfg: AppConfig) -> None:
+def _check_export(cfg: Any) -> None:
     if cfg.export.format is None:
         return
     check_model(cfg.model)
@@ -76,7 +77,7 @@ def _check_export(cfg: AppConfig) -> None:
                               " its own, e.g. export.dir=null for <run dir>/pruned_model.")
 
 
-def _check_export_run_dir(cfg: AppConfig, run_dir: Path) -> None:
+def _check_export_run_dir(cfg: Any, run_dir: Path) -> None:
     """export.dir must not be the run directory or hold it: the export's folder is replaced whole."""
     if cfg.export.format is None or not cfg.export.dir:
         return

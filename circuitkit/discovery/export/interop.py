@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 
-from circuitkit.core.config import ModelConfig
 from circuitkit.core.errors import UserError
 from circuitkit.core.flags import MAX_COUNT, bounded, check_numeric_flags
 from circuitkit.core.io import atomic_write_bytes, check_writable, sha256_file
@@ -53,6 +52,7 @@ from circuitkit.discovery.attribution import AttributionScores, load_scores, sav
 from circuitkit.discovery.attribution.graph import Graph
 from circuitkit.discovery.circuit import Circuit, kept_components, load_circuit, save_circuit
 from circuitkit.discovery.circuit_graph import graph_shape
+from circuitkit.models.config import ModelConfig
 from circuitkit.preflight.memory import shape_for
 
 FORMATS = ("eap-ig-json",)

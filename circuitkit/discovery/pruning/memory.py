@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from circuitkit.core.config import AppConfig, mask_steps_of
 from circuitkit.core.device import free_memory_bytes, model_dtype
 from circuitkit.core.pipeline import StageMemory
+from circuitkit.discovery.config import mask_steps_of
 from circuitkit.discovery.pruning.circuit_forward import CIRCUIT_FORWARD_TOKENS
 from circuitkit.discovery.pruning.edges import RECORD_SHARE
 from circuitkit.discovery.pruning.heads import CURVE_PERCENTS
@@ -297,7 +297,7 @@ def estimate_pruning(shape: dict[str, Any], dtype_bytes: int, batch_size: int, s
                           phase=phase)
 
 
-def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int | None = None,
+def pruning_estimate(cfg: Any, batch_size: int | None = None, seq_len: int | None = None,
                      n_eval: int | None = None, n_attr: int | None = None,
                      free_bytes: int | None = None, n_templates: int | None = None,
                      weights_loaded: bool = False, templates_seq_len: int | None = None) -> MemoryEstimate:
@@ -325,7 +325,7 @@ def pruning_estimate(cfg: AppConfig, batch_size: int | None = None, seq_len: int
                             max(len(discovery_corruptions(d.task, d.data_params)), 1))
 
 
-def pruning_advice(cfg: AppConfig, budget_bytes: int, **at: Any) -> list[str]:
+def pruning_advice(cfg: Any, budget_bytes: int, **at: Any) -> list[str]:
     """Knobs that bring the pruning peak under `budget_bytes`, in the order to try them. `at`:
     arguments of `pruning_estimate` that the run's data fixes (seq_len, n_attr, n_templates,
     templates_seq_len: `circuitkit.discovery.data_lengths`)."""
@@ -359,7 +359,7 @@ def pruning_advice(cfg: AppConfig, budget_bytes: int, **at: Any) -> list[str]:
     return tips
 
 
-def _stage_estimate(cfg: AppConfig) -> MemoryEstimate:
+def _stage_estimate(cfg: Any) -> MemoryEstimate:
     return pruning_estimate(cfg)
 
 

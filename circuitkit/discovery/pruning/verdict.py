@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from circuitkit.core.config import DataParams, PruningConfig, choices
+from circuitkit.core.config import choices
+from circuitkit.discovery.config import DataParams, PruningConfig
 from circuitkit.discovery.pruning.heads import Evaluator, PrunedCircuit, faithfulness, mean_z
 from circuitkit.discovery.pruning.pillars import (
     magnitude_scores,

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.core.config import DataParams, DiscoveryConfig, choices
+from circuitkit.core.config import choices
+from circuitkit.discovery.config import DataParams, DiscoveryConfig
 from circuitkit.discovery.tasks import capitals, greater_than, induction, ioi, jsonl, mmlu, sva
 from circuitkit.discovery.tasks.base import TaskData, TaskError
 

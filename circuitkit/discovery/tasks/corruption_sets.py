@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from circuitkit.core.config import DataParams, choices
+from circuitkit.core.config import choices
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks.base import TaskData, TaskError
 
 # Per task: the DataParams key that names its single corruption, and the corruptions it offers.

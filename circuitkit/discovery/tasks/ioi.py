@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import random
 
-from circuitkit.core.config import DataParams, choices
+from circuitkit.core.config import choices
+from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks.base import TaskData, TaskError, from_token_lists
 from circuitkit.discovery.tasks.text import (
     continuation_ids,

@@ -46,10 +46,11 @@ from typing import Any
 
 import torch
 
-from circuitkit.core.config import GradsConfig, choices
+from circuitkit.core.config import choices
 from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
 from gradian.index.formats.signs import SIGNS, packed_width
+from gradian.settings.grads import GradsConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from circuitkit.core.config import compose
 from circuitkit.core.io import sha256_file
+from circuitkit_app.config import compose
 from gradian.build.indexer import build_index
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from circuitkit.core.config import compose
 from circuitkit.core.io import sha256_file
+from circuitkit_app.config import compose
 from gradian.build.indexer import build_index
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}

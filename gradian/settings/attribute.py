@@ -1,0 +1,37 @@
+"""The attribute stage's schema (`attribute.*`): the eval set, the query loss, the engines, the counts.
+
+Its choices are the one list of query losses and engines: `gradian.attribute.queries.QUERY_LOSSES`
+and `gradian.attribute.engines.ENGINES` read them (`choices(AttributeConfig, "engines")`), and
+`gradian attribute`'s flags that mirror a key take their default, help, choices and range from its
+field (`circuitkit.core.config.add_schema_flag`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from circuitkit.core.config import _f
+
+
+@dataclass
+class AttributeConfig:
+    eval_path: Optional[str] = _f(None, "the attribute stage (after grads; not in the default stages): a JSONL of"
+                                  " {prompt, completion} eval items, the completion being the answer, on which the"
+                                  " tuned model (model.name with model.adapter, or a full fine-tune with"
+                                  " model.base_name) is compared with its base model; the training rows of this run's"
+                                  " index that caused the regression are accused (gradian attribute). Required when"
+                                  " stages lists attribute; null = none")
+    query_loss: str = _f("contrastive", "the regressed items' query gradient: contrastive = ∇[ℓ(answer) − ℓ(what the"
+                         " tuned model says)], ce = ∇ℓ(answer), margin = ∇ of the answer tokens' negated log-odds",
+                         choices=("contrastive", "ce", "margin"))
+    engines: list[str] = _f(["auto"], "scoring engines, the first accuses and the others report their rank"
+                            " agreement with it: auto = gradian rank's default score for the index (ekfac with"
+                            " K-FAC factors, else cosine)", choices=("auto", "dot", "cosine", "influence", "kfac", "ekfac"))
+    top_k: int = _f(40, "training rows accused (most negative score first)", ge=1, le=100_000)
+    bootstrap: int = _f(2000, "paired bootstrap resamples of the regression's 95 % interval (seeded with the"
+                        " top-level seed)", ge=100, le=1_000_000)
+    thin_margin: float = _f(1.0, "nats: a flipped item whose base margin was below this, and that the tuned model"
+                            " gets wrong by less than this, counts toward base-model blame", ge=0.0)
+    span_min_tokens: int = _f(64, "accused rows with at least this many supervised tokens get one gradient per"
+                              " sentence (the drill-down); 0 = none", ge=0)
