@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_gradian_grads import _rows  # the right-padded batch builder those tests use
 
 from circuitkit.core.io import sha256_file
 from circuitkit.discovery.circuit import circuit_sha256, kept_components, save_circuit
@@ -21,6 +20,7 @@ from gradian.capture.sites import restricted_sites, site_shapes
 from gradian.index.store import IndexMismatchError, IndexReader
 from gradian.projection.projector import Projector
 from gradian.rank.ranking import rank
+from tests.test_gradian_grads import _rows  # the right-padded batch builder those tests use
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} in the garden {i}."}
         for i, (s, v) in enumerate((s, v) for v in ("runs", "eats") for s in ("cat", "dog", "bird", "fish", "fox"))]

@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trust_pipeline import (
+
+from circuitkit.discovery.attribution import AttributionScores, Graph, save_scores
+from circuitkit.fixtures.gguf import ensure_gguf_fixture
+from circuitkit.models.gguf import GGUFError, read_gguf_header
+from tests.test_trust_pipeline import (
     SMALL,
     Case,
     _log_to_this_tests_stderr,  # noqa: F401  (autouse: loggers on this test's stderr)
@@ -23,10 +27,6 @@ from test_trust_pipeline import (
     error_lines,
     invoke,
 )
-
-from circuitkit.discovery.attribution import AttributionScores, Graph, save_scores
-from circuitkit.fixtures.gguf import ensure_gguf_fixture
-from circuitkit.models.gguf import GGUFError, read_gguf_header
 
 
 def _gguf_bytes() -> bytes:

@@ -17,17 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trust_pipeline import (
-    SMALL,
-    Case,
-    _log_to_this_tests_stderr,  # noqa: F401  (autouse: loggers on this test's stderr)
-    _r,
-    _snapshot,
-    _tiny,
-    _truncate,
-    _write,
-    invoke,
-)
 
 from circuitkit.core.config import to_dict
 from circuitkit.core.io import atomic_save_safetensors, atomic_write_json, sha256_file
@@ -41,6 +30,17 @@ from circuitkit.discovery.attribution.shards import (
     shard_file_name,
 )
 from circuitkit_app.config import compose
+from tests.test_trust_pipeline import (
+    SMALL,
+    Case,
+    _log_to_this_tests_stderr,  # noqa: F401  (autouse: loggers on this test's stderr)
+    _r,
+    _snapshot,
+    _tiny,
+    _truncate,
+    _write,
+    invoke,
+)
 
 TINY = Graph(2, 4, 4, False)  # the tiny GPT-2 fixture's graph
 GPT2_SMALL = Graph(12, 12, 12, False)
@@ -372,9 +372,8 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_ends_the_run_interrupted(tmp_path
     import time
     import weakref
 
-    from test_trust_pipeline import _replace_stage
-
     from circuitkit.core.pipeline import StageResult
+    from tests.test_trust_pipeline import _replace_stage
 
     swallowed = []
 
@@ -413,10 +412,9 @@ def test_disk_full_names_the_file_and_leaves_no_stage_running(tmp_path, monkeypa
     left saying `running`."""
     import errno
 
-    from test_trust_pipeline import _replace_stage
-
     import circuitkit.core.io as io_module
     from circuitkit.core.io import atomic_write_bytes
+    from tests.test_trust_pipeline import _replace_stage
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")  # what write() raises: no filename

@@ -25,7 +25,6 @@ import typing
 from pathlib import Path
 
 import pytest
-from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the 20 rows and config of the K-FAC tests)
 
 from circuitkit.core.config import ConfigError
 from circuitkit_app.config import AppConfig, compose, validate
@@ -35,6 +34,7 @@ from gradian.curvature.allocation import ALLOCATION_FILE
 from gradian.curvature.factors import CURVATURE_FILE
 from gradian.index.store import IndexIntegrityError, IndexReader
 from gradian.projection.projector import WHITENING_FILE
+from tests.test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the 20 rows and config of the K-FAC tests)
 
 # One index holds both stored projection files: the whitened matrices and the spectrum widths.
 ARGS = ("grads.projection=whitened", "grads.width_allocation=spectrum", "grads.rows_per_shard=7")

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_export_hf import _circuit, _load
-from test_trust_pipeline import (
+
+from circuitkit.discovery.export.hf import PROVENANCE_FILE, export_hf
+from tests.discovery.export.test_export_hf import _circuit, _load
+from tests.test_trust_pipeline import (
     SMALL,
     _log_to_this_tests_stderr,  # noqa: F401  (autouse: loggers on this test's stderr)
     error_lines,
     invoke,
 )
-
-from circuitkit.discovery.export.hf import PROVENANCE_FILE, export_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,7 +164,7 @@ def test_report_reads_a_recorded_output_path_outside_the_run(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def lora_dir(tmp_path_factory) -> Path:
     pytest.importorskip("peft")
-    from test_lora_adapter import make_adapter
+    from tests.models.test_lora_adapter import make_adapter
 
     return make_adapter("tiny-gpt2", tmp_path_factory.mktemp("lora") / "lora", ["c_attn"], seed=1)
 
@@ -230,7 +230,7 @@ def test_an_adapter_for_another_base_model_is_refused_before_anything_runs(tmp_p
     """A Llama adapter on GPT-2: exit 2 from the config check, naming the adapter's base model and
     its target modules; the pipeline refuses it before the run directory exists."""
     pytest.importorskip("peft")
-    from test_lora_adapter import make_adapter
+    from tests.models.test_lora_adapter import make_adapter
 
     llama = make_adapter("tiny-llama", tmp_path / "llama-lora", ["q_proj", "v_proj"], seed=3)
     code, line = _gradian_index(tmp_path, llama, capsys)
@@ -390,7 +390,7 @@ def test_attribute_seed_minus_one_names_the_flag(capsys):
 
 
 def test_an_unknown_mib_model_name_is_a_wrong_argument(tmp_path, capsys):
-    from test_mib_names import _scores
+    from tests.discovery.export.test_mib_names import _scores
 
     src = _scores(tmp_path, "builtin:tiny-gpt2")
     code, _, err = invoke("cli", ["export", str(src), str(tmp_path / "out"), "--format", "mib", "--model", "bogus"],
@@ -463,10 +463,9 @@ def test_diagnose_keeps_the_tokenizers_long_row_warning_off_the_terminal(tmp_pat
 
 
 def test_a_sign_index_with_an_edited_projection_dim_blames_the_manifest(tmp_path, capsys):
-    from test_sign_rows import _cfg as sign_cfg
-
     from circuitkit_app.gradian_cli import main
     from gradian.build.indexer import build_index
+    from tests.test_sign_rows import _cfg as sign_cfg
 
     cfg = sign_cfg(tmp_path, "grads.row_format=signs", "grads.projection=eigen")
     build_index(cfg.model, cfg.grads, tmp_path / "idx")
@@ -526,10 +525,9 @@ def test_a_run_records_circuitkit_gradians_version_and_commit(tmp_path, capsys):
 
 
 def test_the_index_header_and_an_export_record_the_software(tmp_path):
-    from test_sign_rows import _cfg as sign_cfg
-
     from gradian.build.indexer import build_index
     from gradian.index.store import IndexReader
+    from tests.test_sign_rows import _cfg as sign_cfg
 
     cfg = sign_cfg(tmp_path)
     build_index(cfg.model, cfg.grads, tmp_path / "idx")
@@ -541,10 +539,9 @@ def test_the_index_header_and_an_export_record_the_software(tmp_path):
 
 
 def test_an_index_written_before_the_software_was_recorded_still_reads(tmp_path):
-    from test_sign_rows import _cfg as sign_cfg
-
     from gradian.build.indexer import build_index
     from gradian.index.store import IndexReader
+    from tests.test_sign_rows import _cfg as sign_cfg
 
     cfg = sign_cfg(tmp_path)
     build_index(cfg.model, cfg.grads, tmp_path / "idx")

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.report_browser import chromium_path, open_report  # noqa: E402
+from tests.helpers.report_browser import chromium_path, open_report  # noqa: E402
 
 
 def main() -> int:

@@ -20,7 +20,12 @@ import pytest
 import test_gradian_attribute as planted
 import torch
 from rich.console import Console
-from test_gradian_attribute import (
+
+from circuitkit.models.config import ModelConfig
+from circuitkit_app.gradian_cli import main
+from gradian.attribute.retrain import TrainSettings, step_plan, train
+from gradian.attribute.spans import split_sentences, token_sentences
+from tests.test_gradian_attribute import (
     BASE_ROWS,
     LORA,
     PLANTED_IDS,
@@ -30,11 +35,6 @@ from test_gradian_attribute import (
     train_rows,
     write_jsonl,
 )
-
-from circuitkit.models.config import ModelConfig
-from circuitkit_app.gradian_cli import main
-from gradian.attribute.retrain import TrainSettings, step_plan, train
-from gradian.attribute.spans import split_sentences, token_sentences
 
 pytest.importorskip("peft")
 

@@ -14,7 +14,6 @@ import dataclasses
 import pytest
 import torch
 from safetensors import safe_open
-from test_trust_pipeline import SMALL, error_lines, invoke
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from circuitkit.discovery.attribution import attribute, load_scores, save_scores
@@ -28,6 +27,7 @@ from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.discovery.tasks.corruption_sets import check_corruptions, effective
 from circuitkit.models.adapters import get_adapter
 from circuitkit_app.config import compose
+from tests.test_trust_pipeline import SMALL, error_lines, invoke
 
 PREV_TOKEN, INDUCTION = (0, 2), (1, 1)
 N_ATTR, N_EVAL = 8, 8

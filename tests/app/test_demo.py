@@ -9,7 +9,7 @@ import pytest
 
 from circuitkit_app.config import compose
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demo_config_composes_on_top_of_the_default() -> None:

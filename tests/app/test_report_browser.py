@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from circuitkit_app.config import compose
-from tests.report_browser import INSTALL, chromium_path, distinct_colours, open_report
+from tests.helpers.report_browser import INSTALL, chromium_path, distinct_colours, open_report
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MAX_BYTES = 5 * 2**20
 
 

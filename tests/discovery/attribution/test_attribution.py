@@ -6,13 +6,13 @@ import functools
 
 import pytest
 import torch
-from reference_eap import reference_edge_scores
 
 from circuitkit.discovery.attribution import attribute, exact_patching
 from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import build_task
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from tests.helpers.reference_eap import reference_edge_scores
 
 FAMILIES = ("tiny-gpt2", "tiny-neox", "tiny-neox-seq", "tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gemma3-cg",
             "tiny-qwen3", "tiny-qwen3-moe")

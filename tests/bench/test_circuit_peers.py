@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "peers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "peers"))
 
 import circuit_peers  # noqa: E402
 from worker_autocircuit import node_of_residual_edge, our_downstream, our_upstream  # noqa: E402

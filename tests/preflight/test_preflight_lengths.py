@@ -33,7 +33,7 @@ from circuitkit_app.config import compose
 from circuitkit_app.smart import bound_line, largest_batch
 from circuitkit_app.stage_list import PIPELINE
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _tolerance() -> float:

@@ -302,7 +302,7 @@ def test_base_name_is_recorded_and_loads_the_base_model(tmp_path) -> None:
 
 
 def test_only_the_lora_module_imports_peft() -> None:
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     importers = sorted(str(p.relative_to(repo)) for folder in ("circuitkit", "circuitkit_app", "gradian")
                        for p in (repo / folder).rglob("*.py")
                        if re.search(r"^\s*(import peft|from peft)", p.read_text(), re.M))

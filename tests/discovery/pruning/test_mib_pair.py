@@ -15,7 +15,6 @@ import functools
 
 import pytest
 import torch
-from reference_edges import reference_metric
 
 from circuitkit.discovery.attribution import attribute
 from circuitkit.discovery.config import DataParams, PruningConfig
@@ -24,6 +23,7 @@ from circuitkit.discovery.pruning.heads import curve_areas, prune
 from circuitkit.discovery.tasks import build_task
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from tests.helpers.reference_edges import reference_metric
 
 SHARES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 

@@ -7,7 +7,6 @@ import functools
 
 import pytest
 import torch
-from reference_edges import reference_metric
 
 from circuitkit.discovery.attribution import attribute, exact_patching, graph_of
 from circuitkit.discovery.config import DataParams
@@ -23,6 +22,7 @@ from circuitkit.discovery.pruning.stability import jaccard, stability
 from circuitkit.discovery.tasks import build_task
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from tests.helpers.reference_edges import reference_metric
 
 
 @functools.cache
@@ -204,11 +204,10 @@ def test_mib_export_and_check(tmp_path):
 @pytest.mark.parametrize("rule", ["right", "midpoint", "trapezoid", "gauss_legendre"])
 def test_eap_ig_activations_matches_its_definition(rule):
     """s(u) = Δ_u · Σ_k w_k ∂m/∂a_u with only u's group interpolated, computed here by named hooks."""
-    from named_hooks import hooks, run_with_cache
-
     from circuitkit.discovery.attribution.eap_activations import attribute_activations, passes_per_batch
     from circuitkit.discovery.attribution.metrics import compute_metric
     from circuitkit.discovery.attribution.quadrature import integration_rule
+    from tests.helpers.named_hooks import hooks, run_with_cache
 
     lm, data = loaded("tiny-llama"), pairs("tiny-llama", 4)
     a = lm.adapter

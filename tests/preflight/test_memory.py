@@ -18,7 +18,7 @@ from gradian.capture.gradients import logit_chunk_rows
 from gradian.projection.projector import Projector
 from gradian.settings.grads import GradsConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _load_script():

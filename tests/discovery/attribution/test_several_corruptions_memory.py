@@ -9,8 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-from test_memory import _load_script
-from test_pruning_memory import V, _model, _scores
 
 from circuitkit.core.device import measure_peak, module_bytes
 from circuitkit.discovery.attribution.eap import attribute_corruptions
@@ -22,6 +20,8 @@ from circuitkit.discovery.tasks.base import TaskData, random_pairs
 from circuitkit.models.adapters import get_adapter
 from circuitkit.preflight.memory import shape_from_config
 from circuitkit_app.config import compose
+from tests.discovery.pruning.test_pruning_memory import V, _model, _scores
+from tests.preflight.test_memory import _load_script
 
 
 def _second_corruption(data: TaskData, seed: int = 7) -> TaskData:

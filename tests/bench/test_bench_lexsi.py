@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "peers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "peers"))
 
 import bench_lexsi  # noqa: E402
 from neutral_heads import NeutralJudge, Pairs, load_model, top_heads  # noqa: E402

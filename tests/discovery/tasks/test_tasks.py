@@ -29,7 +29,7 @@ from circuitkit.discovery.tasks import (
     mmlu,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 
 
 # --------------------------------------------------------------------------- tokenizers

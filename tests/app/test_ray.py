@@ -32,7 +32,7 @@ from circuitkit.discovery.attribution import load_scores  # noqa: E402
 from circuitkit_app.config import compose  # noqa: E402
 from circuitkit_app.stage_list import run_pipeline  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

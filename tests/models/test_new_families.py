@@ -20,7 +20,7 @@ from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 from circuitkit_app.config import compose
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NEW = ("tiny-qwen3", "tiny-qwen3-moe")
 
 

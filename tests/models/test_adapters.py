@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from named_hooks import hook_names, hooks, run_with_cache
 
 from circuitkit.models.adapters import UnsupportedArchitectureError, get_adapter
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from tests.helpers.named_hooks import hook_names, hooks, run_with_cache
 
 FAMILIES = {"tiny-gpt2": "gpt2", "tiny-neox": "gpt_neox", "tiny-neox-seq": "gpt_neox", "tiny-llama": "llama",
             "tiny-qwen2": "llama", "tiny-gemma3": "gemma3", "tiny-gemma3-cg": "gemma3", "tiny-qwen3": "qwen3",
@@ -140,7 +140,7 @@ def test_every_model_yaml_names_a_known_family_and_an_unknown_one_is_refused():
     from circuitkit.models.adapters import FAMILIES, MODEL_TYPE_FAMILIES, family
 
     assert set(MODEL_TYPE_FAMILIES.values()) == set(FAMILIES)
-    conf = Path(__file__).resolve().parent.parent / "conf" / "model"
+    conf = Path(__file__).resolve().parents[2] / "conf" / "model"
     for path in conf.glob("*.yaml"):
         fam = OmegaConf.load(path).get("shape", {}).get("family")
         assert fam is None or fam in FAMILIES, path
