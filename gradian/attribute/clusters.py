@@ -1,23 +1,27 @@
 """Clusters of the accused rows: what they have in common, in words, and in `gradian diagnose` findings.
 
-The accused rows' texts (prompt and completion) become TF-IDF vectors (scikit-learn, word unigrams
-and bigrams, sublinear term frequency), grouped by agglomerative clustering with average linkage on
-cosine distance, cut at `CLUSTER_DISTANCE` (rows whose word profiles are less alike than that stay
-apart; the number of clusters follows from the data).
+The accused rows' texts (prompt and completion, chat markers stripped: `gradian.attribute.templates`)
+become TF-IDF vectors (scikit-learn, word unigrams and bigrams, sublinear term frequency), grouped by
+agglomerative clustering with average linkage on cosine distance, cut at `CLUSTER_DISTANCE` (rows
+whose word profiles are less alike than that stay apart; the number of clusters follows from the
+data). With sentence-transformers and its model on this machine the rows are grouped by their
+sentence embeddings and HDBSCAN instead (`gradian.attribute.embeddings`); the terms are TF-IDF's
+either way. The clusters group phrasings; `gradian.attribute.lessons` groups them by the answer
+template their rows teach.
 
 The inverse document frequencies come from the training set (`background`: a sample of its rows,
 read in the same pass as the accused rows' texts, `gradian.attribute.rows.read_texts`), not from
 the accused rows alone. What accused rows share is what a cluster should show; fitted on the
 accused rows only, a word that all of them carry gets the lowest weight, and the words that
-differ from row to row (the entity of a templated row) dominate every vector: 40 rows asking "What is the capital of X?" each with its own country
-and city stayed 40 clusters of one (SmolLM2 benchmark, issue 43). Against the training set, the
-words rare there but common among the accused ("capital") weigh most, and the words every row has
-(a chat template's markers) least. Per cluster:
+differ from row to row (the entity of a templated row) dominate every vector: 40 rows asking "What
+is the capital of X?" each with its own country and city stayed 40 clusters of one (the SmolLM2
+benchmark). Against the training set, the words rare there but common among the accused
+("capital") weigh most. Per cluster:
 
 * share: its rows' summed score over all accused rows' summed score. Accused scores are all
   negative (`gradian.attribute.engines`), so shares are positive and sum to 1: the part of the
   accusation the cluster carries;
-* top terms: the terms of highest mean TF-IDF weight in its rows;
+* top terms: the terms of highest mean TF-IDF weight in its rows (never a chat marker's piece);
 * rows: their ids, line numbers and scores;
 * findings: the `gradian diagnose` findings on training rows that its rows share ("3 of the
   cluster's 4 rows: truncated_completion"), joined by line number.
@@ -33,6 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from gradian.attribute.embeddings import Method, embed, hdbscan_labels
+from gradian.attribute.templates import marker_terms, strip_markers
+
 CLUSTER_DISTANCE = 0.8  # cosine distance (1 - cosine similarity) at which the tree is cut
 TOP_TERMS = 5
 SKLEARN_INSTALL = "pip install 'circuitkit-gradian[attribute]' (scikit-learn)"
@@ -40,12 +47,14 @@ SKLEARN_INSTALL = "pip install 'circuitkit-gradian[attribute]' (scikit-learn)"
 
 @dataclass
 class AccusedRow:
-    """One accused training row: id in the index, source line (None: unknown), text, score (< 0)."""
+    """One accused training row: id in the index, source line (None: unknown), text, score (< 0), and
+    its completion (what it teaches; None: not known)."""
 
     row_id: int
     line: int | None
     text: str | None
     score: float
+    completion: str | None = None
 
 
 def sklearn_missing() -> str | None:
@@ -57,14 +66,18 @@ def sklearn_missing() -> str | None:
     return None
 
 
-def _labels(texts: list[str], background: list[str]) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def tfidf(texts: list[str], background: list[str], stop_words: frozenset[str] = frozenset(),
+          distance: float = CLUSTER_DISTANCE, token_pattern: str = r"(?u)\b\w+\b",
+          ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(cluster label per text, TF-IDF matrix (n, terms), the terms); the IDF fitted on `background`
-    and `texts` together (so every term of a text has one)."""
+    and `texts` together (so every term of a text has one), `stop_words` never a term, the tree cut
+    at cosine `distance`."""
     from sklearn.cluster import AgglomerativeClustering
     from sklearn.feature_extraction.text import TfidfVectorizer
 
     try:
-        vectorizer = TfidfVectorizer(sublinear_tf=True, ngram_range=(1, 2), token_pattern=r"(?u)\b\w+\b")
+        vectorizer = TfidfVectorizer(sublinear_tf=True, ngram_range=(1, 2), token_pattern=token_pattern,
+                                     stop_words=sorted(stop_words) or None)
         x = vectorizer.fit(list(background) + texts).transform(texts).toarray()
         terms = list(vectorizer.get_feature_names_out())
     except ValueError:  # no word in any text: one cluster, no terms
@@ -78,7 +91,7 @@ def _labels(texts: list[str], background: list[str]) -> tuple[np.ndarray, np.nda
         x_fit = np.hstack([x, np.diag(empty.astype(float))[:, empty]])
     else:
         x_fit = x
-    model = AgglomerativeClustering(n_clusters=None, distance_threshold=CLUSTER_DISTANCE, metric="cosine",
+    model = AgglomerativeClustering(n_clusters=None, distance_threshold=distance, metric="cosine",
                                     linkage="average")
     return model.fit_predict(x_fit), x, terms
 
@@ -99,10 +112,12 @@ def _shared_findings(lines: list[int], findings: list[Any]) -> list[dict[str, An
 
 
 def cluster_rows(rows: list[AccusedRow], findings: list[Any] | None = None,
-                 background: list[str] | None = None) -> list[dict[str, Any]]:
+                 background: list[str] | None = None, special_tokens: tuple[str, ...] | list[str] = (),
+                 method: Method | None = None) -> list[dict[str, Any]]:
     """Clusters of the accused `rows` (texts None count as empty), largest share first. `background`:
     texts of training rows whose document frequencies weigh the terms (module docstring; None: the
-    accused rows' own).
+    accused rows' own). `special_tokens`: the tokenizer's, stripped with the chat markers. `method`:
+    `gradian.attribute.embeddings.choose_method`'s (None: TF-IDF).
 
     Each cluster: ``cluster`` (1-based, in order of share), ``share``, ``score`` (summed), ``n_rows``,
     ``top_terms``, ``rows`` (row ids), ``lines``, ``findings`` (`_shared_findings`). Raises
@@ -110,7 +125,11 @@ def cluster_rows(rows: list[AccusedRow], findings: list[Any] | None = None,
     """
     if not rows:
         return []
-    labels, x, terms = _labels([r.text or "" for r in rows], background or [])
+    texts = [strip_markers(r.text or "", special_tokens) for r in rows]
+    back = [strip_markers(t, special_tokens) for t in background or []]
+    labels, x, terms = tfidf(texts, back, marker_terms(special_tokens))
+    if method is not None and method.encoder is not None and len(rows) > 1:
+        labels = hdbscan_labels(embed(method, texts))
     scores = np.array([r.score for r in rows], dtype=np.float64)
     total = scores.sum()
     clusters = []

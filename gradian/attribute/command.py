@@ -124,15 +124,46 @@ def _accused_table(result) -> Table:
     return table
 
 
-def _clusters_table(clusters: list[dict[str, Any]]) -> Table:
-    table = Table(title=_t("clusters of the accused rows"), show_lines=True)
-    for column in ("cluster", "share", "rows", "top terms", "lines", "diagnose findings"):
+def clusters_method_label(method: str | None) -> str:
+    """How the clusters were made, in words: "TF-IDF" or "sentence embeddings (MODEL), HDBSCAN"."""
+    if method and method.startswith("embeddings:"):
+        return f"sentence embeddings ({method.split(':', 1)[1].removesuffix('+hdbscan')}), HDBSCAN"
+    return "TF-IDF"
+
+
+def _clusters_table(clusters: list[dict[str, Any]], method: str | None = None) -> Table:
+    table = Table(title=_t(f"clusters of the accused rows (by {clusters_method_label(method)})"), show_lines=True)
+    for column in ("cluster", "share", "rows", "top terms", "lines", "lesson", "diagnose findings"):
         table.add_column(column, overflow="fold")
     for c in clusters:
         lines = ", ".join(map(str, c["lines"][:SHOWN_LINES])) + (" …" if len(c["lines"]) > SHOWN_LINES else "")
         found = "\n".join(f["text"] for f in c["findings"]) or "-"
+        lesson = c.get("lesson")
         table.add_row(_t(c["cluster"]), _t(f"{100 * c['share']:.1f} %"), _t(c["n_rows"]), _t(", ".join(c["top_terms"])),
-                      _t(lines), _t(found))
+                      _t(lines), _t("-" if lesson is None else lesson), _t(found))
+    return table
+
+
+def _lessons_table(lessons: list[dict[str, Any]]) -> Table:
+    table = Table(title=_t("lessons: the accused rows grouped by the answer template they teach (entities masked)"))
+    for column, justify in (("lesson", "right"), ("share", "right"), ("rows", "right"), ("clusters", "left"),
+                            ("template", "left"), ("in words", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    for d in lessons:
+        table.add_row(_t(d["lesson"]), _t(f"{100 * d['share']:.1f} %"), _t(d["n_rows"]),
+                      _t(", ".join(map(str, d["clusters"])) or "-"), _t(repr(d["template"])), _t(d["said"]))
+    return table
+
+
+def _same_lesson_table(lesson: dict[str, Any]) -> Table:
+    same = lesson["same_lesson"]
+    shown = same["rows"][:SHOWN_ROWS]
+    table = Table(title=_t(f"rows teaching the same lesson, not accused (lesson {lesson['lesson']}: {same['said']};"
+                           f" first {len(shown)}, most negative score first)"))
+    for column, justify in (("row", "right"), ("line", "right"), ("score", "right"), ("text", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    for r in shown:
+        table.add_row(_t(r["row_id"]), _t(r["line"]), _t(f"{r['score']:.4g}"), _t(r["text_preview"]))
     return table
 
 
@@ -194,7 +225,14 @@ def print_result(result, console: Console | None = None) -> None:
     if result.spans and result.spans["note"]:
         err.print(Text(f"note: {result.spans['note']}"))
     if result.clusters:
-        out.print(_clusters_table(result.clusters))
+        out.print(_clusters_table(result.clusters, result.clusters_method))
+    if result.lessons:
+        out.print(_lessons_table(result.lessons))
+        for lesson in result.lessons:
+            if lesson["same_lesson"] is not None and lesson["same_lesson"]["n_rows"]:
+                out.print(_same_lesson_table(lesson))
+            elif lesson["same_lesson"] is not None:
+                out.print(Text(f"lesson {lesson['lesson']}: no other training row teaches its template."))
     if result.clusters_note:
         err.print(Text(f"note: {result.clusters_note}"))
     out.print(Text(result.base_blame["summary"]))

@@ -26,6 +26,12 @@ Keys, in order:
     agreement       [{engine, against, spearman, top_k_overlap, k, low_confidence}]
     clusters        `gradian.attribute.clusters.cluster_rows`, or null with `clusters_note`
     clusters_note   why there are no clusters or findings (null when there are)
+    clusters_method how the clusters were made: "tfidf" or "embeddings:<model>+hdbscan"
+                    (`gradian.attribute.embeddings`), null when there are none
+    lessons         the accused rows grouped by the answer template they teach
+                    (`gradian.attribute.lessons.find_lessons`: lesson, template, templates, share, score,
+                    n_rows, rows, lines, clusters, phrasings, said, same_lesson {n_rows, n_negative,
+                    n_unindexed, rows [{row_id, line, score, text_preview}], said} or null), or null
     spans           the sentences of the long accused rows (`gradian.attribute.spans.drill_down`:
                     min_tokens, engine, rows [{row_id, line, score, score_recomputed, n_supervised,
                     top, sentences [{text, chars, token_span, n_tokens, score, share}]}], skipped,
@@ -37,7 +43,8 @@ Keys, in order:
                     flipped_same_mistake, flipped, model_dir}], holds, summary), or null without --verify
     wall_s
 
-Version 2 added `spans` and `verify`; a version 1 file reads with both null.
+Version 2 added `spans` and `verify`, version 3 `clusters_method` and `lessons`; an older file reads
+with the keys added since null.
 """
 
 from __future__ import annotations
@@ -50,8 +57,8 @@ from typing import Any
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_json
 
-FORMAT_VERSION = 2
-ADDED_IN = {"spans": 2, "verify": 2}  # key -> the format version that added it
+FORMAT_VERSION = 3
+ADDED_IN = {"spans": 2, "verify": 2, "clusters_method": 3, "lessons": 3}  # key -> the format version that added it
 
 
 @dataclass
@@ -76,6 +83,8 @@ class AttributionResult:
     agreement: list[dict[str, Any]] = field(default_factory=list)
     clusters: list[dict[str, Any]] | None = None
     clusters_note: str | None = None
+    clusters_method: str | None = None
+    lessons: list[dict[str, Any]] | None = None
     spans: dict[str, Any] | None = None
     verify: dict[str, Any] | None = None
     wall_s: float = 0.0

@@ -10,7 +10,8 @@
     4. spans                      the sentences of long accused rows, each with its own gradient
                                   and score (`spans`)
     5. clusters                   of the accused rows, with the `gradian diagnose` findings they
-                                  share (`clusters`, `rows`)
+                                  share (`clusters`, `rows`), grouped into the lessons their rows
+                                  teach, with the rows teaching them that were not accused (`lessons`)
     6. base-model blame           items the base model got wrong already or barely right (`regression`)
     7. --verify                   the fine-tune redone without the accused rows and without as many
                                   random rows, both scored on the eval set (`verify`, `retrain`)
@@ -47,7 +48,9 @@ from circuitkit.models.loading import (
 from circuitkit.models.lora import read_adapter
 from gradian.attribute import clusters as clustering
 from gradian.attribute import engines as scoring
+from gradian.attribute import lessons as teaching
 from gradian.attribute import spans as drilling
+from gradian.attribute.embeddings import choose_method
 from gradian.attribute.evaluate import (
     EvalItem,
     ItemScores,
@@ -306,7 +309,14 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
         result.clusters_note = "the training data cannot be read any more: no clusters (the rows have no text)."
         return
     findings, note = training_findings(manifest, tuned.tokenizer)
-    result.clusters = clustering.cluster_rows(rows, findings, background)
+    method = choose_method()
+    if method.note:
+        say(method.note, markup=False, highlight=False)
+    special = [t for t in getattr(tuned.tokenizer, "all_special_tokens", None) or [] if isinstance(t, str)]
+    result.clusters = clustering.cluster_rows(rows, findings, background, special, method)
+    result.clusters_method = method.name
+    result.lessons = teaching.lessons_of(rows, result.clusters, source, reader.index_dir, manifest, scores[0],
+                                         background, special)
     result.clusters_note = note
     cluster_of = {row: c["cluster"] for c in result.clusters for row in c["rows"]}
     for entry in result.accused:
