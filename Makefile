@@ -45,7 +45,7 @@ demo-gpt2: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-# The slow suite includes a real local Ray cluster (tests/test_ray.py): Ray and the Hydra Ray
+# The slow suite includes a real local Ray cluster (tests/app/test_ray.py): Ray and the Hydra Ray
 # launcher are installed here, then cloudpickle is put back to >= 3 (the launcher pins < 3 but
 # never imports it locally; joblib needs >= 3). About 100 MB. The report's browser tests drive
 # Debian's Chromium (scripts/tools/ensure_chromium.sh installs it) through playwright (the browser extra).

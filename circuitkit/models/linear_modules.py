@@ -3,7 +3,7 @@
 One rule for both sides of Gradian: `select_modules` walks the loaded model (what the index
 projects), `linear_module_shapes` / `circuit_module_shapes` name the same modules from the
 model's shape alone (what the memory estimate counts, before any weight is loaded), from the
-family's `linear_layout` (`circuitkit.models.families`). Their names agree for every family; `tests/test_gradian_memory.py` compares them on each fixture.
+family's `linear_layout` (`circuitkit.models.families`). Their names agree for every family; `tests/gradian/capture/test_supervised_tokens.py` compares them on each fixture.
 `module_pattern_matches` is the filter's one matching rule.
 
 A model with a LoRA adapter kept (`circuitkit.models.lora`, Gradian's view) has, inside each target,

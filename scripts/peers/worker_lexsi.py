@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> dict:
             # Lexsi's metric is a batch mean and attribute_node divides the summed scores by the pair
             # count again, so its scores are per-pair means / batch size: times the batch size here, the
             # means other workers report (EAP head scores then equal CircuitKit's to float32 round-off,
-            # tests/test_bench_lexsi.py).
+            # tests/bench/test_bench_lexsi.py).
             scores = graph.nodes_scores.float() * args.batch
             head = [[float(scores[graph.forward_index(graph.nodes[f"a{layer}.h{h}"], attn_slice=False)])
                      for h in range(H)] for layer in range(L)]

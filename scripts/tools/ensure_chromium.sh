@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headless Chromium for the report's browser tests (tests/test_report_browser.py): Debian's
+# Headless Chromium for the report's browser tests (tests/app/test_report_browser.py): Debian's
 # package, installed with apt-get when no Chromium is on PATH (CI runs as root). Playwright drives
 # this system browser; it downloads no browser of its own.
 set -euo pipefail

@@ -1,5 +1,5 @@
 """Open report.html in headless Chromium (the Debian package, driven by playwright) as a person
-would: offline, from disk. Used by tests/test_report_browser.py and scripts/report_screenshots.py."""
+would: offline, from disk. Used by tests/app/test_report_browser.py and scripts/report_screenshots.py."""
 
 from __future__ import annotations
 
