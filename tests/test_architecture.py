@@ -166,7 +166,9 @@ LAYERS: dict[str, str] = {
     "gradian.index.header": GRADIAN,  # the typed index header (IndexHeader), its writer and reader
     "gradian.index.store": GRADIAN,
     "gradian.index.curvature": GRADIAN,  # curvature.safetensors from the shards, checked; the K-FAC preconditioner
-    "gradian.index.formats": GRADIAN,
+    "gradian.index.formats": GRADIAN,  # the row formats' registry: format_of(manifest), format_for(grads)
+    "gradian.index.formats.base": GRADIAN,  # the row-format interface (RowFormat): pack, norms, scorer, refusals
+    "gradian.index.formats.dense": GRADIAN,  # grads.row_format=dense: each module's block as it is
     "gradian.index.formats.factored": GRADIAN,  # grads.row_format=factored: rank-c factors of each block
     "gradian.index.formats.signs": GRADIAN,  # grads.row_format=signs: one bit per coordinate, Hamming scores
     # build: the index loop, its checks, its memory estimate, the width table
@@ -200,10 +202,7 @@ LAYERS: dict[str, str] = {
     "gradian.attribute.queries": GRADIAN,
     "gradian.attribute.engines": GRADIAN,
     "gradian.attribute.rows": GRADIAN,
-    "gradian.attribute.templates": GRADIAN,  # what a row teaches: chat markers stripped, entities masked
-    "gradian.attribute.embeddings": GRADIAN,  # sentence embeddings + HDBSCAN when installed, else TF-IDF, said
     "gradian.attribute.clusters": GRADIAN,
-    "gradian.attribute.lessons": GRADIAN,  # clusters grouped by the template they teach; its rows not accused
     "gradian.attribute.result": GRADIAN,
     "gradian.attribute.spans": GRADIAN,  # one gradient per sentence of a long accused row
     "gradian.attribute.retrain": GRADIAN,  # the plain trainer --verify (and the planted fixture) fine-tune with

@@ -146,10 +146,11 @@ def test_the_index_says_what_it_holds_and_the_estimate_counts_bytes(built, tmp_p
 
 
 def test_rows_without_a_sign_are_refused_naming_them() -> None:
-    from gradian.build.shard_rows import ShardJob, ShardRows, StoredForm, write_job
+    from gradian.build.shard_rows import ShardJob, ShardRows, write_job
+    from gradian.index.formats.signs import SignsFormat
     from gradian.index.store import StorageOverflowError
 
-    buffer = ShardRows(2, StoredForm("float16", packed_width(2), signs=True, coordinates=2), torch.device("cpu"))
+    buffer = ShardRows(2, SignsFormat(coordinates=2), torch.device("cpu"))
     buffer.add([1, 0], torch.tensor([[1.0, 2.0], [float("nan"), 1.0]]))  # the NaN row is row 6 + 0
     job = ShardJob(0, 6, buffer, torch.arange(2), {})
     with pytest.raises(StorageOverflowError, match=r"rows \[6\] have gradients that are not finite"):

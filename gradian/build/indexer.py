@@ -37,7 +37,7 @@ from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, model_context, weights_hash
 from gradian.build.device_batch import device_batch
 from gradian.build.memory import curvature_sides, estimate_grads
-from gradian.build.shard_rows import ShardJob, ShardPipeline, ShardRows, StoredForm
+from gradian.build.shard_rows import ShardJob, ShardPipeline, ShardRows
 from gradian.capture.gradients import activation_mode, activation_numerics, per_example_gradients
 from gradian.capture.sites import restricted_sites, site_shapes
 from gradian.curvature.allocation import allocated_projector, check_allocation
@@ -48,8 +48,7 @@ from gradian.data.corpus import TokenizedCorpus
 from gradian.data.rows import TokenPolicy, collate, length_limit, to_device
 from gradian.data.sources import DataError, Source, SourceSpec, resolve_format
 from gradian.index.curvature import compute_curvature, current_record, shards_digest
-from gradian.index.formats.factored import factored_rows, layout_of, stored_value_bytes
-from gradian.index.formats.signs import SIGNS, packed_width
+from gradian.index.formats import format_for, format_of
 from gradian.index.header import IndexHeader, header_json
 from gradian.index.store import (
     MANIFEST,
@@ -137,7 +136,7 @@ def check_shard_buffer(grads: GradsConfig, n_rows: int, row_width: int, n_blocks
     available = free_memory_bytes(torch.device("cpu"))
     if need > available:
         fits = max(1, available // (4 * row_width * value_bytes))
-        what = "bytes of packed sign bits" if grads.row_format == SIGNS else f"{grads.storage_dtype} values"
+        what = format_for(grads).stored_text(grads)
         raise UserError(
             f"grads.rows_per_shard={grads.rows_per_shard}: a shard holds {rows} rows of {row_width:,} {what}"
             f" and two shards are held at once ({need / 2**30:.1f} GiB in host memory until they are written), and"
@@ -195,28 +194,11 @@ def check_width_allocation(grads: GradsConfig) -> None:
 
 
 def check_row_format(grads: GradsConfig) -> None:
-    """What grads.row_format=factored (`gradian.index.formats.factored`) or signs (`gradian.index.formats.signs`) cannot store:
-    ValueError naming the keys."""
-    if grads.row_format == "dense":
-        return
-    if grads.row_format == SIGNS:
-        if grads.preconditioner != "none":
-            raise ValueError(f"grads.row_format=signs with grads.preconditioner={grads.preconditioner}: sign rows keep"
-                             " one bit per coordinate, no magnitudes, so no second moment or K-FAC curvature can be"
-                             " computed from them or applied to them. Set grads.preconditioner=none (with"
-                             " grads.projection=eigen, as the grads=signs preset, or whitened the signs are already"
-                             " of K-FAC-preconditioned coordinates), or grads.row_format=dense.")
-        return
-    if grads.projection == "dense" and grads.projection_dim is not None:
-        raise ValueError("grads.row_format=factored stores each module's projected gradient as factors of its"
-                         " (k_o, k_i) matrix; grads.projection=dense projects vec(G) to a vector with no matrix"
-                         " left to factor. Set grads.projection=kronecker_orthogonal (or kronecker, whitened), or"
-                         " grads.row_format=dense.")
-    if has_module(grads.preconditioner):
-        raise ValueError(f"grads.row_format=factored with grads.preconditioner={grads.preconditioner}: the module"
-                         " preconditioner stores each module's second moment of dense rows (k x k per shard) for"
-                         " --score influence / whitened. Set grads.preconditioner=kfac (or none), or"
-                         " grads.row_format=dense.")
+    """What grads.row_format cannot store with the other grads settings (`gradian.index.formats`, each
+    format's `config_problem`): ValueError naming the keys."""
+    problem = format_for(grads).config_problem(grads)
+    if problem:
+        raise ValueError(problem)
 
 
 def finalize_curvature(index_dir: Path) -> Path | None:
@@ -400,16 +382,6 @@ def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: 
     return batch["input_ids"].numel()
 
 
-def stored_form(grads: GradsConfig, row_width: int, buffer_width: int, header: dict[str, Any]) -> StoredForm:
-    """How the index's rows are stored (`gradian.build.shard_rows.StoredForm`): their dtype or sign bits, width
-    and the norm of a stored row (dense: of its values; factored: of the matrices its factors stand for)."""
-    if grads.row_format == SIGNS:
-        return StoredForm(grads.storage_dtype, row_width, signs=True, coordinates=buffer_width)
-    layout = layout_of(header)
-    norms = (lambda stored: stored.float().norm(dim=1)) if layout is None else layout.norms
-    return StoredForm(grads.storage_dtype, row_width, norms=norms)
-
-
 def token_policy(grads: GradsConfig) -> TokenPolicy:
     """The BOS / EOS policy the grads keys ask for (`gradian.data.rows.TokenPolicy`)."""
     return TokenPolicy(append_eos=grads.append_eos, prepend_bos=grads.prepend_bos)
@@ -527,10 +499,11 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
                                     {"weights_sha256": weights_sha256, "tokenizer_sha256": tokenizer_sha256,
                                      "data_sha256": data_sha256, "report": report.summary()})
         _check_kfac_widths(projector, grads)
-    factored = factored_rows(grads, projector)  # None: dense blocks
+    row_format = format_for(grads)  # gradian.index.formats: how the rows are computed and stored
+    factored = row_format.capture(grads, projector)  # None: the projector's dense blocks
     # What a row holds while it is computed (float32), and what is stored of it: sign rows are packed bytes.
-    buffer_width = projector.total_width if factored is None else factored.layout(projector).width
-    row_width = packed_width(buffer_width) if grads.row_format == SIGNS else buffer_width
+    buffer_width = row_format.computed_width(grads, projector)
+    row_width = row_format.stored_width(grads, projector)
     header = header_json(IndexHeader(
         model=model_cfg.name, revision=model_cfg.revision, precision=str(model_dtype).removeprefix("torch."),
         weights_sha256=weights_sha256, tokenizer_sha256=tokenizer_sha256,
@@ -556,7 +529,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     def estimate_at(rows: int, length: int):
         return estimate_grads(
             adapter.shape(), model_dtype.itemsize, rows, length, length,
-            projector, stored_value_bytes(grads), corpus.n_rows,
+            projector, row_format.value_bytes(grads), corpus.n_rows,
             activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
             fisher=fisher, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
 
@@ -571,15 +544,14 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     # The largest batch the plan can form: the token budget bounds rows x longest row.
     estimate = estimate_at(min(rows_within_budget(batch_size, budget, longest), corpus.n_rows), longest)
     check_shard_buffer(grads, corpus.n_rows, row_width, len(shapes),
-                       list(curvature_sides(projector).values()), value_bytes=stored_value_bytes(grads))
+                       list(curvature_sides(projector).values()), value_bytes=row_format.value_bytes(grads))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     n_pending_rows = sum(end - start for start, end in map(writer.row_range, pending))
     capture = _BatchCapture(loaded, modules, projector, grads, activations, fisher, factored, pad_id)
-    form = stored_form(grads, row_width, buffer_width, header)
+    form = format_of(header)  # the stored form of this index's rows (gradian.index.formats)
     stats = _Throughput()
-    what = ("sign bits" if grads.row_format == SIGNS else f"{grads.storage_dtype} values"
-            if grads.row_format == "dense" else f"rank-{grads.row_rank} factors")
+    what = row_format.computed_text(grads)
     console.print(f"building a gradient index of {n_pending_rows:,} rows of {source.name} in {index_dir}: each row the"
                   f" projected gradient of {len(shapes)} modules ({buffer_width:,} {what}), preconditioner"
                   f" {grads.preconditioner}; {sizing.note}", highlight=False)

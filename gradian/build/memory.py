@@ -25,7 +25,7 @@ from circuitkit.preflight.memory import ACT_BASE, FP32, MemoryEstimate, calibrat
 from gradian.build.width_table import width_note
 from gradian.capture.gradients import activation_mode, logit_chunk_rows
 from gradian.curvature.factors import has_kfac, has_module
-from gradian.index.formats.factored import stored_value_bytes, stored_width
+from gradian.index.formats import format_for
 from gradian.projection.projector import (
     _DENSE_CACHE_BYTES,
     _DENSE_CHUNK_COLS,
@@ -179,7 +179,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     `index_bytes` (attribute, not in the total: it is disk) is
     `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)` plus `preconditioner_index_bytes`
     for ceil(n_rows / rows_per_shard) shards (one when rows_per_shard is None); `stored_width`,
-    when given, replaces Σ width there (factored rows, `gradian.index.formats.factored.stored_width`).
+    when given, replaces Σ width there (the row format's, `gradian.index.formats`: factored rows' factors,
+    sign rows' packed bytes).
     """
     s, (c_d, c_f) = calibrated(shape)
     p = dtype_bytes
@@ -296,9 +297,9 @@ def grads_estimate(cfg: Any, batch_size: int | None = None, seq_len: int | None 
     rows = rows_within_budget(batch_size or g.batch_size, g.batch_tokens, seq)
     dtype = model_dtype(cfg.model)  # the dtype the run uses (auto resolved)
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
-                          stored_value_bytes(g), n_rows, activation_mode(g.activations, dtype),
+                          format_for(g).value_bytes(g), n_rows, activation_mode(g.activations, dtype),
                           g.preconditioner, g.rows_per_shard, g.fisher, g.loss,
-                          factor_pass=g.width_allocation != "uniform", stored_width=stored_width(g, projector))
+                          factor_pass=g.width_allocation != "uniform", stored_width=format_for(g).stored_width(g, projector))
 
 
 def _circuit_shapes(cfg: Any, shape) -> dict[str, tuple[int, int]]:

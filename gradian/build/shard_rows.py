@@ -3,8 +3,8 @@
 The index loop computes rows batch by batch on the device; none of its steps waits for the device
 or for the disk:
 
-    device   rows (B, width) float32 -> stored = rows in the storage dtype (or packed sign bits),
-             finite flags, norms of the stored values                       (`ShardRows.add`)
+    device   rows (B, width) float32 -> stored form, norms and finite flags, by the index's row format
+             (`gradian.index.formats`, `RowFormat.pack`)                    (`ShardRows.add`)
     copy     stored, norms, flags -> a pinned host buffer, `non_blocking`, in batch order
     thread   waits for the copies (a CUDA event), checks the flags, writes the shard in row order,
              hashing while it writes, renames it into place, lists it      (`ShardPipeline`)
@@ -18,8 +18,7 @@ a resume writes it again.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,31 +27,14 @@ import torch
 
 from circuitkit.core.device import DTYPES
 from circuitkit.core.io import RowGather
-from gradian.index.store import IndexWriter, StorageOverflowError, no_sign_error, overflow_error
-from gradian.index.formats.signs import pack_rows
+from gradian.index.formats.base import RowFormat
+from gradian.index.store import IndexWriter, StorageOverflowError
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host tensor that a `non_blocking` copy from `device` can land in: pinned for CUDA."""
     out = torch.empty(shape, dtype=dtype)
     return out.pin_memory() if device.type == "cuda" else out
-
-
-@dataclass(frozen=True)
-class StoredForm:
-    """How a row is stored: `storage_dtype` ("float16", ...) or packed sign bits (`signs`), its stored
-    width, and the norm of a stored row (`norms`: (n, width) stored values -> (n,) float32, on their
-    device; None for signs, whose every row has norm √coordinates)."""
-
-    storage_dtype: str
-    width: int
-    signs: bool = False
-    coordinates: int = 0
-    norms: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.uint8 if self.signs else DTYPES[self.storage_dtype]
 
 
 class ShardRows:
@@ -63,7 +45,7 @@ class ShardRows:
     so the writer stores them in row order (`order`). `fisher_width`: the sampled-label rows' width
     (grads.fisher=sampled), kept beside the rows in the storage dtype."""
 
-    def __init__(self, capacity: int, form: StoredForm, device: torch.device, fisher_width: int | None = None) -> None:
+    def __init__(self, capacity: int, form: RowFormat, device: torch.device, fisher_width: int | None = None) -> None:
         self.form, self.device = form, device
         self.rows = _host_buffer((capacity, form.width), form.dtype, device)
         self.norms = _host_buffer((capacity,), torch.float32, device)
@@ -85,15 +67,9 @@ class ShardRows:
         a wait."""
         n = len(plan)
         at = slice(self.filled, self.filled + n)
-        rows = rows.detach()
-        if self.form.signs:
-            stored, finite = pack_rows(rows)
-            flags = torch.stack([finite, finite], dim=1)
-        else:
-            stored = rows.to(self.form.dtype)
-            flags = torch.stack([torch.isfinite(stored).all(dim=1), torch.isfinite(rows).all(dim=1)], dim=1)
-            self.norms[at].copy_(self.form.norms(stored), non_blocking=True)
+        stored, norms, flags = self.form.pack(rows.detach())
         self.rows[at].copy_(stored, non_blocking=True)
+        self.norms[at].copy_(norms, non_blocking=True)
         self.finite[at].copy_(flags, non_blocking=True)
         if self.fisher is not None:
             fisher_stored = fisher_rows.detach().to(self.fisher.dtype)
@@ -140,7 +116,7 @@ def _non_finite(job: ShardJob) -> None:
     bad = ~flags[:, 0]
     if bad.any():
         which = (torch.from_numpy(buffer.positions[:n])[bad] + job.first_row).sort().values.tolist()
-        raise no_sign_error(which) if buffer.form.signs else overflow_error(which, job.k, bool(flags[bad, 1].all()))
+        raise buffer.form.non_finite_error(which, job.k, bool(flags[bad, 1].all()))
     if buffer.fisher_finite is not None and not buffer.fisher_finite[:n].all():
         which = (torch.from_numpy(buffer.positions[:n])[~buffer.fisher_finite[:n]] + job.first_row).sort().values
         raise StorageOverflowError(f"the sampled-label rows (grads.fisher=sampled) of rows {which.tolist()[:10]} are"
@@ -155,10 +131,7 @@ def write_job(writer: IndexWriter, job: ShardJob) -> None:
     _non_finite(job)
     order = buffer.order()
     n = buffer.filled
-    if buffer.form.signs:
-        norms = torch.full((n,), math.sqrt(buffer.form.coordinates), dtype=torch.float32)
-    else:
-        norms = buffer.norms[:n][order]
+    norms = buffer.norms[:n][order]
     stored = RowGather(buffer.rows, order)
     extra = dict(job.extra_tensors)
     if buffer.fisher is not None:
@@ -180,7 +153,7 @@ class ShardPipeline:
     that write's error); `submit(job)` hands a filled one to the thread; `finish()` waits for every
     write and raises the first error. Use as a context manager: leaving it waits for the thread."""
 
-    def __init__(self, writer: IndexWriter, capacity: int, form: StoredForm, device: torch.device,
+    def __init__(self, writer: IndexWriter, capacity: int, form: RowFormat, device: torch.device,
                  fisher_width: int | None = None) -> None:
         self.writer = writer
         self.buffers = [ShardRows(capacity, form, device, fisher_width) for _ in range(2)]

@@ -2,7 +2,7 @@
 from the stored rows (factored rows rotated as their factors), ``curvature.safetensors`` written,
 checked and read, and the damped preconditioner (`KroneckerCurvature`) the scores apply to queries.
 
-Above `gradian.index.store` and the row formats, whose readers it consumes; the sums themselves
+Above `gradian.index.store` and the row formats (`gradian.index.formats`), whose readers it consumes; the sums themselves
 (`FactorSums`) and the maths of the factors are `gradian.curvature.factors`.
 """
 
@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from gradian.curvature.factors import CURVATURE_FILE, FISHER_ROWS, KINDS, TOKENS, factor_names, factor_shapes
-from gradian.index.formats.factored import layout_of, rotated_squares
 
 log = logging.getLogger(__name__)
 
@@ -56,28 +55,20 @@ def _fisher_rows(reader):
 
 def ekfac_eigenvalues(reader, q_in: list[torch.Tensor], q_out: list[torch.Tensor]) -> list[torch.Tensor]:
     """Λ*_m = Σ_rows (Q_outᵀ G Q_in)² / n per module (k_o, k_i) float64, from the stored rows, or,
-    for an index with fisher "sampled", from the shards' rows of the sampled labels; factored rows
-    (`gradian.index.formats.factored`) are rotated as their factors, Q_outᵀ U and Q_inᵀ V."""
-    shapes, layout = factor_shapes(reader.manifest), layout_of(reader.manifest)
+    for an index with fisher "sampled", from the shards' rows of the sampled labels; each shard's part
+    comes from the index's row format (`RowFormat.ekfac_squares`: dense blocks rotated, factored rows
+    rotated as their factors, Q_outᵀ U and Q_inᵀ V)."""
+    shapes, fmt = factor_shapes(reader.manifest), reader.row_format
     sums = [torch.zeros(k_o, k_i, dtype=torch.float64) for k_o, k_i in shapes]
     n = 0
-    offsets = [0]
-    for k_o, k_i in shapes:
-        offsets.append(offsets[-1] + k_o * k_i)
     if reader.manifest.get("fisher", "empirical") == "sampled":
         blocks = _fisher_rows(reader)
     else:
-        blocks = (grads for _rows, grads, _norms in reader.shards(verify=False, factored=True))
+        blocks = (grads for _rows, grads, _norms in reader.shards(verify=False, formats=(fmt.name,)))
     for grads in blocks:
         n += grads.shape[0]
-        parts = None if layout is None else layout.split(grads)
-        for m, (k_o, k_i) in enumerate(shapes):
-            if parts is not None:
-                sums[m] += rotated_squares(*parts[m], q_out[m], q_in[m])
-                continue
-            block = grads[:, offsets[m]:offsets[m + 1]].double().reshape(-1, k_o, k_i)
-            rotated = q_out[m].T @ block @ q_in[m]
-            sums[m] += (rotated * rotated).sum(0)
+        for m, part in enumerate(fmt.ekfac_squares(grads, shapes, q_in, q_out)):
+            sums[m] += part
     return [s / max(n, 1) for s in sums]
 
 

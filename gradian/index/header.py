@@ -148,6 +148,7 @@ def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """
     from gradian.curvature.factors import has_kfac
     from gradian.data.rows import policy_line
+    from gradian.index.formats import FORMATS
 
     proj, report = summary.get("projection", {}), summary.get("data_report") or {}
     if not isinstance(proj, dict):  # a bare kind, as in hand-made headers
@@ -162,6 +163,7 @@ def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
     else:
         state = f"incomplete ({'; '.join(summary['missing'])}): resume with the same command"
     dropped = (report.get("dropped_truncated") or 0) + (report.get("dropped_unsupervised") or 0)
+    row_width, row_format = FORMATS[summary.get("row_format", "dense")].describe(summary)
     rows = [
         ("model", f"{summary.get('model')} ({summary.get('precision')}), weights sha256 "
                   f"{str(summary.get('weights_sha256'))[:12]}…"),
@@ -169,9 +171,8 @@ def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
                        f", matrices sha256 {str(summary.get('projection_sha256'))[:12]}…"),
         ("modules", f"{len(modules)}: {', '.join(modules[:4])}{' …' if len(modules) > 4 else ''}"),
         ("widths", _widths_line(proj)),
-        ("row width", f"{summary.get('row_width')} bytes (packed sign bits)" if summary.get("row_format") == "signs"
-         else f"{summary.get('row_width')} ({summary.get('storage_dtype')})"),
-        ("row format", _row_format_line(summary)),
+        ("row width", row_width),
+        ("row format", row_format),
         ("circuit", "none (unrestricted)" if not summary.get("circuit") else
          f"sha256 {summary['circuit']['sha256'][:12]}…: heads {summary['circuit']['heads']},"
          f" MLPs {summary['circuit']['mlps']}"),
@@ -199,11 +200,3 @@ def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.insert(3, ("parameter share", f"{100 * share:.2f}% of the model's parameters"))
     return rows
 
-
-def _row_format_line(summary: dict[str, Any]) -> str:
-    fmt = summary.get("row_format", "dense")
-    if fmt == "dense":
-        return "dense (each module's k_o x k_i block)"
-    if fmt == "signs":
-        return "signs: one bit per projected coordinate, scored by n - 2 x Hamming distance"
-    return f"{fmt}, rank {summary.get('row_rank')}: U (k_o x c), V (k_i x c) per module, G ~ U Vᵀ"

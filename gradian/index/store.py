@@ -27,7 +27,7 @@ import math
 import mmap
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +43,13 @@ from circuitkit.core.recorded import (  # noqa: F401  (IndexIntegrityError, conf
     IndexIntegrityError,
     confined_path,
 )
-from gradian.index.formats.factored import layout_of, projector_layout, row_format_problems
-from gradian.index.formats.signs import coordinates, is_signs, pack, packed_width
+from gradian.index.formats import format_of, row_format_problems
+from gradian.index.formats.base import (  # noqa: F401  (StorageOverflowError and its messages: read from here too)
+    RowFormat,
+    StorageOverflowError,
+    no_sign_error,
+    overflow_error,
+)
 from gradian.index.header import NOT_COMPARED, check_header
 from gradian.projection.projector import WHITENING_FILE, Projector, projection_fingerprint
 
@@ -69,25 +74,6 @@ OPTIONAL_TENSORS = ("sources", "second_moment")
 
 class IndexMismatchError(ValueError):
     """An existing index was made differently from what is asked now."""
-
-
-class StorageOverflowError(OverflowError):
-    """Values do not fit the storage dtype (float16 tops out at 65504)."""
-
-
-def overflow_error(rows: list[int], k: int, finite_in_float32: bool) -> StorageOverflowError:
-    """The refusal of shard k, whose `rows` are not finite once stored: float16's range exceeded
-    (`finite_in_float32`) or not finite to begin with. Nothing of the shard is written."""
-    why = "exceed the float16 range (|x| > 65504)" if finite_in_float32 else "are not finite (inf/nan) in float32 already"
-    return StorageOverflowError(f"rows {rows[:10]} of shard {k} {why}; nothing of this shard was written. Set"
-                                " grads.storage_dtype=bfloat16 (same size, float32's range) or float32.")
-
-
-def no_sign_error(rows: list[int]) -> StorageOverflowError:
-    """The refusal of sign rows whose gradients are not finite (a NaN has no sign)."""
-    return StorageOverflowError(f"rows {rows[:10]} have gradients that are not finite (inf/nan), so they have no sign;"
-                                " nothing of this shard was written. Check those rows, or run with"
-                                " model.precision=float32.")
 
 
 class ConcurrentWriterError(UserError, RuntimeError):
@@ -277,38 +263,24 @@ class IndexWriter:
         (`gradian.curvature.moments.shard_second_moment`). `extra_tensors`: the K-FAC factor sums
         (`gradian.curvature.factors.FactorSums.tensors`), stored as given.
 
-        Norms are of the stored values, so cosine scores read back exactly what was stored.
-        Raises StorageOverflowError naming the rows if float16 would turn values into inf.
+        The rows are packed by the header's row format (`gradian.index.formats`); norms are of the stored
+        values, so cosine scores read back exactly what was stored. Raises StorageOverflowError naming the
+        rows if float16 would turn values into inf (or sign rows have values with no sign).
         """
         start, end = self.row_range(k)
         if rows.tolist() != list(range(start, end)):
             raise ValueError(f"shard {k} must hold rows {start}..{end - 1}, got {rows.tolist()[:5]}...")
-        signs = is_signs(self.header)
-        if signs:  # one bit per coordinate (gradian.index.formats.signs); every ±1 row has norm √n
-            if second_moment_blocks is not None:
-                raise ValueError("sign rows (grads.row_format=signs) hold no magnitudes to sum second moments of.")
-            n = coordinates(self.header)
-            if grads.dtype == torch.uint8:  # packed already (the indexer packs each batch)
-                stored = grads
-            else:
-                try:
-                    stored = pack(grads)
-                except ValueError as err:
-                    raise StorageOverflowError(f"shard {k}: {err} Nothing of this shard was written.") from None
-            if tuple(stored.shape[1:]) != (packed_width(n),):
-                raise ValueError(f"shard {k}: sign rows of {stored.shape[1:]} bytes, the header's {n} coordinates"
-                                 f" pack into {packed_width(n)}.")
-        else:
-            stored = grads.float().to(DTYPES[self.header["storage_dtype"]])
-            bad = ~torch.isfinite(stored).all(dim=1)
-            if bad.any():
-                finite_before = torch.isfinite(grads.float()).all(dim=1)
-                raise overflow_error(rows[bad].tolist(), k, bool(finite_before[bad].all()))
-        layout = layout_of(self.header)
-        if layout is not None and second_moment_blocks is not None:
-            raise ValueError("factored rows (grads.row_format=factored) hold no dense blocks to sum second moments of.")
-        norms = (torch.full((stored.shape[0],), math.sqrt(n), dtype=torch.float32) if signs
-                 else stored.float().norm(dim=1) if layout is None else layout.norms(stored))  # of what the row stands for
+        fmt = format_of(self.header)
+        if second_moment_blocks is not None and not fmt.moments:
+            raise ValueError(f"{fmt.name} rows (grads.row_format={fmt.name}) hold no dense blocks to sum second"
+                             " moments of.")
+        stored, norms, finite = fmt.pack(grads)  # norms of what the row stands for
+        problem = fmt.stored_problem(stored)
+        if problem:
+            raise ValueError(f"shard {k}: {problem}")
+        bad = ~finite[:, 0]
+        if bad.any():
+            raise fmt.non_finite_error(rows[bad].tolist(), k, bool(finite[bad, 1].all()))
         second_moment = None
         if second_moment_blocks is not None:
             from gradian.curvature.moments import shard_second_moment
@@ -392,6 +364,8 @@ class IndexReader:
         layout = self._layout_problems()
         if layout:  # overlapping or foreign ranges would rank some rows twice or not at all
             raise IndexIntegrityError(f"{self.index_dir / MANIFEST}: {'; '.join(layout)}; {_REBUILD}.")
+        # How the rows are stored (`gradian.index.formats`): their dtype, width, norms, scorer, refusals.
+        self.row_format: RowFormat = format_of(self.manifest)
 
     @property
     def n_index_shards(self) -> int:
@@ -495,15 +469,7 @@ class IndexReader:
         if rows.dtype != torch.int64 or rows.shape != (end - start,) or not torch.equal(rows, torch.arange(start, end)):
             problems.append(f"{name} holds row ids {rows.tolist()[:3]}… ({rows.dtype}), the manifest says rows"
                             f" {start}..{end - 1}")
-        width = self.manifest.get("row_width")
-        want = (end - start, width) if isinstance(width, int) else (end - start,) + tuple(grads.shape[1:])
-        if tuple(grads.shape) != want or grads.ndim != 2:
-            problems.append(f"{name} grads have shape {tuple(grads.shape)}, the manifest says {want}")
-        signs = is_signs(self.manifest)
-        dtype = torch.uint8 if signs else DTYPES[self.manifest["storage_dtype"]]
-        if grads.dtype != dtype:
-            problems.append(f"{name} grads are {grads.dtype}, the manifest says "
-                            + ("packed sign bits (uint8)" if signs else str(self.manifest["storage_dtype"])))
+        problems += self.row_format.grads_problems(name, grads, end - start)
         sources = tensors.get("sources")
         if sources is not None and (sources.dtype != torch.int64 or sources.shape != (end - start,)):
             problems.append(f"{name} sources are {sources.dtype} {tuple(sources.shape)}, expected int64"
@@ -562,37 +528,29 @@ class IndexReader:
                 raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {_REBUILD}.") from None
         return out
 
-    def shards(self, verify: bool = True, factored: bool = False,
-               signs: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def shards(self, verify: bool = True, factored: bool = False, signs: bool = False,
+               formats: Collection[str] = ()) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(rows (n,), grads (n, width) float32, norms (n,)) per shard, in row order.
 
         verify: check each shard's sha256 against the manifest on the bytes read (one read per
         shard, no second pass). Either way the row ids, shapes and dtypes must match the
         manifest. Raises IndexIntegrityError naming the shard and what differs.
-        factored: the caller reads factored rows (`gradian.index.formats.factored.layout_of`); a factored index
-        is refused otherwise (IndexMismatchError), before any shard is read.
-        signs: the caller reads packed sign rows (`gradian.index.formats.signs`), handed out as the stored uint8
-        bytes; a sign index is refused otherwise, the same way.
+        formats: the row formats (`gradian.index.formats`) whose stored rows the caller reads, as
+        `row_format.read_dtype` (packed sign rows: the stored uint8 bytes); dense rows are read by every
+        caller, an index of another format is refused (IndexMismatchError, the format's
+        `reader_refusal`) before any shard is read. factored, signs: add those formats.
         """
-        if is_signs(self.manifest) and not signs:
-            raise IndexMismatchError(
-                f"{self.index_dir} stores sign rows (grads.row_format=signs: one bit per coordinate, no magnitudes),"
-                " which this reader cannot use as float rows. Rank it with `gradian rank` (cosine or dot), or"
-                " rebuild it with grads.row_format=dense.")
-        stored_dtype = torch.uint8 if is_signs(self.manifest) else torch.float32
-        layout = layout_of(self.manifest)
-        if layout is not None and not factored:
-            raise IndexMismatchError(
-                f"{self.index_dir} stores factored rows (grads.row_format=factored, row_rank {layout.rank}: each"
-                " module's U and V, not its dense block), which this reader cannot multiply as dense rows. Rank it"
-                " with `gradian rank` (cosine, dot, kfac, ekfac), or rebuild it with grads.row_format=dense.")
+        fmt = self.row_format
+        readable = {*formats, *(["factored"] if factored else []), *(["signs"] if signs else [])}
+        if not fmt.float_rows and fmt.name not in readable:
+            raise IndexMismatchError(fmt.reader_refusal(self.index_dir))
         for name in sorted(self.manifest["shards"]):
             tensors = self._load(name, verify)
             problems = self._check_tensors(name, tensors)
             if problems:
                 raise IndexIntegrityError(f"{self.index_dir}: {'; '.join(problems)}; {_REBUILD}.")
             # Copies, so no tensor handed out keeps the shard's file mapped.
-            yield (tensors["rows"].clone(), tensors["grads"].to(stored_dtype, copy=verify),
+            yield (tensors["rows"].clone(), tensors["grads"].to(fmt.read_dtype, copy=verify),
                    tensors["norms"].clone())
             del tensors
 
@@ -615,12 +573,7 @@ class IndexReader:
                 continue
             found = self._check_tensors(name, tensors)
             if not found:
-                layout = layout_of(self.manifest)
-                if is_signs(self.manifest):  # every ±1 row has norm √n
-                    recomputed = torch.full_like(tensors["norms"], math.sqrt(coordinates(self.manifest)))
-                else:
-                    stored = tensors["grads"].float()
-                    recomputed = stored.norm(dim=1) if layout is None else layout.norms(stored)
+                recomputed = self.row_format.norms(tensors["grads"])
                 if not torch.allclose(recomputed, tensors["norms"], rtol=1e-5, atol=1e-6):
                     found.append(f"{name} norms are not the norms of its stored grads")
                 if "second_moment" in tensors:
@@ -674,14 +627,9 @@ class IndexReader:
             return [*problems, str(err).split(f"; {_REBUILD}")[0]]
         except (KeyError, TypeError, ValueError) as err:
             return [*problems, f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
-        layout = layout_of(self.manifest)
-        width = projector.total_width if layout is None else projector_layout(projector, layout.rank).width
-        if is_signs(self.manifest):
-            width = packed_width(width)
+        width, how = self.row_format.projection_width(projector)
         if self.manifest.get("row_width") != width:
-            problems.append(f"row_width {self.manifest.get('row_width')} is not the projection's width {width}"
-                            + ("" if layout is None else f" factored at rank {layout.rank}")
-                            + (" (bytes of packed sign bits)" if is_signs(self.manifest) else ""))
+            problems.append(f"row_width {self.manifest.get('row_width')} is not the projection's width {width}{how}")
         fingerprint = projection_fingerprint(projector)
         if fingerprint != self.manifest["projection_sha256"]:
             problems.append(f"projection_sha256 {str(self.manifest['projection_sha256'])[:12]}… is not that of the"

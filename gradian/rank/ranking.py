@@ -21,7 +21,7 @@ from circuitkit.models.loading import load_model
 from gradian.build.indexer import check_input_file
 from gradian.curvature.allocation import check_allocation
 from gradian.curvature.factors import has_kfac
-from gradian.index.formats.signs import is_signs
+from gradian.index.formats import format_of
 from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
 from gradian.projection.projector import STORED_KINDS, WHITENING_FILE
 from gradian.rank.checks import (
@@ -39,11 +39,9 @@ from gradian.rank.scores import (
     KRONECKER_SCORES,
     PRECONDITIONED_SCORES,
     SCORES,
-    SIGN_SCORES,
     _check_choice,
     _kronecker_check,
     _preconditioner,
-    _signs_refusal,
     stream_topk,
 )
 
@@ -122,8 +120,9 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     if damping is not None and not (math.isfinite(damping) and damping > 0):
         raise UserError(f"--damping {damping}: it must be a finite number > 0 (a share of each module's mean eigenvalue).",
                         exit_code=2)
-    if is_signs(manifest) and score not in SIGN_SCORES:
-        raise UserError(_signs_refusal(index_dir, score), exit_code=2)
+    row_format = format_of(manifest)  # the scores its rows can be ranked by (gradian.index.formats)
+    if score not in row_format.scores:
+        raise UserError(row_format.score_refusal(index_dir, score), exit_code=2)
     if score in PRECONDITIONED_SCORES and IndexReader(index_dir).second_moment_blocks is None:
         _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads
     if score in KRONECKER_SCORES:

@@ -12,10 +12,12 @@ disk). ``influence`` and ``whitened`` use the per-module second moments an index
 ``grads.preconditioner: module`` holds (`gradian.curvature.moments`): qᵀ A g, and that divided by
 ‖q‖_A ‖g‖_A. ``kfac`` and ``ekfac`` use the K-FAC factors an index built with
 ``grads.preconditioner: kfac`` holds (`gradian.curvature.factors`): qᵀ (F + λI)⁻¹ g with K-FAC's or
-EK-FAC's F. An index of factored rows (``grads.row_format: factored``) is scored from its factors
-(`gradian.index.formats.factored.FactoredScorer`) with the same dense queries; an index of sign rows (``signs``) by
-n - 2 x the Hamming distance to the signed queries (`gradian.index.formats.signs`; cosine and dot only). ``aggregate`` turns the Q
-per-query scores of a row into one (``mean`` or ``max``) and ranks the rows by it as well.
+EK-FAC's F. The scores prepare the queries (preconditioned, unit rows for cosine); how they meet the
+stored rows is the index's row format's (`gradian.index.formats`, `RowFormat.scorer`): dense rows by a
+matmul, factored rows from their factors with the same dense queries, sign rows by n - 2 x the Hamming
+distance to the signed queries (cosine and dot only: a format lists the scores it supports and says
+why it refuses the others). ``aggregate`` turns the Q per-query scores of a row into one (``mean`` or
+``max``) and ranks the rows by it as well.
 """
 
 from __future__ import annotations
@@ -29,22 +31,17 @@ import torch
 from gradian.curvature.factors import CURVATURE_DAMPING, has_kfac
 from gradian.curvature.moments import DAMPING, Preconditioner
 from gradian.index.curvature import KroneckerCurvature
-from gradian.index.formats.factored import FactoredScorer, layout_of
-from gradian.index.formats.signs import SignScorer, coordinates, is_signs
+from gradian.index.formats.base import EPS, SCORES
 from gradian.index.store import IndexMismatchError, IndexReader
 
 log = logging.getLogger(__name__)
 
 
-SCORES = ("cosine", "dot", "influence", "whitened", "kfac", "ekfac")
-SIGN_SCORES = ("cosine", "dot")  # what sign rows (gradian.index.formats.signs) can be scored by
 PRECONDITIONED_SCORES = ("influence", "whitened")  # the module second moments (gradian.curvature.moments)
 KRONECKER_SCORES = ("kfac", "ekfac")  # the K-FAC factors (gradian.curvature.factors)
 CURVATURE_SCORES = PRECONDITIONED_SCORES + KRONECKER_SCORES
 AGGREGATES = ("mean", "max")
 QUERY_BATCH_SIZE = 8
-# Norms below this count as zero: a zero gradient has no direction, its cosine is defined as 0.
-_EPS = 1e-12
 
 
 class _TopK:
@@ -98,12 +95,10 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     if top_k < 1:
         raise ValueError(f"top_k={top_k}; it must be >= 1.")
     reader = IndexReader(index_dir)
-    layout = layout_of(reader.manifest)  # factored rows (gradian.index.formats.factored): the queries stay dense blocks
-    signs = is_signs(reader.manifest)  # sign rows (gradian.index.formats.signs): the queries are signed the same way
-    if signs and score not in SIGN_SCORES:
-        raise IndexMismatchError(_signs_refusal(reader.index_dir, score))
-    width = (coordinates(reader.manifest) if signs else reader.manifest.get("row_width") if layout is None
-             else layout.dense_width)
+    fmt = reader.row_format  # how the rows are stored, and how queries meet them
+    if score not in fmt.scores:
+        raise IndexMismatchError(fmt.score_refusal(reader.index_dir, score))
+    width = fmt.query_width
     q = query_grads.float()
     if q.ndim != 2 or q.shape[0] < 1:
         raise ValueError(f"query_grads must be (Q >= 1, width), got shape {tuple(q.shape)}.")
@@ -121,37 +116,23 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
         q = precond.precondition(q)  # (A q)ᵀ g = qᵀ A g: the rows need nothing more
     elif score == "whitened":
         q = precond.whiten(q)
-    if score in ("cosine", "whitened"):
+    cosine = score in ("cosine", "whitened")
+    if cosine:
         # Unit query vectors: then cosine = (q̂ · g) / |g| per row, one matmul per shard.
-        q = q / q.norm(dim=1, keepdim=True).clamp_min(_EPS)
-    # Factored rows: Gram products with the exactly factored queries, or Σ U ⊙ (q̃ V) for the
-    # preconditioned (full-rank) ones of kfac / ekfac.
-    factored = None if layout is None else FactoredScorer(layout, q, low_rank=score not in KRONECKER_SCORES)
-    signed = SignScorer(q) if signs else None  # n - 2 x Hamming distance; cosine divides by n (|q̂| = 1 above)
+        q = q / q.norm(dim=1, keepdim=True).clamp_min(EPS)
+    scorer = fmt.scorer(q, cosine=cosine, preconditioned=score in KRONECKER_SCORES)
     per_query, combined = _TopK(q.shape[0], top_k), _TopK(1, top_k)
-    for rows, grads, norms in reader.shards(verify=verify, factored=factored is not None, signs=signs):
-        if score == "whitened":
+    for rows, grads, norms in reader.shards(verify=verify, formats=(fmt.name,)):
+        if score == "whitened":  # the rows whitened as the queries (dense rows: the format's only)
             grads = precond.whiten(grads)
             norms = grads.norm(dim=1)
-        if signed is not None:
-            scores = signed(grads) / (signed.n if score == "cosine" else 1.0)
-        else:
-            scores = q @ grads.T if factored is None else factored(grads)  # (Q, n)
-        if score in ("cosine", "whitened") and signed is None:
-            scores /= norms.float().clamp_min(_EPS)
+        scores = scorer(grads, norms)  # (Q, n)
         per_query.push(scores, rows)
         agg = scores.mean(dim=0) if aggregate == "mean" else scores.amax(dim=0)
         combined.push(agg.unsqueeze(0), rows)
         del scores, grads  # release the shard before the next one is read
     return {"query_scores": per_query.values, "query_rows": per_query.rows,
             "aggregate_scores": combined.values[0], "aggregate_rows": combined.rows[0]}
-
-
-def _signs_refusal(index_dir, score: str) -> str:
-    return (f"--score {score} on {index_dir}: it stores sign rows (grads.row_format=signs, one bit per coordinate), which"
-            f" carry no magnitudes for {score}. Rank it with --score cosine or dot (n - 2 x Hamming distance; with"
-            " grads.projection=eigen or whitened the signs are already of K-FAC-preconditioned coordinates), or rebuild"
-            " it with grads.row_format=dense.")
 
 
 def _kronecker_check(reader: IndexReader) -> None:
@@ -163,10 +144,8 @@ def _kronecker_check(reader: IndexReader) -> None:
 
 
 def _preconditioner(reader: IndexReader, damping: float | None):
-    if layout_of(reader.manifest) is not None:
-        raise IndexMismatchError(f"{reader.index_dir} stores factored rows (grads.row_format=factored), which hold no"
-                                 " module second moments: --score influence or whitened needs a dense index built with"
-                                 " grads.preconditioner=module. Rank with cosine, dot, kfac or ekfac.")
+    if "influence" not in reader.row_format.scores:  # factored or sign rows hold no module second moments
+        raise IndexMismatchError(reader.row_format.score_refusal(reader.index_dir, "influence"))
     if reader.second_moment_blocks is None:
         raise IndexMismatchError(f"{reader.index_dir} was built with grads.preconditioner="
                                  f"{reader.manifest.get('preconditioner', 'none')}: it holds no second moments for"

@@ -42,19 +42,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from circuitkit.core.config import choices
-from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
-from gradian.index.formats.signs import SIGNS, packed_width
+from gradian.index.formats.base import EPS, RowFormat, Scorer
 from gradian.settings.grads import GradsConfig
 
 log = logging.getLogger(__name__)
 
-ROW_FORMATS = choices(GradsConfig, "row_format")
 # A query block is factored exactly up to this share of its norm (a block formed in float32 is exact
 # to about 1e-7): the rest moves a cosine by at most 1e-5.
 QUERY_RESIDUAL = 1e-5
@@ -215,26 +213,6 @@ def layout_of(manifest: Mapping[str, Any]) -> FactoredLayout | None:
     return FactoredLayout(sides, int(manifest["row_rank"]))
 
 
-def row_format_problems(manifest: Mapping[str, Any], where: str) -> list[str]:
-    """What a reader cannot take in a manifest's row format, each a sentence ending with its fix."""
-    fmt, rank = manifest.get("row_format", "dense"), manifest.get("row_rank")
-    if fmt not in ROW_FORMATS:
-        return [f"{where}: row_format {fmt!r} is not one this Gradian reads ({', '.join(ROW_FORMATS)}); upgrade"
-                " circuitkit"]
-    if fmt in ("dense", SIGNS):
-        if rank is not None:
-            return [f"{where}: row_rank {rank!r} with {fmt} rows; rebuild the index"]
-        if fmt == SIGNS and manifest.get("preconditioner", "none") != "none":
-            return [f"{where}: sign rows with preconditioner {manifest.get('preconditioner')!r} (no curvature is"
-                    " computed from signs); rebuild the index"]
-        return []
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        return [f"{where}: row_rank {rank!r} of factored rows is not an integer >= 1; rebuild the index"]
-    if (manifest.get("projection") or {}).get("kind") == "dense":
-        return [f"{where}: factored rows of a dense projection (no matrix to factor); rebuild the index"]
-    return []
-
-
 def factored_rows(grads: GradsConfig, projector) -> FactoredRows | None:
     """What the indexer stores per module for `projector`'s rows: None (dense) or FactoredRows.
     UserError (exit code 2) naming grads.row_rank when it exceeds a module's min(k_o, k_i): U Vᵀ is
@@ -252,21 +230,6 @@ def factored_rows(grads: GradsConfig, projector) -> FactoredRows | None:
         log.warning("grads.row_rank=%d: factored rows hold %d values, the dense blocks %d; grads.row_format=dense"
                     " is smaller and exact.", grads.row_rank, layout.width, layout.dense_width)
     return FactoredRows(grads.row_rank)
-
-
-def stored_width(grads: GradsConfig, projector) -> int:
-    """Values per stored row: the projection's width, the factors' with grads.row_format=factored, or
-    the packed bytes with signs (`gradian.index.formats.signs`, one byte per value: `stored_value_bytes`)."""
-    if grads.row_format == SIGNS:
-        return packed_width(projector.total_width)
-    if grads.row_format == "dense" or (grads.projection == "dense" and grads.projection_dim is not None):
-        return projector.total_width
-    return projector_layout(projector, grads.row_rank).width
-
-
-def stored_value_bytes(grads: GradsConfig) -> int:
-    """Bytes of one stored value: grads.storage_dtype's, or 1 for sign rows (`stored_width` counts bytes)."""
-    return 1 if grads.row_format == SIGNS else DTYPES[grads.storage_dtype].itemsize
 
 
 def _query_factors(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
@@ -353,3 +316,100 @@ def rotated_squares(u: torch.Tensor, v: torch.Tensor, q_out: torch.Tensor, q_in:
         g = u_r[lo:lo + step] @ v_r[lo:lo + step].mT  # (chunk, k_o, k_i)
         total += (g * g).sum(dim=0)
     return total
+
+
+@dataclass(frozen=True)
+class FactoredFormat(RowFormat):
+    """Rows of each module's [U | V] (module docstring), (n, layout.width) in the storage dtype; the norm of
+    a row is |U Vᵀ|_F over its modules. Scored from the factors by cosine, dot, kfac and ekfac."""
+
+    name = "factored"
+    scores = ("cosine", "dot", "kfac", "ekfac")
+
+    storage_dtype: str
+    layout: FactoredLayout
+
+    @classmethod
+    def config_problem(cls, grads: GradsConfig) -> str | None:
+        if grads.projection == "dense" and grads.projection_dim is not None:
+            return ("grads.row_format=factored stores each module's projected gradient as factors of its (k_o, k_i)"
+                    " matrix; grads.projection=dense projects vec(G) to a vector with no matrix left to factor. Set"
+                    " grads.projection=kronecker_orthogonal (or kronecker, whitened), or grads.row_format=dense.")
+        if grads.preconditioner in ("module", "module+kfac"):
+            return (f"grads.row_format=factored with grads.preconditioner={grads.preconditioner}: the module"
+                    " preconditioner stores each module's second moment of dense rows (k x k per shard) for"
+                    " --score influence / whitened. Set grads.preconditioner=kfac (or none), or"
+                    " grads.row_format=dense.")
+        return None
+
+    @classmethod
+    def capture(cls, grads: GradsConfig, projector) -> FactoredRows:
+        return factored_rows(grads, projector)
+
+    @classmethod
+    def computed_width(cls, grads: GradsConfig, projector) -> int:
+        if grads.projection == "dense" and grads.projection_dim is not None:  # refused (`config_problem`)
+            return projector.total_width
+        return projector_layout(projector, grads.row_rank).width
+
+    @classmethod
+    def computed_text(cls, grads: GradsConfig) -> str:
+        return f"rank-{grads.row_rank} factors"
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any]) -> FactoredFormat:
+        return cls(manifest["storage_dtype"], layout_of(manifest))
+
+    @classmethod
+    def manifest_problems(cls, manifest: Mapping[str, Any], where: str) -> list[str]:
+        rank = manifest.get("row_rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            return [f"{where}: row_rank {rank!r} of factored rows is not an integer >= 1; rebuild the index"]
+        if (manifest.get("projection") or {}).get("kind") == "dense":
+            return [f"{where}: factored rows of a dense projection (no matrix to factor); rebuild the index"]
+        return []
+
+    @classmethod
+    def describe(cls, summary: Mapping[str, Any]) -> tuple[str, str]:
+        return (f"{summary.get('row_width')} ({summary.get('storage_dtype')})",
+                f"factored, rank {summary.get('row_rank')}: U (k_o x c), V (k_i x c) per module, G ~ U Vᵀ")
+
+    @property
+    def width(self) -> int:
+        return self.layout.width
+
+    @property
+    def query_width(self) -> int:
+        return self.layout.dense_width  # the queries stay dense blocks
+
+    def norms(self, stored: torch.Tensor) -> torch.Tensor:
+        return self.layout.norms(stored)
+
+    def projection_width(self, projector) -> tuple[int, str]:
+        return projector_layout(projector, self.layout.rank).width, f" factored at rank {self.layout.rank}"
+
+    def reader_refusal(self, index_dir: Path) -> str:
+        return (f"{index_dir} stores factored rows (grads.row_format=factored, row_rank {self.layout.rank}: each"
+                " module's U and V, not its dense block), which this reader cannot multiply as dense rows. Rank it"
+                " with `gradian rank` (cosine, dot, kfac, ekfac), or rebuild it with grads.row_format=dense.")
+
+    def score_refusal(self, index_dir: Path, score: str) -> str:
+        return (f"{index_dir} stores factored rows (grads.row_format=factored), which hold no module second moments:"
+                " --score influence or whitened needs a dense index built with grads.preconditioner=module. Rank"
+                " with cosine, dot, kfac or ekfac.")
+
+    def scorer(self, queries: torch.Tensor, *, cosine: bool, preconditioned: bool) -> Scorer:
+        # Gram products with the exactly factored queries, or Σ U ⊙ (q̃ V) for the preconditioned (full-rank) ones.
+        factored = FactoredScorer(self.layout, queries, low_rank=not preconditioned)
+
+        def score(grads: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+            scores = factored(grads)  # (Q, n)
+            if cosine:
+                scores /= norms.float().clamp_min(EPS)
+            return scores
+
+        return score
+
+    def ekfac_squares(self, rows: torch.Tensor, shapes: list[tuple[int, int]], q_in: list[torch.Tensor],
+                      q_out: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [rotated_squares(u, v, q_out[m], q_in[m]) for m, (u, v) in enumerate(self.layout.split(rows))]

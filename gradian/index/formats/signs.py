@@ -24,17 +24,22 @@ never unpacked. What the signs stand for depends on the projection:
 Sign rows hold no magnitudes, so nothing that needs them reads them: the module second moments
 and K-FAC factors (`grads.preconditioner` must be none), and the scores influence, whitened, kfac
 and ekfac; every reader that would multiply them as float rows refuses the index
-(`IndexReader.shards(signs=False)`, the default).
+(`IndexReader.shards(signs=False)`, the default). `SignsFormat` is the format's side of
+`gradian.index.formats.base.RowFormat`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from gradian.index.formats.base import RowFormat, Scorer, no_sign_error
 
 SIGNS = "signs"
 WORD_BYTES = 8  # rows are packed into 64-bit words
@@ -127,3 +132,119 @@ class SignScorer:
             differ = popcount(words ^ q).sum(axis=1, dtype=np.int64)
             out[i] = self.n - 2 * differ
         return torch.from_numpy(out)
+
+
+@dataclass(frozen=True)
+class SignsFormat(RowFormat):
+    """Rows of `coordinates` signs, packed into (n, packed_width(coordinates)) uint8; every row's norm is
+    √coordinates. Scored by cosine and dot only; no curvature is computed from them."""
+
+    name = SIGNS
+    scores = ("cosine", "dot")
+    read_dtype = torch.uint8
+
+    coordinates: int
+    storage_dtype: str = "float16"  # recorded, unused: a sign takes a bit whatever the dtype
+
+    @classmethod
+    def config_problem(cls, grads) -> str | None:
+        if grads.preconditioner == "none":
+            return None
+        return (f"grads.row_format=signs with grads.preconditioner={grads.preconditioner}: sign rows keep one bit per"
+                " coordinate, no magnitudes, so no second moment or K-FAC curvature can be computed from them or"
+                " applied to them. Set grads.preconditioner=none (with grads.projection=eigen, as the grads=signs"
+                " preset, or whitened the signs are already of K-FAC-preconditioned coordinates), or"
+                " grads.row_format=dense.")
+
+    @classmethod
+    def stored_width(cls, grads, projector) -> int:
+        return packed_width(projector.total_width)
+
+    @classmethod
+    def value_bytes(cls, grads) -> int:
+        return 1  # `stored_width` counts bytes
+
+    @classmethod
+    def computed_text(cls, grads) -> str:
+        return "sign bits"
+
+    @classmethod
+    def stored_text(cls, grads) -> str:
+        return "bytes of packed sign bits"
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any]) -> SignsFormat:
+        return cls(coordinates(manifest), manifest.get("storage_dtype", "float16"))
+
+    @classmethod
+    def manifest_problems(cls, manifest: Mapping[str, Any], where: str) -> list[str]:
+        problems = super().manifest_problems(manifest, where)
+        if not problems and manifest.get("preconditioner", "none") != "none":
+            return [f"{where}: sign rows with preconditioner {manifest.get('preconditioner')!r} (no curvature is"
+                    " computed from signs); rebuild the index"]
+        return problems
+
+    @classmethod
+    def describe(cls, summary: Mapping[str, Any]) -> tuple[str, str]:
+        return (f"{summary.get('row_width')} bytes (packed sign bits)",
+                "signs: one bit per projected coordinate, scored by n - 2 x Hamming distance")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    @property
+    def width(self) -> int:
+        return packed_width(self.coordinates)
+
+    @property
+    def query_width(self) -> int:
+        return self.coordinates
+
+    @property
+    def dtype_text(self) -> str:
+        return "packed sign bits (uint8)"
+
+    def pack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`pack_rows` on the device; a row that is not finite has no sign (both flags false). Rows given
+        as uint8 are taken as packed already."""
+        if rows.dtype == torch.uint8:
+            finite = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+            packed = rows
+        else:
+            packed, finite = pack_rows(rows)
+        return packed, self.norms(packed), torch.stack([finite, finite], dim=1)
+
+    def norms(self, stored: torch.Tensor) -> torch.Tensor:
+        return torch.full((stored.shape[0],), math.sqrt(self.coordinates), dtype=torch.float32, device=stored.device)
+
+    def non_finite_error(self, rows: list[int], k: int, finite_in_float32: bool) -> Exception:
+        return no_sign_error(rows)
+
+    def stored_problem(self, stored: torch.Tensor) -> str | None:
+        if tuple(stored.shape[1:]) == (self.width,):
+            return None
+        return (f"sign rows of {tuple(stored.shape[1:])} bytes, the header's {self.coordinates} coordinates pack into"
+                f" {self.width}.")
+
+    def projection_width(self, projector) -> tuple[int, str]:
+        return packed_width(projector.total_width), " (bytes of packed sign bits)"
+
+    def reader_refusal(self, index_dir: Path) -> str:
+        return (f"{index_dir} stores sign rows (grads.row_format=signs: one bit per coordinate, no magnitudes), which"
+                " this reader cannot use as float rows. Rank it with `gradian rank` (cosine or dot), or rebuild it"
+                " with grads.row_format=dense.")
+
+    def score_refusal(self, index_dir: Path, score: str) -> str:
+        return (f"--score {score} on {index_dir}: it stores sign rows (grads.row_format=signs, one bit per coordinate),"
+                f" which carry no magnitudes for {score}. Rank it with --score cosine or dot (n - 2 x Hamming distance;"
+                " with grads.projection=eigen or whitened the signs are already of K-FAC-preconditioned coordinates),"
+                " or rebuild it with grads.row_format=dense.")
+
+    def scorer(self, queries: torch.Tensor, *, cosine: bool, preconditioned: bool) -> Scorer:
+        signed = SignScorer(queries)  # n - 2 x Hamming distance; cosine divides by n (every ±1 row has norm √n)
+
+        def score(grads: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+            return signed(grads) / (signed.n if cosine else 1.0)
+
+        return score
