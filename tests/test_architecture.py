@@ -202,7 +202,10 @@ LAYERS: dict[str, str] = {
     "gradian.attribute.queries": GRADIAN,
     "gradian.attribute.engines": GRADIAN,
     "gradian.attribute.rows": GRADIAN,
+    "gradian.attribute.templates": GRADIAN,  # what a row teaches: chat markers stripped, entities masked
+    "gradian.attribute.embeddings": GRADIAN,  # sentence embeddings + HDBSCAN when installed, else TF-IDF, said
     "gradian.attribute.clusters": GRADIAN,
+    "gradian.attribute.lessons": GRADIAN,  # clusters grouped by the template they teach; its rows not accused
     "gradian.attribute.result": GRADIAN,
     "gradian.attribute.spans": GRADIAN,  # one gradient per sentence of a long accused row
     "gradian.attribute.retrain": GRADIAN,  # the plain trainer --verify (and the planted fixture) fine-tune with
