@@ -544,7 +544,8 @@ def add_schema_flag(parser: argparse.ArgumentParser | Any, schema: type, key: st
     meta = f.metadata
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     shown = ",".join(map(str, default)) if isinstance(default, list) else default
-    kwargs: dict[str, Any] = {"default": shown, "help": f"{meta['doc']} (default {shown})"}
+    # argparse formats help with %: a literal one (the "95 % interval") is doubled.
+    kwargs: dict[str, Any] = {"default": shown, "help": f"{meta['doc']} (default {shown})".replace("%", "%%")}
     if typing.get_origin(tp) is list:
         kwargs["type"] = str
     elif tp in (int, float, str):
