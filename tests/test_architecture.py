@@ -210,6 +210,7 @@ LAYERS: dict[str, str] = {
     "gradian.attribute.spans": GRADIAN,  # one gradient per sentence of a long accused row
     "gradian.attribute.retrain": GRADIAN,  # the plain trainer --verify (and the planted fixture) fine-tune with
     "gradian.attribute.verify": GRADIAN,  # --verify: retrained without the accused rows, and a random control
+    "gradian.attribute.checkpoints": GRADIAN,  # tracin: the run's checkpoints, one index each, their summed scores
     "gradian.attribute.run": GRADIAN,
     "gradian.attribute.command": GRADIAN,  # its arguments and tables; gradian.cli hands it the command
     "gradian.attribute.stage": GRADIAN,  # the pipeline's attribute stage, after grads

@@ -471,7 +471,7 @@ def test_bad_inputs_are_one_line_each(work, models, tmp_path, capsys) -> None:
                        "--engines", "ekfac")
     assert code == 2 and "holds no K-FAC factors" in err
     code, _, err = run(capsys, *args, str(work["eval"]), "--engines", "auto,tracin")
-    assert code == 2 and "'tracin' is not an engine" in err
+    assert code == 2 and "--engines tracin reads the fine-tune's checkpoints" in err
     # an index without every row (a shard gone), and one whose model has no adapter and no base recorded
     broken = tmp_path / "broken"
     shutil.copytree(work["index"], broken)

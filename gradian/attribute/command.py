@@ -45,9 +45,16 @@ def add_parser(sub) -> None:
     # The flags that mirror the attribute stage's keys (attribute.top_k, ...) read them from its schema.
     add_schema_flag(p, AttributeConfig, "top_k")
     add_schema_flag(p, AttributeConfig, "query_loss")
-    p.add_argument("--engines", default="auto", metavar="E1,E2",
+    p.add_argument("--engines", default=None, metavar="E1,E2",
                    help="comma-separated scoring engines, the first accuses, the others report their agreement:"
-                        " auto (gradian rank's default score), dot, cosine, influence, kfac, ekfac")
+                        " auto (gradian rank's default score), dot, cosine, influence, kfac, ekfac, and with"
+                        " --checkpoints tracin, tracin-dot (default: auto; tracin,auto with --checkpoints)")
+    p.add_argument("--checkpoints", default=None, metavar="DIR|A,B,C",
+                   help="TracIn across the fine-tune: its Trainer output directory (checkpoint-*/ adapters, learning"
+                        " rates from trainer_state.json) or a comma list of adapter directories; each gets its own"
+                        " index under INDEX/checkpoints/ (reused on rerun)")
+    p.add_argument("--checkpoint-lrs", default=None, metavar="LR1,LR2",
+                   help="the learning rate of each checkpoint, in order (default: trainer_state.json's, else equal)")
     p.add_argument("--out", default=None, help="write the whole result as JSON here (atomic; not one of the inputs)")
     bounded(p.add_argument("--seed", type=int, default=0, help="the paired bootstrap's seed (default 0)"), ge=0,
             le=MAX_SEED)
@@ -181,6 +188,18 @@ def _spans_table(spans: dict[str, Any]) -> Table:
     return table
 
 
+def _checkpoints_table(traced: dict[str, Any]) -> Table:
+    table = Table(title=_t(f"{traced['engine']} across the checkpoints (learning rates: {traced['lr_source']}); share:"
+                           " of the accused rows' summed score"))
+    for column in ("checkpoint", "step", "eta", "product", "index", "accused score", "share"):
+        table.add_column(column, justify="left" if column in ("checkpoint", "index") else "right")
+    for c in traced["checkpoints"]:
+        share = "-" if c["accused_share"] is None else f"{100 * c['accused_share']:.0f} %"
+        table.add_row(_t(c["name"]), _t("-" if c["step"] is None else c["step"]), _t(f"{c['weight']:.3g}"),
+                      _t(c["inner"][traced["engine"]]), _t(c["index"]), _t(f"{c['accused_score']:.4g}"), _t(share))
+    return table
+
+
 def _verify_table(verify: dict[str, Any]) -> Table:
     s = verify["settings"]
     length = f"{s['steps']} steps" if s["steps"] is not None else f"{s['epochs']} epochs"
@@ -220,6 +239,8 @@ def print_result(result, console: Console | None = None) -> None:
         flag = ": LOW CONFIDENCE, the engines disagree on the accused rows" if a["low_confidence"] else ""
         out.print(Text(f"agreement {a['against']} vs {a['engine']}: top-{a['k']} overlap {a['top_k_overlap']:.2f},"
                        f" Spearman {rho}{flag}"))
+    if result.checkpoints:
+        out.print(_checkpoints_table(result.checkpoints))
     if result.spans and result.spans["rows"]:
         out.print(_spans_table(result.spans))
     if result.spans and result.spans["note"]:
@@ -250,7 +271,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.adapter is not None and args.adapter.lower() == "none":
         args.adapter = None
+    if args.engines is None:
+        args.engines = "tracin,auto" if args.checkpoints is not None else "auto"
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    lrs = None
+    if args.checkpoint_lrs is not None:
+        try:
+            lrs = [float(x) for x in args.checkpoint_lrs.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--checkpoint-lrs {args.checkpoint_lrs!r}: give numbers, comma-separated (one learning"
+                            " rate per checkpoint).", exit_code=2) from None
     training = {k: getattr(args, k) for k in ("train_data", "lr", "epochs", "steps", "batch_size", "lora_r",
                                               "lora_alpha", "target_modules", "verify_dir")}
     if args.train_seed != 0:
@@ -270,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
         result = attribute(args.index, args.eval_dataset, base_model=args.base_model, adapter=args.adapter,
                            top_k=args.top_k, query_loss=args.query_loss, engines=engines, out_path=args.out,
                            seed=args.seed, resamples=args.bootstrap, verify=not skip_checksums(args),
-                           span_min_tokens=args.span_min_tokens, retrain=retrain, console=error_console())
+                           span_min_tokens=args.span_min_tokens, retrain=retrain, console=error_console(),
+                           checkpoints=args.checkpoints, checkpoint_lrs=lrs)
     except IndexMismatchError as mismatch:  # another model, adapter or projection than the index's
         raise UserError(str(mismatch), exit_code=2) from mismatch
     print_result(result)

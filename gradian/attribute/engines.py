@@ -7,6 +7,8 @@ scores every stored row g with it, streaming the index's shards as `gradian rank
     cosine     s(g) = mean_i (q_i / |q_i|)ᵀ g / |g|              (|g| the stored norm)
     influence  s(g) = mean_i q_iᵀ (F + λI)⁻¹ g                   (the index's module second moments)
     kfac/ekfac s(g) = mean_i q_iᵀ (F + λI)⁻¹ g                   (the index's K-FAC / EK-FAC factors)
+    tracin     s(g) = Σ_c η_c mean_i q_i(θ_c)ᵀ (F_c + λI)⁻¹ g(θ_c)  (TracIn over the fine-tune's checkpoints
+                      c, one index each, `gradian.attribute.checkpoints`; tracin-dot with F_c + λI = I)
 
 which is `gradian rank`'s score with `--aggregate mean` (each preconditioner is applied to the
 queries with `gradian rank`'s damping defaults; `auto` is `gradian rank --score auto`: ekfac where
@@ -42,8 +44,11 @@ from gradian.index.store import IndexReader
 from gradian.rank.ranking import default_score
 from gradian.settings.attribute import AttributeConfig
 
-# The schema's list (attribute.engines), but for "auto", which resolve_engines picks.
-ENGINES = tuple(e for e in choices(AttributeConfig, "engines") if e != "auto")
+# scored across the fine-tune's checkpoints, one index per checkpoint (`gradian.attribute.checkpoints`)
+TRACIN_ENGINES = ("tracin", "tracin-dot")
+# The schema's list (attribute.engines, whose "auto" resolve_engines picks), then the checkpoints' engines,
+# which only `gradian attribute --checkpoints` can run.
+ENGINES = (*(e for e in choices(AttributeConfig, "engines") if e != "auto"), *TRACIN_ENGINES)
 LOW_AGREEMENT = 0.5  # top-k overlap below this between engines: the accusation is low-confidence
 _EPS = 1e-12
 
@@ -118,6 +123,8 @@ def build_engine(reader: IndexReader, name: str, queries: torch.Tensor | None = 
     elif name in ("kfac", "ekfac"):
         curvature = KroneckerCurvature.from_index(reader, name, CURVATURE_DAMPING)
         engine = Engine(name, curvature.precondition, False, CURVATURE_DAMPING)
+    elif name in TRACIN_ENGINES:
+        raise ValueError(f"engine {name!r} reads the checkpoints' indexes: gradian.attribute.checkpoints.tracin_scores.")
     else:
         raise ValueError(f"engine {name!r}; valid: {', '.join(ENGINES)}.")
     if queries is not None:

@@ -41,10 +41,15 @@ Keys, in order:
                     rows_left_out, rows_trained, steps, final_loss, train_wall_s, accuracy,
                     logprob_mean, recovered_accuracy, recovered_logprob, flipped_right_again,
                     flipped_same_mistake, flipped, model_dir}], holds, summary), or null without --verify
+    checkpoints     the tracin engines' run (`gradian.attribute.checkpoints.TracinScores.record`: source,
+                    lr_source, note, engine, checkpoints [{name, path, step, lr, weight, weights_sha256,
+                    index_dir, index, index_wall_s, index_bytes, query_wall_s, inner, accused_score,
+                    accused_share}], most_accusing, accused [{row_id, by_checkpoint}]), or null without
+                    --checkpoints
     wall_s
 
-Version 2 added `spans` and `verify`, version 3 `clusters_method` and `lessons`; an older file reads
-with the keys added since null.
+Version 2 added `spans` and `verify`, version 3 `clusters_method`, `lessons` and `checkpoints`; an older
+file reads with the keys added since null.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_json
 
 FORMAT_VERSION = 3
-ADDED_IN = {"spans": 2, "verify": 2, "clusters_method": 3, "lessons": 3}  # key -> the format version that added it
+ADDED_IN = {"spans": 2, "verify": 2, "clusters_method": 3, "lessons": 3,
+            "checkpoints": 3}  # key -> the format version that added it
 
 
 @dataclass
@@ -87,6 +93,7 @@ class AttributionResult:
     lessons: list[dict[str, Any]] | None = None
     spans: dict[str, Any] | None = None
     verify: dict[str, Any] | None = None
+    checkpoints: dict[str, Any] | None = None
     wall_s: float = 0.0
     format_version: int = FORMAT_VERSION
 

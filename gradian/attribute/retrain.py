@@ -21,6 +21,11 @@ The run, in order:
     each step                 AdamW (betas 0.9 / 0.999, eps 1e-8, `weight_decay`), a constant learning
                               rate, no gradient clipping, no accumulation
 
+`save_every` N > 0 writes the adapter after every N-th step (and the last) to
+`<save_dir>/checkpoint-<step>/`, with a `trainer_state.json` whose `log_history` logs each step's loss
+and learning rate, as the Hugging Face Trainer's output directory holds them (`gradian attribute
+--checkpoints` reads it).
+
 Same rows, settings, seed and device: the same weights (on a CPU bit for bit; a GPU's kernels may
 round differently between runs). The caller's torch generators are left as they were.
 """
@@ -38,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from circuitkit.core.io import atomic_write_json
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 from circuitkit.models.lora import new_adapter
@@ -131,9 +137,14 @@ class Trained:
 
 
 def train(model_cfg: ModelConfig, rows: Sequence[Row], settings: TrainSettings,
-          device: torch.device | None = None) -> Trained:
+          device: torch.device | None = None, save_every: int = 0, save_dir: str | Path | None = None,
+          bar=None) -> Trained:
     """Fine-tune `model_cfg`'s model (loaded in its precision on `device`) on `rows` (module docstring).
-    Returns it frozen and in eval mode."""
+    Returns it frozen and in eval mode. `save_every` > 0: a LoRA adapter checkpoint in `save_dir`
+    every that many steps and after the last (module docstring). `bar` (`circuitkit.core.progress.Progress`,
+    optional) advances by each optimizer step."""
+    if save_every and (settings.lora is None or save_dir is None):
+        raise ValueError("save_every needs a LoRA fine-tune (settings.lora) and a save_dir.")
     start = time.perf_counter()
     loaded = load_model(model_cfg, device)
     model = loaded.model
@@ -150,14 +161,27 @@ def train(model_cfg: ModelConfig, rows: Sequence[Row], settings: TrainSettings,
         optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=BETAS, eps=EPS, weight_decay=settings.weight_decay)
         pad = pad_id(loaded.tokenizer)
         model.train()
-        for batch_rows in step_plan(len(rows), settings.batch_size, settings.n_steps(len(rows)), settings.seed):
+        plan = step_plan(len(rows), settings.batch_size, settings.n_steps(len(rows)), settings.seed)
+        for step, batch_rows in enumerate(plan, start=1):
             batch = to_device(collate([rows[i] for i in batch_rows], pad), loaded.device)
             loss = batch_loss(loaded.adapter, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
+            if bar is not None:
+                bar.advance(1)
+            if save_every and (step % save_every == 0 or step == len(plan)):
+                _save_checkpoint(wrapped, Path(save_dir), step, losses, settings.lr)
     model.eval()
     model.requires_grad_(False)
     del optimizer, params
     return Trained(model, wrapped, loaded.tokenizer, losses, time.perf_counter() - start)
+
+
+def _save_checkpoint(peft_model: nn.Module, save_dir: Path, step: int, losses: list[float], lr: float) -> None:
+    """`save_dir/checkpoint-<step>/` (the adapter) and `save_dir/trainer_state.json` (the steps so far),
+    as a Hugging Face Trainer's output directory: the state is written atomically after the adapter."""
+    peft_model.save_pretrained(save_dir / f"checkpoint-{step}")
+    history = [{"step": s, "loss": v, "learning_rate": lr} for s, v in enumerate(losses, start=1)]
+    atomic_write_json(save_dir / "trainer_state.json", {"global_step": step, "log_history": history})

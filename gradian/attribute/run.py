@@ -7,6 +7,8 @@
     3. ranking                    every indexed row scored by each engine (`engines`); the first
                                   engine's most negative rows are accused, the others say how far
                                   they agree
+    3b. --checkpoints             the tracin engines: steps 2-3 on every checkpoint of the run, each
+                                  with its own index, weighted by its learning rate (`checkpoints`)
     4. spans                      the sentences of long accused rows, each with its own gradient
                                   and score (`spans`)
     5. clusters                   of the accused rows, with the `gradian diagnose` findings they
@@ -46,6 +48,7 @@ from circuitkit.models.loading import (
     pretrained_args,
 )
 from circuitkit.models.lora import read_adapter
+from gradian.attribute import checkpoints as tracing
 from gradian.attribute import clusters as clustering
 from gradian.attribute import engines as scoring
 from gradian.attribute import lessons as teaching
@@ -183,7 +186,8 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
               engines: list[str] | tuple[str, ...] = ("auto",), out_path: str | Path | None = None, seed: int = 0,
               resamples: int = BOOTSTRAP_RESAMPLES, thin_margin: float = THIN_MARGIN, verify: bool = True,
               span_min_tokens: int = drilling.DEFAULT_MIN_TOKENS, retrain: VerifyOptions | None = None,
-              console: Console | None = None) -> AttributionResult:
+              console: Console | None = None, checkpoints: str | None = None,
+              checkpoint_lrs: list[float] | None = None) -> AttributionResult:
     """Measure the tuned model's regression on `eval_path` against its base model and, when it is
     outside the noise band, rank the index's training rows by how much they caused it.
 
@@ -192,7 +196,9 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     default score); the first accuses. `seed` / `resamples`: the paired bootstrap's (`seed` also draws
     --verify's control rows). `verify`: check each shard's sha256 while streaming. `span_min_tokens`:
     accused rows with at least this many supervised tokens are drilled into (0: none). `retrain`:
-    --verify's settings (None: nothing is retrained). Writes the result to `out_path` (atomic JSON)
+    --verify's settings (None: nothing is retrained). `checkpoints` / `checkpoint_lrs`: the run's
+    checkpoints and their learning rates, read by the tracin engines (`gradian.attribute.checkpoints`,
+    `plan_checkpoints`). Writes the result to `out_path` (atomic JSON)
     when given. Raises UserError (exit code 2: an argument or a model that
     does not fit; 1: bad file content) and IndexMismatchError (another model than the index's).
     """
@@ -213,6 +219,7 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     reader = _check_index(index_dir)
     manifest = reader.manifest
     names = scoring.resolve_engines(list(engines), manifest)
+    traced_plan = _checkpoint_plan(names, manifest, checkpoints, checkpoint_lrs, say)
     rows = read_eval_rows(eval_path)
     base_cfg, how = _base_config(manifest, base_model)
     plan = None
@@ -257,7 +264,7 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
         items=_item_records(items, base_scores, tuned_scores, regression.flipped, said), top_k=top_k)
     if regression.significant:
         _rank(result, reader, tuned, projector, flipped, said_ids, query_loss, names, top_k, verify, say,
-              span_min_tokens)
+              span_min_tokens, traced_plan)
         if plan is not None and result.accused:
             tokenizer = tuned.tokenizer
             del tuned  # the retrains load their own models
@@ -270,22 +277,49 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     return result
 
 
+def _checkpoint_plan(names: list[str], manifest: dict[str, Any], checkpoints: str | None,
+                     lrs: list[float] | None, say) -> tracing.CheckpointPlan | None:
+    """The run's checkpoints when a tracin engine is asked (UserError, exit code 2, when they are given
+    without one or one is asked without them), before any model loads; its note said."""
+    asked = [n for n in names if tracing.is_tracin(n)]
+    if checkpoints is None:
+        if asked or lrs is not None:
+            raise UserError(f"{'--engines ' + asked[0] if asked else '--checkpoint-lrs'} reads the fine-tune's"
+                            " checkpoints: give them with --checkpoints DIR (the Trainer's output directory) or"
+                            " --checkpoints A,B,C (adapter directories).", exit_code=2)
+        return None
+    if not asked:
+        raise UserError(f"--checkpoints is read by the tracin engines, and --engines {','.join(names)} names none:"
+                        " add one, e.g. --engines tracin,auto.", exit_code=2)
+    plan = tracing.plan_checkpoints(checkpoints, manifest, lrs)
+    say(f"{len(plan.checkpoints)} checkpoints ({', '.join(c.name for c in plan.checkpoints)}), learning rates from"
+        f" {plan.lr_source}", markup=False, highlight=False)
+    if plan.note:
+        say(f"note: {plan.note}", markup=False, highlight=False)
+    return plan
+
+
 def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flipped: list[EvalItem],
           said_ids: list[list[int]], query_loss: str, names: list[str], top_k: int, verify: bool, say,
-          span_min_tokens: int) -> None:
+          span_min_tokens: int, traced_plan: tracing.CheckpointPlan | None = None) -> None:
     """Steps 2-5 (module docstring), filled into `result`."""
     manifest = reader.manifest
     say(f"query gradients of {len(flipped)} regressed items ({query_loss}); scoring every row with"
         f" {', '.join(names)} …", markup=False, highlight=False)
-    engines = [scoring.build_engine(reader, name) for name in names]
-    for start in range(0, len(flipped), QUERY_CHUNK):  # one chunk of full-width gradients at a time
+    engines = [scoring.build_engine(reader, name) for name in names if not tracing.is_tracin(name)]
+    for start in range(0, len(flipped) if engines else 0, QUERY_CHUNK):  # one chunk of full-width gradients at a time
         queries = query_gradients(tuned, projector, flipped[start:start + QUERY_CHUNK], query_loss,
                                   said_ids[start:start + QUERY_CHUNK], manifest.get("loss_reduction", "sum"),
                                   manifest.get("activations", "model"))
         for engine in engines:
             engine.add(queries)
         del queries
-    scores = scoring.stream_scores(reader, engines, verify)
+    scores = scoring.stream_scores(reader, engines, verify) if engines else None
+    traced = None
+    if traced_plan is not None:
+        traced = tracing.tracin_scores(traced_plan, reader, flipped, said_ids, query_loss,
+                                       [n for n in names if tracing.is_tracin(n)], verify, say, QUERY_CHUNK)
+        scores = traced.merge(names, [e.name for e in engines], scores)
     accused = scoring.accused_rows(scores[0], top_k)
     lines = row_lines(reader.index_dir, manifest, accused)
     source = training_source(manifest)
@@ -294,12 +328,18 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
                          if source is not None else ({}, []))
     rows = [clustering.AccusedRow(r, lines.get(r), texts.get(lines.get(r)), float(scores[0, r])) for r in accused]
     result.attributed = True
-    result.damping = {e.name: e.damping for e in engines}
+    result.damping = {e.name: e.damping for e in engines} | (traced.damping if traced else {})
+    if traced is not None:
+        result.checkpoints = traced.record(accused)
     result.agreement = scoring.agreement(names, scores, top_k)
     result.accused = [{"rank": i, "row_id": r.row_id, "line": r.line, "score": r.score,
                        "text_preview": preview(r.text) if r.text is not None else None, "cluster": None}
                       for i, r in enumerate(rows, start=1)]
-    if span_min_tokens > 0 and rows:
+    if span_min_tokens > 0 and rows and tracing.is_tracin(names[0]):
+        result.spans = {"min_tokens": span_min_tokens, "engine": names[0], "rows": [], "skipped": [],
+                        "note": "the sentences are scored on the final adapter only; tracin accuses across the"
+                                " checkpoints: no row was drilled into."}
+    elif span_min_tokens > 0 and rows:
         result.spans = drilling.drill_down(tuned, projector, engines[0], manifest, reader.index_dir,
                                            [(r.row_id, r.line, r.score) for r in rows], span_min_tokens)
     if missing:
