@@ -9,8 +9,10 @@ scores every stored row g with it, streaming the index's shards as `gradian rank
     kfac/ekfac s(g) = mean_i q_iᵀ (F + λI)⁻¹ g                   (the index's K-FAC / EK-FAC factors)
     tracin     s(g) = Σ_c η_c mean_i q_i(θ_c)ᵀ (F_c + λI)⁻¹ g(θ_c)  (TracIn over the fine-tune's checkpoints
                       c, one index each, `gradian.attribute.checkpoints`; tracin-dot with F_c + λI = I)
+    datainf    s(g) = Σ_l v_lᵀ (G_l + λ_l I)⁻¹ g_l, v = mean_i q_i (DataInf's swapped-average inverse per
+                      module, `gradian.attribute.datainf`: two passes over the shards transform v)
 
-which is `gradian rank`'s score with `--aggregate mean` (each preconditioner is applied to the
+which, but for datainf, is `gradian rank`'s score with `--aggregate mean` (each preconditioner is applied to the
 queries with `gradian rank`'s damping defaults; `auto` is `gradian rank --score auto`: ekfac where
 the index holds K-FAC factors, else cosine). A test compares the top rows with `stream_topk`'s.
 
@@ -37,6 +39,7 @@ import torch
 
 from circuitkit.core.config import choices
 from circuitkit.core.errors import UserError
+from gradian.attribute import datainf
 from gradian.curvature.factors import CURVATURE_DAMPING, has_kfac
 from gradian.curvature.moments import DAMPING, Preconditioner
 from gradian.index.curvature import KroneckerCurvature
@@ -58,7 +61,8 @@ class Engine:
     """One engine: how it prepares query gradients, and the running sum of the prepared queries.
 
     Queries arrive in chunks (`add`), so that thousands of regressed items never hold more than one
-    chunk of full-width gradients; `query` is their mean, the aggregate query that scores the rows.
+    chunk of full-width gradients; `query` is their mean, the aggregate query that scores the rows,
+    after `transform` where the engine has one (datainf: a query transform that reads the index).
     """
 
     name: str
@@ -67,19 +71,27 @@ class Engine:
     damping: float | None
     total: torch.Tensor | None = None
     count: int = 0
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None  # (width,) -> (width,), once per query
+    note: str | None = None  # what the engine computed, where the index decides it (datainf: exact or projected)
+    _query: torch.Tensor | None = None
 
     def add(self, queries: torch.Tensor) -> None:
         """Take (Q, width) query gradients into the aggregate."""
         prepared = self.prepare(queries.float()).sum(dim=0)
         self.total = prepared if self.total is None else self.total + prepared
         self.count += len(queries)
+        self._query = None
 
     @property
     def query(self) -> torch.Tensor:
-        """The aggregate query, (width,) float32: the mean of the prepared queries."""
+        """The aggregate query, (width,) float32: the mean of the prepared queries, transformed
+        (computed once until the next `add`)."""
         if self.total is None:
             raise ValueError(f"engine {self.name}: no query gradient was added.")
-        return self.total / self.count
+        if self._query is None:
+            mean = self.total / self.count
+            self._query = mean if self.transform is None else self.transform(mean)
+        return self._query
 
 
 def resolve_engines(names: list[str], manifest: dict[str, Any]) -> list[str]:
@@ -97,6 +109,10 @@ def resolve_engines(names: list[str], manifest: dict[str, Any]) -> list[str]:
         raise UserError("--engines names no engine; give e.g. --engines auto or --engines ekfac,dot.", exit_code=2)
     precond = manifest.get("preconditioner", "none")
     for name in out:
+        if name == "datainf" and manifest.get("row_format", "dense") != "dense":
+            raise UserError(f"--engines datainf: the index stores {manifest.get('row_format')} rows, and DataInf needs"
+                            " each module's gradient values (dense rows); use dot or cosine, or rebuild the index"
+                            " with grads.row_format=dense.", exit_code=2)
         if name in ("kfac", "ekfac") and not has_kfac(precond):
             raise UserError(f"--engines {name}: the index was built with grads.preconditioner={precond} and holds no"
                             " K-FAC factors; use dot or cosine, or rebuild the index with grads.preconditioner=kfac.",
@@ -123,6 +139,15 @@ def build_engine(reader: IndexReader, name: str, queries: torch.Tensor | None = 
     elif name in ("kfac", "ekfac"):
         curvature = KroneckerCurvature.from_index(reader, name, CURVATURE_DAMPING)
         engine = Engine(name, curvature.precondition, False, CURVATURE_DAMPING)
+    elif name == "datainf":
+        widths = datainf.module_widths(reader.manifest)
+
+        def rows():  # the sha256 is checked by the scoring pass (stream_scores)
+            return (grads for _rows, grads, _norms in reader.shards(verify=False))
+
+        engine = Engine(name, lambda q: q, False, datainf.DATAINF_DAMPING,
+                        transform=lambda v: datainf.datainf_query(v, rows, widths)[0],
+                        note=datainf.describe(reader.manifest))
     elif name in TRACIN_ENGINES:
         raise ValueError(f"engine {name!r} reads the checkpoints' indexes: gradian.attribute.checkpoints.tracin_scores.")
     else:
@@ -132,9 +157,10 @@ def build_engine(reader: IndexReader, name: str, queries: torch.Tensor | None = 
     return engine
 
 
-def stream_scores(reader: IndexReader, engines: list[Engine], verify: bool = True) -> torch.Tensor:
+def stream_scores(reader: IndexReader, engines: list[Engine], verify: bool = True, bar=None) -> torch.Tensor:
     """(E, n_rows) float32: every engine's score of every stored row (row id = column), one pass
-    over the shards (each shard's sha256 checked as it is read when `verify`)."""
+    over the shards (each shard's sha256 checked as it is read when `verify`); `bar`
+    (`circuitkit.core.progress.Progress`, optional) advances by each shard's rows."""
     n_rows = int(reader.manifest["n_rows"])
     queries = torch.stack([e.query for e in engines])  # (E, width)
     unit = torch.tensor([e.unit_rows for e in engines])
@@ -144,6 +170,8 @@ def stream_scores(reader: IndexReader, engines: list[Engine], verify: bool = Tru
         s[unit] /= norms.float().clamp_min(_EPS)
         out[:, rows.long()] = s
         del grads
+        if bar is not None:
+            bar.advance(len(rows))
     return out
 
 

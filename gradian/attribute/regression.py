@@ -19,6 +19,10 @@ query gradients rank the training rows. The base model is the likelier culprit f
 tuned model gets wrong that the base model got wrong already, and for flipped items whose base
 margin (`gradian.attribute.evaluate`: the weakest answer step's log p(answer) - log p(best other))
 was below `THIN_MARGIN` nats: knowledge that thin was one small push away from flipping.
+
+A flipped item is a near-tie when its flip depends on the precision: scored in the other precision
+(`gradian.attribute.precision`), its base margin is below `NEAR_TIE` nats (the base model was not
+surely right) or its tuned margin above -`NEAR_TIE` (the tuned model not surely wrong).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from gradian.attribute.evaluate import ItemScores
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
 THIN_MARGIN = 1.0  # nats: a base margin below this is thin (e^1: the answer was < 2.7x as likely as the runner-up)
+# nats: a flipped item's margin within this of 0 in the other precision is a near-tie; bfloat16 logits of
+# magnitude 8 to 16 are 1/16 apart, so a margin that close is inside one rounding step of a 16-bit head
+NEAR_TIE = 0.1
 
 
 def paired_bootstrap(diffs: np.ndarray, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
@@ -147,3 +154,15 @@ def base_blame(base: ItemScores, tuned: ItemScores, thin_margin: float = THIN_MA
                f" {n_flipped} flipped item(s) were a coin flip (base margin < {thin_margin:g} nats, and the tuned"
                f" model wrong by less than that).")
     return BaseBlame(len(wrong), already, thin, thin_margin, summary)
+
+
+def near_ties(flipped: list[int], base_other: ItemScores, tuned_other: ItemScores,
+              eps: float = NEAR_TIE) -> list[int]:
+    """The flipped items (0-based item numbers) that are near-ties: `base_other` and `tuned_other` score
+    the flipped items, in `flipped`'s order, in the other precision; an item is a near-tie when there its
+    base margin is below `eps` or its tuned margin above -`eps` (module docstring)."""
+    if len(base_other.margin) != len(flipped) or len(tuned_other.margin) != len(flipped):
+        raise ValueError(f"near_ties: {len(flipped)} flipped items but {len(base_other.margin)} base and"
+                         f" {len(tuned_other.margin)} tuned scores.")
+    tie = (base_other.margin < eps) | (tuned_other.margin > -eps)
+    return [item for item, t in zip(flipped, tie.tolist(), strict=True) if t]

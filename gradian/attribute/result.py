@@ -16,12 +16,20 @@ Keys, in order:
     query           {query_loss, loss_reduction, index_loss, activations, said: how what the tuned
                     model says was read (greedy, to its EOS or max_tokens)}
     engines         the engine names, the first one accuses; `damping` per engine
+    engine_notes    {engine: one sentence} where the index decides what an engine computed (datainf:
+                    exact on raw gradients, or in the projected space)
+    precision       {requested, used, note, index, queries, near_tie}: the dtype both models were
+                    evaluated in (`--precision`: requested as given, used as resolved, note why), the
+                    index's, the query gradients' (always the index's), and `near_tie`
+                    (`gradian.attribute.precision.near_tie_check`: precision, eps, checked, items,
+                    margins; null when no item flipped)
     seeds           {"bootstrap": seed}
     regression      `gradian.attribute.regression.Regression.as_dict`
     base_blame      `BaseBlame.as_dict`
     items           per eval item: item, line, prompt and answer previews, base and tuned scores
                     (logprob, margin, first, exact), flipped, tuned_says (flipped items: the tuned
-                    model's whole greedy answer) and tuned_says_end ("eos" or "max_tokens")
+                    model's whole greedy answer) and tuned_says_end ("eos" or "max_tokens"), near_tie
+                    (flipped items: whether the flip depends on the precision; else null)
     top_k, accused  [{rank, row_id, line, score, text_preview, cluster}] (most negative score first)
     agreement       [{engine, against, spearman, top_k_overlap, k, low_confidence}]
     clusters        `gradian.attribute.clusters.cluster_rows`, or null with `clusters_note`
@@ -48,8 +56,8 @@ Keys, in order:
                     --checkpoints
     wall_s
 
-Version 2 added `spans` and `verify`, version 3 `clusters_method`, `lessons` and `checkpoints`; an older
-file reads with the keys added since null.
+Version 2 added `spans` and `verify`, version 3 `engine_notes`, `precision`, `checkpoints`,
+`clusters_method` and `lessons`; an older file reads with the keys added since null.
 """
 
 from __future__ import annotations
@@ -63,8 +71,8 @@ from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_json
 
 FORMAT_VERSION = 3
-ADDED_IN = {"spans": 2, "verify": 2, "clusters_method": 3, "lessons": 3,
-            "checkpoints": 3}  # key -> the format version that added it
+ADDED_IN = {"spans": 2, "verify": 2, "engine_notes": 3, "precision": 3, "checkpoints": 3,
+            "clusters_method": 3, "lessons": 3}  # key -> the format version that added it
 
 
 @dataclass
@@ -93,6 +101,8 @@ class AttributionResult:
     lessons: list[dict[str, Any]] | None = None
     spans: dict[str, Any] | None = None
     verify: dict[str, Any] | None = None
+    engine_notes: dict[str, str] | None = None
+    precision: dict[str, Any] | None = None
     checkpoints: dict[str, Any] | None = None
     wall_s: float = 0.0
     format_version: int = FORMAT_VERSION

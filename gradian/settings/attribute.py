@@ -27,7 +27,8 @@ class AttributeConfig:
                          choices=("contrastive", "ce", "margin"))
     engines: list[str] = _f(["auto"], "scoring engines, the first accuses and the others report their rank"
                             " agreement with it: auto = gradian rank's default score for the index (ekfac with"
-                            " K-FAC factors, else cosine)", choices=("auto", "dot", "cosine", "influence", "kfac", "ekfac"))
+                            " K-FAC factors, else cosine)", choices=("auto", "dot", "cosine", "influence", "kfac", "ekfac",
+                                                                 "datainf"))
     top_k: int = _f(40, "training rows accused (most negative score first)", ge=1, le=100_000)
     bootstrap: int = _f(2000, "paired bootstrap resamples of the regression's 95 % interval (seeded with the"
                         " top-level seed)", ge=100, le=1_000_000)
@@ -35,3 +36,10 @@ class AttributeConfig:
                             " gets wrong by less than this, counts toward base-model blame", ge=0.0)
     span_min_tokens: int = _f(64, "accused rows with at least this many supervised tokens get one gradient per"
                               " sentence (the drill-down); 0 = none", ge=0)
+    precision: str = _f("index", "the dtype the base and tuned models are evaluated in (the regression and the flipped"
+                        " items): index = the precision the index was built with (gradian index's model.precision as"
+                        " resolved); auto = bfloat16 where the device computes it natively, else float32; or"
+                        " float32, bfloat16, float16 to match your own eval. The query gradients always run in the"
+                        " index's precision (the rows' weights). Flipped items are re-scored in float32 (bfloat16"
+                        " when float32 was used) and marked near-tie when their flip depends on it",
+                        choices=("index", "auto", "float32", "bfloat16", "float16"))

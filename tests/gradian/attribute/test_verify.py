@@ -143,11 +143,11 @@ def test_verify_recovers_the_regression_that_the_accused_rows_caused(verified, w
 
 def test_the_result_reader_takes_format_1_and_checks_format_2(verified, work, tmp_path) -> None:
     from circuitkit.core.errors import UserError
-    from gradian.attribute.result import read_result
+    from gradian.attribute.result import ADDED_IN, read_result
 
     data = json.loads((work["root"] / "verified.json").read_text())
-    assert data["format_version"] == 2
-    old = {k: v for k, v in data.items() if k not in ("spans", "verify")} | {"format_version": 1}
+    assert data["format_version"] == 3
+    old = {k: v for k, v in data.items() if k not in ADDED_IN} | {"format_version": 1}
     (tmp_path / "v1.json").write_text(json.dumps(old))
     result = read_result(tmp_path / "v1.json")
     assert result.spans is None and result.verify is None and result.accused == data["accused"]
