@@ -42,6 +42,7 @@ from circuitkit.core.device import PRECISION_AUTO, get_device, measure_peak, mod
 from circuitkit.core.errors import UserError, describe_os_error
 from circuitkit.core.fingerprint import Fingerprinter, changed_inputs
 from circuitkit.core.io import atomic_write_json, json_bytes, rewrite_in_place, sha256_file, sha256_json
+from circuitkit.core.progress import duration
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -399,7 +400,10 @@ def _run_stages(ctx: RunContext, selected: list[Stage], hashes: dict[str, str], 
             entry.update(values)
             atomic_write_json(manifest_path, manifest, reserve_bytes=MANIFEST_RESERVE_BYTES)
         ctx._record = record
-        ctx.console.rule(f"stage {stage.name}")
+        if ctx.console.is_terminal:
+            ctx.console.rule(f"stage {stage.name}")
+        else:  # a log: plain lines that say when each stage started and how long it took
+            ctx.console.print(f"stage {stage.name}: started", markup=False, highlight=False)
         t0 = time.perf_counter()
         try:
             with measure_peak(resident_bytes=ctx.resident_bytes) as peak:
@@ -419,6 +423,8 @@ def _run_stages(ctx: RunContext, selected: list[Stage], hashes: dict[str, str], 
                 raise KeyboardInterrupt from err
             message = _stage_error_message(err)
             entry.update(status="failed", wall_s=round(time.perf_counter() - t0, 3), error=message)
+            ctx.console.print(f"stage {stage.name}: failed after {duration(entry['wall_s'])}", markup=False,
+                              highlight=False)
             write_final_status(manifest_path, manifest)
             raise PipelineError(f"stage '{stage.name}' failed: {message} (manifest: {manifest_path})") from err
         entry.update(
@@ -432,6 +438,8 @@ def _run_stages(ctx: RunContext, selected: list[Stage], hashes: dict[str, str], 
             finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
         atomic_write_json(manifest_path, manifest)
+        ctx.console.print(f"stage {stage.name}: {entry['status']} in {duration(entry['wall_s'])}", markup=False,
+                          highlight=False)
         ctx._record = None
     if watch.fired:
         raise KeyboardInterrupt

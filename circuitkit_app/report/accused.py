@@ -33,6 +33,7 @@ def collect_attribute(path: Path) -> dict[str, Any]:
             "regression": r.regression, "base_blame": r.base_blame, "n_flipped": len(flipped),
             "flipped": flipped[:SHOWN_ITEMS], "top_k": r.top_k, "accused": r.accused, "agreement": r.agreement,
             "clusters": r.clusters, "clusters_note": r.clusters_note, "spans": r.spans, "verify": r.verify,
+            "clusters_method": r.clusters_method, "lessons": r.lessons,
             "wall_s": r.wall_s}
 
 
@@ -95,9 +96,11 @@ def _more(n: int) -> str:
 
 def _clusters(v: dict[str, Any]) -> str:
     accused = {a["row_id"]: a for a in v["accused"]}
-    parts = ["<h3>Clusters of the accused rows</h3><p class=note>Each cluster's share of the accused rows' summed"
-             " (negative) score, its top TF-IDF terms, the <code>gradian diagnose</code> findings its rows share,"
-             " and its rows.</p>"]
+    method = v.get("clusters_method") or "tfidf"
+    by = "TF-IDF" if method == "tfidf" else f"sentence embeddings and HDBSCAN ({method.split(':', 1)[-1]})"
+    parts = [f"<h3>Clusters of the accused rows (by {esc(by)})</h3><p class=note>Each cluster's share of the accused"
+             " rows' summed (negative) score, its top TF-IDF terms, the <code>gradian diagnose</code> findings its rows"
+             " share, and its rows.</p>"]
     for c in v["clusters"]:
         findings = "".join(f"<li>{esc(f['text'])}</li>" for f in c["findings"])
         rows = sorted((accused[r] for r in c["rows"] if r in accused), key=lambda a: a["rank"])
@@ -105,6 +108,25 @@ def _clusters(v: dict[str, Any]) -> str:
                      f' the accusation, {esc(c["n_rows"])} rows; terms: {esc(", ".join(c["top_terms"]) or "-")}'
                      f'</summary>{f"<ul>{findings}</ul>" if findings else "<p class=note>no shared diagnose finding</p>"}'
                      f"{_rows_table(rows)}{_more(len(rows))}</details>")
+    return "".join(parts)
+
+
+def _lessons(lessons: list[dict[str, Any]]) -> str:
+    """The lessons (the accused rows grouped by the template they teach) and, for a main lesson, the
+    rows teaching it that were not accused."""
+    rows = [[d["lesson"], f"{100 * d['share']:.1f} %", d["n_rows"], ", ".join(map(str, d["clusters"])) or "-",
+             d["template"], d["said"]] for d in lessons]
+    parts = ["<h3>Lessons: the accused rows grouped by the answer template they teach</h3><p class=note>Completions"
+             " with entities masked (numbers, names, quoted strings); rows of one template in several phrasings"
+             " are one lesson.</p>" + table(["lesson", "share", "rows", "clusters", "template", "in words"], rows,
+                                            {0, 1, 2})]
+    for d in lessons:
+        same = d.get("same_lesson")
+        if same and same["rows"]:
+            parts.append(f"<h4>Rows teaching lesson {esc(d['lesson'])}, not accused</h4><p class=note>{esc(same['said'])};"
+                         " most negative score first.</p>"
+                         + table(["row", "line", "score", "text"], [[r["row_id"], r["line"], f"{r['score']:.4g}",
+                                                                    r["text_preview"]] for r in same["rows"]], {0, 1, 2}))
     return "".join(parts)
 
 
@@ -157,6 +179,8 @@ def attribute_section(v: dict[str, Any]) -> str:
                          f"{_rows_table(v['accused'])}{_more(len(v['accused']))}")
         if v["clusters_note"]:
             parts.append(f'<p class="note">{esc(v["clusters_note"])}</p>')
+        if v.get("lessons"):
+            parts.append(_lessons(v["lessons"]))
         if v["spans"] and v["spans"]["rows"]:
             parts.append(_spans(v["spans"]))
         if v["spans"] and v["spans"].get("note"):

@@ -171,8 +171,9 @@ def final_logits(adapter, h: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_items(loaded, items: Sequence[EvalItem], batch_size: int = EVAL_BATCH) -> ItemScores:
-    """Teacher-forced scores of every item on one model (`circuitkit.models.loading.LoadedModel`).
+def score_items(loaded, items: Sequence[EvalItem], batch_size: int = EVAL_BATCH, bar=None) -> ItemScores:
+    """Teacher-forced scores of every item on one model (`circuitkit.models.loading.LoadedModel`);
+    `bar` (`circuitkit.core.progress.Progress`, optional) advances by each batch's items.
 
     Only the answer positions go through the unembedding, `logit_chunk_rows(V)` at a time, so the
     float32 logits never exceed one chunk whatever the prompt length."""
@@ -204,6 +205,8 @@ def score_items(loaded, items: Sequence[EvalItem], batch_size: int = EVAL_BATCH)
             first_rows = is_first[sl].cpu()
             first[rows[first_rows]] = hit.cpu()[first_rows]
         del hidden
+        if bar is not None:
+            bar.advance(len(part))
     return ItemScores(logprob, margin, first, misses == 0)
 
 

@@ -38,6 +38,7 @@ from rich.console import Console
 
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import check_not_an_input, check_writable, sha256_file
+from circuitkit.core.progress import Progress
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import (
     ModelReferenceError,
@@ -203,7 +204,8 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     does not fit; 1: bad file content) and IndexMismatchError (another model than the index's).
     """
     start = time.perf_counter()
-    say = (console or Console(stderr=True)).print
+    console = console or Console(stderr=True)
+    say = console.print
     if query_loss not in QUERY_LOSSES:
         raise UserError(f"--query-loss {query_loss!r}; valid: {', '.join(QUERY_LOSSES)}.", exit_code=2)
     if top_k < 1:
@@ -239,9 +241,11 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
                            f"--eval-dataset {eval_path}")
     say(f"scoring {len(items)} eval items on the tuned model and on the base model ({base_cfg.name}) …",
         markup=False, highlight=False)
-    tuned_scores = score_items(tuned, items)
+    with Progress(console, "scoring the eval set on the tuned model", len(items), "items", announce=True) as bar:
+        tuned_scores = score_items(tuned, items, bar=bar)
     base = load_model(base_cfg)
-    base_scores = score_items(base, items)
+    with Progress(console, "scoring the eval set on the base model", len(items), "items", announce=True) as bar:
+        base_scores = score_items(base, items, bar=bar)
     del base  # the gradients below need the tuned model only
     _release_memory()
     regression = measure_regression(base_scores, tuned_scores, seed, resamples)
@@ -304,17 +308,24 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
           span_min_tokens: int, traced_plan: tracing.CheckpointPlan | None = None) -> None:
     """Steps 2-5 (module docstring), filled into `result`."""
     manifest = reader.manifest
+    console = getattr(say, "__self__", None) or Console(stderr=True)  # progress goes where `say` prints
     say(f"query gradients of {len(flipped)} regressed items ({query_loss}); scoring every row with"
         f" {', '.join(names)} …", markup=False, highlight=False)
     engines = [scoring.build_engine(reader, name) for name in names if not tracing.is_tracin(name)]
-    for start in range(0, len(flipped) if engines else 0, QUERY_CHUNK):  # one chunk of full-width gradients at a time
-        queries = query_gradients(tuned, projector, flipped[start:start + QUERY_CHUNK], query_loss,
-                                  said_ids[start:start + QUERY_CHUNK], manifest.get("loss_reduction", "sum"),
-                                  manifest.get("activations", "model"))
-        for engine in engines:
-            engine.add(queries)
-        del queries
-    scores = scoring.stream_scores(reader, engines, verify) if engines else None
+    with Progress(console, f"query gradients of the {len(flipped)} regressed items ({query_loss})", len(flipped),
+                  "items", announce=True, enabled=bool(engines)) as bar:
+        for start in range(0, len(flipped) if engines else 0, QUERY_CHUNK):  # one chunk of full-width gradients at a time
+            queries = query_gradients(tuned, projector, flipped[start:start + QUERY_CHUNK], query_loss,
+                                      said_ids[start:start + QUERY_CHUNK], manifest.get("loss_reduction", "sum"),
+                                      manifest.get("activations", "model"))
+            for engine in engines:
+                engine.add(queries)
+            del queries
+            bar.advance(len(flipped[start:start + QUERY_CHUNK]))
+    n_rows = int(manifest["n_rows"])
+    with Progress(console, f"scoring every indexed row ({', '.join(e.name for e in engines)}) from the shards", n_rows,
+                  "rows", announce=True, enabled=bool(engines)) as bar:
+        scores = scoring.stream_scores(reader, engines, verify, bar=bar) if engines else None
     traced = None
     if traced_plan is not None:
         traced = tracing.tracin_scores(traced_plan, reader, flipped, said_ids, query_loss,

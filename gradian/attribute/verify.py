@@ -50,8 +50,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from rich.console import Console
 
 from circuitkit.core.errors import UserError
+from circuitkit.core.progress import Progress
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 from circuitkit.models.lora import lora_config, read_adapter
@@ -256,7 +258,10 @@ def run_verify(plan: VerifyPlan, manifest: dict[str, Any], tokenizer, accused: d
             steps = plan.settings.n_steps(len(kept))
             say(f"--verify: retraining {label} ({len(left)} left out, {len(kept)} rows, {steps} steps) …",
                 markup=False, highlight=False)
-            trained = retrain.train(plan.model_cfg, kept, plan.settings)
+            # the progress goes where `say` prints (a bound Console.print), else to stderr
+            with Progress(getattr(say, "__self__", None) or Console(stderr=True), f"retraining {label}", steps,
+                          "steps", announce=True) as bar:
+                trained = retrain.train(plan.model_cfg, kept, plan.settings, bar=bar)
             out = work / name
             shutil.rmtree(out, ignore_errors=True)
             trained.save(out)

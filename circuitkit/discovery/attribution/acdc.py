@@ -39,8 +39,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from rich.progress import Progress
 
+from circuitkit.core.progress import Tasks as Progress
 from circuitkit.discovery.attribution.accumulators import total_dtype
 from circuitkit.discovery.attribution.eap import (
     AttributionScores,
@@ -250,8 +250,8 @@ def acdc(adapter: ModelAdapter, data: TaskData, level: str = "edge", metric: str
     cached, m_clean, m_corrupted = _cache_batches(adapter, data, batch_size, metric, edges)
     n = len(data)
     total = int(graph.edge_mask().sum()) if edges else L * (H + 1) + 1
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"acdc {level}", total=total)
+    with Progress(disable=not progress, transient=True, unit="steps") as bar:
+        task = bar.add_task(f"pruning every {level} with acdc", total=total)
         if edges:
             edge_scores, kept_edges, tests = _walk_edges(adapter, graph, cached, metric, threshold, n, m_clean / n, bar, task)
             head = torch.stack([torch.stack([edge_scores[graph.head_index(layer, h)].sum() for h in range(H)])

@@ -26,8 +26,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from circuitkit.core.progress import Tasks as Progress
 from circuitkit.discovery.attribution.accumulators import add_metrics, host_copy, score_accumulators, to_host
 from circuitkit.discovery.attribution.graph import Graph
 from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
@@ -387,9 +387,8 @@ def attribute_corruptions(adapter: ModelAdapter, datas: list[TaskData], algorith
             out["per_example"] = {}
     # the same plan for every corruption: it reads the lengths, which the corruptions share
     planned = list(zip(*(d.length_batches(batch_size, group_by_length) for d in datas), strict=True))
-    with Progress(TextColumn(f"{algorithm} {level}"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), disable=not progress, transient=True) as bar:
-        task = bar.add_task("attribution", total=len(planned))
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"scoring every {level} with {algorithm}", total=len(planned))
         for batches in planned:
             batch = batches[0].to(device, non_blocking=True)
             # a box the last corruption empties once its Δ is taken, so the recorded clean run is not

@@ -20,8 +20,8 @@ that of one EAP-IG pass (one group's gradient sums live at a time).
 from __future__ import annotations
 
 import torch
-from rich.progress import Progress
 
+from circuitkit.core.progress import Tasks as Progress
 from circuitkit.discovery.attribution.accumulators import add_metrics, host_copy, score_accumulators, to_host
 from circuitkit.discovery.attribution.eap import (
     AttributionScores,
@@ -133,7 +133,7 @@ def attribute_activations(adapter: ModelAdapter, data: TaskData, level: str = "n
     rows_per_example: dict[str, list] = {}
     planned = data.length_batches(batch_size, group_by_length)
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"eap-ig-activations {level}", total=len(planned) * len(groups(L)))
+        task = bar.add_task(f"scoring every {level} with eap-ig-activations", total=len(planned) * len(groups(L)))
         for batch in planned:
             batch = batch.to(device, non_blocking=True)
             clean = cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, edges)

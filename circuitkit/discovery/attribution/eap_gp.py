@@ -41,8 +41,8 @@ passes per batch; the steering adds a few (B, T, d_model) float32 buffers, no pa
 from __future__ import annotations
 
 import torch
-from rich.progress import Progress
 
+from circuitkit.core.progress import Tasks as Progress
 from circuitkit.discovery.attribution.accumulators import (
     add_metrics,
     score_accumulators,
@@ -172,7 +172,7 @@ def attribute_gradpath(adapter: ModelAdapter, data: TaskData, level: str = "node
         out["per_example"] = {}
     planned = data.length_batches(batch_size, group_by_length)
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"eap-gp {level}", total=len(planned) * m)
+        task = bar.add_task(f"scoring every {level} with eap-gp", total=len(planned) * m)
         for batch in planned:
             batch = batch.to(device, non_blocking=True)
             clean = cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, edges)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from rich.progress import Progress
 
+from circuitkit.core.progress import Tasks as Progress
 from circuitkit.discovery.attribution.eap import AttributionScores, cached_run, deltas, graph_of
 from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
 from circuitkit.discovery.tasks.base import TaskData
@@ -114,7 +114,7 @@ def exact_patching(adapter: ModelAdapter, data: TaskData, level: str = "node", m
     head_rows: list[torch.Tensor] = []
     n_batches = (len(data) + batch_size - 1) // batch_size
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"exact {level}", total=n_batches)
+        task = bar.add_task(f"patching every {level} exactly", total=n_batches)
         for batch in data.batches(batch_size):
             batch = batch.to(device)
             clean = cached_run(adapter, batch.clean_ids, batch.forward_mask, batch.answers, level == "edge")

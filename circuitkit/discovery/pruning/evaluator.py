@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from rich.console import Console
 
+from circuitkit.core.progress import Progress
 from circuitkit.discovery.attribution.eap import record_head_runs
 from circuitkit.discovery.attribution.metrics import compute_metric
 from circuitkit.discovery.pruning.circuit_forward import (
@@ -82,11 +84,12 @@ class Evaluator:
         return self.many(kept[None])[0]
 
     @torch.no_grad()
-    def many(self, kept: torch.Tensor) -> list[float]:
+    def many(self, kept: torch.Tensor, what: str | None = None) -> list[float]:
         """Each circuit's mean metric: kept (C, n_layers, n_heads) bool -> C floats, in order.
 
         Identical masks are run once; the full model's figure is the clean run recorded at
-        setup. The per-batch sums stay on the device and are copied once, at the end.
+        setup. The per-batch sums stay on the device and are copied once, at the end. `what`:
+        progress is shown (`circuitkit.core.progress`, counted in forwards), first saying `what`.
         """
         kept = kept.bool().cpu()
         unique, inverse = torch.unique(kept.flatten(1), dim=0, return_inverse=True)  # (U, L·H), (C,)
@@ -94,18 +97,23 @@ class Evaluator:
         sums = torch.zeros(len(self.batches), len(unique), device=self.device)  # float32, per batch and circuit
         if len(todo):
             removed = ~unique.view(-1, *kept.shape[1:])  # (U, L, H)
-            for i, (batch, clean_answer, corrupted_z) in enumerate(self.batches):
-                B, step = len(batch), self.circuits_per_forward(batch)
-                prefix = PrefixCache(self.adapter.model, batch, self.prefixes[i]) if self.prefixes[i] > 0 else None
-                for first in range(0, len(todo), step):
-                    chunk = todo[first:first + step]
-                    c = len(chunk)
-                    logits = circuit_answer_logits(self.adapter, batch, self.answer_pos[i], removed[chunk],
-                                                   self._values(corrupted_z), prefix)  # (B·c, V)
-                    rows = batch[torch.arange(B, device=batch.clean_ids.device).repeat_interleave(c)]
-                    clean = clean_answer.repeat_interleave(c, dim=0) if self.metric == "kl" else None
-                    metric = compute_metric(self.metric, logits, rows, clean).view(B, c)
-                    sums[i, chunk.to(self.device)] = metric.sum(dim=0).to(sums.device)
+            forwards = sum(-(-len(todo) // self.circuits_per_forward(b)) for b, _, _ in self.batches)
+            with Progress(Console(stderr=True), what or "", forwards, "forwards", announce=True,
+                          enabled=what is not None) as bar:
+                for i, (batch, clean_answer, corrupted_z) in enumerate(self.batches):
+                    B, step = len(batch), self.circuits_per_forward(batch)
+                    prefix = (PrefixCache(self.adapter.model, batch, self.prefixes[i]) if self.prefixes[i] > 0
+                              else None)
+                    for first in range(0, len(todo), step):
+                        chunk = todo[first:first + step]
+                        c = len(chunk)
+                        logits = circuit_answer_logits(self.adapter, batch, self.answer_pos[i], removed[chunk],
+                                                       self._values(corrupted_z), prefix)  # (B·c, V)
+                        rows = batch[torch.arange(B, device=batch.clean_ids.device).repeat_interleave(c)]
+                        clean = clean_answer.repeat_interleave(c, dim=0) if self.metric == "kl" else None
+                        metric = compute_metric(self.metric, logits, rows, clean).view(B, c)
+                        sums[i, chunk.to(self.device)] = metric.sum(dim=0).to(sums.device)
+                        bar.advance(1)  # counted on the host: no device sync
         totals = (sums.cpu().double().sum(dim=0) / self.n).tolist()  # the one copy to the host
         full = unique.all(dim=1).tolist()
         return [self.m_clean if full[u] else totals[u] for u in inverse.tolist()]
@@ -135,9 +143,15 @@ def evaluate_each(evaluate: Callable[[torch.Tensor], float], masks: list[torch.T
     `many`), else one by one (`circuitkit.discovery.pruning.edges.EdgeEvaluator`, a plain function)."""
     if not masks:
         return []
+    what = f"evaluating {len(masks)} circuits on the held-out set"
     if isinstance(evaluate, Evaluator):
-        return evaluate.many(torch.stack(masks))
-    return [evaluate(m) for m in masks]
+        return evaluate.many(torch.stack(masks), what)
+    out = []
+    with Progress(Console(stderr=True), what, len(masks), "circuits", announce=True) as bar:
+        for m in masks:
+            out.append(evaluate(m))
+            bar.advance(1)
+    return out
 
 
 def faithfulness(m_circuit: float, m_full: float, m_empty: float) -> float:
