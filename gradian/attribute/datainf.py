@@ -22,9 +22,10 @@ Damping, the paper's choice: λ_l = 0.1 · mean_i ‖g_il‖² / d_l, a tenth of
 shrinks as λ_l grows relative to G_l's eigenvalues (both sides tend to I / λ_l).
 
 Cost: two streaming passes over the shards before the shared scoring pass, each one shard in memory:
-the modules' squared norms (n x M floats kept: λ needs every row before any c_il), then w (one
-float64 vector of the row's width). The passes read without checking sha256: the scoring pass checks
-every shard and stops the command on one that differs.
+the sum of each module's squared norms (λ needs every row before any c_il), then w (one float64
+vector of the row's width; the squared norms recomputed per shard rather than kept, n x M floats).
+The passes read without checking sha256: the scoring pass checks every shard and stops the command
+on one that differs.
 
 What it is depends on the index: on rows projected to k per module (the default) this is DataInf in
 the projected space, of the projected gradients P g_il, not of the LoRA gradients themselves; on an
@@ -68,21 +69,20 @@ def datainf_query(v: torch.Tensor, shards: Callable[[], Iterable[torch.Tensor]],
     (λ_l = 0) scores nothing: its part of u is 0.
     """
     v = v.double()
-    sq_norms: list[torch.Tensor] = []  # (n, M) per shard
+    sq_sums = torch.zeros(len(widths), dtype=torch.float64)  # Σ_i ‖g_il‖², (M,)
+    n = 0
     for rows in shards():
-        sq_norms.append(torch.stack([(b.double() ** 2).sum(dim=1) for b in _blocks(rows, widths)], dim=1))
-    sq = torch.cat(sq_norms) if sq_norms else torch.zeros(0, len(widths), dtype=torch.float64)  # (n, M)
-    n = sq.shape[0]
-    lam = damping_of(sq.sum(dim=0), n, widths, damping)  # (M,)
+        sq_sums += torch.stack([(b.double() ** 2).sum() for b in _blocks(rows, widths)])
+        n += len(rows)
+    lam = damping_of(sq_sums, n, widths, damping)  # (M,)
     v_blocks = torch.split(v, widths)
     w = [torch.zeros(d, dtype=torch.float64) for d in widths]
     start = 0
     for rows in shards():
         rows = rows.double()
-        part = sq[start:start + len(rows)]  # (n_shard, M)
         for m, (g, vm) in enumerate(zip(_blocks(rows, widths), v_blocks, strict=True)):
-            c = (g @ vm) / (lam[m] + part[:, m]).clamp_min(torch.finfo(torch.float64).tiny)  # (n_shard,)
-            w[m] += c @ g
+            denom = (lam[m] + (g * g).sum(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)  # (n_shard,)
+            w[m] += ((g @ vm) / denom) @ g
         start += len(rows)
     if start != n:
         raise ValueError(f"the shards gave {n} rows, then {start}: they changed between DataInf's two passes.")
