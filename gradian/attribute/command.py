@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     add_schema_flag(p, AttributeConfig, "query_loss")
     p.add_argument("--engines", default=None, metavar="E1,E2",
                    help="comma-separated scoring engines, the first accuses, the others report their agreement:"
-                        " auto (gradian rank's default score), dot, cosine, influence, kfac, ekfac, and with"
+                        " auto (gradian rank's default score), dot, cosine, influence, kfac, ekfac, datainf, and with"
                         " --checkpoints tracin, tracin-dot (default: auto; tracin,auto with --checkpoints)")
     p.add_argument("--checkpoints", default=None, metavar="DIR|A,B,C",
                    help="TracIn across the fine-tune: its Trainer output directory (checkpoint-*/ adapters, learning"
@@ -55,6 +55,7 @@ def add_parser(sub) -> None:
                         " index under INDEX/checkpoints/ (reused on rerun)")
     p.add_argument("--checkpoint-lrs", default=None, metavar="LR1,LR2",
                    help="the learning rate of each checkpoint, in order (default: trainer_state.json's, else equal)")
+    add_schema_flag(p, AttributeConfig, "precision")
     p.add_argument("--out", default=None, help="write the whole result as JSON here (atomic; not one of the inputs)")
     bounded(p.add_argument("--seed", type=int, default=0, help="the paired bootstrap's seed (default 0)"), ge=0,
             le=MAX_SEED)
@@ -102,17 +103,26 @@ def _regression_table(result) -> Table:
                                                   f" {r['tuned_first_token_accuracy']:.3f}"))
     table.add_row(_t("flipped right -> wrong"), _t(f"{len(r['flipped'])} (wrong -> right: {len(r['fixed'])})"))
     table.add_row(_t("bootstrap"), _t(f"{r['resamples']} paired resamples, seed {r['seed']}"))
+    prec = result.precision
+    if prec is not None:
+        table.add_row(_t("precision"), _t(f"evaluated in {prec['used']} ({prec['note']}); query gradients in"
+                                          f" {prec['queries']}"))
+        tie = prec["near_tie"]
+        if tie is not None:
+            table.add_row(_t("near-ties"), _t(f"{len(tie['items'])} of {tie['checked']} flipped items flip on a margin"
+                                              f" within {tie['eps']:g} nats of 0 in {tie['precision']}"))
     return table
 
 
 def _flipped_table(result) -> Table:
     flipped = [it for it in result.items if it["flipped"]]
     table = Table(title=_t(f"flipped items (first {min(SHOWN_ITEMS, len(flipped))} of {len(flipped)})"))
-    for column in ("line", "prompt", "answer", "tuned says", "base margin"):
+    for column in ("line", "prompt", "answer", "tuned says", "base margin", "precision"):
         table.add_column(column, overflow="fold")
     for it in flipped[:SHOWN_ITEMS]:
+        tie = {True: "near-tie", False: "holds"}.get(it.get("near_tie"), "-")
         table.add_row(_t(it["line"]), _t(it["prompt"]), _t(repr(it["answer"])), _t(repr(it["tuned_says"])),
-                      _t(f"{it['base']['margin']:.2f}"))
+                      _t(f"{it['base']['margin']:.2f}"), _t(tie))
     return table
 
 
@@ -239,6 +249,8 @@ def print_result(result, console: Console | None = None) -> None:
         flag = ": LOW CONFIDENCE, the engines disagree on the accused rows" if a["low_confidence"] else ""
         out.print(Text(f"agreement {a['against']} vs {a['engine']}: top-{a['k']} overlap {a['top_k_overlap']:.2f},"
                        f" Spearman {rho}{flag}"))
+    for name, note in (result.engine_notes or {}).items():
+        out.print(Text(f"{name}: {note}"))
     if result.checkpoints:
         out.print(_checkpoints_table(result.checkpoints))
     if result.spans and result.spans["rows"]:
@@ -301,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
                            top_k=args.top_k, query_loss=args.query_loss, engines=engines, out_path=args.out,
                            seed=args.seed, resamples=args.bootstrap, verify=not skip_checksums(args),
                            span_min_tokens=args.span_min_tokens, retrain=retrain, console=error_console(),
-                           checkpoints=args.checkpoints, checkpoint_lrs=lrs)
+                           checkpoints=args.checkpoints, checkpoint_lrs=lrs, precision=args.precision)
     except IndexMismatchError as mismatch:  # another model, adapter or projection than the index's
         raise UserError(str(mismatch), exit_code=2) from mismatch
     print_result(result)

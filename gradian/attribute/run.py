@@ -53,6 +53,7 @@ from gradian.attribute import checkpoints as tracing
 from gradian.attribute import clusters as clustering
 from gradian.attribute import engines as scoring
 from gradian.attribute import lessons as teaching
+from gradian.attribute import precision as precisions
 from gradian.attribute import spans as drilling
 from gradian.attribute.embeddings import choose_method
 from gradian.attribute.evaluate import (
@@ -147,20 +148,29 @@ def _base_config(manifest: dict[str, Any], base_model: str | None) -> tuple[Mode
     return cfg, how
 
 
-def _tuned_model(manifest: dict[str, Any], adapter: str | None):
-    """The tuned model: the index's, with `adapter` ("index": the one it records) kept as LoRA linears.
+def _tuned_config(manifest: dict[str, Any], adapter: str | None, precision: str | None = None) -> ModelConfig:
+    """The tuned model's config: the index's model with `adapter` ("index": the one it records), in
+    `precision` (default: the index's)."""
+    cfg = ModelConfig(name=manifest["model"], revision=manifest.get("revision"), gguf_file=manifest.get("gguf_file"),
+                      precision=precision or manifest.get("precision", "bfloat16"))
+    return dataclasses.replace(cfg, adapter=adapter if adapter not in (None, "index")
+                               else asked_adapter(manifest, adapter))
+
+
+def _tuned_model(manifest: dict[str, Any], adapter: str | None, precision: str | None = None):
+    """The tuned model: the index's, with `adapter` ("index": the one it records) kept as LoRA linears,
+    in `precision` (default: the index's, the one its rows were made in).
 
     An adapter directory other than the index's is loaded first, so that one made for another base
     model is refused by `circuitkit.models.lora`'s fit check (naming both), then compared with the
     index's record (IndexMismatchError)."""
-    cfg = ModelConfig(name=manifest["model"], revision=manifest.get("revision"), gguf_file=manifest.get("gguf_file"),
-                      precision=manifest.get("precision", "bfloat16"))
+    cfg = _tuned_config(manifest, adapter, precision)
     if adapter not in (None, "index"):
         read_adapter(adapter, "--adapter")
-        loaded = load_model(dataclasses.replace(cfg, adapter=adapter), keep_adapter=True)
+        loaded = load_model(cfg, keep_adapter=True)
         compare_adapter(manifest.get("adapter"), loaded.lora, "--adapter")
         return loaded
-    return load_model(dataclasses.replace(cfg, adapter=asked_adapter(manifest, adapter)), keep_adapter=True)
+    return load_model(cfg, keep_adapter=True)
 
 
 def _release_memory() -> None:
@@ -171,7 +181,7 @@ def _release_memory() -> None:
 
 
 def _item_records(items: list[EvalItem], base: ItemScores, tuned: ItemScores, flipped: list[int],
-                  said: dict[int, tuple[str, str]]) -> list[dict[str, Any]]:
+                  said: dict[int, tuple[str, str]], near_ties: list[int] | None = None) -> list[dict[str, Any]]:
     def scores(s: ItemScores, i: int) -> dict[str, Any]:
         return {"logprob": float(s.logprob[i]), "margin": float(s.margin[i]), "first": bool(s.first[i]),
                 "exact": bool(s.exact[i])}
@@ -179,7 +189,9 @@ def _item_records(items: list[EvalItem], base: ItemScores, tuned: ItemScores, fl
     return [{"item": it.item, "line": it.line, "prompt": preview(it.prompt), "answer": it.answer,
              "base": scores(base, it.item), "tuned": scores(tuned, it.item), "flipped": it.item in flips,
              "tuned_says": said[it.item][0] if it.item in said else None,
-             "tuned_says_end": said[it.item][1] if it.item in said else None} for it in items]
+             "tuned_says_end": said[it.item][1] if it.item in said else None,
+             "near_tie": (it.item in near_ties) if near_ties is not None and it.item in flips else None}
+            for it in items]
 
 
 def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | None = None,
@@ -188,7 +200,7 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
               resamples: int = BOOTSTRAP_RESAMPLES, thin_margin: float = THIN_MARGIN, verify: bool = True,
               span_min_tokens: int = drilling.DEFAULT_MIN_TOKENS, retrain: VerifyOptions | None = None,
               console: Console | None = None, checkpoints: str | None = None,
-              checkpoint_lrs: list[float] | None = None) -> AttributionResult:
+              checkpoint_lrs: list[float] | None = None, precision: str = "index") -> AttributionResult:
     """Measure the tuned model's regression on `eval_path` against its base model and, when it is
     outside the noise band, rank the index's training rows by how much they caused it.
 
@@ -199,7 +211,8 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     accused rows with at least this many supervised tokens are drilled into (0: none). `retrain`:
     --verify's settings (None: nothing is retrained). `checkpoints` / `checkpoint_lrs`: the run's
     checkpoints and their learning rates, read by the tracin engines (`gradian.attribute.checkpoints`,
-    `plan_checkpoints`). Writes the result to `out_path` (atomic JSON)
+    `plan_checkpoints`). `precision`: the dtype both models are evaluated in
+    (`gradian.attribute.precision`; the query gradients stay in the index's). Writes the result to `out_path` (atomic JSON)
     when given. Raises UserError (exit code 2: an argument or a model that
     does not fit; 1: bad file content) and IndexMismatchError (another model than the index's).
     """
@@ -221,6 +234,13 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     reader = _check_index(index_dir)
     manifest = reader.manifest
     names = scoring.resolve_engines(list(engines), manifest)
+    evaluated = precisions.eval_precision(precision, manifest)
+    index_precision = str(manifest.get("precision", "bfloat16"))
+    if retrain is not None and evaluated.used != index_precision:
+        raise UserError(f"--verify scores its retrained models in the index's precision ({index_precision}), against"
+                        f" base and tuned scores that --precision {precision} puts in {evaluated.used}: leave"
+                        " --precision out (or give --precision index) with --verify.", exit_code=2)
+    say(precisions.precision_line(evaluated, index_precision), markup=False, highlight=False)
     traced_plan = _checkpoint_plan(names, manifest, checkpoints, checkpoint_lrs, say)
     rows = read_eval_rows(eval_path)
     base_cfg, how = _base_config(manifest, base_model)
@@ -239,11 +259,15 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     projector = check_compatible(manifest, tuned, index_dir)
     items = tokenize_items(rows, tuned.tokenizer, policy_of(manifest), context_length(tuned.model.config),
                            f"--eval-dataset {eval_path}")
+    if evaluated.used != index_precision:  # the eval's own dtype now; the gradients' model is loaded again
+        del tuned
+        _release_memory()
+        tuned = _tuned_model(manifest, adapter, evaluated.used)
     say(f"scoring {len(items)} eval items on the tuned model and on the base model ({base_cfg.name}) …",
         markup=False, highlight=False)
     with Progress(console, "scoring the eval set on the tuned model", len(items), "items", announce=True) as bar:
         tuned_scores = score_items(tuned, items, bar=bar)
-    base = load_model(base_cfg)
+    base = load_model(dataclasses.replace(base_cfg, precision=evaluated.used))
     with Progress(console, "scoring the eval set on the base model", len(items), "items", announce=True) as bar:
         base_scores = score_items(base, items, bar=bar)
     del base  # the gradients below need the tuned model only
@@ -254,18 +278,31 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     said_ids = greedy_continuations(tuned, flipped) if flipped else []
     said = {it.item: (tuned.tokenizer.decode(ids), ended_by(ids, tuned.tokenizer))
             for it, ids in zip(flipped, said_ids, strict=True)}
+    near_tie = None
+    if regression.significant and flipped:
+        say(f"checking the {len(flipped)} flipped items in {precisions.other_precision(evaluated.used)} (near-ties) …",
+            markup=False, highlight=False)
+        near_tie = precisions.near_tie_check(base_cfg, _tuned_config(manifest, adapter), items, regression.flipped,
+                                             evaluated.used)
+    if regression.significant and evaluated.used != index_precision:
+        del tuned  # the query gradients need the index's weights
+        _release_memory()
+        tuned = _tuned_model(manifest, adapter)
     eval_sha = sha256_file(Path(eval_path))
     models = {"tuned": {"name": manifest["model"], "revision": manifest.get("revision"),
                         "precision": manifest.get("precision"), "weights_sha256": manifest.get("weights_sha256"),
                         "adapter": manifest.get("adapter")},
-              "base": {"name": base_cfg.name, "revision": base_cfg.revision, "precision": base_cfg.precision,
+              "base": {"name": base_cfg.name, "revision": base_cfg.revision, "precision": evaluated.used,
                        "how": how}}
     result = AttributionResult(
         attributed=False, reason=regression.reason, index=str(index_dir), eval_dataset=str(eval_path),
         eval_sha256=eval_sha, models=models, query=query_record(query_loss, manifest), engines=names,
         damping={}, seeds={"bootstrap": seed, **({"control": seed, "train": plan.settings.seed} if plan else {})},
         regression=regression.as_dict(), base_blame=blame.as_dict(),
-        items=_item_records(items, base_scores, tuned_scores, regression.flipped, said), top_k=top_k)
+        items=_item_records(items, base_scores, tuned_scores, regression.flipped, said,
+                            near_tie["items"] if near_tie else None), top_k=top_k,
+        precision={"requested": evaluated.requested, "used": evaluated.used, "note": evaluated.note,
+                   "index": index_precision, "queries": index_precision, "near_tie": near_tie})
     if regression.significant:
         _rank(result, reader, tuned, projector, flipped, said_ids, query_loss, names, top_k, verify, say,
               span_min_tokens, traced_plan)
@@ -340,6 +377,7 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
     rows = [clustering.AccusedRow(r, lines.get(r), texts.get(lines.get(r)), float(scores[0, r])) for r in accused]
     result.attributed = True
     result.damping = {e.name: e.damping for e in engines} | (traced.damping if traced else {})
+    result.engine_notes = {e.name: e.note for e in engines if e.note} or None
     if traced is not None:
         result.checkpoints = traced.record(accused)
     result.agreement = scoring.agreement(names, scores, top_k)

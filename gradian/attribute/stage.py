@@ -63,7 +63,8 @@ def _attribute(ctx: RunContext) -> StageResult:
     result = attribute(index_dir, Path(a.eval_path).expanduser(), base_model=_base_model(cfg),
                        adapter=cfg.model.adapter, top_k=a.top_k, query_loss=a.query_loss, engines=list(a.engines),
                        out_path=out, seed=cfg.seed, resamples=a.bootstrap, thin_margin=a.thin_margin,
-                       span_min_tokens=a.span_min_tokens, console=ctx.console)
+                       span_min_tokens=a.span_min_tokens, console=ctx.console, precision=a.precision,
+                       checkpoints=a.checkpoints, checkpoint_lrs=a.checkpoint_lrs)
     print_result(result, ctx.console)
     return StageResult([out], _summary(result, out))
 
@@ -80,7 +81,14 @@ def _attribute_inputs(cfg: Any, run_dir: Path) -> dict[str, Path | str]:
     data = grads_data_file(cfg)
     if data.is_file():  # the accused rows' texts, clusters and diagnose findings come from it
         inputs["grads.data_path"] = data
+    for i, path in enumerate(_checkpoint_paths(cfg)):  # the tracin engines' adapters and trainer_state.json
+        inputs[f"attribute.checkpoints[{i}]"] = path
     return inputs
+
+
+def _checkpoint_paths(cfg: Any) -> list[Path]:
+    spec = cfg.attribute.checkpoints
+    return [] if spec is None else [Path(p.strip()).expanduser() for p in spec.split(",") if p.strip()]
 
 
 def _check_attribute(cfg: Any) -> None:
@@ -90,6 +98,19 @@ def _check_attribute(cfg: Any) -> None:
         return
     check_model(cfg.model)
     check_input_file(Path(cfg.attribute.eval_path).expanduser(), "attribute.eval_path")
+    a = cfg.attribute
+    tracin = [e for e in a.engines if e in ("tracin", "tracin-dot")]
+    if a.checkpoints is None and (tracin or a.checkpoint_lrs is not None):
+        what = f"attribute.engines lists {tracin[0]}" if tracin else "attribute.checkpoint_lrs is set"
+        raise UserError(f"{what}, which reads the fine-tune's checkpoints: set attribute.checkpoints to its Trainer"
+                        " output directory (or a comma list of adapter directories).", exit_code=2)
+    if a.checkpoints is not None and not tracin:
+        raise UserError(f"attribute.checkpoints is read by the tracin engines, and attribute.engines={list(a.engines)}"
+                        " lists none: add one, e.g. attribute.engines=[tracin,auto].", exit_code=2)
+    missing = [str(p) for p in _checkpoint_paths(cfg) if not p.is_dir()]
+    if missing:
+        raise UserError(f"attribute.checkpoints: {missing[0]} is not a directory; give the fine-tune's Trainer output"
+                        " directory or adapter directories.", exit_code=2)
 
 
 ATTRIBUTE_STAGE = Stage("attribute", ("model", "grads", "attribute", "seed"), _attribute, inputs=_attribute_inputs,
