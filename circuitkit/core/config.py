@@ -88,7 +88,8 @@ def _describe_allowed(tp: Any, optional: bool, meta: Mapping[str, Any]) -> str:
     else:
         name = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp)
         if typing.get_origin(tp) is list:
-            name = "a list of integers" if typing.get_args(tp) == (int,) else "a list of strings"
+            name = {(int,): "a list of integers", (float,): "a list of numbers"}.get(typing.get_args(tp),
+                                                                                 "a list of strings")
         parts.append(name or str(tp))
     bounds = []
     if meta.get("ge") is not None:

@@ -47,11 +47,11 @@ from gradian.index.store import IndexReader
 from gradian.rank.ranking import default_score
 from gradian.settings.attribute import AttributeConfig
 
-# scored across the fine-tune's checkpoints, one index per checkpoint (`gradian.attribute.checkpoints`)
+# The schema's list (attribute.engines), but for "auto", which resolve_engines picks.
+ENGINES = tuple(e for e in choices(AttributeConfig, "engines") if e != "auto")
+# Of them, those scored across the fine-tune's checkpoints, one index each (`gradian.attribute.checkpoints`):
+# they need --checkpoints (attribute.checkpoints).
 TRACIN_ENGINES = ("tracin", "tracin-dot")
-# The schema's list (attribute.engines, whose "auto" resolve_engines picks), then the checkpoints' engines,
-# which only `gradian attribute --checkpoints` can run.
-ENGINES = (*(e for e in choices(AttributeConfig, "engines") if e != "auto"), *TRACIN_ENGINES)
 LOW_AGREEMENT = 0.5  # top-k overlap below this between engines: the accusation is low-confidence
 _EPS = 1e-12
 

@@ -27,8 +27,9 @@ class AttributeConfig:
                          choices=("contrastive", "ce", "margin"))
     engines: list[str] = _f(["auto"], "scoring engines, the first accuses and the others report their rank"
                             " agreement with it: auto = gradian rank's default score for the index (ekfac with"
-                            " K-FAC factors, else cosine)", choices=("auto", "dot", "cosine", "influence", "kfac", "ekfac",
-                                                                 "datainf"))
+                            " K-FAC factors, else cosine); tracin, tracin-dot = TracIn across the fine-tune's checkpoints"
+                            " (attribute.checkpoints)", choices=("auto", "dot", "cosine", "influence", "kfac", "ekfac",
+                                                                 "datainf", "tracin", "tracin-dot"))
     top_k: int = _f(40, "training rows accused (most negative score first)", ge=1, le=100_000)
     bootstrap: int = _f(2000, "paired bootstrap resamples of the regression's 95 % interval (seeded with the"
                         " top-level seed)", ge=100, le=1_000_000)
@@ -43,3 +44,10 @@ class AttributeConfig:
                         " index's precision (the rows' weights). Flipped items are re-scored in float32 (bfloat16"
                         " when float32 was used) and marked near-tie when their flip depends on it",
                         choices=("index", "auto", "float32", "bfloat16", "float16"))
+    checkpoints: Optional[str] = _f(None, "the fine-tune's checkpoints for the tracin engines (gradian attribute"
+                                    " --checkpoints): its Hugging Face Trainer output directory (checkpoint-*/ LoRA"
+                                    " adapters, learning rates from trainer_state.json) or a comma list of adapter"
+                                    " directories; each gets its own index under the run's index dir (checkpoints/),"
+                                    " reused on rerun. null = none (the tracin engines are then refused)")
+    checkpoint_lrs: Optional[list[float]] = _f(None, "the learning rate of each checkpoint, in order (gradian attribute"
+                                               " --checkpoint-lrs); null = trainer_state.json's, else equal weights")

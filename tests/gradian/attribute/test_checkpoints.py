@@ -332,3 +332,26 @@ def test_the_command_refuses_tracin_without_checkpoints_and_the_reverse(run_dir,
     assert code == 2 and "--checkpoint-lrs '1,x,2': give numbers" in err
     code, _, err = _run(capsys, *args, "--checkpoints", str(run_dir / "nowhere"))
     assert code == 2 and "does not exist" in err and "Traceback" not in err
+
+
+def test_the_pipeline_stage_reads_the_checkpoint_keys(run_dir) -> None:
+    from circuitkit_app.config import compose
+    from gradian.attribute.stage import _attribute_inputs, _check_attribute
+
+    def cfg(*extra: str):
+        return compose([f"model.name={run_dir / 'base'}", f"model.adapter={run_dir / 'run' / f'checkpoint-{STEPS}'}",
+                        f"attribute.eval_path={run_dir / 'eval.jsonl'}", "stages=[grads,attribute]", *extra])[1]
+
+    for extra, message in ((["attribute.engines=[tracin]"], "attribute.engines lists tracin, which reads the"),
+                           (["attribute.checkpoint_lrs=[1e-2]"], "attribute.checkpoint_lrs is set, which reads"),
+                           ([f"attribute.checkpoints={run_dir / 'run'}"], "attribute.checkpoints is read by the tracin"),
+                           ([f"attribute.checkpoints={run_dir / 'nowhere'}", "attribute.engines=[tracin-dot]"],
+                            "is not a directory")):
+        with pytest.raises(UserError, match=message) as err:
+            _check_attribute(cfg(*extra))
+        assert err.value.exit_code == 2 and "\n" not in str(err.value)
+    ok = cfg(f"attribute.checkpoints={run_dir / 'run'}", "attribute.engines=[tracin,auto]",
+             "attribute.checkpoint_lrs=[3e-2,2e-2,1e-2]")
+    _check_attribute(ok)
+    assert ok.attribute.checkpoint_lrs == [3e-2, 2e-2, 1e-2]
+    assert _attribute_inputs(ok, run_dir)["attribute.checkpoints[0]"] == run_dir / "run"
