@@ -154,10 +154,13 @@ LAYERS: dict[str, str] = {
     # capture: per-example gradients on the supervised tokens, the loss, circuit sites
     "gradian.capture": GRADIAN,
     "gradian.capture.gradients": GRADIAN,
+    "gradian.capture.hooks": GRADIAN,  # one hook per module: its projected (input, output-gradient) pair, handed on
+    "gradian.capture.consumers": GRADIAN,  # what takes the pairs: the rows, the sampled-label rows
     "gradian.capture.sites": GRADIAN,  # circuit-restricted indexing: the weights a circuit's components write through
     # curvature: factor sums, module second moments, whitening, width allocation
     "gradian.curvature": GRADIAN,
     "gradian.curvature.factors": GRADIAN,  # K-FAC factor sums and their shard checks
+    "gradian.curvature.consumers": GRADIAN,  # the capture's consumer that feeds the K-FAC factor sums
     "gradian.curvature.moments": GRADIAN,  # grads.preconditioner=module: per-module second moments
     "gradian.curvature.whitening": GRADIAN,  # the whitened projection's factor pass and its stored matrices
     "gradian.curvature.allocation": GRADIAN,  # grads.width_allocation=spectrum: per-module widths

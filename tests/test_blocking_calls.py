@@ -98,21 +98,27 @@ def test_a_row_that_overflows_float16_stops_the_run_and_a_resume_finishes_it(tmp
     fault, it resumes and ends with the bytes of an uninterrupted build."""
     cfg = _cfg(tmp_path, "grads.preconditioner=none")
     indexer.build_index(cfg.model, cfg.grads, tmp_path / "clean")
-    real = indexer.per_example_gradients
+    real = indexer.index_batch
 
-    def blown_up(*args, row_ids=None, **kwargs):
-        out = real(*args, row_ids=row_ids, **kwargs)
-        if 11 in row_ids:
-            first = next(iter(out))
-            out[first][row_ids.index(11)] *= 1e9
-        return out
+    class BlownUp:  # the shard buffer, with row 11 scaled beyond float16 on its way in
+        def __init__(self, buffer, at: int) -> None:
+            self.buffer, self.at = buffer, at
 
-    monkeypatch.setattr(indexer, "per_example_gradients", blown_up)
+        def add(self, plan, rows, fisher_rows=None) -> None:
+            rows[self.at] *= 1e9
+            self.buffer.add(plan, rows, fisher_rows)
+
+    def blown_up(capture, rows, plan, first_row, factors, buffer):
+        row_ids = [first_row + i for i in plan]
+        return real(capture, rows, plan, first_row, factors,
+                    BlownUp(buffer, row_ids.index(11)) if 11 in row_ids else buffer)
+
+    monkeypatch.setattr(indexer, "index_batch", blown_up)
     with pytest.raises(StorageOverflowError, match=r"rows \[11\] of shard 1 exceed the float16 range"):
         indexer.build_index(cfg.model, cfg.grads, tmp_path / "faulty")
     manifest = json.loads((tmp_path / "faulty" / MANIFEST).read_text())
     assert manifest["complete"] is False and "shard-00001.safetensors" not in manifest["shards"]
-    monkeypatch.setattr(indexer, "per_example_gradients", real)
+    monkeypatch.setattr(indexer, "index_batch", real)
     indexer.build_index(cfg.model, cfg.grads, tmp_path / "faulty")
     assert IndexReader(tmp_path / "faulty").verify() == []
     assert _index_bytes(tmp_path / "faulty") == _index_bytes(tmp_path / "clean")

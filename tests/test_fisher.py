@@ -181,7 +181,9 @@ def test_memory_estimate_bounds_the_sampled_label_pass() -> None:
     from circuitkit.models.linear_modules import module_shapes, select_modules
     from circuitkit.preflight.memory import shape_from_config
     from gradian.build.memory import estimate_grads
-    from gradian.capture.gradients import per_example_gradients
+    from gradian.capture.consumers import RowsConsumer, SampledFisherConsumer
+    from gradian.capture.gradients import SampledLabels, capture_batch
+    from gradian.curvature.consumers import FactorSumsConsumer
     from gradian.curvature.factors import FactorSums
 
     torch.manual_seed(0)
@@ -199,8 +201,10 @@ def test_memory_estimate_bounds_the_sampled_label_pass() -> None:
         est[fisher] = estimate_grads(shape_from_config(model.config), 4, 4, 64, 16, projector, 4, 4,
                                      preconditioner="kfac", fisher=fisher).total_bytes
         with measure_peak(torch.device("cpu")) as peak:
-            per_example_gradients(model, adapter, modules, projector, batch, factors=FactorSums(projector.names),
-                                  fisher=fisher, row_ids=[0, 1, 2, 3])
+            consumers = [RowsConsumer(projector, projector.names), FactorSumsConsumer(FactorSums(projector.names), fisher)]
+            if fisher == "sampled":
+                consumers.append(SampledFisherConsumer(projector, projector.names))
+            capture_batch(model, adapter, modules, projector, batch, consumers, sampled=SampledLabels([0, 1, 2, 3], 0))
         peaks[fisher] = peak.peak_bytes
     assert peaks["sampled"] > peaks["empirical"]  # the second pass costs something
     for fisher in peaks:

@@ -38,9 +38,17 @@ from circuitkit.models.loading import context_length, load_model, model_context,
 from gradian.build.device_batch import device_batch
 from gradian.build.memory import curvature_sides, estimate_grads
 from gradian.build.shard_rows import ShardJob, ShardPipeline, ShardRows
-from gradian.capture.gradients import activation_mode, activation_numerics, per_example_gradients
+from gradian.capture.consumers import RowsConsumer, SampledFisherConsumer
+from gradian.capture.gradients import (
+    LossSettings,
+    SampledLabels,
+    activation_mode,
+    activation_numerics,
+    capture_batch,
+)
 from gradian.capture.sites import restricted_sites, site_shapes
 from gradian.curvature.allocation import allocated_projector, check_allocation
+from gradian.curvature.consumers import FactorSumsConsumer
 from gradian.curvature.factors import CURVATURE_FILE, FactorSums, check_kfac, has_kfac, has_module
 from gradian.curvature.moments import check_block_width
 from gradian.curvature.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
@@ -244,9 +252,10 @@ def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, a
                 batch = to_device(collate([rows[i] for i in plan], pad_id), loaded.device)
                 yield batch, [chunk[i] for i in plan]
 
-    def run_batch(probe, batch, row_ids, sums) -> None:
-        per_example_gradients(loaded.model, loaded.adapter, modules, probe, batch, grads.loss_reduction, grads.loss,
-                              activations, sums, fisher=fisher, row_ids=row_ids, fisher_seed=grads.projection_seed)
+    def run_batch(projector, batch, row_ids, sums) -> None:
+        capture_batch(loaded.model, loaded.adapter, modules, projector, batch, [FactorSumsConsumer(sums, fisher)],
+                      LossSettings(grads.loss_reduction, grads.loss, activations),
+                      SampledLabels(row_ids, grads.projection_seed))
 
     def compute():
         if not done:
@@ -368,17 +377,27 @@ def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: 
                 buffer: ShardRows) -> int:
     """One batch of the index loop: collate on the host, copy, capture, store into the shard's buffer.
 
+    The capture's consumers: the rows; with K-FAC the shard's factor sums, and with grads.fisher=sampled
+    the sampled labels' rows (stored beside the rows, for the EK-FAC eigenvalues).
     Nothing here waits for the device (the hot path: tests/test_blocking_calls.py counts it): the
     batch's bookkeeping is collated on the host, the rows leave the device in their stored form
     without a wait (`gradian.build.shard_rows`), the factor sums stay on the device. Returns the batch's
     computed (padded) tokens."""
     grads = capture.grads
     batch = to_device(collate(rows, capture.pad_id), capture.loaded.device)
-    got = per_example_gradients(capture.loaded.model, capture.loaded.adapter, capture.modules, capture.projector,
-                                batch, grads.loss_reduction, grads.loss, capture.activations, factors,
-                                fisher=capture.fisher, row_ids=[first_row + i for i in plan],
-                                fisher_seed=grads.projection_seed, factored=capture.factored)
-    buffer.add(plan, got.row(), got.fisher_rows)
+    names = [site[0] for site in capture.modules]
+    stored = RowsConsumer(capture.projector, names, capture.factored)
+    consumers = [stored]
+    sampled = None
+    if factors is not None:
+        consumers.append(FactorSumsConsumer(factors, capture.fisher))
+        if capture.fisher == "sampled":
+            sampled = SampledFisherConsumer(capture.projector, names, capture.factored)
+            consumers.append(sampled)
+    capture_batch(capture.loaded.model, capture.loaded.adapter, capture.modules, capture.projector, batch, consumers,
+                  LossSettings(grads.loss_reduction, grads.loss, capture.activations),
+                  SampledLabels([first_row + i for i in plan], grads.projection_seed))
+    buffer.add(plan, stored.row(), None if sampled is None else sampled.row())
     return batch["input_ids"].numel()
 
 

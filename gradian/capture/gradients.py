@@ -31,6 +31,12 @@ Multi-op activations (GPT-2's tanh GELU) run as `grads.activations` says (`activ
 bits, a lower peak, ~6% more time) or as one fused kernel of the same function (a lower peak,
 less time, other rounding). For the kronecker kind each module keeps only P_in x (B, T, k_i)
 between forward and backward.
+
+`capture_batch` runs the passes: one forward, the backward of the data's labels and, for the true
+Fisher, one of sampled labels; its hooks (`gradian.capture.hooks`) hand each module's projected pair
+(P_in x, P_out δ) to the consumers that read that backward (`gradian.capture.consumers`: the rows,
+the sampled rows; the K-FAC factor sums in `gradian.curvature.consumers`). `per_example_gradients`
+is the capture of the rows alone.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from circuitkit.core.config import choices
 from circuitkit.core.device import send
 from circuitkit.models.placement import input_device
 from circuitkit.models.recompute import fused_activations, recomputed_activations
+from gradian.capture.consumers import DATA, SAMPLED, BatchFacts, Consumer, RowsConsumer
+from gradian.capture.hooks import PairHooks
 from gradian.data.rows import SUPERVISION, no_target_error
 from gradian.projection.projector import Projector
 from gradian.settings.grads import GradsConfig
@@ -57,13 +65,11 @@ class PerExampleGradients(dict):
     """name -> (B, width) float32 rows, in module order, plus per-example facts.
 
     Attributes: `losses` (B,) float32 per-example loss (sum or mean over its targets, as
-    requested), `n_supervised` (B,) long number of supervised targets per example,
-    `fisher_rows` (B, Σ widths) float32 rows of the sampled labels (fisher="sampled"), else None.
+    requested), `n_supervised` (B,) long number of supervised targets per example.
     """
 
     losses: torch.Tensor
     n_supervised: torch.Tensor
-    fisher_rows: torch.Tensor | None
 
     def row(self) -> torch.Tensor:
         """The stored rows: the modules' blocks side by side, (B, Σ widths) float32."""
@@ -100,6 +106,10 @@ class _Targets:
     spans: list[int]  # per example: its last supervised hidden position + 1 (what can carry a gradient)
     real_tokens: int
     padded: bool
+
+    def host(self) -> BatchFacts:
+        """What a consumer may read of the batch (`gradian.capture.consumers.BatchFacts`)."""
+        return BatchFacts(self.spans, self.real_tokens)
 
     def weights(self, loss_reduction: str) -> torch.Tensor:
         """d L_b / d loss_t per target (N,) float32: 1 ("sum") or 1 / n_b ("mean")."""
@@ -254,12 +264,6 @@ def sampled_loss_grad(adapter, h: torch.Tensor, uniforms: torch.Tensor) -> tuple
     return labels, grad_h
 
 
-def _output_tensor(output):
-    if isinstance(output, torch.Tensor):
-        return output
-    raise TypeError(f"a selected linear module returned {type(output).__name__}, expected a tensor.")
-
-
 # grads.activations mode -> a context manager (model, dtype) under which the gradient pass runs.
 ACTIVATION_CONTEXTS = {"model": lambda model, dtype: contextlib.nullcontext(0),
                        "recompute": recomputed_activations, "fused": fused_activations}
@@ -286,52 +290,79 @@ def activation_numerics(mode: str) -> str:
     return "fused" if mode == "fused" else "model"
 
 
-def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
-                          projector: Projector, batch: Mapping[str, torch.Tensor],
-                          loss_reduction: str = "sum", loss: str = "ce",
-                          activations: str = "auto", factors=None, fisher: str = "empirical",
-                          row_ids: Sequence[int] | None = None, fisher_seed: int = 0,
-                          factored=None) -> PerExampleGradients:
-    """Projected per-example gradients of `modules` for one batch, from one forward+backward.
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss whose gradients a batch gives and how its pass runs: `reduction` (grads.loss_reduction:
+    an example's token losses summed or averaged), `loss` (grads.loss: "ce" or "margin", the module
+    docstring) and `activations` (grads.activations, `activation_mode`: model and recompute give the
+    same bits)."""
+
+    reduction: str = "sum"
+    loss: str = "ce"
+    activations: str = "auto"
+
+    def check(self) -> None:
+        """ValueError naming the setting that is not one of its choices."""
+        if self.reduction not in choices(GradsConfig, "loss_reduction"):
+            raise ValueError(f"grads.loss_reduction={self.reduction!r}; valid: sum, mean.")
+        if self.loss not in LOSSES:
+            raise ValueError(f"grads.loss={self.loss!r}; valid: {', '.join(LOSSES)}.")
+
+
+@dataclass(frozen=True)
+class SampledLabels:
+    """The label draws of the true Fisher's backward (consumers of SAMPLED labels): row `row_ids[b]`'s
+    labels come from a generator seeded by `seed` and that id (`sampling_seed`), so they do not depend
+    on the batching."""
+
+    row_ids: Sequence[int]
+    seed: int
+
+
+@dataclass(frozen=True)
+class BatchLosses:
+    """`losses` (B,) float32: each example's loss (sum or mean over its targets, as asked);
+    `n_supervised` (B,) long: its number of supervised targets. Both on the device."""
+
+    losses: torch.Tensor
+    n_supervised: torch.Tensor
+
+
+def capture_batch(model: nn.Module, adapter, modules: Sequence[tuple], projector: Projector,
+                  batch: Mapping[str, torch.Tensor], consumers: Sequence[Consumer],
+                  settings: LossSettings = LossSettings(), sampled: SampledLabels | None = None) -> BatchLosses:
+    """One forward and one backward per kind of labels the `consumers` read: each module's projected
+    pair (x_p, d_p) handed to them (`gradian.capture.consumers`), then their `finish`.
 
     batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
     (B, T) bool (target t predicted from position t - 1). Every example needs >= 1 target.
     modules: (name, module) pairs, or (name, module, input columns) sites (`gradian.capture.sites`:
     a head's d_head columns of the attention output projection), in row order.
-    Returns name -> (B, projector.width(name)) float32 (a `PerExampleGradients`, with
-    ``.losses`` (B,) and ``.n_supervised`` (B,)). `loss`: "ce" or "margin" (module docstring).
-    `activations`: `grads.activations` (`activation_mode`): model and recompute give the same bits.
-    `factors`: a `gradian.curvature.factors.FactorSums` that also sums the projected inputs' and output
-    gradients' outer products over the batch's positions (K-FAC factors), or None.
-    `fisher` (with `factors` only): "empirical" sums the factors from the output gradients of the
-    data's labels; "sampled" (the true Fisher) from a second backward of the same forward with the loss
+    DATA consumers read the backward of the loss `settings` describe, on the data's labels;
+    SAMPLED consumers (the true Fisher) a second backward of the same forward with the loss
     Σ_t CE(z_t, y_t), y_t ~ softmax(z_t) sampled at each supervised position (`sampled_loss_grad`;
-    always summed cross-entropy, whatever `loss` and `loss_reduction`), each row's labels drawn
-    from a generator seeded by `fisher_seed` and its id in `row_ids` (B,), so the factors do not
-    depend on the batching. The returned rows keep the data's labels either way; the sampled
-    rows come as ``.fisher_rows`` (name -> (B, width)), for the EK-FAC eigenvalues.
-    `factored`: a `gradian.index.formats.factored.FactoredRows`: each block is stored as its rank-c factors
-    [U | V] (B, c (k_o + k_i)) instead of the dense (B, k_o k_i) block; None: dense.
+    always summed cross-entropy, whatever `settings`), with the draws of `sampled`.
 
     Parameters must be frozen (requires_grad False): the backward computes activation
-    gradients only. An example's row does not depend on the rest of its batch: padding
+    gradients only. An example's pairs do not depend on the rest of its batch: padding
     positions are masked out of x, and nothing downstream of a padding position feeds a loss.
     """
-    if loss_reduction not in choices(GradsConfig, "loss_reduction"):
-        raise ValueError(f"grads.loss_reduction={loss_reduction!r}; valid: sum, mean.")
-    if loss not in LOSSES:
-        raise ValueError(f"grads.loss={loss!r}; valid: {', '.join(LOSSES)}.")
-    if fisher not in choices(GradsConfig, "fisher"):
-        raise ValueError(f"grads.fisher={fisher!r}; valid: {', '.join(choices(GradsConfig, 'fisher'))}.")
-    true_fisher = factors is not None and fisher == "sampled"
-    if true_fisher and (row_ids is None or len(row_ids) != batch["input_ids"].shape[0]):
+    settings.check()
+    data = [c for c in consumers if c.labels == DATA]
+    drawn = [c for c in consumers if c.labels == SAMPLED]
+    if len(data) + len(drawn) != len(consumers):
+        raise ValueError(f"a consumer reads labels {sorted({c.labels for c in consumers} - {DATA, SAMPLED})};"
+                         f" valid: {DATA}, {SAMPLED}.")
+    if drawn and (sampled is None or len(sampled.row_ids) != batch["input_ids"].shape[0]):
         raise ValueError("fisher='sampled' needs row_ids, one per example: each row's labels come from its own seed.")
     dtype = next(model.parameters()).dtype
-    mode = activation_mode(activations, dtype)
+    mode = activation_mode(settings.activations, dtype)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if trainable:
         raise ValueError(f"parameters must be frozen (requires_grad_(False)); trainable: {trainable[:3]}.")
-    missing = [m[0] for m in modules if m[0] not in projector.shapes]
+    sites = [tuple(m) if len(m) == 3 else (m[0], m[1], None) for m in modules]
+    names = [name for name, _, _ in sites]
+    missing = [n for n in names if n not in projector.shapes]
     if missing:
         raise ValueError(f"the projector has no shape for modules {missing[:3]}.")
 
@@ -343,130 +374,56 @@ def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
     # and only the padding positions' own values differ; they are zeroed after each projection.
     attention_mask = batch.get("attention_mask") if facts.padded else None
     pad = None if attention_mask is None else attention_mask.to(device, non_blocking=True)[..., None] == 0  # (B, T, 1)
-    n_examples = input_ids.shape[0]
-    ex, pos, targets = facts.example, facts.position, facts.target
-    n_sup = facts.counts
-
-    # A site is (name, module) or (name, module, input columns): several sites can share one
-    # module (the kept heads of one o_proj, `gradian.capture.sites`); one hook per module serves them.
-    sites = [tuple(m) if len(m) == 3 else (m[0], m[1], None) for m in modules]
-    by_module: dict[int, tuple[nn.Module, list[tuple[str, slice | None]]]] = {}
-    for name, module, columns in sites:
-        by_module.setdefault(id(module), (module, []))[1].append((name, columns))
-
-    x_proj: dict[str, torch.Tensor] = {}
-    rows: dict[str, torch.Tensor] = {}
-    fisher_rows: dict[str, torch.Tensor] = {}
-    second_pass = [False]  # true while the sampled-label backward runs (fisher="sampled")
-    # Factored rows are combined once the backward is done, every module together (one SVD call per batch).
-    combine = projector.combine if factored is None else (lambda name, xp, dp: (xp, dp))
-    handles = []
-
-    # Modules that read one input one after another (q, k, v; gate, up) are projected together, in one
-    # matmul, when the next hook sees another input (or the forward ends): `shared` holds that input.
-    shared: list = []  # [x, [names]] or empty
-
-    def flush() -> None:
-        if not shared:
-            return
-        x, names = shared
-        shared.clear()
-        # Zero padded positions: their δ is zero anyway (right padding, causal attention), but a
-        # non-finite activation there would turn 0 * x into NaN. Masked after the projection, on
-        # (B, T, k_i) rather than (B, T, d_in): a projected row depends on its own position only,
-        # so this is the same as projecting a masked x, without a copy of every module input.
-        for name, xp in zip(names, projector.project_inputs(names, x), strict=True):
-            x_proj[name] = xp if pad is None else xp.masked_fill(pad, 0.0)
-
-    def make_hooks(group: list[tuple[str, slice | None]]):
-        def forward_hook(module: nn.Module, args: tuple, output):
-            for name, _ in group:
-                if name in x_proj or name in rows or (shared and name in shared[1]):
-                    raise RuntimeError(f"module {name} ran twice in one forward; cannot attribute its gradient.")
-            x = args[0].detach()
-            if x.dim() != 3 or x.shape[:2] != input_ids.shape:
-                raise RuntimeError(f"module {group[0][0]} input is {tuple(x.shape)}, expected (B, T, d_in).")
-            if shared and shared[0] is not x:
-                flush()
-            for name, columns in group:
-                if columns is None:
-                    if not shared:
-                        shared.extend([x, []])
-                    shared[1].append(name)
-                else:
-                    xp = projector.project_input(name, x[..., columns])
-                    x_proj[name] = xp if pad is None else xp.masked_fill(pad, 0.0)
-            out = _output_tensor(output)
-            if not out.requires_grad:
-                # Frozen weights and an input that needs no gradient (the earliest selected
-                # modules): attach the output to the graph with an exact +0 from a leaf, so that
-                # backward starts here and stops here (no in-place trouble with a grad leaf).
-                anchor = torch.zeros((), dtype=out.dtype, device=out.device, requires_grad=True)
-                out = out + anchor
-
-            def grad_hook(delta: torch.Tensor) -> None:
-                for name, _ in group:
-                    # (B, T, k_o); zero at padding already: a real position never reads a later one, so
-                    # no gradient reaches the padding (a non-finite one would show in the row, refused)
-                    dp = projector.project_output(name, delta)
-                    if second_pass[0]:  # sampled labels: the factors and the sampled rows only
-                        xp = x_proj.pop(name)
-                        factors.add(name, xp, dp)
-                        fisher_rows[name] = combine(name, xp, dp)
-                        continue
-                    # The true Fisher's backward still needs xp: keep it for the second pass.
-                    xp = x_proj[name] if true_fisher else x_proj.pop(name)
-                    if factors is not None and not true_fisher:
-                        factors.add(name, xp, dp)
-                    rows[name] = combine(name, xp, dp)
-
-            out.register_hook(grad_hook)
-            return out
-        return forward_hook
-
-    for module, group in by_module.values():
-        handles.append(module.register_forward_hook(make_hooks(group)))
-    # Mean reduction: d L_b / d loss_t = 1 / n_b for each target t of example b.
-    weights = facts.weights(loss_reduction)
+    hooks = PairHooks(projector, pad, input_ids.shape, facts.host())
+    handles = hooks.attach(sites)
     try:
         with torch.enable_grad(), ACTIVATION_CONTEXTS[mode](model, dtype):
             # The embeddings are looked up here: given ids and no mask, GPT-2 reads the ids back for a padding check.
             hidden = adapter.base(inputs_embeds=adapter.embed(input_ids)).last_hidden_state
-            flush()
+            hooks.flush()
             # Gather before the unembedding: only supervised positions reach the vocabulary.
-            h_sup = hidden[ex, pos]  # (N, d)
+            h_sup = hidden[facts.example, facts.position]  # (N, d)
             del hidden
-            token_loss, grad_h = supervised_loss_grad(adapter, h_sup.detach(), targets, weights, loss)
-            h_sup.backward(grad_h, retain_graph=true_fisher)
-            if true_fisher:
+            # Mean reduction: d L_b / d loss_t = 1 / n_b for each target t of example b.
+            token_loss, grad_h = supervised_loss_grad(adapter, h_sup.detach(), facts.target,
+                                                      facts.weights(settings.reduction), settings.loss)
+            if data:  # the sampled labels' backward still needs the x_p: kept for it
+                hooks.run_backward(h_sup, grad_h, data, bool(drawn), names,
+                                   "no gradient reached modules {}: they do not feed the supervised logits.")
+            if drawn:
                 del grad_h
-                uniforms = fisher_uniforms(row_ids, facts.host_counts, fisher_seed).to(device, non_blocking=True)
+                uniforms = fisher_uniforms(sampled.row_ids, facts.host_counts, sampled.seed).to(device, non_blocking=True)
                 _labels, grad_h = sampled_loss_grad(adapter, h_sup.detach(), uniforms)
-                second_pass[0] = True
-                h_sup.backward(grad_h)
+                hooks.run_backward(h_sup, grad_h, drawn, False, names,
+                                   "the sampled-label backward reached no modules {}.")
     finally:
         for h in handles:
             h.remove()
-        x_proj.clear()
-        shared.clear()
-    if factors is not None:
-        factors.add_tokens(facts.real_tokens)
-    losses = torch.zeros(n_examples, dtype=torch.float32, device=device).index_add(0, ex, token_loss)
-    if loss_reduction == "mean":
-        losses = losses / n_sup.float()
-    absent = [n for n, _, _ in sites if n not in rows]
-    if absent:
-        raise RuntimeError(f"no gradient reached modules {absent[:3]}: they do not feed the supervised logits.")
-    if factored is not None:
-        rows = factored.combine_all(rows, facts.spans)
-        fisher_rows = factored.combine_all(fisher_rows, facts.spans) if fisher_rows else fisher_rows
-    out = PerExampleGradients((n, rows[n]) for n, _, _ in sites)
-    out.losses = losses
-    out.n_supervised = n_sup
-    out.fisher_rows = None
-    if true_fisher:
-        absent = [n for n, _, _ in sites if n not in fisher_rows]
-        if absent:
-            raise RuntimeError(f"the sampled-label backward reached no modules {absent[:3]}.")
-        out.fisher_rows = torch.cat([fisher_rows[n] for n, _, _ in sites], dim=1)
+        hooks.release()
+    for consumer in consumers:
+        consumer.finish(hooks.batch)
+    losses = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=device).index_add(0, facts.example, token_loss)
+    if settings.reduction == "mean":
+        losses = losses / facts.counts.float()
+    return BatchLosses(losses, facts.counts)
+
+
+def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],
+                          projector: Projector, batch: Mapping[str, torch.Tensor],
+                          loss_reduction: str = "sum", loss: str = "ce",
+                          activations: str = "auto", factored=None) -> PerExampleGradients:
+    """Projected per-example gradients of `modules` for one batch, from one forward+backward
+    (`capture_batch` with one `RowsConsumer`; batch and modules as there).
+
+    Returns name -> (B, projector.width(name)) float32 (a `PerExampleGradients`, with ``.losses``
+    (B,) and ``.n_supervised`` (B,)). `loss_reduction`, `loss`, `activations`: `LossSettings`.
+    `factored`: a `gradian.index.formats.factored.FactoredRows`: each block is stored as its rank-c
+    factors [U | V] (B, c (k_o + k_i)) instead of the dense (B, k_o k_i) block; None: dense.
+    """
+    names = [site[0] for site in modules]
+    rows = RowsConsumer(projector, names, factored)
+    got = capture_batch(model, adapter, modules, projector, batch, [rows],
+                        LossSettings(loss_reduction, loss, activations))
+    out = PerExampleGradients((name, rows.blocks[name]) for name in names)
+    out.losses, out.n_supervised = got.losses, got.n_supervised
     return out

@@ -54,26 +54,19 @@ WHITEN_DAMPING = 0.1
 LOCK = ".projection.lock"
 
 
-class _FactorProbe(Projector):
-    """A raw projector that only feeds the factor sums: its rows are empty (B, 0), so the pass
-    never forms a (B, d_out, d_in) gradient."""
-
-    def combine(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
-        return xp.new_zeros(xp.shape[0], 0)
-
-
 def factor_pass(shapes: Mapping[str, tuple[int, int]], batches, run_batch: Callable,
                 projected: Projector | None = None) -> FactorSums:
     """The full K-FAC factor sums of `shapes`' modules over `batches`, or with `projected` (a
     kronecker_orthogonal projector) the sums of its projected inputs and output gradients: (k, k)
     per module instead of (d, d), all the eigen projection needs (`eigen_tensors`).
 
-    batches: iterable of (batch, row_ids); run_batch(projector, batch, row_ids, sums) runs one
-    `gradian.capture.gradients.per_example_gradients` with that projector and factor sums.
+    batches: iterable of (batch, row_ids); run_batch(projector, batch, row_ids, sums) captures one
+    batch with that projector, its pairs fed to the factor sums alone (`gradian.curvature.consumers`:
+    no row is formed).
     """
-    probe = (_FactorProbe(shapes, "kronecker", None, 0) if projected is None else
-             _FactorProbe(shapes, "kronecker_orthogonal", projected.projection_dim, projected.seed,
-                          widths=projected.widths, allocation=projected.allocation))
+    probe = (Projector(shapes, "kronecker", None, 0) if projected is None else
+             Projector(shapes, "kronecker_orthogonal", projected.projection_dim, projected.seed,
+                       widths=projected.widths, allocation=projected.allocation))
     sums = FactorSums(list(shapes), batch_dtype=torch.float32)
     sums.projected = projected is not None  # (k, k) sums of projected activations, not (d, d)
     for batch, row_ids in batches:
