@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 
 from circuitkit.core.batching import batch_overhead_tokens, plan_batches, rows_within_budget
-from circuitkit.core.device import DTYPES, free_memory_bytes
+from circuitkit.core.device import DTYPES, free_memory_bytes, resolve_precision
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import (
     atomic_save_safetensors,
@@ -428,6 +428,17 @@ class _Throughput:
                 f" padding {100 * self.padding_share:.1f}%")
 
 
+def _precision_line(asked: str, used: str, device) -> str:
+    """The summary's precision line: the dtype the rows are made in (the manifest's `precision`) and why."""
+    try:
+        resolved = resolve_precision(asked, device)
+    except ValueError:
+        resolved = None
+    why = (resolved.note if resolved is not None and resolved.used == used
+           else f"the loaded model's dtype (model.precision={asked})")
+    return f"precision {used}: {why}"
+
+
 def build_index(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, console: Console | None = None,
                 loaded=None, circuit_path: str | Path | None = None) -> dict[str, Any]:
     """Index `grads.data_path` into `index_dir` (this worker's shards); returns the index summary.
@@ -540,6 +551,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         adapter=getattr(loaded, "lora", None), base_name=getattr(model_cfg, "base_name", None),
         row_format=grads.row_format, row_rank=recorded_rank(grads),
     ))
+    console.print(_precision_line(model_cfg.precision, str(model_dtype).removeprefix("torch."), loaded.device),
+                  highlight=False)
     console.print(f"the index covers {covered / n_params:.1%} of the model's parameters ({covered:,} of"
                   f" {n_params:,} weight elements)")
     lengths = corpus.lengths
