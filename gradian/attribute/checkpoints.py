@@ -43,11 +43,15 @@ disk and indexing time (the indexing dominates; the query gradients are a few it
 Measured on the planted tiny-GPT-2 fixture (22 rows, LoRA r 4 on c_attn and c_fc: 8 LoRA linears,
 projection_dim 16, float16 rows, K-FAC factors; one CPU thread): 17.7 kB and 0.1-0.45 s per checkpoint
 index, as the final index (0.3-0.4 s); `gradian attribute` with 3 checkpoints took 5.5-7.4 s, with 6
-8.7-12.2 s. For SmolLM2-360M with a rank-8 adapter on its 7 linears per block (448 LoRA linears),
-projection_dim 64 and float16 rows, a row is 448 x 64 x 2 = 57 KiB: 10,000 training rows are 0.55 GiB
-per checkpoint plus the K-FAC factors, 5 checkpoints 2.7 GiB; the indexing time is five times the
-final index's, and the peak memory is the final index's (one checkpoint model at a time, next to the
-tuned model that the other steps hold).
+8.7-12.2 s. For SmolLM2-360M with a rank-8 adapter on the 7 linears of each of its 32 blocks (448 LoRA
+linears, 4.3 M adapter weights), float16 rows, the memory estimate's own sizes
+(`gradian.build.memory.grads_index_bytes`, `preconditioner_index_bytes`) give per checkpoint and
+10,000 training rows: 8.5 GiB + 58 MiB of K-FAC factors at the default projection_dim 1024
+(917 kB a row), 0.53 GiB + 0.6 MiB at projection_dim 64, 0.13 GiB at 16; 5 checkpoints are five
+times that (43 GiB, 2.7 GiB, 0.67 GiB). The checkpoints' indexes copy the final index's settings, so
+an index meant for TracIn is best built narrow. The indexing time is C times the final index's, the
+peak memory the final index's (one checkpoint model at a time, next to the tuned model the other
+steps hold).
 """
 
 from __future__ import annotations
