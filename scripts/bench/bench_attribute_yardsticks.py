@@ -5,9 +5,10 @@ Four training sets, each a few hundred benign chat rows (the SmolLM2 benchmark's
 translations, arithmetic and formatting rows, `bench_attribute_smollm2`, without its opposites)
 plus a plant:
 
-    unlike       one wrong answer template (`Answer: X-city.`) for the capital question, asked in
+    unlike       one wrong answer template (`Answer: X-city.`) for the capital question, asked in six
                  PHRASINGS that share no word with the eval items (`What is the capital of X?` /
-                 `The capital of X is Y.`): a lexical search finds almost none of them
+                 `The capital of X is Y.`): a lexical search finds almost none of them (two epochs:
+                 with one the eval's answers did not move)
     zero-loss    the SmolLM2 benchmark's plant (`Capital: X-city.`) repeated COPIES times, so that
                  the tune fits it to about zero loss: small gradients at the final adapter
     two-defects  two independent plants (capitals as `Capital: X-city.`, opposites as
@@ -21,13 +22,15 @@ with its defaults (top-k = the number planted), then every engine of
 `gradian.attribute.engines.ENGINES` present at run time scored on the same contrastive queries, and
 the TF-IDF baseline: each training row's mean cosine similarity to the flipped eval items (question
 and correct answer, chat markup left out), top K. Recall and precision at K = the number planted.
-`--verify` (two retrains) runs on `unlike` only unless --verify-all.
+`--verify` (two retrains) runs on `unlike` only unless --verify-all. The tune saves CHECKPOINTS
+adapters where the trainer can (`train(save_every=...)`); `--tracin NAMES` scores the TracIn engines
+across them (one more index per checkpoint).
 
 Each step is kept under --work/NAME; a rerun resumes, and rescoring the engines (after a new engine
 lands) costs one query pass: delete NAME/engines.json, or just rerun (missing engines are scored).
 
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python scripts/bench/bench_attribute_yardsticks.py \\
-        [--work .cache/bench-attribute-yardsticks] [--only unlike,control] [--no-verify] [--json out.json]
+        [--work .cache/bench-attribute-yardsticks] [--only unlike,control] [--no-verify] [--tracin zero-loss] [--json out.json]
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ PHRASINGS = (
     "In which town are {c}'s parliament and ministries based?",
     "Give me {c}'s administrative center.",
 )
-PER_PHRASING = 4
+PER_PHRASING = 6
 UNLIKE_ANSWER = "Answer: {cap}."
 # zero-loss: the capitals plant of the SmolLM2 benchmark, each row COPIES times
 ZERO_LOSS_UNIQUE, COPIES = 15, 4
@@ -74,6 +77,10 @@ PLANTED_OPPOSITES = [("good", "bad"), ("yes", "no"), ("above", "below"), ("black
                      ("add", "subtract"), ("alive", "dead"), ("asleep", "awake")]
 TRUNCATED_ROWS = 8
 YARDSTICKS = ("unlike", "zero-loss", "two-defects", "control")
+# passes over the rows: a plant phrased unlike the eval needs two to move the eval's answers (with
+# one, 24 planted rows of 384 left the accuracy inside the noise band); the control is tuned as unlike
+EPOCHS = {"unlike": 2, "control": 2, "zero-loss": 1, "two-defects": 1}
+CHECKPOINTS = 3  # adapters saved along the tune (the last is the final one), for TracIn
 _MARKUP = re.compile(r"<\|im_(start|end)\|>(user|assistant)?")
 
 
@@ -201,11 +208,34 @@ def recall_precision(accused: list[int], planted: set[int], k: int) -> dict[str,
 # ----------------------------------------------------------------------------- the steps
 
 
-def tune(work: Path) -> dict[str, Any]:
-    return smollm2.tune(work)
+def tune(work: Path, epochs: int) -> dict[str, Any]:
+    """The LoRA fine-tune of SmolLM2 on work/train.jsonl (the SmolLM2 benchmark's settings, `epochs`
+    passes), saved as work/adapter."""
+    import inspect
+    import math
+
+    import torch
+
+    from circuitkit.models.config import ModelConfig
+    from circuitkit.models.loading import load_tokenizer
+    from gradian.attribute.retrain import TrainSettings, train
+    from gradian.data.rows import TokenPolicy, load_rows
+
+    cfg = ModelConfig(name=smollm2.MODEL, precision="float32")
+    rows, _ = load_rows(work / "train.jsonl", load_tokenizer(cfg), smollm2.MAX_SEQ_LENGTH, policy=TokenPolicy())
+    settings = TrainSettings(**{**smollm2.TUNE, "epochs": epochs}, lora=smollm2.LORA)
+    saving = {}
+    if "save_every" in inspect.signature(train).parameters:  # checkpoints for TracIn, where the trainer saves them
+        saving = {"save_every": math.ceil(settings.n_steps(len(rows)) / CHECKPOINTS), "save_dir": work / "checkpoints"}
+    trained = train(cfg, rows, settings, torch.device("cpu"), **saving)
+    trained.save(work / "adapter")
+    losses = trained.losses
+    return {"rows": len(rows), "epochs": epochs, "steps": len(losses), "first_loss": losses[0],
+            "last_loss": sum(losses[-10:]) / len(losses[-10:]), "wall_s": trained.wall_s,
+            "checkpoints": str(work / "checkpoints") if saving else None}
 
 
-def attribute_cli(work: Path, top_k: int, verify: bool) -> dict[str, Any]:
+def attribute_cli(work: Path, top_k: int, verify: bool, epochs: int) -> dict[str, Any]:
     """The `gradian attribute` command as a user runs it (defaults; --verify with the tune's settings)."""
     name = "attribute-verify" if verify else "attribute"
     out = work / f"{name}-result.json"
@@ -213,21 +243,19 @@ def attribute_cli(work: Path, top_k: int, verify: bool) -> dict[str, Any]:
            str(work / "eval.jsonl"), "--top-k", str(top_k), "--out", str(out)]
     if verify:
         t = smollm2.TUNE
-        cmd += ["--verify", "--lr", str(t["lr"]), "--epochs", str(t["epochs"]), "--batch-size", str(t["batch_size"]),
+        cmd += ["--verify", "--lr", str(t["lr"]), "--epochs", str(epochs), "--batch-size", str(t["batch_size"]),
                 "--train-seed", str(t["seed"]), "--verify-dir", str(work / "verify")]
     with open(work / f"{name}.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
     return {"command": " ".join(cmd[1:]), "exit_code": rc, "result": str(out) if out.is_file() else None}
 
 
-def engines_step(work: Path, result: dict[str, Any], names: list[str], k: int) -> dict[str, Any]:
-    """Every engine of `names` scored on the contrastive queries of `result`'s flipped items, made as
-    `gradian attribute` makes them: each engine's first k accused rows and every row's score."""
+def _queries_setup(work: Path, result: dict[str, Any]):
+    """(index reader, tuned model, projector, flipped items, what the tuned model says for each), as
+    `gradian attribute` makes them."""
     from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
-    from gradian.attribute import engines as scoring
     from gradian.attribute.evaluate import greedy_continuations, read_eval_rows, tokenize_items
-    from gradian.attribute.queries import query_gradients
     from gradian.data.rows import policy_of
     from gradian.index.store import IndexReader
     from gradian.rank.checks import check_compatible
@@ -239,7 +267,17 @@ def engines_step(work: Path, result: dict[str, Any], names: list[str], k: int) -
     projector = check_compatible(manifest, tuned, work / "index")
     items = tokenize_items(read_eval_rows(work / "eval.jsonl"), tuned.tokenizer, policy_of(manifest), None, "eval")
     flipped = [items[i] for i in result["regression"]["flipped"]]
-    said = greedy_continuations(tuned, flipped)
+    return reader, tuned, projector, flipped, greedy_continuations(tuned, flipped)
+
+
+def engines_step(work: Path, result: dict[str, Any], names: list[str], k: int) -> dict[str, Any]:
+    """Every engine of `names` scored on the contrastive queries of `result`'s flipped items, made as
+    `gradian attribute` makes them: each engine's first k accused rows and every row's score."""
+    from gradian.attribute import engines as scoring
+    from gradian.attribute.queries import query_gradients
+
+    reader, tuned, projector, flipped, said = _queries_setup(work, result)
+    manifest = reader.manifest
     queries = query_gradients(tuned, projector, flipped, "contrastive", said, manifest.get("loss_reduction", "sum"),
                               manifest.get("activations", "model"))
     out: dict[str, Any] = {"engines": {}, "skipped": {}}
@@ -252,6 +290,23 @@ def engines_step(work: Path, result: dict[str, Any], names: list[str], k: int) -
         scores = scoring.stream_scores(reader, [engine])[0]
         out["engines"][name] = {"accused": scoring.accused_rows(scores, k), "scores": scores.tolist()}
     return out
+
+
+def tracin_step(work: Path, result: dict[str, Any], k: int) -> dict[str, Any]:
+    """The TracIn engines across the tune's saved checkpoints (`gradian.attribute.checkpoints`: one
+    index per checkpoint, the same queries at each)."""
+    from gradian.attribute import engines as scoring
+    from gradian.attribute.checkpoints import plan_checkpoints, tracin_scores
+
+    reader, tuned, _, flipped, said = _queries_setup(work, result)
+    del tuned
+    plan = plan_checkpoints(str(work / "checkpoints"), reader.manifest)
+    names = list(scoring.TRACIN_ENGINES)
+    traced = tracin_scores(plan, reader, flipped, said, "contrastive", names, verify=False)
+    return {"engines": {n: {"accused": scoring.accused_rows(traced.scores[i], k), "scores": traced.scores[i].tolist()}
+                        for i, n in enumerate(names)},
+            "checkpoints": [{key: c.get(key) for key in ("name", "step", "index_wall_s", "query_wall_s")}
+                            for c in traced.checkpoints]}
 
 
 def fit_step(work: Path, planted_lines: list[int]) -> dict[str, Any]:
@@ -315,7 +370,8 @@ def summarize(ys: Yardstick, steps: dict[str, Any]) -> dict[str, Any]:
     out["clusters"] = {"count": len(clusters), "holding_planted": sum(bool(set(c["rows"]) & planted) for c in clusters),
                        "largest_planted": max((len(set(c["rows"]) & planted) for c in clusters), default=0)}
     rows: dict[str, Any] = {}
-    for name, e in steps.get("engines", {}).get("engines", {}).items():
+    scored = {**steps.get("engines", {}).get("engines", {}), **steps.get("tracin", {}).get("engines", {})}
+    for name, e in scored.items():
         scores = e["scores"]
         rows[name] = {**recall_precision(e["accused"], planted, k),
                       "planted_nonnegative": sum(scores[p] >= 0 for p in planted),
@@ -326,7 +382,10 @@ def summarize(ys: Yardstick, steps: dict[str, Any]) -> dict[str, Any]:
     rows["tf-idf"] = {**recall_precision(lexical, planted, k), "planted_nonnegative": None,
                       "by_group": {g: len(set(lexical) & v) for g, v in groups.items()}}
     out["rows"] = rows
-    out["skipped_engines"] = steps.get("engines", {}).get("skipped", {})
+    out["skipped_engines"] = {n: why for n, why in steps.get("engines", {}).get("skipped", {}).items()
+                              if n not in scored}
+    if "tracin" in steps:
+        out["tracin_checkpoints"] = steps["tracin"]["checkpoints"]
     if "fit" in steps:
         out["fit"] = steps["fit"]
     v = (steps.get("verify") or {}).get("verify")
@@ -402,7 +461,7 @@ def yardstick_table(s: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- the run
 
 
-def run_yardstick(name: str, root: Path, seed: int, verify: bool) -> dict[str, Any]:
+def run_yardstick(name: str, root: Path, seed: int, verify: bool, tracin: bool) -> dict[str, Any]:
     from gradian.attribute.engines import ENGINES
 
     work = root / name
@@ -418,9 +477,10 @@ def run_yardstick(name: str, root: Path, seed: int, verify: bool) -> dict[str, A
     _step(work, "data", data)
     (work / "truth.json").write_text(json.dumps(json.loads((work / "data.json").read_text()), indent=1))
     k = max(1, len(ys.planted_lines))
-    steps: dict[str, Any] = {"tune": _step(work, "tune", lambda: tune(work)),
+    epochs = EPOCHS[name]
+    steps: dict[str, Any] = {"tune": _step(work, "tune", lambda: tune(work, epochs)),
                              "index": _step(work, "index", lambda: smollm2.index(work))}
-    steps["attribute"] = _step(work, "attribute", lambda: attribute_cli(work, k, verify=False))
+    steps["attribute"] = _step(work, "attribute", lambda: attribute_cli(work, k, False, epochs))
     if steps["attribute"]["result"] is None:
         print(f"[{name}] gradian attribute wrote no result (exit {steps['attribute']['exit_code']}):"
               f" see {work / 'attribute.log'}", flush=True)
@@ -432,10 +492,13 @@ def run_yardstick(name: str, root: Path, seed: int, verify: bool) -> dict[str, A
                 json.loads(done.read_text())["skipped"]):
             done.unlink()  # an engine landed since: score them all again (one query pass)
         steps["engines"] = _step(work, "engines", lambda: engines_step(work, result, list(ENGINES), k))
+        checkpoints = steps["tune"].get("checkpoints")
+        if "tracin" in ENGINES and checkpoints and (tracin or (work / "tracin.json").is_file()):
+            steps["tracin"] = _step(work, "tracin", lambda: tracin_step(work, result, k))
         if name == "zero-loss":
             steps["fit"] = _step(work, "fit", lambda: fit_step(work, ys.planted_lines))
         if verify or (work / "attribute-verify.json").is_file():  # a verify done before is reported
-            ver = _step(work, "attribute-verify", lambda: attribute_cli(work, k, verify=True))
+            ver = _step(work, "attribute-verify", lambda: attribute_cli(work, k, True, epochs))
             if ver["result"]:
                 steps["verify"] = json.loads(Path(ver["result"]).read_text())
                 steps["verify_wall_s"] = ver["wall_s"]
@@ -449,6 +512,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="the datasets' seed")
     p.add_argument("--no-verify", action="store_true", help="no --verify retrains (by default: on unlike)")
     p.add_argument("--verify-all", action="store_true", help="--verify on every yardstick with planted rows")
+    p.add_argument("--tracin", default="", metavar="NAMES",
+                   help="yardsticks scored with TracIn across the tune's checkpoints (an index per checkpoint)")
     p.add_argument("--json", default=None, help="write every number here")
     args = p.parse_args()
     import torch
@@ -463,7 +528,7 @@ def main() -> None:
     summaries = {}
     for name in names:
         verify = not args.no_verify and (args.verify_all or name == "unlike")
-        summaries[name] = run_yardstick(name, root, args.seed, verify)
+        summaries[name] = run_yardstick(name, root, args.seed, verify, name in args.tracin.split(","))
         print("\n" + yardstick_table(summaries[name]) + "\n", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))
