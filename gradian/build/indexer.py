@@ -234,8 +234,8 @@ def finalize_curvature(index_dir: Path) -> Path | None:
     return path
 
 
-def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, activations: str, fisher: str,
-                 pad_id: int, overhead: int, shapes: dict[str, tuple[int, int]], projected: Projector | None = None):
+def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, activations: str, pad_id: int,
+                 overhead: int, shapes: dict[str, tuple[int, int]], projected: Projector | None = None):
     """compute() -> (the full K-FAC factor sums of the rows `factor_row_ids` picks, their count): one
     factor pass (`gradian.curvature.whitening.factor_pass`, in row order, the rows' batch plan), run at most once
     however many data-dependent choices (the width allocation, the whitened projection) ask for it."""
@@ -253,7 +253,8 @@ def _factor_pass(grads: GradsConfig, loaded, modules, corpus: TokenizedCorpus, a
                 yield batch, [chunk[i] for i in plan]
 
     def run_batch(projector, batch, row_ids, sums) -> None:
-        capture_batch(loaded.model, loaded.adapter, modules, projector, batch, [FactorSumsConsumer(sums, fisher)],
+        consumer = FactorSumsConsumer(sums, recorded_fisher(grads))  # of the labels the index's K-FAC factors are of
+        capture_batch(loaded.model, loaded.adapter, modules, projector, batch, [consumer],
                       LossSettings(grads.loss_reduction, grads.loss, activations),
                       SampledLabels(row_ids, grads.projection_seed))
 
@@ -523,7 +524,7 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
         # projected activations, not of (d, d) products
         projected = (Projector(shapes, "kronecker_orthogonal", grads.projection_dim, grads.projection_seed)
                      if grads.projection == "eigen" and grads.width_allocation == "uniform" else None)
-        compute = _factor_pass(grads, loaded, modules, corpus, activations, fisher, pad_id, overhead, dict(shapes),
+        compute = _factor_pass(grads, loaded, modules, corpus, activations, pad_id, overhead, dict(shapes),
                                projected)
         projector = _data_dependent(dict(shapes), grads, index_dir, compute, activations, fisher,
                                     {"weights_sha256": weights_sha256, "tokenizer_sha256": tokenizer_sha256,
