@@ -308,15 +308,17 @@ def checkpoint_index(manifest: dict[str, Any], index_dir: str | Path, checkpoint
     checked to store the same rows. `loaded`: the model with the checkpoint's adapter kept."""
     from rich.console import Console
 
-    from gradian.build.indexer import build_index
-    from gradian.index.store import IndexReader
+    from gradian.build.indexer import build_index, check_resume_settings
+    from gradian.index.store import MANIFEST, IndexReader, read_manifest
 
     where = checkpoint_index_dir(index_dir, checkpoint)
+    grads = checkpoint_grads(manifest, where)
     start = time.perf_counter()
     how = "reused"
-    if not ((where / "manifest.json").is_file() and IndexReader(where).complete):
-        cfg = _model_config(manifest, checkpoint)
-        build_index(cfg, checkpoint_grads(manifest, where), where, console or Console(stderr=True), loaded=loaded)
+    if (where / MANIFEST).is_file():  # one made with other settings (the final index rebuilt) is refused
+        check_resume_settings(read_manifest(where), grads, where)
+    if not ((where / MANIFEST).is_file() and IndexReader(where).complete):
+        build_index(_model_config(manifest, checkpoint), grads, where, console or Console(stderr=True), loaded=loaded)
         how = "built"
     reader = IndexReader(where)
     _check_same_rows(manifest, reader.manifest, where)

@@ -285,6 +285,12 @@ def test_the_checkpoint_score_is_the_brute_force_tracin_sum(run_dir, raw_index) 
     again = tracin_scores(plan, reader, items, said, "contrastive", ["tracin"], console=quiet())
     assert [c["index"] for c in again.checkpoints] == ["reused"] * 3
     torch.testing.assert_close(again.scores[0], got.scores[0])
+    # a checkpoint's index made with other settings than the index's (say the index was rebuilt) is refused
+    stale = Path(got.checkpoints[0]["index_dir"]) / "manifest.json"
+    stale.write_text(json.dumps(json.loads(stale.read_text()) | {"loss": "margin"}))
+    with pytest.raises(UserError, match="holds an index made differently: loss: index has 'margin', asked 'ce'") as err:
+        tracin_scores(plan, reader, items, said, "contrastive", ["tracin"], console=quiet())
+    assert err.value.exit_code == 2
 
 
 # ----------------------------------------------------------------------------- the command
