@@ -202,7 +202,9 @@ LAYERS: dict[str, str] = {
     "gradian.attribute": GRADIAN,
     "gradian.attribute.evaluate": GRADIAN,
     "gradian.attribute.regression": GRADIAN,
+    "gradian.attribute.precision": GRADIAN,  # --precision: the eval's dtype, near-ties of the flipped items
     "gradian.attribute.queries": GRADIAN,
+    "gradian.attribute.datainf": GRADIAN,  # DataInf: each module's swapped-average inverse, a query transform
     "gradian.attribute.engines": GRADIAN,
     "gradian.attribute.rows": GRADIAN,
     "gradian.attribute.templates": GRADIAN,  # what a row teaches: chat markers stripped, entities masked
