@@ -18,10 +18,12 @@ from gradian.projection.projector import Projector
 
 
 class PairHooks:
-    """The hooks of one capture (the module docstring), x_p zero at padding. A site is (name, module, input columns or None) (`gradian.capture.sites`: the kept heads of one
+    """The hooks of one capture (the module docstring), x_p zero at padding.
+
+    A site is (name, module, input columns or None) (`gradian.capture.sites`: the kept heads of one
     o_proj); one hook per module serves every site on it. Modules that read one input one after
     another (q, k, v; gate, up) are projected together, in one matmul, when the next hook sees
-    another input or the forward ends (`flush`)."""
+    another input or the forward ends (`flush`). `run_backward` runs one backward for its consumers."""
 
     def __init__(self, projector: Projector, pad: torch.Tensor | None, shape: torch.Size, batch: BatchFacts) -> None:
         self.projector, self.pad, self.shape, self.batch = projector, pad, shape, batch
@@ -53,6 +55,8 @@ class PairHooks:
                 self.x_proj[name] = self._masked(xp)
 
     def forward(self, group: list[tuple[str, slice | None]], module: nn.Module, args: tuple, output):
+        """The forward hook of `group`'s module: its input projected (now, or with the next `flush`),
+        its output hooked for δ."""
         for name, _ in group:
             if name in self.x_proj or name in self.reached or (self.shared and name in self.shared[1]):
                 raise RuntimeError(f"module {name} ran twice in one forward; cannot attribute its gradient.")
@@ -78,6 +82,7 @@ class PairHooks:
         return out
 
     def backward(self, group: list[tuple[str, slice | None]], delta: torch.Tensor) -> None:
+        """The gradient hook of `group`'s module output: δ (B, T, d_out) projected, each site's pair handed on."""
         for name, _ in group:
             # (B, T, k_o); zero at padding already: a real position never reads a later one, so no
             # gradient reaches the padding (a non-finite one would show in the row, refused)
@@ -98,6 +103,7 @@ class PairHooks:
             raise RuntimeError(absent_error.format(absent[:3]))
 
     def release(self) -> None:
+        """Drop the projected inputs a failed pass left."""
         self.x_proj.clear()
         self.shared = []
 
