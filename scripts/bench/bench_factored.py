@@ -47,7 +47,7 @@ from gradian.data.rows import collate, load_rows
 from gradian.index.formats.factored import FactoredRows, FactoredScorer, layout_of
 from gradian.index.store import IndexReader, IndexWriter
 from gradian.projection.projector import Projector
-from gradian.rank.ranking import stream_topk
+from gradian.rank.scores import stream_topk
 
 SMOLLM2 = Path.home() / ".cache" / "circuitkit" / "models" / "smollm2-135m-instruct"
 # (name, k per side, rank or None for dense): all but the last store 1024 numbers per module.

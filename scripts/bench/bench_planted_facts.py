@@ -329,7 +329,9 @@ def scores_study(n_entities: int = 40, epochs: int = 5, seeds: int = 3, seed: in
     import statistics
 
     from gradian.index.store import IndexReader
-    from gradian.rank.ranking import check_compatible, query_gradients, stream_topk
+    from gradian.rank.checks import check_compatible
+    from gradian.rank.queries import query_gradients
+    from gradian.rank.scores import stream_topk
 
     torch.manual_seed(seed)
     corpus = make_corpus(n_entities, seed=seed, cross_template=True)

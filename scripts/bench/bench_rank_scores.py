@@ -27,7 +27,7 @@ from gradian.build.indexer import finalize_curvature
 from gradian.curvature.factors import FactorSums
 from gradian.index.store import IndexWriter
 from gradian.projection.projector import kronecker_factors
-from gradian.rank.ranking import SCORES, stream_topk
+from gradian.rank.scores import SCORES, stream_topk
 
 
 def write_index(index_dir: Path, rows: int, modules: int, dim: int) -> list[str]:

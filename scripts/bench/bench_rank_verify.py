@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gradian.index.store import IndexWriter
-from gradian.rank.ranking import stream_topk
+from gradian.rank.scores import stream_topk
 
 WIDTH = 12 * 1024
 

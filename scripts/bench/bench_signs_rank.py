@@ -4,7 +4,7 @@ Two synthetic indexes of the same N rows and M modules (rank time does not depen
 rows hold, only on their bytes and format): dense float16 rows of W values per module (the
 product's default row: W = 1024, 2 W bytes per module) and sign rows of 16 W coordinates per
 module (`grads.row_format=signs`, the same 2 W bytes). Both are written through `IndexWriter`
-(shards of `--rows-per-shard` rows, sha256 in the manifest) and ranked by `gradian.rank.ranking.stream_topk`
+(shards of `--rows-per-shard` rows, sha256 in the manifest) and ranked by `gradian.rank.scores.stream_topk`
 with Q queries: dense by cosine (ekfac streams the same matmul over the rows: its preconditioning is
 of the queries only, `gradian.curvature.factors`), signs by cosine (XOR + popcount on 64-bit words,
 `gradian.index.formats.signs`). Wall seconds, best of `--repeats` in one process, the page cache warm after the
@@ -31,7 +31,7 @@ from rich.table import Table
 
 from gradian.index.formats.signs import packed_width
 from gradian.index.store import IndexWriter
-from gradian.rank.ranking import stream_topk
+from gradian.rank.scores import stream_topk
 
 
 def header(fmt: str, modules: int, width: int) -> dict[str, Any]:
