@@ -239,7 +239,7 @@ def attribute_cli(work: Path, top_k: int, verify: bool, epochs: int) -> dict[str
     """The `gradian attribute` command as a user runs it (defaults; --verify with the tune's settings)."""
     name = "attribute-verify" if verify else "attribute"
     out = work / f"{name}-result.json"
-    cmd = [sys.executable, "-m", "gradian.cli", "attribute", "--index", str(work / "index"), "--eval-dataset",
+    cmd = [sys.executable, "-m", "circuitkit_app.gradian_cli", "attribute", "--index", str(work / "index"), "--eval-dataset",
            str(work / "eval.jsonl"), "--top-k", str(top_k), "--out", str(out)]
     if verify:
         t = smollm2.TUNE
@@ -257,7 +257,7 @@ def _queries_setup(work: Path, result: dict[str, Any]):
     from circuitkit.models.loading import load_model
     from gradian.attribute.evaluate import greedy_continuations, read_eval_rows, tokenize_items
     from gradian.data.rows import policy_of
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
     from gradian.rank.checks import check_compatible
 
     reader = IndexReader(work / "index")
@@ -319,7 +319,7 @@ def fit_step(work: Path, planted_lines: list[int]) -> dict[str, Any]:
     from gradian.attribute.evaluate import pad_id
     from gradian.attribute.retrain import batch_loss
     from gradian.data.rows import TokenPolicy, collate, load_rows
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     cfg = ModelConfig(name=smollm2.MODEL, precision="float32", adapter=str(work / "adapter"))
     tuned = load_model(cfg, keep_adapter=True)
@@ -451,7 +451,8 @@ def yardstick_table(s: dict[str, Any]) -> str:
                      f" {_pct(v['control']['recovered_accuracy'])} (log-prob {_pct(v['control']['recovered_logprob'])});"
                      f" holds: {v['holds']}")
     if s.get("skipped_engines"):
-        facts += [f"not scored: {n} ({why})" for n, why in s["skipped_engines"].items()]
+        why = {re.sub(r"engine '[^']+' ", "", w.split(": ", 1)[-1].split(":")[0]) for w in s["skipped_engines"].values()}
+        facts.append(f"not scored: {', '.join(s['skipped_engines'])} ({'; '.join(sorted(why))}; --tracin scores them)")
     wall = (f"wall: tune {s['tune']['wall_s']:.0f} s ({s['tune']['steps']} steps, loss {s['tune']['first_loss']:.2f}"
             f" -> {s['tune']['last_loss']:.2f}), index {s['index']['wall_s']:.0f} s, attribute"
             f" {s['attribute']['wall_s']:.0f} s")
