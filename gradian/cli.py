@@ -66,7 +66,7 @@ def inspect_index(index_dir: str, verify: bool = False, row: int | None = None) 
     """
     from gradian.curvature.factors import has_kfac
     from gradian.index.header import describe_index
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     reader = IndexReader(index_dir)
     summary = reader.summary()
@@ -219,7 +219,7 @@ def rank_command(args: argparse.Namespace) -> int:
         raise UserError(str(err), exit_code=2) from err
     score = args.score
     if score == "auto":
-        from gradian.index.store import IndexReader
+        from gradian.index.reader import IndexReader
         from gradian.rank.ranking import default_score
 
         score = default_score(IndexReader(args.index).manifest)

@@ -167,7 +167,9 @@ LAYERS: dict[str, str] = {
     # index: the header, the shard store (writer, reader, verify), the row formats, the curvature file
     "gradian.index": GRADIAN,
     "gradian.index.header": GRADIAN,  # the typed index header (IndexHeader), its writer and reader
-    "gradian.index.store": GRADIAN,
+    "gradian.index.manifest": GRADIAN,  # manifest.json read and checked, the format version, shard names
+    "gradian.index.writer": GRADIAN,  # shards written atomically with their sha256, the manifest under a lock
+    "gradian.index.reader": GRADIAN,  # shards read and checked, streamed; verify
     "gradian.index.curvature": GRADIAN,  # curvature.safetensors from the shards, checked; the K-FAC preconditioner
     "gradian.index.formats": GRADIAN,  # the row formats' registry: format_of(manifest), format_for(grads)
     "gradian.index.formats.base": GRADIAN,  # the row-format interface (RowFormat): pack, norms, scorer, refusals
@@ -368,10 +370,10 @@ def test_imports_point_down_only_and_form_no_circle():
 
 def test_the_checker_sees_a_circle_and_a_climb():
     # The checker itself: a two-module circle and an import from core into a domain are caught.
-    edges = {"circuitkit.core.io": {"circuitkit.core.errors", "gradian.index.store"}, "circuitkit.core.errors": {"circuitkit.core.io"},
-             "gradian.index.store": set()}
+    edges = {"circuitkit.core.io": {"circuitkit.core.errors", "gradian.index.manifest"}, "circuitkit.core.errors": {"circuitkit.core.io"},
+             "gradian.index.manifest": set()}
     assert strongly_connected(edges) == [{"circuitkit.core.io", "circuitkit.core.errors"}]
-    assert violations(edges) == {("circuitkit.core.io", "gradian.index.store"), ("circuitkit.core.io", "circuitkit.core.errors"),
+    assert violations(edges) == {("circuitkit.core.io", "gradian.index.manifest"), ("circuitkit.core.io", "circuitkit.core.errors"),
                                  ("circuitkit.core.errors", "circuitkit.core.io")}
 
 
@@ -504,6 +506,6 @@ def test_gradian_rooms_stack():
 
 
 def test_the_room_checker_sees_a_climb():
-    edges = {"gradian.data.rows": {"gradian.index.store"}, "gradian.rank.ranking": {"gradian.index.store"},
-             "gradian.index.store": set()}
-    assert room_violations(edges) == {("gradian.data.rows", "gradian.index.store")}
+    edges = {"gradian.data.rows": {"gradian.index.manifest"}, "gradian.rank.ranking": {"gradian.index.manifest"},
+             "gradian.index.manifest": set()}
+    assert room_violations(edges) == {("gradian.data.rows", "gradian.index.manifest")}

@@ -15,7 +15,8 @@ import gradian.build.indexer as indexer
 from circuitkit.core.syncs import BlockingCalls
 from circuitkit_app.config import compose
 from gradian.data.rows import policy_of
-from gradian.index.store import MANIFEST, IndexReader, StorageOverflowError
+from gradian.index.manifest import MANIFEST, StorageOverflowError
+from gradian.index.reader import IndexReader
 
 # At most this many blocking calls per index batch (the design allows one: the batch's rows copy).
 INDEX_BATCH_BUDGET = 3
@@ -125,7 +126,7 @@ def test_a_row_that_overflows_float16_stops_the_run_and_a_resume_finishes_it(tmp
 
 
 def test_a_failed_shard_write_stops_the_run_and_leaves_no_complete_looking_index(tmp_path, monkeypatch) -> None:
-    from gradian.index.store import IndexWriter
+    from gradian.index.writer import IndexWriter
 
     cfg = _cfg(tmp_path, "grads.preconditioner=kfac")
     real = IndexWriter.write_stored

@@ -17,7 +17,8 @@ from circuitkit_app.config import compose
 from circuitkit_app.stage_list import run_pipeline
 from gradian.capture.gradients import per_example_gradients
 from gradian.capture.sites import restricted_sites, site_shapes
-from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector
 from gradian.rank.ranking import rank
 from tests.test_gradian_grads import _rows  # the right-padded batch builder those tests use

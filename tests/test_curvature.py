@@ -17,7 +17,8 @@ from gradian.build.indexer import build_index
 from gradian.capture.gradients import token_losses
 from gradian.curvature.factors import CURVATURE_FILE, factor_names
 from gradian.data.rows import load_rows, policy_of
-from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector
 from gradian.rank.scores import stream_topk
 

@@ -21,10 +21,11 @@ from gradian.build.indexer import ResumeMismatchError, build_index, check_grads_
 from gradian.build.memory import grads_estimate
 from gradian.capture.gradients import per_example_gradients
 from gradian.capture.sites import restricted_sites, site_shapes
-from gradian.index import store as index_module
+from gradian.index import manifest as index_module
 from gradian.index.formats.factored import FactoredRows, layout_of
 from gradian.index.header import describe_index
-from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector
 from gradian.rank.ranking import rank
 from gradian.rank.scores import stream_topk

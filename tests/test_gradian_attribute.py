@@ -240,7 +240,7 @@ def test_the_sign_convention_on_the_planted_rows(work, models) -> None:
     from circuitkit.models.loading import load_model
     from gradian.attribute import engines as scoring
     from gradian.data.rows import policy_of
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
     from gradian.rank.checks import check_compatible
     from gradian.rank.scores import stream_topk
 

@@ -8,13 +8,9 @@ import pytest
 import torch
 
 from circuitkit.core.io import file_lock
-from gradian.index.store import (
-    IndexMismatchError,
-    IndexReader,
-    IndexWriter,
-    StorageOverflowError,
-    shard_name,
-)
+from gradian.index.manifest import IndexMismatchError, StorageOverflowError, shard_name
+from gradian.index.reader import IndexReader
+from gradian.index.writer import IndexWriter
 
 HEADER = {"model": "tiny", "weights_sha256": "ab" * 32, "modules": ["mlp.c_proj"], "projection": "kronecker",
           "projection_dim": 16, "projection_seed": 0, "storage_dtype": "float16", "loss_reduction": "sum"}

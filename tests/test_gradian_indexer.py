@@ -10,7 +10,7 @@ import torch
 
 from circuitkit_app.config import compose
 from circuitkit_app.stage_list import run_pipeline
-from gradian.index.store import IndexReader
+from gradian.index.reader import IndexReader
 
 BASE = ["model.precision=float32", "grads.projection_dim=64", "grads.rows_per_shard=10", "grads.batch_size=4"]
 

@@ -14,7 +14,9 @@ from circuitkit.models.config import ModelConfig
 from circuitkit_app.config import compose
 from circuitkit_app.gradian_cli import main
 from circuitkit_app.stage_list import run_pipeline
-from gradian.index.store import IndexMismatchError, IndexReader, IndexWriter
+from gradian.index.manifest import IndexMismatchError
+from gradian.index.reader import IndexReader
+from gradian.index.writer import IndexWriter
 from gradian.rank.ranking import rank
 from gradian.rank.scores import stream_topk
 

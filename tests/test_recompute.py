@@ -166,7 +166,7 @@ def test_the_index_records_its_activations_and_queries_run_them(tmp_path):
     from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.build.indexer import build_index
-    from gradian.index.store import IndexMismatchError, read_manifest
+    from gradian.index.manifest import IndexMismatchError, read_manifest
     from gradian.rank.queries import query_gradients
     from gradian.settings.grads import GradsConfig
 

@@ -18,7 +18,8 @@ from gradian.build.indexer import build_index, check_grads_config, factor_row_id
 from gradian.build.memory import grads_estimate
 from gradian.index.formats.signs import SignScorer, coordinates, pack, packed_width, unpack
 from gradian.index.header import describe_index
-from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.rank.ranking import rank
 from gradian.rank.scores import stream_topk
 
@@ -148,7 +149,7 @@ def test_the_index_says_what_it_holds_and_the_estimate_counts_bytes(built, tmp_p
 def test_rows_without_a_sign_are_refused_naming_them() -> None:
     from gradian.build.shard_rows import ShardJob, ShardRows, write_job
     from gradian.index.formats.signs import SignsFormat
-    from gradian.index.store import StorageOverflowError
+    from gradian.index.manifest import StorageOverflowError
 
     buffer = ShardRows(2, SignsFormat(coordinates=2), torch.device("cpu"))
     buffer.add([1, 0], torch.tensor([[1.0, 2.0], [float("nan"), 1.0]]))  # the NaN row is row 6 + 0

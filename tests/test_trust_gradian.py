@@ -29,7 +29,8 @@ import pytest
 from circuitkit.core.io import file_lock
 from circuitkit.models.config import ModelConfig
 from circuitkit_app.gradian_cli import main
-from gradian.index.store import IndexReader, shard_name
+from gradian.index.manifest import shard_name
+from gradian.index.reader import IndexReader
 from gradian.settings.grads import GradsConfig
 
 SUBJECTS = ["cat", "dog", "bird", "fish", "horse", "mouse"]
@@ -148,11 +149,11 @@ def inspect(*extra: str):
 
 
 def _no_space(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gradian.index.store
+    import gradian.index.writer
 
     def full(path, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
-    monkeypatch.setattr(gradian.index.store, "save_safetensors_streamed", full)
+    monkeypatch.setattr(gradian.index.writer, "save_safetensors_streamed", full)
 
 
 def _ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,8 @@ from circuitkit_app.gradian_cli import main
 from gradian.build.indexer import build_index
 from gradian.curvature.allocation import ALLOCATION_FILE
 from gradian.curvature.factors import CURVATURE_FILE
-from gradian.index.store import IndexIntegrityError, IndexReader
+from gradian.index.manifest import IndexIntegrityError
+from gradian.index.reader import IndexReader
 from gradian.projection.projector import WHITENING_FILE
 from tests.test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the 20 rows and config of the K-FAC tests)
 

@@ -526,7 +526,7 @@ def test_a_run_records_circuitkit_gradians_version_and_commit(tmp_path, capsys):
 
 def test_the_index_header_and_an_export_record_the_software(tmp_path):
     from gradian.build.indexer import build_index
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
     from tests.test_sign_rows import _cfg as sign_cfg
 
     cfg = sign_cfg(tmp_path)
@@ -540,7 +540,7 @@ def test_the_index_header_and_an_export_record_the_software(tmp_path):
 
 def test_an_index_written_before_the_software_was_recorded_still_reads(tmp_path):
     from gradian.build.indexer import build_index
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
     from tests.test_sign_rows import _cfg as sign_cfg
 
     cfg = sign_cfg(tmp_path)

@@ -17,7 +17,8 @@ from gradian.build.indexer import build_index
 from gradian.capture.gradients import token_losses
 from gradian.curvature.whitening import WHITEN_DAMPING
 from gradian.data.rows import load_rows, policy_of
-from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.projection.projector import WHITENING_FILE, Projector
 
 ARGS = ("grads.projection=whitened", "grads.rows_per_shard=7")

@@ -21,7 +21,8 @@ from gradian.curvature.allocation import (
     effective_dimension,
     width_ladder,
 )
-from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector, balanced_width
 
 ARGS = ("grads.width_allocation=spectrum", "grads.rows_per_shard=7")

@@ -7,7 +7,7 @@ The data-dependent files the manifest records with a sha256 are read only throug
 `read_recorded`, which checks that sha256 on the bytes it returns. Both raise
 IndexIntegrityError (exit code 1: the index's content is bad), naming the file and what is wrong.
 
-Below `gradian.index.store` so that the modules it builds on (projection, allocation, whitening,
+Below `gradian.index.manifest` so that the modules it builds on (projection, allocation, whitening,
 curvature) read their files through the same check.
 """
 

@@ -262,7 +262,7 @@ def _circuit_section(circuit, per_example: dict[str, torch.Tensor], top_edges: i
 
 def index_view(index_dir: Path) -> dict[str, Any]:
     from gradian.index.header import describe_index
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     summary = IndexReader(index_dir).summary()
     return {"index_dir": str(index_dir), "rows": [[k, v] for k, v in describe_index(summary)]}

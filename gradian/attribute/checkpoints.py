@@ -309,7 +309,8 @@ def checkpoint_index(manifest: dict[str, Any], index_dir: str | Path, checkpoint
     from rich.console import Console
 
     from gradian.build.indexer import build_index, check_resume_settings
-    from gradian.index.store import MANIFEST, IndexReader, read_manifest
+    from gradian.index.manifest import MANIFEST, read_manifest
+    from gradian.index.reader import IndexReader
 
     where = checkpoint_index_dir(index_dir, checkpoint)
     grads = checkpoint_grads(manifest, where)

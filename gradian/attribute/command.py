@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     """`gradian attribute`: 0 whether or not there was something to attribute; UserError otherwise."""
     from gradian.attribute.run import attribute
     from gradian.attribute.verify import VerifyOptions
-    from gradian.index.store import IndexMismatchError
+    from gradian.index.manifest import IndexMismatchError
 
     if args.adapter is not None and args.adapter.lower() == "none":
         args.adapter = None

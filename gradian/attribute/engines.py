@@ -43,7 +43,7 @@ from gradian.attribute import datainf
 from gradian.curvature.factors import CURVATURE_DAMPING, has_kfac
 from gradian.curvature.moments import DAMPING, Preconditioner
 from gradian.index.curvature import KroneckerCurvature
-from gradian.index.store import IndexReader
+from gradian.index.reader import IndexReader
 from gradian.rank.ranking import default_score
 from gradian.settings.attribute import AttributeConfig
 

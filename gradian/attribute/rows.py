@@ -17,7 +17,7 @@ from typing import Any
 
 from circuitkit.core.errors import UserError
 from gradian.data.sources import DataError, Source
-from gradian.index.store import IndexReader
+from gradian.index.reader import IndexReader
 from gradian.rank.results import training_source
 
 log = logging.getLogger(__name__)

@@ -73,7 +73,8 @@ from gradian.attribute.rows import BACKGROUND_ROWS, read_texts, row_lines, train
 from gradian.attribute.verify import VerifyOptions, plan_verify, run_verify
 from gradian.build.indexer import check_input_file, tokenizer_hash
 from gradian.data.rows import policy_of
-from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.rank.checks import asked_adapter, check_compatible, compare_adapter
 from gradian.rank.ranking import check_output_file
 from gradian.rank.results import training_source

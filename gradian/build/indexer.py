@@ -58,14 +58,9 @@ from gradian.data.sources import DataError, Source, SourceSpec, resolve_format
 from gradian.index.curvature import compute_curvature, current_record, shards_digest
 from gradian.index.formats import format_for, format_of
 from gradian.index.header import IndexHeader, header_json
-from gradian.index.store import (
-    MANIFEST,
-    IndexIntegrityError,
-    IndexMismatchError,
-    IndexReader,
-    IndexWriter,
-    read_manifest,
-)
+from gradian.index.manifest import MANIFEST, IndexIntegrityError, IndexMismatchError, read_manifest
+from gradian.index.reader import IndexReader
+from gradian.index.writer import IndexWriter
 from gradian.projection.projector import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint
 from gradian.settings.grads import GradsConfig
 

@@ -85,7 +85,7 @@ def _graph_layers(module_names: list[str], s: dict[str, Any], c_d: float, c_f: f
 
 
 def grads_index_bytes(n_rows: int, width: int, storage_dtype_bytes: int) -> int:
-    """Bytes of a gradient index on disk (gradian.index.store), headers excluded:
+    """Bytes of a gradient index on disk (gradian.index.manifest), headers excluded:
 
         n_rows · (width · s + 4 + 8)      s = bytes of grads.storage_dtype; float32 norm, int64 row id
 

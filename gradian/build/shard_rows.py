@@ -28,7 +28,8 @@ import torch
 from circuitkit.core.device import DTYPES
 from circuitkit.core.io import RowGather
 from gradian.index.formats.base import RowFormat
-from gradian.index.store import IndexWriter, StorageOverflowError
+from gradian.index.manifest import StorageOverflowError
+from gradian.index.writer import IndexWriter
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

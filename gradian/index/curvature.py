@@ -2,7 +2,7 @@
 from the stored rows (factored rows rotated as their factors), ``curvature.safetensors`` written,
 checked and read, and the damped preconditioner (`KroneckerCurvature`) the scores apply to queries.
 
-Above `gradian.index.store` and the row formats (`gradian.index.formats`), whose readers it consumes; the sums themselves
+Above `gradian.index.manifest` and the row formats (`gradian.index.formats`), whose readers it consumes; the sums themselves
 (`FactorSums`) and the maths of the factors are `gradian.curvature.factors`.
 """
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def _read_shard_factors(reader) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     """The shards' factor sums added in float64 (shards in name order), and the position count.
-    reader: a `gradian.index.store.IndexReader` (its `read_tensors` reads only the named tensors)."""
+    reader: a `gradian.index.reader.IndexReader` (its `read_tensors` reads only the named tensors)."""
     n_mod = len(factor_shapes(reader.manifest))
     a_tot: list[torch.Tensor | None] = [None] * n_mod
     s_tot: list[torch.Tensor | None] = [None] * n_mod

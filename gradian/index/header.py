@@ -3,7 +3,7 @@
 `IndexHeader` holds the fields `gradian.build.indexer` records at the top of manifest.json (in this
 order); `IndexWriter` adds n_rows, rows_per_shard and format_version, then the shard list.
 `header_json` is the one writer of those fields; `check_header` the one reader (called by
-`gradian.index.store.read_manifest` for every index the indexer wrote, i.e. whose manifest records a
+`gradian.index.manifest.read_manifest` for every index the indexer wrote, i.e. whose manifest records a
 tokenizer): it checks the type of every field and fills, in one place, what an older format
 version did not record (`DEFAULTS_BEFORE`), so no reader needs a default of its own. A bare
 shard store (`IndexWriter` with a header of its own, as the benchmarks use) is checked for its
@@ -144,7 +144,7 @@ def _widths_line(proj: dict[str, Any]) -> str:
 def describe_index(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """How an index was made, as (key, value) lines: what `gradian inspect` prints and the report shows.
 
-    `summary`: `gradian.index.store.IndexReader.summary()` (the manifest plus what is on disk).
+    `summary`: `gradian.index.reader.IndexReader.summary()` (the manifest plus what is on disk).
     """
     from gradian.curvature.factors import has_kfac
     from gradian.data.rows import policy_line

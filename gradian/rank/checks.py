@@ -13,7 +13,7 @@ from gradian.build.indexer import tokenizer_hash
 from gradian.capture.sites import site_shapes, sites_from_names
 from gradian.curvature.allocation import check_allocation
 from gradian.data.rows import policy_of
-from gradian.index.store import IndexIntegrityError, IndexMismatchError
+from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
 from gradian.projection.projector import Projector, projection_fingerprint
 
 

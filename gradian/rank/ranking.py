@@ -22,7 +22,8 @@ from gradian.build.indexer import check_input_file
 from gradian.curvature.allocation import check_allocation
 from gradian.curvature.factors import has_kfac
 from gradian.index.formats import format_of
-from gradian.index.store import IndexIntegrityError, IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.projection.projector import STORED_KINDS, WHITENING_FILE
 from gradian.rank.checks import (
     asked_adapter,

@@ -11,7 +11,7 @@ import torch
 
 from gradian.data.rows import preview_text
 from gradian.data.sources import DataError, Source, SourceSpec
-from gradian.index.store import IndexReader
+from gradian.index.reader import IndexReader
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,8 @@ from gradian.curvature.factors import CURVATURE_DAMPING, has_kfac
 from gradian.curvature.moments import DAMPING, Preconditioner
 from gradian.index.curvature import KroneckerCurvature
 from gradian.index.formats.base import EPS, SCORES
-from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexMismatchError
+from gradian.index.reader import IndexReader
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from circuitkit.core.errors import UserError
 from gradian.data.rows import Row, iter_rows, new_report, policy_of
-from gradian.index.store import IndexReader
+from gradian.index.reader import IndexReader
 
 
 def load_index_tokenizer(manifest: dict[str, Any]) -> Any:

@@ -299,7 +299,7 @@ def engines_step(work: Path, result: dict[str, Any]) -> dict[str, Any]:
     from gradian.attribute.evaluate import greedy_continuations, read_eval_rows, tokenize_items
     from gradian.attribute.queries import query_gradients
     from gradian.data.rows import policy_of
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
     from gradian.rank.checks import check_compatible
 
     reader = IndexReader(work / "index")

@@ -28,7 +28,7 @@ from rich.console import Console  # noqa: E402
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
-from gradian.index.store import IndexReader  # noqa: E402
+from gradian.index.reader import IndexReader
 from gradian.settings.grads import GradsConfig  # noqa: E402
 
 KINDS = ("none", "kfac", "module")

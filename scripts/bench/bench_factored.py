@@ -45,7 +45,8 @@ from circuitkit.models.loading import load_model
 from gradian.capture.gradients import per_example_gradients
 from gradian.data.rows import collate, load_rows
 from gradian.index.formats.factored import FactoredRows, FactoredScorer, layout_of
-from gradian.index.store import IndexReader, IndexWriter
+from gradian.index.reader import IndexReader
+from gradian.index.writer import IndexWriter
 from gradian.projection.projector import Projector
 from gradian.rank.scores import stream_topk
 

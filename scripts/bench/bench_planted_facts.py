@@ -266,7 +266,7 @@ def _eos_share(without_dir: Path, with_dir: Path) -> dict[str, float]:
     """From two raw-gradient indexes of the same rows (sum reduction, so the gradient with EOS is
     the completion's plus the EOS token's): median over rows of |g_eos| / |g_with|, and of the
     cosine between the row with EOS and the completion-only row."""
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     g_without = torch.cat([g for _, g, _ in IndexReader(without_dir).shards()])
     g_with = torch.cat([g for _, g, _ in IndexReader(with_dir).shards()])
@@ -328,7 +328,7 @@ def scores_study(n_entities: int = 40, epochs: int = 5, seeds: int = 3, seed: in
     """Recall of every (index option, score) on the cross-template corpus, mean over projection seeds."""
     import statistics
 
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
     from gradian.rank.checks import check_compatible
     from gradian.rank.queries import query_gradients
     from gradian.rank.scores import stream_topk

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from gradian.build.indexer import finalize_curvature
 from gradian.curvature.factors import FactorSums
-from gradian.index.store import IndexWriter
+from gradian.index.writer import IndexWriter
 from gradian.projection.projector import kronecker_factors
 from gradian.rank.scores import SCORES, stream_topk
 

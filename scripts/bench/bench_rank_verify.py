@@ -27,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from gradian.index.store import IndexWriter
+from gradian.index.writer import IndexWriter
 from gradian.rank.scores import stream_topk
 
 WIDTH = 12 * 1024

@@ -45,7 +45,7 @@ from bench_yardsticks import DAMPING, MODULES, Yardstick, lds_yardstick, planted
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
 from gradian.index.curvature import KroneckerCurvature
-from gradian.index.store import IndexReader  # noqa: E402
+from gradian.index.reader import IndexReader
 from gradian.rank.checks import check_compatible
 from gradian.rank.queries import query_gradients
 from gradian.settings.grads import GradsConfig  # noqa: E402

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gradian.index.formats.signs import packed_width
-from gradian.index.store import IndexWriter
+from gradian.index.writer import IndexWriter
 from gradian.rank.scores import stream_topk
 
 

@@ -84,7 +84,7 @@ from yardsticks_factored import (  # noqa: E402
 
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
-from gradian.index.store import IndexReader  # noqa: E402
+from gradian.index.reader import IndexReader
 from gradian.rank.checks import check_compatible
 from gradian.rank.queries import query_gradients
 from gradian.rank.scores import stream_topk

@@ -49,7 +49,7 @@ from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
 from gradian.curvature import factors as cv  # noqa: E402
-from gradian.index.store import IndexReader  # noqa: E402
+from gradian.index.reader import IndexReader
 from gradian.projection import projector as gp  # noqa: E402
 from gradian.settings.grads import GradsConfig  # noqa: E402
 

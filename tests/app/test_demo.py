@@ -41,7 +41,7 @@ def test_shipped_induction_rows_tokenize_to_their_symbols(induction_model_dir) -
 @pytest.mark.slow
 def test_demo_finds_the_known_circuit_and_indexes_through_it(tmp_path, induction_model_dir) -> None:
     from circuitkit_app.stage_list import run_pipeline
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     info = json.loads((induction_model_dir / "fixture_info.json").read_text())
     _, cfg = compose([f"grads.data_path={REPO / 'gradian/data/samples/induction_train.jsonl'}"], config_name="demo")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from bench_gpu import PROXY_SHAPE, Setting, machine_meta, markdown, run_bench
 
-from gradian.index.store import IndexReader
+from gradian.index.reader import IndexReader
 
 
 def test_the_floor_computes_the_rows_gradian_stores_and_the_table_shows_both(tmp_path) -> None:

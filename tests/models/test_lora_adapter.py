@@ -223,7 +223,8 @@ def test_discovery_runs_on_the_adapted_weights(adapted_run, adapters) -> None:
 
 
 def test_gradian_index_and_rank_with_the_adapter(adapted_run, adapters) -> None:
-    from gradian.index.store import FORMAT_VERSION, IndexReader
+    from gradian.index.manifest import FORMAT_VERSION
+    from gradian.index.reader import IndexReader
     from gradian.rank.ranking import rank
 
     index_dir = adapted_run / "index"
@@ -241,7 +242,8 @@ def test_gradian_index_and_rank_with_the_adapter(adapted_run, adapters) -> None:
 
 def test_rank_with_another_adapter_none_or_a_changed_file_is_refused(adapted_run, adapters, tmp_path, capsys) -> None:
     from circuitkit_app.gradian_cli import main
-    from gradian.index.store import IndexMismatchError, IndexReader
+    from gradian.index.manifest import IndexMismatchError
+    from gradian.index.reader import IndexReader
     from gradian.rank.checks import asked_adapter
     from gradian.rank.ranking import rank
 

@@ -95,7 +95,7 @@ def test_moe_index_of_every_linear_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("name", NEW)
 def test_an_attention_only_index_records_its_share_of_the_parameters(tmp_path, name):
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     _index(tmp_path, name, "grads.module_filter=[attn]")
     model = loaded(name).model

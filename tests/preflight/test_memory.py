@@ -141,7 +141,7 @@ def test_grads_peak_follows_supervised_tokens_not_prompt():
 
 
 def test_grads_index_bytes_matches_disk(tmp_path):
-    from gradian.index.store import IndexWriter
+    from gradian.index.writer import IndexWriter
 
     n_rows, width = 10, 48
     header = {"storage_dtype": "float16", "row_width": width}

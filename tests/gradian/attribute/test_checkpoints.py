@@ -133,7 +133,7 @@ def kfac_index(run_dir) -> Path:
 
 def test_the_trainer_output_directory_is_read_with_its_learning_rates(run_dir, raw_index, tmp_path) -> None:
     from gradian.attribute.checkpoints import learning_rate_at, plan_checkpoints
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     manifest = IndexReader(raw_index).manifest
     plan = plan_checkpoints(str(run_dir / "run"), manifest)
@@ -167,7 +167,7 @@ def test_the_trainer_output_directory_is_read_with_its_learning_rates(run_dir, r
 
 def test_refusals_are_one_line_each(run_dir, raw_index, tmp_path) -> None:
     from gradian.attribute.checkpoints import plan_checkpoints
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     manifest = IndexReader(raw_index).manifest
 
@@ -264,7 +264,7 @@ def test_the_checkpoint_score_is_the_brute_force_tracin_sum(run_dir, raw_index) 
 
     from gradian.attribute.checkpoints import plan_checkpoints, tracin_scores
     from gradian.data.rows import load_rows
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     reader = IndexReader(raw_index)
     plan = plan_checkpoints(str(run_dir / "run"), reader.manifest, [3e-2, 2e-2, 1e-2])

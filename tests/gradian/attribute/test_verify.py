@@ -211,7 +211,7 @@ def test_train_data_elsewhere_is_matched_by_record(work, models, tmp_path) -> No
 
     from gradian.attribute.verify import VerifyOptions, _left_out, plan_verify
     from gradian.data.rows import load_rows, policy_of
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     manifest = IndexReader(work["index"]).manifest
     base = ModelConfig(name=str(models / "base"))
@@ -296,7 +296,7 @@ def test_the_drill_down_finds_the_sentence_that_teaches_the_wrong_answer(doc_mod
     from gradian.attribute.queries import query_gradients
     from gradian.attribute.spans import drill_down
     from gradian.data.rows import policy_of
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
     from gradian.rank.checks import check_compatible
 
     index = _index_with(doc_model, None, tmp_path, write_jsonl(tmp_path / "train.jsonl",

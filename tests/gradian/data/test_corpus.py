@@ -20,7 +20,7 @@ from gradian.capture.gradients import per_example_gradients
 from gradian.data.corpus import TokenizedCorpus
 from gradian.data.rows import REPORT_LINES, collate, load_rows
 from gradian.data.sources import DataError, Source, SourceSpec
-from gradian.index.store import IndexReader
+from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector
 from gradian.settings.grads import GradsConfig
 

@@ -161,7 +161,7 @@ def test_manifest_records_the_policy_and_the_data_report_counts(indexes: dict[bo
         assert manifest["token_policy"]["eos_added"] is eos
         assert manifest["token_policy"]["prepend_bos"] is None and manifest["token_policy"]["bos_added"] is False
         assert manifest["data_report"]["eos_appended"] == (len(ROWS) if eos else 0)
-    from gradian.index.store import IndexReader
+    from gradian.index.reader import IndexReader
 
     a = next(IndexReader(indexes[False]).shards())[1]
     b = next(IndexReader(indexes[True]).shards())[1]
@@ -173,7 +173,7 @@ def test_manifest_records_the_policy_and_the_data_report_counts(indexes: dict[bo
 def test_resume_with_another_policy_is_refused(indexes: dict[bool, Path]) -> None:
     from circuitkit_app.config import compose
     from gradian.build.indexer import build_index
-    from gradian.index.store import IndexMismatchError
+    from gradian.index.manifest import IndexMismatchError
 
     manifest = json.loads((indexes[False] / "manifest.json").read_text())
     _, cfg = compose(["model.precision=float32", "grads.projection_dim=64", "grads.storage_dtype=float32",

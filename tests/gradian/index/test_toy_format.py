@@ -10,7 +10,7 @@ A real fourth format would be this diff (nothing else in the writer, reader, ver
     gradian/settings/grads.py              row_format: ... choices=("dense", "factored", "signs", "halves")
     tests/gradian/index/test_halves.py     new: its bytes, its scores against an oracle, its refusals
 
-plus, when its rows change what the index holds, a FORMAT_VERSION step (gradian.index.store) so older
+plus, when its rows change what the index holds, a FORMAT_VERSION step (gradian.index.manifest) so older
 readers refuse it rather than misread it.
 """
 
@@ -32,7 +32,8 @@ from gradian.build.indexer import build_index
 from gradian.build.memory import grads_estimate
 from gradian.index import formats
 from gradian.index.formats.base import EPS, RowFormat, Scorer
-from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.rank.scores import stream_topk
 from gradian.settings.grads import GradsConfig
 

@@ -12,7 +12,8 @@ import torch
 from circuitkit_app.config import compose
 from gradian.build.indexer import build_index
 from gradian.curvature.moments import Preconditioner, shard_second_moment
-from gradian.index.store import IndexMismatchError, IndexReader
+from gradian.index.manifest import IndexMismatchError
+from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector, projection_fingerprint
 from gradian.rank.scores import stream_topk
 

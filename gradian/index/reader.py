@@ -1,23 +1,5 @@
-"""The gradient index on disk: a directory with manifest.json and safetensors shards.
-
-    index/
-      manifest.json               how the index was made (header) + the shard list
-      shard-00000.safetensors     grads (n, width) in the storage dtype, norms (n,) float32, rows (n,) int64
-      shard-00001.safetensors     ...
-
-Shard k holds rows [k * rows_per_shard, (k + 1) * rows_per_shard). With `num_shards` workers,
-worker w writes the shards k with k % num_shards == w, so any number of workers produce the
-same files as one. Each shard is written to a temporary name and renamed; the manifest is
-rewritten atomically (under a file lock shared by the workers) after every shard. A killed
-run resumes from the shards whose file and sha256 match the manifest, and the finished index
-is byte-identical to an uninterrupted one: nothing in it depends on time, order or worker.
-
-What the manifest names is not trusted: every file an index reads (the manifest, its shards,
-projection.safetensors, allocation.json, curvature.safetensors) must be a plain file name inside
-the index directory (symlinks resolved; `circuitkit.core.recorded`), and a shard is checked against
-its sha256 as it is read (`IndexReader.shards(verify=True)`, the default). `IndexReader.verify()` checks the whole
-index and lists every problem (`gradian inspect --verify`).
-"""
+"""Reading an index: its shards checked against the manifest (names, rows, dtypes, sha256) and the row
+format, streamed one at a time; `verify` (`gradian inspect --verify`) checks every recorded file."""
 
 from __future__ import annotations
 
@@ -28,295 +10,27 @@ import mmap
 import os
 import warnings
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from circuitkit.core.device import DTYPES
-from circuitkit.core.errors import UserError
-from circuitkit.core.io import atomic_write_json, file_lock, save_safetensors_streamed, sha256_file
 from circuitkit.core.recorded import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
     MANIFEST,
     REBUILD,
     IndexIntegrityError,
     confined_path,
 )
-from gradian.index.formats import format_of, row_format_problems
+from gradian.index.formats import format_of
 from gradian.index.formats.base import (  # noqa: F401  (StorageOverflowError and its messages: read from here too)
     RowFormat,
     StorageOverflowError,
     no_sign_error,
     overflow_error,
 )
-from gradian.index.header import NOT_COMPARED, check_header
+from gradian.index.manifest import _REBUILD, OPTIONAL_TENSORS, IndexMismatchError, read_manifest, shard_name
 from gradian.projection.projector import WHITENING_FILE, Projector, projection_fingerprint
-
-# 2: the header records `projection_sha256`, a hash of the generated projection matrices.
-# 3: the header records `token_policy`, `loss` and `preconditioner`; shards may hold
-#    `second_moment` (gradian.curvature.moments).
-#    Still 4 with K-FAC: shards may hold `kfac_in.m`, `kfac_out.m`, `kfac_tokens`, and the manifest
-#    `curvature` (curvature.safetensors, gradian.curvature.factors); readers that predate them refuse
-#    such shards (unknown tensors) rather than misread them.
-# 4: the header records `activations` ("model" or "fused", gradian.capture.gradients.activation_numerics).
-# 5: the header is `gradian.index.header.IndexHeader`, checked field by field, and records
-#    `parameter_share` (the share of the model's parameters the index covers).
-# 8: the header records `row_format` and `row_rank`: `grads` of a factored index are each module's
-#    rank-c factors [U | V] (gradian.index.formats.factored), its norms those of U Vᵀ; readers that predate it refuse
-#    the version rather than multiply factors as dense rows.
-# 9: row_format may be `signs`: `grads` are packed sign bits (uint8, gradian.index.formats.signs), norms √n; readers
-#    that predate it refuse the version rather than read bytes as numbers.
-FORMAT_VERSION = 9
-# Optional shard tensors besides grads, norms and rows.
-OPTIONAL_TENSORS = ("sources", "second_moment")
-
-
-class IndexMismatchError(ValueError):
-    """An existing index was made differently from what is asked now."""
-
-
-class ConcurrentWriterError(UserError, RuntimeError):
-    """Another process holds the lock of a shard this worker was about to write."""
-
-
-# Header keys every reader needs, with their JSON types.
-_REQUIRED = {"format_version": int, "n_rows": int, "rows_per_shard": int, "storage_dtype": str, "shards": dict,
-             "complete": bool}
-_REBUILD = REBUILD
-
-
-def shard_name(k: int) -> str:
-    return f"shard-{k:05d}.safetensors"
-
-
-def read_manifest(index_dir: Path) -> dict[str, Any]:
-    """manifest.json of `index_dir`, checked for the keys and types every reader needs.
-
-    Raises IndexIntegrityError (exit code 2) when there is no manifest, and IndexIntegrityError
-    naming the problem when it is not JSON, lacks a key, or a shard entry is malformed or
-    points outside the directory.
-    """
-    index_dir = Path(index_dir)
-    path = index_dir / MANIFEST
-    if index_dir.is_file():
-        raise IndexIntegrityError(f"{index_dir} is a file; give the index directory (the one holding"
-                                  f" {MANIFEST}).", exit_code=2)
-    if not path.is_file():
-        raise IndexIntegrityError(f"{index_dir} is not a gradient index (no {MANIFEST}); build one with"
-                                  " `gradian index` or the pipeline's grads stage.", exit_code=2)
-    confined_path(index_dir, MANIFEST, what="the manifest")
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise IndexIntegrityError(f"{path} is not valid JSON ({err}); the index is damaged: {_REBUILD}.") from None
-    if not isinstance(manifest, dict):
-        raise IndexIntegrityError(f"{path} holds a JSON {type(manifest).__name__}, not an index manifest;"
-                                  f" {_REBUILD}.")
-    missing = [k for k in _REQUIRED if k not in manifest]
-    if missing:
-        raise IndexIntegrityError(f"{path} lacks {', '.join(missing)}: it is not a complete index manifest;"
-                                  f" {_REBUILD}.")
-    for key, kind in _REQUIRED.items():
-        value = manifest[key]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise IndexIntegrityError(f"{path}: {key} is {value!r}, expected a JSON {kind.__name__};"
-                                      f" {_REBUILD}.")
-    if manifest["format_version"] > FORMAT_VERSION:
-        raise IndexIntegrityError(f"{path}: format_version {manifest['format_version']} is newer than this"
-                                  f" Gradian reads ({FORMAT_VERSION}); upgrade circuitkit.")
-    if manifest["storage_dtype"] not in DTYPES:
-        raise IndexIntegrityError(f"{path}: storage_dtype {manifest['storage_dtype']!r} is not one of"
-                                  f" {', '.join(DTYPES)}; {_REBUILD}.")
-    if manifest["n_rows"] < 0 or manifest["rows_per_shard"] < 1:
-        raise IndexIntegrityError(f"{path}: n_rows={manifest['n_rows']}, rows_per_shard="
-                                  f"{manifest['rows_per_shard']} are not valid; {_REBUILD}.")
-    if "tokenizer_sha256" in manifest:  # an index the indexer wrote: its header, field by field
-        problems = check_header(manifest, str(path))
-        if problems:
-            raise IndexIntegrityError(f"{problems[0]}; {_REBUILD}.")
-    problems = row_format_problems(manifest, str(path))
-    if problems:  # each names its fix (an unknown format: upgrade; a damaged record: rebuild)
-        raise IndexIntegrityError(f"{problems[0]}.")
-    for name, entry in manifest["shards"].items():
-        confined_path(index_dir, name, path)
-        rows = entry.get("rows") if isinstance(entry, dict) else None
-        ok = (isinstance(entry, dict) and isinstance(rows, list) and len(rows) == 2
-              and all(isinstance(r, int) and not isinstance(r, bool) for r in rows) and 0 <= rows[0] <= rows[1]
-              and isinstance(entry.get("sha256"), str) and isinstance(entry.get("bytes"), int))
-        if not ok:
-            raise IndexIntegrityError(f"{path}: shard entry {name!r} is {json.dumps(entry)[:120]}; expected"
-                                      ' {"index": k, "rows": [start, end], "sha256": hex, "bytes": n};'
-                                      f" {_REBUILD}.")
-    return manifest
-
-
-def _short(value: Any, limit: int = 160) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
-
-
-def _diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """One line per differing key; long values (a projection's module list) cut to their start."""
-    keys = sorted(set(old) | set(new))
-    return [f"{k}: index has {_short(old.get(k))}, asked {_short(new.get(k))}" for k in keys if old.get(k) != new.get(k)]
-
-
-@dataclass
-class IndexWriter:
-    """Writes one worker's shards of an index; resumes what a killed run left.
-
-    header: everything that decides the stored values (model and weights hash, tokenizer
-    hash, modules and shapes, projection kind/dim/seed, storage dtype, loss reduction, data
-    hash, row count, rows per shard). An existing index with another header is an error that
-    names the differing keys.
-    """
-
-    index_dir: Path
-    header: dict[str, Any]
-    n_rows: int
-    rows_per_shard: int
-    num_shards: int = 1
-    shard_index: int = 0
-
-    def __post_init__(self) -> None:
-        self.index_dir = Path(self.index_dir)
-        if not 0 <= self.shard_index < self.num_shards:
-            raise ValueError(f"shard_index={self.shard_index} must be in [0, num_shards={self.num_shards}).")
-        self.header = {**self.header, "n_rows": self.n_rows, "rows_per_shard": self.rows_per_shard,
-                       "format_version": FORMAT_VERSION}
-        self.index_dir.mkdir(parents=True, exist_ok=True)
-        compared = {k: v for k, v in self.header.items() if k not in NOT_COMPARED}
-        with self._manifest_lock():
-            # Manifest writes happen under this lock, so a temp manifest seen now is a killed
-            # run's leftover.
-            for stale in self.index_dir.glob(f".{MANIFEST}.*.tmp"):
-                stale.unlink(missing_ok=True)
-            manifest = self._read()
-            if manifest is None:
-                self._write({**self.header, "shards": {}, "complete": False})
-            elif {k: manifest.get(k) for k in compared} != compared:
-                diffs = _diff({k: manifest.get(k) for k in compared}, compared)
-                raise IndexMismatchError(
-                    f"{self.index_dir} holds an index made differently: {'; '.join(diffs)}. Use another"
-                    " grads.index_dir, or delete this one to rebuild it.")
-
-    # -- manifest ---------------------------------------------------------------------------
-    @property
-    def n_index_shards(self) -> int:
-        return max(1, math.ceil(self.n_rows / self.rows_per_shard))
-
-    def _manifest_lock(self):
-        return file_lock(self.index_dir / ".manifest.lock")
-
-    def _read(self) -> dict[str, Any] | None:
-        # The same checks as a reader: a resumed run must not follow a shard entry out of the index.
-        return read_manifest(self.index_dir) if (self.index_dir / MANIFEST).is_file() else None
-
-    def _write(self, manifest: dict[str, Any]) -> None:
-        manifest["shards"] = dict(sorted(manifest["shards"].items()))
-        atomic_write_json(self.index_dir / MANIFEST, manifest)
-
-    def row_range(self, k: int) -> tuple[int, int]:
-        """Rows [start, end) of shard k."""
-        start = k * self.rows_per_shard
-        return start, min(self.n_rows, start + self.rows_per_shard)
-
-    def my_shards(self) -> list[int]:
-        return [k for k in range(self.n_index_shards) if k % self.num_shards == self.shard_index]
-
-    def is_done(self, k: int) -> bool:
-        """Shard k is complete: listed in the manifest and its file has the recorded sha256."""
-        entry = (self._read() or {}).get("shards", {}).get(shard_name(k))
-        path = confined_path(self.index_dir, shard_name(k))
-        return entry is not None and path.is_file() and sha256_file(path) == entry["sha256"]
-
-    def pending(self) -> list[int]:
-        """This worker's shards still to write (a resumed run skips the complete ones).
-
-        Temporary files a killed run left for these shards are removed, under the shard's lock:
-        a temp file whose shard is locked belongs to a live writer (two workers given the same
-        grads.shard_index), which is refused instead of pulling its file away.
-        """
-        todo = [k for k in self.my_shards() if not self.is_done(k)]
-        for k in todo:
-            with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
-                if not got:
-                    raise self._busy(k)
-                for stale in self.index_dir.glob(f".{shard_name(k)}.*.tmp"):
-                    stale.unlink(missing_ok=True)
-        return todo
-
-    def _busy(self, k: int) -> ConcurrentWriterError:
-        return ConcurrentWriterError(
-            f"another process is writing {shard_name(k)} of {self.index_dir}; two workers must not share a"
-            f" grads.shard_index (this one has {self.shard_index} of num_shards={self.num_shards}). Wait for"
-            " it to finish, or give each worker its own shard_index.")
-
-    # -- writing ----------------------------------------------------------------------------
-    def write_shard(self, k: int, grads: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor | None = None,
-                    second_moment_blocks: int | None = None,
-                    extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
-        """Store shard k: grads (n, width) float32 in the storage dtype, with float32 norms, and
-        `sources` (n,) int64, where each row is in the data (JSONL line or table row index).
-        `second_moment_blocks` M: also store the stored rows' per-block Σ g gᵀ, (M, k, k) float32
-        (`gradian.curvature.moments.shard_second_moment`). `extra_tensors`: the K-FAC factor sums
-        (`gradian.curvature.factors.FactorSums.tensors`), stored as given.
-
-        The rows are packed by the header's row format (`gradian.index.formats`); norms are of the stored
-        values, so cosine scores read back exactly what was stored. Raises StorageOverflowError naming the
-        rows if float16 would turn values into inf (or sign rows have values with no sign).
-        """
-        start, end = self.row_range(k)
-        if rows.tolist() != list(range(start, end)):
-            raise ValueError(f"shard {k} must hold rows {start}..{end - 1}, got {rows.tolist()[:5]}...")
-        fmt = format_of(self.header)
-        if second_moment_blocks is not None and not fmt.moments:
-            raise ValueError(f"{fmt.name} rows (grads.row_format={fmt.name}) hold no dense blocks to sum second"
-                             " moments of.")
-        stored, norms, finite = fmt.pack(grads)  # norms of what the row stands for
-        problem = fmt.stored_problem(stored)
-        if problem:
-            raise ValueError(f"shard {k}: {problem}")
-        bad = ~finite[:, 0]
-        if bad.any():
-            raise fmt.non_finite_error(rows[bad].tolist(), k, bool(finite[bad, 1].all()))
-        second_moment = None
-        if second_moment_blocks is not None:
-            from gradian.curvature.moments import shard_second_moment
-
-            second_moment = shard_second_moment(stored.float(), second_moment_blocks)
-        return self.write_stored(k, stored, norms, sources, second_moment, extra_tensors)
-
-    def write_stored(self, k: int, stored, norms: torch.Tensor, sources: torch.Tensor | None = None,
-                     second_moment: torch.Tensor | None = None,
-                     extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
-        """Store shard k from rows already in their stored form (host tensors): `stored` (n, width) in the
-        storage dtype (or packed sign bytes), or a `circuitkit.core.io.RowGather` of them; `norms` (n,)
-        float32 of the stored values; the rest as `write_shard` takes them. The file is streamed and
-        hashed while written (no second read), renamed into place, then listed in the manifest."""
-        start, end = self.row_range(k)
-        if stored.shape[0] != end - start:
-            raise ValueError(f"shard {k} must hold rows {start}..{end - 1}: {end - start} rows, got {stored.shape[0]}.")
-        with file_lock(self.index_dir / f".{shard_name(k)}.lock", blocking=False) as got:
-            if not got:
-                raise self._busy(k)
-            tensors = {"grads": stored, "norms": norms, "rows": torch.arange(start, end, dtype=torch.long)}
-            if sources is not None:
-                tensors["sources"] = sources.long()
-            if second_moment is not None:
-                tensors["second_moment"] = second_moment
-            if extra_tensors:
-                tensors.update(extra_tensors)
-            path, digest = save_safetensors_streamed(self.index_dir / shard_name(k), tensors)
-        with self._manifest_lock():
-            manifest = self._read()
-            manifest["shards"][shard_name(k)] = {"index": k, "rows": [start, end], "sha256": digest,
-                                                 "bytes": path.stat().st_size}
-            manifest["complete"] = len(manifest["shards"]) == self.n_index_shards
-            self._write(manifest)
-        return path
-
 
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64,
                        "U8": torch.uint8}
