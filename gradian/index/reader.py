@@ -16,18 +16,14 @@ from typing import Any
 import torch
 
 from circuitkit.core.device import DTYPES
-from circuitkit.core.recorded import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
+from circuitkit.core.recorded import (
     MANIFEST,
-    REBUILD,
     IndexIntegrityError,
     confined_path,
 )
 from gradian.index.formats import format_of
-from gradian.index.formats.base import (  # noqa: F401  (StorageOverflowError and its messages: read from here too)
+from gradian.index.formats.base import (
     RowFormat,
-    StorageOverflowError,
-    no_sign_error,
-    overflow_error,
 )
 from gradian.index.manifest import _REBUILD, OPTIONAL_TENSORS, IndexMismatchError, read_manifest, shard_name
 from gradian.projection.projector import WHITENING_FILE, Projector, projection_fingerprint

@@ -11,19 +11,11 @@ from typing import Any
 import torch
 
 from circuitkit.core.io import atomic_write_json, file_lock, save_safetensors_streamed, sha256_file
-from circuitkit.core.recorded import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
+from circuitkit.core.recorded import (
     MANIFEST,
-    REBUILD,
-    IndexIntegrityError,
     confined_path,
 )
 from gradian.index.formats import format_of
-from gradian.index.formats.base import (  # noqa: F401  (StorageOverflowError and its messages: read from here too)
-    RowFormat,
-    StorageOverflowError,
-    no_sign_error,
-    overflow_error,
-)
 from gradian.index.header import NOT_COMPARED
 from gradian.index.manifest import (
     FORMAT_VERSION,

@@ -35,6 +35,11 @@ EPS = 1e-12
 Scorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def per_unit_norm(scores: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Scores (Q, n) divided by the rows' stored norms (n,): the cosine's row side (a zero row scores 0)."""
+    return scores / norms.float().clamp_min(EPS)
+
+
 class StorageOverflowError(OverflowError):
     """Values do not fit the storage dtype (float16 tops out at 65504)."""
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gradian.index.formats.base import EPS, RowFormat, Scorer
+from gradian.index.formats.base import RowFormat, Scorer, per_unit_norm
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,7 @@ class DenseFormat(RowFormat):
     def scorer(self, queries: torch.Tensor, *, cosine: bool, preconditioned: bool) -> Scorer:
         def score(grads: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
             scores = queries @ grads.T  # (Q, n)
-            if cosine:
-                scores /= norms.float().clamp_min(EPS)
-            return scores
+            return per_unit_norm(scores, norms) if cosine else scores
 
         return score
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from circuitkit.core.errors import UserError
-from gradian.index.formats.base import EPS, RowFormat, Scorer
+from gradian.index.formats.base import RowFormat, Scorer, per_unit_norm
 from gradian.settings.grads import GradsConfig
 
 log = logging.getLogger(__name__)
@@ -404,9 +404,7 @@ class FactoredFormat(RowFormat):
 
         def score(grads: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
             scores = factored(grads)  # (Q, n)
-            if cosine:
-                scores /= norms.float().clamp_min(EPS)
-            return scores
+            return per_unit_norm(scores, norms) if cosine else scores
 
         return score
 
