@@ -17,7 +17,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The verdict's random circuits (pruning.random_baselines, conf/pruning/heads.yaml reads this): off for
 # the many small pipeline runs; the verdict's own tests (test_verdict.py) set the key.
 os.environ.setdefault("CIRCUITKIT_RANDOM_BASELINES", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference_eap.py
 sys.path.insert(0, str(REPO / "scripts" / "bench"))  # benchmark helpers shared with tests
 sys.path.insert(0, str(REPO / "scripts" / "experiments"))  # real_model_oracles
 

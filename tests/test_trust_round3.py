@@ -35,7 +35,7 @@ from gradian.curvature.factors import CURVATURE_FILE
 from gradian.index.manifest import IndexIntegrityError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import WHITENING_FILE
-from tests.test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the 20 rows and config of the K-FAC tests)
+from tests.gradian.curvature.test_kfac import DIM, ROWS, _cfg  # noqa: F401  (the 20 rows and config of the K-FAC tests)
 
 # One index holds both stored projection files: the whitened matrices and the spectrum widths.
 ARGS = ("grads.projection=whitened", "grads.width_allocation=spectrum", "grads.rows_per_shard=7")

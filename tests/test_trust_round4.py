@@ -465,7 +465,7 @@ def test_diagnose_keeps_the_tokenizers_long_row_warning_off_the_terminal(tmp_pat
 def test_a_sign_index_with_an_edited_projection_dim_blames_the_manifest(tmp_path, capsys):
     from circuitkit_app.gradian_cli import main
     from gradian.build.indexer import build_index
-    from tests.test_sign_rows import _cfg as sign_cfg
+    from tests.gradian.index.test_sign_rows import _cfg as sign_cfg
 
     cfg = sign_cfg(tmp_path, "grads.row_format=signs", "grads.projection=eigen")
     build_index(cfg.model, cfg.grads, tmp_path / "idx")
@@ -527,7 +527,7 @@ def test_a_run_records_circuitkit_gradians_version_and_commit(tmp_path, capsys):
 def test_the_index_header_and_an_export_record_the_software(tmp_path):
     from gradian.build.indexer import build_index
     from gradian.index.reader import IndexReader
-    from tests.test_sign_rows import _cfg as sign_cfg
+    from tests.gradian.index.test_sign_rows import _cfg as sign_cfg
 
     cfg = sign_cfg(tmp_path)
     build_index(cfg.model, cfg.grads, tmp_path / "idx")
@@ -541,7 +541,7 @@ def test_the_index_header_and_an_export_record_the_software(tmp_path):
 def test_an_index_written_before_the_software_was_recorded_still_reads(tmp_path):
     from gradian.build.indexer import build_index
     from gradian.index.reader import IndexReader
-    from tests.test_sign_rows import _cfg as sign_cfg
+    from tests.gradian.index.test_sign_rows import _cfg as sign_cfg
 
     cfg = sign_cfg(tmp_path)
     build_index(cfg.model, cfg.grads, tmp_path / "idx")

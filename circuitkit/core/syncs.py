@@ -13,7 +13,7 @@ same calls cost nothing, so they cannot be timed here; they can be counted:
 
 Counted: the profiler's ATen events in `BLOCKING_OPS` (`.item()`, `bool(t)` and `int(t)` all reach
 `aten::_local_scalar_dense`) and the Python methods in `BLOCKING_METHODS`, patched for the
-duration. Tests hold the hot paths to a small budget per batch (tests/test_blocking_calls.py);
+duration. Tests hold the hot paths to a small budget per batch (tests/gradian/build/test_blocking_calls.py);
 `scripts/bench/bench_gpu.py` reports the same count next to `torch.cuda.set_sync_debug_mode`.
 """
 

@@ -23,7 +23,7 @@ Each term is a per-example gradient of the index's modules, projected with the
 index's projector (`gradian.capture.gradients.per_example_gradients`): the projection is linear, so the
 difference of the two projected rows is the projection of the gradient of the difference, and a
 query is a vector in the index rows' space (the same width, modules, projection, loss reduction
-and activation numerics; `tests/test_gradian_attribute.py` checks both against autograd).
+and activation numerics; `tests/gradian/attribute/test_attribute.py` checks both against autograd).
 """
 
 from __future__ import annotations

@@ -375,7 +375,7 @@ def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: 
 
     The capture's consumers: the rows; with K-FAC the shard's factor sums, and with grads.fisher=sampled
     the sampled labels' rows (stored beside the rows, for the EK-FAC eigenvalues).
-    Nothing here waits for the device (the hot path: tests/test_blocking_calls.py counts it): the
+    Nothing here waits for the device (the hot path: tests/gradian/build/test_blocking_calls.py counts it): the
     batch's bookkeeping is collated on the host, the rows leave the device in their stored form
     without a wait (`gradian.build.shard_rows`), the factor sums stay on the device. Returns the batch's
     computed (padded) tokens."""

@@ -43,7 +43,7 @@ def _free_port() -> int:
 
 def _env() -> dict[str, str]:
     # The workers import this checkout and build fixtures in the same cache; one thread each
-    # (bytes of the index match only at equal thread counts: tests/test_launchers.py).
+    # (bytes of the index match only at equal thread counts: tests/app/test_launchers.py).
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
             "COLUMNS": "160"}
@@ -110,7 +110,7 @@ def test_sharded_index_on_ray_equals_one_local_job(ray_head, tmp_path):
 
 
 def test_sharded_attribution_on_ray_merges_to_one_local_job(ray_head, tmp_path):
-    from tests.test_shards import COMMON, _assert_close
+    from tests.discovery.attribution.test_shards import COMMON, _assert_close
 
     run_pipeline(compose(COMMON)[1], tmp_path / "single")
     _sweep(ray_head, *COMMON, "discovery.num_shards=2", "discovery.shard_index=range(2)",

@@ -43,12 +43,7 @@ def test_a_pipeline_stage_logs_its_start_its_batches_and_its_end(tmp_path) -> No
 
 def _planted_module():
     pytest.importorskip("peft")
-    for name in ("tests.gradian.attribute.test_gradian_attribute", "tests.test_gradian_attribute"):
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-    raise ModuleNotFoundError("the planted fixture's test module (test_gradian_attribute) is not found")
+    return importlib.import_module("tests.gradian.attribute.test_attribute")
 
 
 planted = _planted_module()

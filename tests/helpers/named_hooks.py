@@ -18,7 +18,7 @@ own tensor in place, so read-only hooks leave the logits bit-identical.
 
 The package hooks through `circuitkit.models.hooks.HookSet` at the sites the adapter names
 (`z_input`, `attn_write`, `mlp_write`, `qkv_sites`); this layer of names on the same sites is
-the tests' way to read and patch an activation by name (tests/test_adapters.py checks that it
+the tests' way to read and patch an activation by name (tests/models/test_adapters.py checks that it
 leaves the logits bit-identical and that its per-head Q/K/V and z agree with the weights).
 """
 

@@ -57,7 +57,7 @@ def test_preflight_passes_and_attribution_records_estimate_next_to_measured(tmp_
     assert pre["status"] == "ok" and pre["summary"]["fits"] is True
     assert (tmp_path / "memory_estimate_attribution.png").is_file()
     ratio = attr["estimated_peak_bytes"] / attr["measured_peak_bytes"]
-    assert 0.5 < ratio < 1.5, ratio  # the tight (±25 %) check is tests/test_memory.py, per batch
+    assert 0.5 < ratio < 1.5, ratio  # the tight (±25 %) check is tests/preflight/test_memory.py, per batch
     again = run_pipeline(cfg, tmp_path)  # the preflight always reruns; the other stages stay cached
     assert again["stages"]["attribution"].get("skipped_on_rerun") is True
 

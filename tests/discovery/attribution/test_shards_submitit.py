@@ -16,7 +16,7 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install
 from circuitkit.discovery.attribution import load_scores  # noqa: E402
 from circuitkit_app.config import compose  # noqa: E402
 from circuitkit_app.stage_list import run_pipeline  # noqa: E402
-from tests.test_shards import COMMON, _assert_close  # noqa: E402
+from tests.discovery.attribution.test_shards import COMMON, _assert_close  # noqa: E402
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

@@ -51,7 +51,7 @@ def quiet() -> Console:
 
 
 def _pretrain(model, tok, rows: list[dict], steps: int = 200, lr: float = 1e-2) -> None:
-    """The base model's lessons, as tests/test_gradian_attribute.py's planted fixture teaches them
+    """The base model's lessons, as tests/gradian/attribute/test_attribute.py's planted fixture teaches them
     (full-batch AdamW on the completions' cross-entropy, full logits, rows in file order): 200
     steps amplify rounding, so another recipe gives another base and another planted ranking."""
     enc = [(tok(r["prompt"], add_special_tokens=False)["input_ids"], tok(r["completion"], add_special_tokens=False)

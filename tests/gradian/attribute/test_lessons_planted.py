@@ -1,4 +1,4 @@
-"""Lessons on the planted fixture (`test_gradian_attribute`'s tiny GPT-2 LoRA-tuned with six rows
+"""Lessons on the planted fixture (`test_attribute`'s tiny GPT-2 LoRA-tuned with six rows
 teaching every animal to say " new."): with fewer accused rows than planted, the rows teaching
 the same template, not accused, hold the planted rows the cut missed, ranked first.
 
@@ -21,12 +21,7 @@ pytest.importorskip("sklearn")
 
 
 def _planted_module():
-    for name in ("tests.gradian.attribute.test_gradian_attribute", "tests.test_gradian_attribute"):
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-    raise ModuleNotFoundError("the planted fixture's test module (test_gradian_attribute) is not found")
+    return importlib.import_module("tests.gradian.attribute.test_attribute")
 
 
 planted = _planted_module()

@@ -1,4 +1,4 @@
-"""gradian attribute's drill-down and --verify on the planted fixture of test_gradian_attribute.py.
+"""gradian attribute's drill-down and --verify on the planted fixture of test_attribute.py.
 
 --verify redoes the planted LoRA tune (the fixture's own trainer, `gradian.attribute.retrain`, with
 its settings) without the accused rows, and without as many random rows: the first must undo the
@@ -17,15 +17,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import test_gradian_attribute as planted
 import torch
 from rich.console import Console
 
+import tests.gradian.attribute.test_attribute as planted
 from circuitkit.models.config import ModelConfig
 from circuitkit_app.gradian_cli import main
 from gradian.attribute.retrain import TrainSettings, step_plan, train
 from gradian.attribute.spans import split_sentences, token_sentences
-from tests.test_gradian_attribute import (
+from tests.gradian.attribute.test_attribute import (
     BASE_ROWS,
     LORA,
     PLANTED_IDS,

@@ -15,7 +15,7 @@ from circuitkit.core.batching import plan_batches
 from gradian.data.rows import DataError, Row, TokenPolicy, collate, load_rows
 
 # The tests below that spell out EOS / end-of-turn tokens run under grads.append_eos=true;
-# tests/test_token_policy.py covers both policies.
+# tests/gradian/data/test_token_policy.py covers both policies.
 EOS = TokenPolicy(append_eos=True)
 
 CHAT = [

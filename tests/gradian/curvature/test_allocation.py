@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)
 
 from circuitkit.core.errors import UserError
 from gradian.build.indexer import build_index
@@ -24,6 +23,7 @@ from gradian.curvature.allocation import (
 from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector, balanced_width
+from tests.gradian.curvature.test_kfac import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)
 
 ARGS = ("grads.width_allocation=spectrum", "grads.rows_per_shard=7")
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_curvature import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)
 
 from circuitkit.models.loading import load_model
 from gradian.build.indexer import build_index
@@ -20,6 +19,7 @@ from gradian.data.rows import load_rows, policy_of
 from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import WHITENING_FILE, Projector
+from tests.gradian.curvature.test_kfac import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)
 
 ARGS = ("grads.projection=whitened", "grads.rows_per_shard=7")
 

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_circuit_index import _circuit, _load
-from test_gradian_grads import _rows
 
 from circuitkit.core.config import ConfigError
 from circuitkit.core.errors import UserError
@@ -29,6 +27,8 @@ from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector
 from gradian.rank.ranking import rank
 from gradian.rank.scores import stream_topk
+from tests.gradian.build.test_circuit_index import _circuit, _load
+from tests.gradian.capture.test_gradients import _rows
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} near the {p} {i}."}
         for i, (s, v, p) in enumerate((s, v, p) for s in ("cat", "dog", "owl", "fox", "elk")

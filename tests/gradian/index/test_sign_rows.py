@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_factored_rows import ROWS  # the same 20 rows
 
 from circuitkit.core.errors import UserError
 from circuitkit_app.config import compose
@@ -22,6 +21,7 @@ from gradian.index.manifest import IndexMismatchError
 from gradian.index.reader import IndexReader
 from gradian.rank.ranking import rank
 from gradian.rank.scores import stream_topk
+from tests.gradian.index.test_factored_rows import ROWS  # the same 20 rows
 
 DIM = 100  # 10 x 10 per module: 100 coordinates, not a whole number of 64-bit words
 N_ROWS = len(ROWS)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_curvature import _build, _cfg
 
 from circuitkit.models.loading import load_model
 from gradian.build.indexer import build_index
@@ -20,6 +19,7 @@ from gradian.data.rows import load_rows, policy_of
 from gradian.index.manifest import IndexMismatchError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector
+from tests.gradian.curvature.test_kfac import _build, _cfg
 
 
 @pytest.fixture(scope="module")

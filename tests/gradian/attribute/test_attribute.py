@@ -284,7 +284,7 @@ def test_templated_rows_cluster_together_against_the_training_set() -> None:
     entity, are one cluster when the terms are weighed by the training set's document frequencies.
     By the accused rows' own, the template's words get the lowest weight and each row's two entity
     words outweigh them: measured, the forty stay apart from 40 rows on (12, 20 and 30 rows still
-    cluster), as they did in issue 43's SmolLM2 benchmark."""
+    cluster), as they did in the SmolLM2 attribute benchmark (scripts/bench/bench_attribute_smollm2.py)."""
     pytest.importorskip("sklearn")
     from gradian.attribute.clusters import AccusedRow, cluster_rows
 

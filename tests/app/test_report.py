@@ -17,7 +17,7 @@ import torch
 
 from circuitkit_app.config import compose
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 QUERIES = REPO / "gradian/data/samples/induction_queries.jsonl"
 MAX_BYTES = 5 * 2**20
 

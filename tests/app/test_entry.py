@@ -13,7 +13,7 @@ from circuitkit.core.circuit_file import grads_circuit_path
 from circuitkit.core.errors import UserError
 from circuitkit_app.config import compose
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 

@@ -21,7 +21,7 @@ from gradian.index.manifest import IndexMismatchError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector
 from gradian.rank.ranking import rank
-from tests.test_gradian_grads import _rows  # the right-padded batch builder those tests use
+from tests.gradian.capture.test_gradients import _rows  # the right-padded batch builder those tests use
 
 ROWS = [{"prompt": f"The {s} ", "completion": f"{v} in the garden {i}."}
         for i, (s, v) in enumerate((s, v) for v in ("runs", "eats") for s in ("cat", "dog", "bird", "fish", "fox"))]

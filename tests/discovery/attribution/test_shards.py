@@ -210,10 +210,9 @@ def test_discover_circuit_on_shards_names_the_pending_ones_then_returns_the_circ
 def test_per_example_rows_are_in_data_order_whatever_the_batching():
     """Pairs of different lengths are batched by length; the rows still follow the examples, so
     the rows of shards (contiguous example ranges) concatenate to one job's."""
-    from test_task_lengths import _lm, _pairs
-
     from circuitkit.discovery.attribution import attribute, run_attribution
     from circuitkit.discovery.config import DiscoveryConfig
+    from tests.discovery.attribution.test_task_lengths import _lm, _pairs
 
     data = _pairs(9, seed=2)
     assert data.lengths() != sorted(data.lengths(), reverse=True)  # batching by length reorders them

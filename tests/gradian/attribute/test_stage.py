@@ -14,11 +14,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import test_gradian_attribute as planted
-from test_gradian_attribute import BASE_ROWS, PLANTED_IDS, TUNE_ROWS, WRONG, write_jsonl
 
+import tests.gradian.attribute.test_attribute as planted
 from circuitkit.core.io import sha256_file
 from circuitkit_app.run import main as run_main
+from tests.gradian.attribute.test_attribute import BASE_ROWS, PLANTED_IDS, TUNE_ROWS, WRONG, write_jsonl
 
 models = planted.models  # the planted fixture's base model and adapters, built once per cache
 
@@ -143,9 +143,8 @@ def _copy_run(root: Path, tmp_path: Path) -> Path:
 def test_hostile_text_in_the_result_stays_inert(pipeline_run, tmp_path) -> None:
     """A prompt, an answer, a training row, a cluster term and a finding holding a script opener are
     shown as written, as text: no element comes of them and the page's scripts are unchanged."""
-    from test_report import HOSTILE, parse
-
     from circuitkit_app.report import write_run_report
+    from tests.app.test_report import HOSTILE, parse
 
     run_dir = _copy_run(pipeline_run[0], tmp_path)
     path = run_dir / "attribute.json"
