@@ -27,7 +27,7 @@ from circuitkit.discovery.tasks.base import TaskData
 from circuitkit.discovery.tasks.corruption_sets import check_corruptions, effective
 from circuitkit.models.adapters import get_adapter
 from circuitkit_app.config import compose
-from tests.test_trust_pipeline import SMALL, error_lines, invoke
+from tests.helpers.refusals import SMALL, error_lines, invoke
 
 PREV_TOKEN, INDUCTION = (0, 2), (1, 1)
 N_ATTR, N_EVAL = 8, 8

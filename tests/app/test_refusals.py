@@ -1,104 +1,47 @@
-"""Trustworthy runs (issue 12, CircuitKit and pipeline half): bad inputs and faults.
-
-The table drives `python -m circuitkit.run` and `circuitkit ...` in process. Every case asserts
-the exit status, exactly one error line that names the thing, no traceback, and that nothing
-written before the command changed (and, for usage errors, that no run directory was made).
-The tests after the table cover what a table row cannot: stale-result detection, sweeps,
-reproducible bytes, the interrupted stage in manifest.json.
+"""Bad inputs and faults of the pipeline and the `circuitkit` commands, run in process
+(`python -m circuitkit.run` and `circuitkit ...`). Every case asserts the exit status (2: what was typed
+or configured is wrong; 1: a file's content is bad or a stage failed), exactly one error line that names
+the thing, no traceback, and that nothing written before the command changed (and, for usage errors,
+that no run directory was made). The second table adds hostile files (GGUF cut short, MIB exports into
+a file, import --scale, unknown keys in a user's config file) and checks that nothing new appears.
 """
 
 from __future__ import annotations
 
-import csv
-import dataclasses
 import errno
-import hashlib
 import json
 import os
-import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
-from circuitkit.core import pipeline
 from circuitkit.core.config import ConfigError
 from circuitkit.core.errors import UserError
+from circuitkit.discovery.attribution import AttributionScores, Graph, save_scores
 from circuitkit_app.cli import main as cli_main
-from circuitkit_app.config import compose
-from circuitkit_app.run import main as run_main
-from circuitkit_app.stage_list import PIPELINE, run_pipeline
-
-SMALL = ["discovery.data_params.num_examples=4", "discovery.data_params.eval_examples=2",
-         "discovery.data_params.seq_len=16", "model.precision=float32", "discovery.ig_steps=2"]
-LONG_PROMPT = " ".join(["word"] * 300)
-
-
-MARY = "When Mary and John went to the store, John gave a drink to"
-LISA = "When Mary and John went to the store, Lisa gave a drink to"
-
-
-def _pair(clean: str = MARY, corrupted: str = LISA, correct: str = " Mary", incorrect: str = " John") -> str:
-    """A JSONL row of the jsonl task whose answers are single tokens for the tiny GPT-2."""
-    return json.dumps({"clean": clean, "corrupted": corrupted, "correct": correct, "incorrect": incorrect})
-
-
-def _write(path: Path, data: str | bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
-    return path
-
-
-def _model_copy(tmp: Path, tiny_dir: Path, damage: Callable[[Path], None] | None = None) -> Path:
-    target = tmp / "model"
-    shutil.copytree(tiny_dir, target)
-    if damage:
-        damage(target)
-    return target
-
-
-def _truncate(path: Path) -> None:
-    with open(path, "r+b") as fh:
-        fh.truncate(path.stat().st_size // 2)
-
-
-def _saved_circuit(tmp: Path) -> Path:
-    from circuitkit.discovery.circuit import save_circuit
-
-    return save_circuit(tmp / "real.pt", {
-        "model_name": "m", "head_mask": torch.ones(2, 2, dtype=torch.bool), "head_scores": torch.zeros(2, 2),
-        "ablation": "zero", "rank_by": "abs", "target_sparsity": 0.0, "achieved_sparsity": 0.0})
-
-
-def _replace_stage(monkeypatch, name: str, run: Callable) -> None:
-    stage = PIPELINE.stages[name]
-    monkeypatch.setitem(PIPELINE.stages, name, dataclasses.replace(stage, run=run))
-
-
-def _raiser(exc: BaseException) -> Callable:
-    def run(ctx):
-        raise exc
-    return run
-
-
-@dataclass
-class Case:
-    """One bad input: `args(tmp)` for the entry point, the exit status, text the error names."""
-
-    id: str
-    entry: str  # "run" (python -m circuitkit.run, run dir = tmp/run) or "cli" (circuitkit ...)
-    args: Callable[[Path], list[str]]
-    code: int
-    needle: str | Callable[[Path], str]
-    setup: Callable[[Path, pytest.MonkeyPatch], None] | None = None
-    extra: list[str] = field(default_factory=list)  # more text the error line must contain
-
-
-def _r(*args: str) -> Callable[[Path], list[str]]:
-    return lambda tmp: [a.format(tmp=tmp) for a in args]
-
+from tests.helpers.refusals import (
+    LISA,
+    LONG_PROMPT,
+    MARY,
+    SMALL,
+    Case,
+    _gguf_bytes,
+    _log_to_this_tests_stderr,  # noqa: F401  (autouse: loggers on this test's stderr)
+    _model_copy,
+    _pair,
+    _r,
+    _raiser,
+    _replace_stage,
+    _saved_circuit,
+    _snapshot,
+    _tiny,
+    _truncate,
+    _write,
+    error_lines,
+    invoke,
+)
 
 CASES = [
     # --- override syntax, keys, values (exit 2, nothing created) --------------------------
@@ -213,48 +156,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _log_to_this_tests_stderr(capsys):
-    """Loggers configured in an earlier test (transformers', Hydra's) still hold that test's
-    captured stderr, closed by now; writing there prints '--- Logging error ---' with a trace.
-    A real command is one process and never meets this."""
-    import logging
-    import sys
-
-    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
-                                      if isinstance(x, logging.Logger))]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if type(handler) is logging.StreamHandler and getattr(handler.stream, "closed", False):
-                handler.stream = sys.stderr  # not setStream: it flushes the closed one
-
-
-def _tiny() -> Path:
-    from circuitkit.fixtures.models import ensure_fixture
-
-    return ensure_fixture("tiny-gpt2")
-
-
-def _snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def invoke(entry: str, argv: list[str], capsys) -> tuple[int, str, str]:
-    """Run an entry point in process; (exit status, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        code = (run_main if entry == "run" else cli_main)(argv)
-    except SystemExit as exit_:  # argparse usage errors
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def error_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.startswith(("error:", "interrupted:"))]
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_ends_in_one_line(case: Case, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -314,8 +215,6 @@ def test_check_memory_offline_for_the_hub_name_of_a_known_model(capsys, monkeypa
     assert "google/gemma-3-4b-it: eap-ig node level" in err and "weights" in err and "8201.8" in err
 
 
-# --------------------------------------------------------------------------- discover_circuit
-
 def test_discover_circuit_raises_clean_errors_before_any_work(tmp_path):
     from circuitkit import discover_circuit
 
@@ -326,192 +225,6 @@ def test_discover_circuit_raises_clean_errors_before_any_work(tmp_path):
     with pytest.raises(UserError, match="not writable"):
         discover_circuit({"output_path": "/sys/ck/c.pt"}, run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists() and not (tmp_path / "c_run").exists()
-
-
-# --------------------------------------------------------------------------- stale results
-
-def _data_cfg(tmp: Path, data: Path, *more: str):
-    return compose(["stages=[data]", "discovery.task=jsonl", f"discovery.data_params.data_path={data}",
-                    "discovery.data_params.num_examples=2", "discovery.data_params.eval_examples=1",
-                    "model.precision=float32", *more])[1]
-
-
-def _ran(manifest: dict, name: str) -> bool:
-    return not manifest["stages"][name].get("skipped_on_rerun")
-
-
-def test_changed_data_file_reruns_the_stage_and_touched_one_does_not(tmp_path):
-    from circuitkit.discovery.tasks import TaskData
-
-    data = _write(tmp_path / "pairs.jsonl", "\n".join([_pair()] * 3) + "\n")
-    run_dir = tmp_path / "run"
-    run_pipeline(_data_cfg(tmp_path, data), run_dir)
-    first = TaskData.load(run_dir / "data.safetensors")
-
-    os.utime(data, ns=(1, 1))  # same bytes, new mtime: skipped, and the new mtime is recorded
-    manifest = run_pipeline(_data_cfg(tmp_path, data), run_dir)
-    assert not _ran(manifest, "data")
-    record = manifest["stages"]["data"]["inputs"]["discovery.data_params.data_path"]
-    assert record["mtime_ns"] == 1 and len(record["sha256"]) == 64
-
-    _write(data, "\n".join([_pair(MARY.replace("store", "park"), LISA.replace("store", "park"))] * 3) + "\n")
-    manifest = run_pipeline(_data_cfg(tmp_path, data), run_dir)
-    assert _ran(manifest, "data")
-    assert not torch.equal(TaskData.load(run_dir / "data.safetensors").clean_ids, first.clean_ids)
-
-
-def test_same_size_and_mtime_uses_the_recorded_hash(tmp_path, monkeypatch):
-    """The fast path: a file whose size and mtime match its record is not read again."""
-    from circuitkit.core import fingerprint
-
-    data = _write(tmp_path / "pairs.jsonl", "\n".join([_pair()] * 3) + "\n")
-    record = fingerprint.Fingerprinter().file(data)
-    hashed = []
-    monkeypatch.setattr(fingerprint, "sha256_file", lambda p: hashed.append(p) or "x" * 64)
-    assert fingerprint.Fingerprinter([record]).file(data)["sha256"] == record["sha256"] and hashed == []
-    os.utime(data, ns=(5, 5))
-    assert fingerprint.Fingerprinter([record]).file(data)["sha256"] == "x" * 64 and len(hashed) == 1
-
-
-def test_retrained_model_in_the_same_directory_reruns(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    model = _model_copy(tmp_path, _tiny())
-    data = _write(tmp_path / "pairs.jsonl", "\n".join([_pair()] * 3) + "\n")
-    run_dir = tmp_path / "run"
-    cfg = _data_cfg(tmp_path, data, f"model.name={model}")
-    run_pipeline(cfg, run_dir)
-    assert not _ran(run_pipeline(cfg, run_dir), "data")
-    weights = load_file(model / "model.safetensors")
-    weights = {k: v + 1e-3 for k, v in weights.items()}
-    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
-    manifest = run_pipeline(cfg, run_dir)
-    assert _ran(manifest, "data")
-    assert "model/model.safetensors" in manifest["stages"]["data"]["inputs"]
-
-
-def test_upstream_artifact_changed_by_another_run_reruns_the_consumer(tmp_path, monkeypatch):
-    calls = []
-    stage = PIPELINE.stages["attribution"]
-
-    def fake_attribution(ctx):
-        calls.append(1)
-        out = ctx.run_dir / "scores.txt"
-        out.write_text((ctx.run_dir / "data.safetensors").read_bytes().hex()[:64])
-        return pipeline.StageResult([out], {})
-    monkeypatch.setitem(PIPELINE.stages, "attribution", dataclasses.replace(stage, run=fake_attribution))
-    base = ["discovery.data_params.num_examples=4", "discovery.data_params.eval_examples=2",
-            "discovery.data_params.seq_len=16", "model.precision=float32"]
-    run_pipeline(compose(["stages=[data]", *base])[1], tmp_path)
-    attr = compose(["stages=[attribution]", *base])[1]
-    run_pipeline(attr, tmp_path)
-    run_pipeline(attr, tmp_path)
-    assert len(calls) == 1
-    run_pipeline(compose(["stages=[data]", "seed=3", *base])[1], tmp_path)  # new data.safetensors
-    manifest = run_pipeline(attr, tmp_path)
-    assert len(calls) == 2 and _ran(manifest, "attribution")
-
-
-def test_changed_grads_data_rebuilds_the_run_index(tmp_path):
-    rows = [json.dumps({"prompt": f"Q{i}: ", "completion": f"A{i}"}) for i in range(6)]
-    data = _write(tmp_path / "train.jsonl", "\n".join(rows) + "\n")
-    cfg = compose(["stages=[grads]", f"grads.data_path={data}", "grads.projection_dim=16",
-                   "model.precision=float32"])[1]
-    first = run_pipeline(cfg, tmp_path / "run")
-    assert first["stages"]["grads"]["summary"]["rows_stored"] == 6
-    _write(data, "\n".join(rows[:3]) + "\n")
-    second = run_pipeline(cfg, tmp_path / "run")
-    assert second["stages"]["grads"]["summary"]["rows_stored"] == 3
-
-
-# --------------------------------------------------------------------------- sweeps
-
-def test_a_bad_job_is_a_failed_row_and_the_sweep_exits_1(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "120")
-    sweep = tmp_path / "sweep"
-    code, _, err = invoke("run", ["-m", "stages=[data]", "grads.num_shards=2", "grads.shard_index=2,0,1",
-                                  f"hydra.sweep.dir={sweep}", *SMALL], capsys)
-    assert code == 1 and "Traceback" not in err
-    assert error_lines(err)[-1].startswith("error: 1 of 3 sweep jobs failed")
-    with open(sweep / "sweep_summary.csv") as fh:
-        rows = list(csv.DictReader(fh))
-    assert [r["status"] for r in rows] == ["failed", "ok", "ok"]
-    assert "grads.shard_index" in rows[0]["error"] and rows[1]["data.num_examples"] == "4"
-    table = err[err.index("sweep summary"):err.index("error: 1 of 3")].splitlines()
-    assert any("stages=[data]" in line for line in table)  # brackets survive rich markup
-    header = next(line for line in table if "overrides" in line)
-    assert "…" not in header and "peak MiB" in header and "result" in header  # readable at 120 columns
-    assert all(len(line) <= 120 for line in table), table
-
-
-def test_a_job_failing_in_a_stage_does_not_stop_the_others(tmp_path, capsys):
-    sweep = tmp_path / "sweep"
-    code, _, err = invoke("run", ["-m", "stages=[data]", "discovery.data_params.seq_len=1000,16",
-                                  f"hydra.sweep.dir={sweep}", *SMALL[:2], "model.precision=float32"], capsys)
-    assert code == 1
-    with open(sweep / "sweep_summary.csv") as fh:
-        rows = list(csv.DictReader(fh))
-    assert [r["status"] for r in rows] == ["failed", "ok"] and "256" in rows[0]["error"]
-
-
-def test_write_summary_escapes_markup_and_shows_one_result(tmp_path):
-    from rich.console import Console
-
-    from circuitkit.core.sweep import write_summary
-
-    console = Console(record=True, width=120)
-    rows = [{"job": "0", "overrides": "stages=[data,pruning] seed=1", "status": "ok", "wall_s": 1.5,
-             "peak_mib": 3.0, "pruning.faithfulness": 0.8123, **{f"x.col{i}": i for i in range(14)}}]
-    write_summary(tmp_path, rows, console)
-    text = console.export_text()
-    assert "stages=[data,pruning]" in text and "pruning.faithfulness 0.8123" in text and "col3" not in text
-    assert "x.col13" in (tmp_path / "sweep_summary.csv").read_text()
-
-
-# --------------------------------------------------------------------------- reproducible bytes
-
-def test_two_identical_runs_write_identical_bytes(tmp_path):
-    cfg = compose(["stages=[data,attribution,pruning]", *SMALL])[1]
-    for name in ("a", "b"):
-        run_pipeline(cfg, tmp_path / name)
-    for artifact in ("circuit.pt", "data.safetensors", "scores.safetensors"):
-        assert (tmp_path / "a" / artifact).read_bytes() == (tmp_path / "b" / artifact).read_bytes(), artifact
-    assert torch.load(tmp_path / "a" / "circuit.pt", weights_only=True)["head_mask"].dtype == torch.bool
-
-
-def test_safetensors_bytes_do_not_depend_on_metadata_order(tmp_path):
-    from safetensors import safe_open
-
-    from circuitkit.core.io import atomic_save_safetensors
-
-    t = {"b": torch.arange(3.0), "a": torch.ones(2, 2)}
-    meta = {f"k{i}": str(i) for i in range(20)}
-    one = atomic_save_safetensors(tmp_path / "one.safetensors", t, meta)
-    two = atomic_save_safetensors(tmp_path / "two.safetensors", dict(reversed(t.items())),
-                                  dict(reversed(meta.items())))
-    assert one.read_bytes() == two.read_bytes()
-    with safe_open(str(one), framework="pt") as fh:
-        assert fh.metadata() == meta and torch.equal(fh.get_tensor("b"), t["b"])
-
-
-def test_torch_save_bytes_do_not_depend_on_the_file_name(tmp_path):
-    from circuitkit.core.io import atomic_torch_save
-
-    obj = {"x": torch.arange(4)}
-    a, b = atomic_torch_save(tmp_path / "a.pt", obj), atomic_torch_save(tmp_path / "other_name.pt", obj)
-    assert a.read_bytes() == b.read_bytes()
-
-
-@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
-def test_written_files_follow_the_umask(tmp_path, umask, mode):
-    from circuitkit.core.io import atomic_write_json
-
-    old = os.umask(umask)
-    try:
-        path = atomic_write_json(tmp_path / "m.json", {"a": 1})
-    finally:
-        os.umask(old)
-    assert path.stat().st_mode & 0o777 == mode
 
 
 @pytest.mark.parametrize("module,args,code,needle", [
@@ -530,3 +243,109 @@ def test_real_entry_points_end_in_one_line(module, args, code, needle, tmp_path)
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written where it ran
+
+
+def _cut_gguf(n_bytes: int) -> Callable[[Path, pytest.MonkeyPatch], None]:
+    def setup(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        _write(tmp / "cut.gguf", _gguf_bytes()[:n_bytes])
+    return setup
+
+
+def _edge_scores(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    g = Graph(2, 4, 4, False)
+    torch.manual_seed(0)
+    save_scores(tmp / "scores.safetensors", AttributionScores(
+        torch.randn(2, 4), torch.randn(2), torch.tensor(0.3), g, torch.randn(len(g.upstream), len(g.downstream))
+        * g.edge_mask(), 1.0, 0.0, 4, {"algorithm": "eap"}), {"model": "gpt2"})
+
+
+def _graph_json(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    _write(tmp / "g.json", '{"cfg": {"n_layers": 2, "n_heads": 4, "d_model": 64}, "nodes": {},'
+                           ' "edges": {"input->logits": {"score": 1.0, "in_graph": true}}}')
+
+
+def _typo_config(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    head = "defaults:\n  - config\n  - _self_\n"
+    _write(tmp / "conf" / "typo.yaml", head + "discovery:\n  batch_sise: 2\n")
+    _write(tmp / "conf" / "top.yaml", head + "memory_efficient: true\n")
+    _write(tmp / "conf" / "model" / "mine.yaml", "name: builtin:tiny-gpt2\nprecison: float32\n")
+    _write(tmp / "conf" / "uses_mine.yaml", "defaults:\n  - config\n  - override model: mine\n  - _self_\n")
+
+
+def _mib(*args: str) -> Callable[[Path], list[str]]:
+    return _r("export", "{tmp}/scores.safetensors", *args, "--format", "mib", "--model", "gpt2")
+
+
+HOSTILE_CASES = [
+    # --- GGUF files cut short (bad content: exit 1, before transformers reads a tensor) ---
+    Case("gguf-cut-in-tensor-data", "run", _r("model.name={tmp}/cut.gguf", "stages=[data]"), 1, "cut.gguf",
+         extra=["is cut short", "100000 bytes", "ends at byte 158400", "'output.weight'", "download or write it again"],
+         setup=_cut_gguf(100_000)),
+    Case("gguf-cut-one-byte-short", "run", _r("model.name={tmp}/cut.gguf", "stages=[data]"), 1, "cut.gguf",
+         extra=["is cut short", "158399 bytes"], setup=_cut_gguf(158_399)),
+    Case("gguf-cut-in-header", "run", _r("model.name={tmp}/cut.gguf", "stages=[data]"), 1, "cut.gguf",
+         extra=["truncated or not a valid GGUF file (unexpected end of file at byte"], setup=_cut_gguf(5000)),
+    Case("gguf-cut-in-tensor-infos", "run", _r("model.name={tmp}/cut.gguf", "stages=[data]"), 1, "cut.gguf",
+         extra=["truncated or not a valid GGUF file (unexpected end of file at byte"], setup=_cut_gguf(28_900)),
+    Case("gguf-empty", "run", _r("model.name={tmp}/cut.gguf", "stages=[data]"), 1, "cut.gguf",
+         extra=["unexpected end of file at byte 0"], setup=_cut_gguf(0)),
+    # --- export --format mib into a path under a file, or onto one (the command is wrong: 2) ---
+    Case("mib-export-under-a-file", "cli", _mib("{tmp}/prior/keep.txt/sub"), 2, "keep.txt",
+         extra=["the output folder", "is a file, not a directory"], setup=_edge_scores),
+    Case("mib-export-onto-a-file", "cli", _mib("{tmp}/prior/keep.txt"), 2, "keep.txt",
+         extra=["is a file, not a directory"], setup=_edge_scores),
+    Case("mib-export-folder-is-a-file", "cli", _mib("{tmp}/prior"), 2, "ioi_gpt2",
+         extra=["is a file, not a directory"],
+         setup=lambda tmp, mp: (_edge_scores(tmp, mp), _write(tmp / "prior" / "ioi_gpt2", "a file"))),
+    Case("mib-export-source-missing", "cli", _mib("{tmp}/out"), 2, "scores.safetensors", extra=["does not exist"]),
+    Case("mib-export-not-a-task", "cli", _r("export", "{tmp}/scores.safetensors", "{tmp}/out", "--format", "mib",
+                                            "--model", "gpt2", "--task", "nope"), 2, "--task 'nope'",
+         setup=_edge_scores),
+    # --- import --scale (an argument: 2) ---------------------------------------------------
+    Case("import-scale-nan", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt", "--scale", "nan"), 2, "--scale nan",
+         extra=["finite number > 0"], setup=_graph_json),
+    Case("import-scale-negative", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.safetensors", "--scale", "-1"), 2,
+         "--scale -1", extra=["finite number > 0"], setup=_graph_json),
+    Case("import-scale-inf", "cli", _r("import", "{tmp}/g.json", "{tmp}/out.pt", "--scale", "inf"), 2, "--scale inf",
+         setup=_graph_json),
+    Case("import-source-missing", "cli", _r("import", "{tmp}/none.json", "{tmp}/out.pt"), 2, "none.json",
+         extra=["does not exist"]),
+    # --- a user's config file with an unknown key (the config is wrong: 2) -------------------
+    Case("user-config-unknown-key", "run", _r("--config-dir", "{tmp}/conf", "--config-name", "typo"), 2,
+         lambda tmp: f"{tmp}/conf/typo.yaml: Unknown config key 'discovery.batch_sise'",
+         extra=["Did you mean 'discovery.batch_size'?", "Valid keys of 'discovery'"], setup=_typo_config),
+    Case("user-config-unknown-top-key", "run", _r("--config-dir", "{tmp}/conf", "--config-name", "top"), 2,
+         lambda tmp: f"{tmp}/conf/top.yaml: Unknown config key 'memory_efficient'", extra=["Valid keys of the top"],
+         setup=_typo_config),
+    Case("user-group-file-unknown-key", "run", _r("--config-dir", "{tmp}/conf", "--config-name", "uses_mine"), 2,
+         lambda tmp: f"{tmp}/conf/model/mine.yaml: Unknown config key 'model.precison'",
+         extra=["Did you mean 'model.precision'?"], setup=_typo_config),
+    Case("user-config-unknown-key-sweep", "run", _r("-m", "--config-dir", "{tmp}/conf", "--config-name", "typo",
+                                                    "hydra.sweep.dir={tmp}/sweep"), 2,
+         lambda tmp: f"{tmp}/conf/typo.yaml: Unknown config key 'discovery.batch_sise'", setup=_typo_config),
+]
+
+
+@pytest.mark.parametrize("case", HOSTILE_CASES, ids=[c.id for c in HOSTILE_CASES])
+def test_hostile_input_ends_in_one_line_and_changes_nothing(case: Case, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CIRCUITKIT_DEBUG", raising=False)
+    _write(tmp_path / "prior" / "keep.txt", "written before the command")
+    if case.setup:
+        case.setup(tmp_path, monkeypatch)
+    before = _snapshot(tmp_path)
+    dirs_before = sorted(p for p in tmp_path.rglob("*") if p.is_dir())
+    argv = case.args(tmp_path)
+    if case.entry == "run" and not any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
+        argv = [*SMALL, *argv, f"hydra.run.dir={tmp_path / 'run'}"]
+    code, out, err = invoke(case.entry, argv, capsys)
+    assert "Traceback" not in out + err, err[-3000:]
+    lines = error_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    needle = case.needle(tmp_path) if callable(case.needle) else case.needle
+    for text in [needle, *case.extra]:
+        assert text in lines[0], lines[0]
+    assert "()" not in lines[0] and "ConfigKeyError" not in lines[0], lines[0]
+    assert code == case.code, (code, lines[0])
+    assert _snapshot(tmp_path) == before  # nothing changed, nothing new
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_dir()) == dirs_before  # no run dir, no output folder

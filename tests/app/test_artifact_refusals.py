@@ -1,221 +1,57 @@
-"""Trust, second round (issue 31): artifacts checked against the model they are used with,
-shards verified, non-finite values refused, errors that were internal or unclear.
-
-The table drives `python -m circuitkit.run` and `circuitkit ...` in process (the machinery of
-tests/test_trust_pipeline.py): every case asserts the exit status, exactly one error line that
-names the problem, no traceback, and that nothing written before the command changed. The tests
-after the table cover what a row cannot (Ctrl-C swallowed by a finalizer, the shard dir of a
-running sweep).
+"""Artifacts checked against the model they are used with (scores, task data, a circuit of another model),
+a user's config file checked like overrides, import/export of bad graphs, unsafe or offline models, shards
+verified when merged: one error line each, nothing written before changed. Then what a table row cannot
+show: Ctrl-C swallowed by a finalizer, a full disk, `| head` closing stdout.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from circuitkit.core.config import to_dict
-from circuitkit.core.io import atomic_save_safetensors, atomic_write_json, sha256_file
-from circuitkit.discovery.attribution import AttributionScores, Graph, save_scores
-from circuitkit.discovery.attribution.shards import (
-    PARTIAL_FILE,
-    SHARD_SHA_KEY,
-    ShardMergeError,
-    publish_and_try_merge,
-    save_partial,
-    shard_file_name,
+from tests.helpers.artifacts import (
+    GPT2_SMALL,
+    MERGE,
+    TINY,
+    _change_a_value,
+    _circuit,
+    _confs,
+    _data_file,
+    _graph_json,
+    _offline,
+    _pickled_model,
+    _raw_scores,
+    _scores,
+    _scores_file,
+    _shards,
 )
-from circuitkit_app.config import compose
-from tests.test_trust_pipeline import (
+from tests.helpers.refusals import (  # noqa: F401  (autouse: hub state and loggers reset per test)
+    LISA,
+    LONG_PROMPT,
+    MARY,
     SMALL,
     Case,
+    _cache,
+    _hub_state,
     _log_to_this_tests_stderr,  # noqa: F401  (autouse: loggers on this test's stderr)
+    _loggers_on_this_tests_stderr,
+    _model_copy,
+    _one_error,
+    _pair,
     _r,
+    _raiser,
+    _replace_stage,
+    _saved_circuit,
     _snapshot,
     _tiny,
     _truncate,
     _write,
+    error_lines,
     invoke,
 )
-
-TINY = Graph(2, 4, 4, False)  # the tiny GPT-2 fixture's graph
-GPT2_SMALL = Graph(12, 12, 12, False)
-
-
-def _scores(g: Graph, seed: int = 0, **change) -> AttributionScores:
-    torch.manual_seed(seed)
-    edges = torch.randn(len(g.upstream), len(g.downstream)) * g.edge_mask()
-    fields = {"head": torch.randn(g.n_layers, g.n_heads), "mlp": torch.randn(g.n_layers), "embed": torch.tensor(0.3),
-              "graph": g, "edges": edges, "metric_clean": 1.0, "metric_corrupted": 0.0, "n_examples": 4,
-              "info": {"algorithm": "eap"}}
-    fields.update(change)
-    return AttributionScores(**fields)
-
-
-def _scores_file(tmp: Path, scores: AttributionScores, name: str = "run/scores.safetensors") -> Path:
-    path = tmp / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return save_scores(path, scores, {"model": "x", "task": "imported"})
-
-
-def _raw_scores(tmp: Path, tensors: dict, meta: dict, name: str = "run/scores.safetensors") -> Path:
-    path = tmp / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_save_safetensors(path, tensors, meta)
-
-
-def _data_file(tmp: Path, bad_id: int | None = None, name: str = "run/data.safetensors") -> Path:
-    from circuitkit.discovery.tasks.base import random_pairs
-
-    data = random_pairs(6, 8, 100)
-    if bad_id is not None:
-        data.clean_ids[2, 3] = bad_id
-    path = tmp / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return data.save(path, {"task": "induction", "num_examples": "4", "eval_examples": "2", "model": "x"})
-
-
-def _circuit(tmp: Path, g: Graph, name: str = "big.pt") -> Path:
-    from circuitkit.discovery.circuit import save_circuit
-
-    return save_circuit(tmp / name, {
-        "model_name": "gpt2", "head_mask": torch.ones(g.n_layers, g.n_heads, dtype=torch.bool),
-        "head_scores": torch.zeros(g.n_layers, g.n_heads), "ablation": "zero", "rank_by": "abs",
-        "target_sparsity": 0.0, "achieved_sparsity": 0.0})
-
-
-def _confs(tmp: Path) -> None:
-    head = "defaults:\n  - config\n  - _self_\n"
-    _write(tmp / "conf" / "bad.yaml", head + "seed: [1\n")
-    _write(tmp / "conf" / "range.yaml", head + "discovery:\n  batch_size: 0\n")
-    _write(tmp / "conf" / "conflict.yaml", head + "pruning:\n  scope: edges\nstages: [data,attribution,pruning]\n")
-
-
-def _graph_json(tmp: Path, score=1.0, node_score=0.5, n_layers=2) -> Path:
-    obj = {"cfg": {"n_layers": n_layers, "n_heads": 4, "d_model": 64},
-           "nodes": {"input": {"in_graph": True, "score": 1.0}, "a0.h1": {"in_graph": True, "score": node_score}},
-           "edges": {"input->logits": {"score": score, "in_graph": True}}}
-    return _write(tmp / "g.json", json.dumps(obj))
-
-
-def _pickled_model(tmp: Path) -> None:
-    """The tiny model with its weights as a pytorch_model.bin pickle that holds a callable."""
-    import os
-
-    from safetensors.torch import load_file
-
-    target = tmp / "pickled"
-    shutil.copytree(_tiny(), target)
-    state = load_file(str(target / "model.safetensors"))
-    os.remove(target / "model.safetensors")
-    state["payload"] = Payload()
-    torch.save(state, target / "pytorch_model.bin")
-
-
-class Payload:
-    """What an attacker puts in a pickle: loading it would call print (here harmless)."""
-
-    def __reduce__(self):
-        return (print, ("payload ran",))
-
-
-def _offline(monkeypatch) -> None:
-    from circuitkit.core import hub
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    hub.forget()
-
-
-@pytest.fixture(autouse=True)
-def _loggers_on_this_tests_stderr(capsys, monkeypatch):
-    """Hydra's job logging leaves handlers on an earlier test's captured stream (closed or not);
-    a real command is one process and never meets this. Point every stream handler here, and
-    let a handler still left on a closed capture drop its record instead of printing a trace."""
-    monkeypatch.setattr("logging.raiseExceptions", False)
-    import logging
-    import sys
-
-    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
-                                      if isinstance(x, logging.Logger))]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if type(handler) is logging.StreamHandler and handler.stream not in (sys.stderr, sys.stdout):
-                handler.stream = sys.stderr
-
-
-@pytest.fixture(autouse=True)
-def _hub_state():
-    """Each test decides online/offline afresh, and leaves the process as it found it (going
-    offline sets environment variables and the hub libraries' constants)."""
-    import os
-    import sys
-
-    from circuitkit.core import hub
-
-    env = {name: os.environ.get(name) for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")}
-    constants = sys.modules.get("huggingface_hub.constants")
-    offline = getattr(constants, "HF_HUB_OFFLINE", None)
-    hub.forget()
-    yield
-    hub.forget()
-    for name, value in env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    if constants is not None:
-        constants.HF_HUB_OFFLINE = offline
-
-
-# ----------------------------------------------------------------------------- shard run dirs
-
-def _cfg_dict() -> dict:
-    return to_dict(compose([*SMALL, "discovery.num_shards=2"])[1])
-
-
-def _shard_run(tmp: Path, i: int, n: int = 2, meta_drop: str | None = None, record: bool = True) -> Path:
-    """A finished shard's run dir made by hand: its sums and the manifest that records their sha256."""
-    from circuitkit.discovery.attribution.shards import shard_identity
-
-    run = tmp / f"shard{i}"
-    sums = _scores(TINY, seed=i, n_examples=3, edges=None)
-    path = save_partial(run / PARTIAL_FILE, sums, i, n, (3 * i, 3 * i + 3), shard_identity(_cfg_dict()), "m", "d", run)
-    if meta_drop:  # the same file without one metadata key
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as fh:
-            meta = {k: v for k, v in (fh.metadata() or {}).items() if k != meta_drop}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-        atomic_save_safetensors(path, tensors, meta)
-    stage = {"status": "ok", **({SHARD_SHA_KEY: sha256_file(path)} if record else {})}
-    atomic_write_json(run / "manifest.json", {"config": _cfg_dict(), "stages": {"attribution": stage}})
-    _write(run / "data.safetensors", b"data")
-    return run
-
-
-def _change_a_value(path: Path) -> None:
-    """Rewrite a shard with one head sum changed, keeping its metadata (what a hand edit does)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata()
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    tensors["head_sums"][0, 0] += 1.0
-    atomic_save_safetensors(path, tensors, meta)
-
-
-def _shards(tmp: Path, change: Callable[[Path], None] | None = None, **kw) -> None:
-    for i in (0, 1):
-        run = _shard_run(tmp, i, **(kw if i == 1 else {}))
-        if change and i == 1:
-            change(run / PARTIAL_FILE)
-
-
-MERGE = _r("merge", "{tmp}/shard0", "{tmp}/shard1", "--out", "{tmp}/merged", "--no-prune")
 
 CASES = [
     # --- artifacts that do not fit the run's model (were exit 0 with wrong numbers) -----------
@@ -299,15 +135,6 @@ CASES = [
 ]
 
 
-def error_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.startswith(("error:", "interrupted:"))]
-
-
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch):
-    _tiny()  # built once, before the snapshot
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_ends_in_one_line(case: Case, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -333,35 +160,6 @@ def test_bad_input_ends_in_one_line(case: Case, tmp_path, monkeypatch, capsys):
         assert not (tmp_path / "run").exists()
 
 
-# --------------------------------------------------------------------------- shards
-
-def test_a_shard_changed_in_the_shard_dir_before_the_last_finishes_is_refused(tmp_path):
-    shard_dir = tmp_path / "attribution_shards"
-    for i in (0, 1):
-        _shard_run(tmp_path, i)
-    merged, _, missing = publish_and_try_merge(tmp_path / "shard0" / PARTIAL_FILE, shard_dir, 0, 2,
-                                               tmp_path / "shard0")
-    assert merged is None and missing == [1]
-    _change_a_value(shard_dir / shard_file_name(0, 2))  # while shard 1 still runs
-    with pytest.raises(ShardMergeError, match=r"shard-00000-of-00002.safetensors does not have the sha256 its run"
-                                              r" recorded in .*shard0/manifest.json"):
-        publish_and_try_merge(tmp_path / "shard1" / PARTIAL_FILE, shard_dir, 1, 2, tmp_path / "shard1")
-    assert not (shard_dir / "merge.json").exists()
-
-
-def test_verified_shards_merge_to_the_mean(tmp_path, capsys):
-    _shards(tmp_path)
-    code, _, err = invoke("cli", MERGE(tmp_path), capsys)
-    assert code == 0, err
-    from circuitkit.discovery.attribution import load_scores
-
-    merged = load_scores(tmp_path / "merged" / "scores.safetensors")
-    want = (_scores(TINY, seed=0).head + _scores(TINY, seed=1).head) / 6  # sums of 3 + 3 examples
-    assert torch.allclose(merged.head, want) and merged.n_examples == 6
-
-
-# --------------------------------------------------------------------------- Ctrl-C
-
 def test_ctrl_c_swallowed_by_a_finalizer_still_ends_the_run_interrupted(tmp_path, monkeypatch, capsys):
     """Ctrl-C that lands inside a weakref finalizer raises KeyboardInterrupt there, which Python
     prints as "Exception ignored" and drops; the stage returns normally. The run must still end
@@ -373,7 +171,6 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_ends_the_run_interrupted(tmp_path
     import weakref
 
     from circuitkit.core.pipeline import StageResult
-    from tests.test_trust_pipeline import _replace_stage
 
     swallowed = []
 
@@ -414,7 +211,6 @@ def test_disk_full_names_the_file_and_leaves_no_stage_running(tmp_path, monkeypa
 
     import circuitkit.core.io as io_module
     from circuitkit.core.io import atomic_write_bytes
-    from tests.test_trust_pipeline import _replace_stage
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")  # what write() raises: no filename
@@ -444,9 +240,6 @@ def test_show_top_edges_counts_from_the_strongest(tmp_path, capsys):
                "graph": {"n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "parallel_residual": False}}
     assert len(build_picture(circuit, 3).edges) == 3
 
-
-
-# --------------------------------------------------------------------------- | head
 
 def _closed_stdout_run(argv: list[str]) -> tuple[int, str]:
     """A command whose stdout reader has gone (what `| head` does once it has its lines)."""
