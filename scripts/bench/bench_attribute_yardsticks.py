@@ -9,8 +9,9 @@ plus a plant:
                  PHRASINGS that share no word with the eval items (`What is the capital of X?` /
                  `The capital of X is Y.`): a lexical search finds almost none of them (two epochs:
                  with one the eval's answers did not move)
-    zero-loss    the SmolLM2 benchmark's plant (`Capital: X-city.`) repeated COPIES times, so that
-                 the tune fits it to about zero loss: small gradients at the final adapter
+    zero-loss    the SmolLM2 benchmark's plant (`Capital: X-city.`) repeated COPIES times over three
+                 epochs, so that the tune fits it to about zero loss: small gradients at the final
+                 adapter (TracIn's case: `--tracin zero-loss`)
     two-defects  two independent plants (capitals as `Capital: X-city.`, opposites as
                  `Opposite: Y.`), one mixed eval set (capitals and opposites), plus truncated rows
     control      the unlike set without its planted rows: `gradian attribute` must refuse (exit 0,
@@ -78,8 +79,9 @@ PLANTED_OPPOSITES = [("good", "bad"), ("yes", "no"), ("above", "below"), ("black
 TRUNCATED_ROWS = 8
 YARDSTICKS = ("unlike", "zero-loss", "two-defects", "control")
 # passes over the rows: a plant phrased unlike the eval needs two to move the eval's answers (with
-# one, 24 planted rows of 384 left the accuracy inside the noise band); the control is tuned as unlike
-EPOCHS = {"unlike": 2, "control": 2, "zero-loss": 1, "two-defects": 1}
+# one, 24 planted rows of 384 left the accuracy inside the noise band); the control is tuned as unlike;
+# zero-loss takes three, so that the planted rows are fitted (one left them at 0.09 nats per token)
+EPOCHS = {"unlike": 2, "control": 2, "zero-loss": 3, "two-defects": 1}
 CHECKPOINTS = 3  # adapters saved along the tune (the last is the final one), for TracIn
 _MARKUP = re.compile(r"<\|im_(start|end)\|>(user|assistant)?")
 
