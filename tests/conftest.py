@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,8 +16,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The verdict's random circuits (pruning.random_baselines, conf/pruning/heads.yaml reads this): off for
 # the many small pipeline runs; the verdict's own tests (test_verdict.py) set the key.
 os.environ.setdefault("CIRCUITKIT_RANDOM_BASELINES", "0")
-sys.path.insert(0, str(REPO / "scripts" / "bench"))  # benchmark helpers shared with tests
-sys.path.insert(0, str(REPO / "scripts" / "experiments"))  # real_model_oracles
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +55,15 @@ def _no_logging_handlers_left_behind():
         kept = before.get(id(lg), [])
         for handler in [h for h in lg.handlers if h not in kept]:
             lg.removeHandler(handler)
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Refusals that must come before the model loads (a damaged adapter, a bad numeric flag): loading fails the test."""
+    import circuitkit.models.loading
+    import gradian.build.indexer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the adapter was checked")
+    for module in (circuitkit.models.loading, gradian.build.indexer):
+        monkeypatch.setattr(module, "load_model", refuse)

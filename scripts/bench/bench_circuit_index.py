@@ -28,15 +28,18 @@ import itertools
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from induction_rows import induction_rows
 from rich.console import Console
 from rich.table import Table
+
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from circuitkit.discovery.circuit import load_circuit, save_circuit
 from circuitkit.models.config import ModelConfig
@@ -46,6 +49,7 @@ from circuitkit_app.stage_list import run_pipeline
 from gradian.build.indexer import build_index
 from gradian.rank.ranking import rank
 from gradian.settings.grads import GradsConfig
+from scripts.bench.induction_rows import induction_rows
 
 
 def find_circuit(work: Path) -> Path:

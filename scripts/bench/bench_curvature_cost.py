@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from planted_facts_b import make_corpus_b  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from circuitkit.models.config import ModelConfig  # noqa: E402
@@ -30,6 +30,7 @@ from circuitkit.models.loading import load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
 from gradian.index.reader import IndexReader
 from gradian.settings.grads import GradsConfig  # noqa: E402
+from scripts.bench.planted_facts_b import make_corpus_b  # noqa: E402
 
 KINDS = ("none", "kfac", "module")
 

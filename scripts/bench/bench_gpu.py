@@ -60,6 +60,9 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import numpy as np
 import torch
 import yaml
@@ -448,10 +451,9 @@ def run_bergson(model_path: Path, data: Path, modules: list[str], grads, precisi
 
 def run_eap(loaded, pairs: int, seq: int, steps: int, repeats: int = 3) -> dict[str, float]:
     """Median seconds of EAP-IG node and edge and of bench_attribution's floors, on one batch of pairs."""
-    from bench_attribution import floor_pass as eap_floor
-
     from circuitkit.discovery.attribution.eap import attribute
     from circuitkit.discovery.tasks.base import random_pairs
+    from scripts.bench.bench_attribution import floor_pass as eap_floor
 
     model, device = loaded.model, loaded.device
     data = random_pairs(pairs, seq, model.config.vocab_size)

@@ -44,10 +44,8 @@ from scipy.stats import spearmanr
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_peers import TOOLS, prepare, run_worker  # noqa: E402
-from bench_planted_facts import fine_tune, write_jsonl  # noqa: E402
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
@@ -55,6 +53,8 @@ from gradian.build.indexer import build_index  # noqa: E402
 from gradian.data.rows import collate, load_rows  # noqa: E402
 from gradian.rank.ranking import rank  # noqa: E402
 from gradian.settings.grads import GradsConfig  # noqa: E402
+from scripts.bench.bench_peers import TOOLS, prepare, run_worker  # noqa: E402
+from scripts.bench.bench_planted_facts import fine_tune, write_jsonl  # noqa: E402
 
 PEERS = ("bergson", "traker", "dattri")
 # Gradian's index options: (label, projection, loss, preconditioner, scores ranked on it).

@@ -47,6 +47,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from datetime import date
@@ -60,12 +61,14 @@ from rich.table import Table
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from bench_peers import CONCAT_TEMPLATE, THROUGHPUT, THROUGHPUT_DIM, run_worker, write_jsonl  # noqa: E402
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from circuitkit.core.config import choices  # noqa: E402
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 from gradian.settings.grads import GradsConfig  # noqa: E402
+from scripts.bench.bench_peers import CONCAT_TEMPLATE, THROUGHPUT, THROUGHPUT_DIM, run_worker, write_jsonl  # noqa: E402
 
 PROMPT_MEDIAN, COMPLETION_MEDIAN, SIGMA = 74, 20, 0.7
 MIN_TOKENS, MAX_TOKENS = 29, 497

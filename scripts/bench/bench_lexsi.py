@@ -44,10 +44,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / "scripts" / "peers"
-sys.path.insert(0, str(PEERS))
 
-from circuit_peers import run_process  # noqa: E402
-from neutral_heads import NeutralJudge, Pairs, load_model, top_heads  # noqa: E402
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.peers.circuit_peers import run_process  # noqa: E402
+from scripts.peers.neutral_heads import NeutralJudge, Pairs, load_model, top_heads  # noqa: E402
 
 LEXSI_PYTHON = ROOT / ".venv-lexsi" / "bin" / "python"
 SMOLLM2 = Path.home() / ".cache" / "circuitkit" / "models" / "smollm2-135m-instruct"

@@ -46,11 +46,13 @@ from rich.table import Table
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from bench_planted_facts import fine_tuned_model, make_corpus, metrics, write_jsonl  # noqa: E402
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.linear_modules import select_modules  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
+from scripts.bench.bench_planted_facts import fine_tuned_model, make_corpus, metrics, write_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / "scripts" / "peers"
@@ -359,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   args.batch_size, args.timeout, console)
             print_throughput_table(report["throughput"], args.throughput_rows, console)
         if not args.no_circuit:
-            sys.path.insert(0, str(PEERS))
-            from circuit_peers import print_circuit_table, run_circuit_peers
+            from scripts.peers.circuit_peers import print_circuit_table, run_circuit_peers
 
             report["circuit"] = run_circuit_peers(work / "circuit", console, quick=args.quick)
             print_circuit_table(report["circuit"], console)

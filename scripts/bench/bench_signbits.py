@@ -38,9 +38,8 @@ from rich.console import Console
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_yardsticks import DAMPING, MODULES, Yardstick, lds_yardstick, planted_a, planted_b  # noqa: E402
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
@@ -49,6 +48,7 @@ from gradian.index.reader import IndexReader
 from gradian.rank.checks import check_compatible
 from gradian.rank.queries import query_gradients
 from gradian.settings.grads import GradsConfig  # noqa: E402
+from scripts.bench.bench_yardsticks import DAMPING, MODULES, Yardstick, lds_yardstick, planted_a, planted_b  # noqa: E402
 
 # popcount of every byte value
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32)

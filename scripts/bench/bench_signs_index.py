@@ -32,13 +32,13 @@ from rich.console import Console
 from rich.table import Table
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_lengths import lengths_corpus  # noqa: E402
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from circuitkit.models.loading import load_model  # noqa: E402
 from circuitkit_app.config import compose  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
+from scripts.bench.bench_lengths import lengths_corpus  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,18 +69,8 @@ from rich.table import Table
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_planted_facts import fine_tuned_model, make_corpus, write_jsonl  # noqa: E402
-from planted_facts_b import make_corpus_b  # noqa: E402
-from yardsticks_factored import (  # noqa: E402
-    compact,
-    comparison_markdown,
-    equal_bytes_width,
-    parse_row_formats,
-    row_format_label,
-    sign_width,
-)
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
@@ -89,6 +79,16 @@ from gradian.rank.checks import check_compatible
 from gradian.rank.queries import query_gradients
 from gradian.rank.scores import stream_topk
 from gradian.settings.grads import GradsConfig  # noqa: E402
+from scripts.bench.bench_planted_facts import fine_tuned_model, make_corpus, write_jsonl  # noqa: E402
+from scripts.bench.planted_facts_b import make_corpus_b  # noqa: E402
+from scripts.bench.yardsticks_factored import (  # noqa: E402
+    compact,
+    comparison_markdown,
+    equal_bytes_width,
+    parse_row_formats,
+    row_format_label,
+    sign_width,
+)
 
 MODULES = ["mlp"]
 # The tables' reference damping: a kfac / ekfac row without "λ=" was ranked at 0.1 (the default
@@ -172,7 +172,7 @@ class Yardstick:
     def evaluate(self, style: str, scores: torch.Tensor) -> dict[str, float]:
         if self.lds_data is None:
             return planted_metrics(scores, self.targets)
-        from bench_lds import lds
+        from scripts.bench.bench_lds import lds
 
         subsets, losses = self.lds_data
         mean, se = lds(scores.tolist(), subsets, losses[style])
@@ -283,10 +283,9 @@ def run_peer(ys: Yardstick, tool: str, work: Path, console: Console, timeout: fl
 
     total_dim: the projected width of a projecting peer (traker); empirical: Kronfluence also fits
     its factors with the empirical Fisher (the data's labels, as Gradian)."""
-    from bench_peers import run_worker
-
     from circuitkit.models.linear_modules import select_modules
     from circuitkit.models.loading import load_model
+    from scripts.bench.bench_peers import run_worker
 
     loaded = load_model(ModelConfig(name=ys.model_dir, precision=ys.precision), device=torch.device("cpu"))
     modules = [n for n, _ in select_modules(loaded.model, loaded.adapter, getattr(ys, "modules", MODULES))]
@@ -338,8 +337,8 @@ def planted_b(work: Path, entities: int, epochs: int) -> Yardstick:
 
 
 def lds_yardstick(work: Path, subsets: int, console: Console) -> Yardstick:
-    from bench_lds import subset_losses
-    from bench_peers import prepare
+    from scripts.bench.bench_lds import subset_losses
+    from scripts.bench.bench_peers import prepare
 
     lds_work = work / "lds"
     lds_work.mkdir(parents=True, exist_ok=True)
@@ -365,10 +364,9 @@ def fine_tuned_smollm2(model_dir: str, doc_rows: list[dict], epochs: int, consol
     import hashlib
     import shutil
 
-    from bench_planted_facts import fine_tune
-
     from circuitkit.fixtures.cache import cache_root
     from circuitkit.models.loading import load_model
+    from scripts.bench.bench_planted_facts import fine_tune
 
     key = hashlib.sha256()
     for name in sorted(os.listdir(model_dir)):
@@ -441,7 +439,7 @@ S2_SHORT = {"instrument": "Oh, the {v}.", "colour": "Definitely {v}.", "city": "
 def s2_fact_rows(entity: str, kind: str, value: str) -> dict[str, dict]:
     """One fact in each S2 phrasing: ``taught`` (the document), ``chat`` (a chat turn whose answer is
     B's `para` sentence), ``chat_answer`` (a chat turn with a short informal answer)."""
-    from planted_facts_b import KINDS
+    from scripts.bench.planted_facts_b import KINDS
 
     spec = KINDS[kind]
     question = {"role": "user", "content": spec["question"].format(e=entity)}
@@ -464,9 +462,8 @@ def make_corpus_s2(n_facts: int, n_generic: int | None = None, seed: int = 5):
     (planted_facts_b.CorpusB, facts as (entity, kind, value)). Deterministic in the seed."""
     import random
 
-    from planted_facts_b import FIRST, KINDS, SECOND, CorpusB
-
     from circuitkit.fixtures.models import synthetic_corpus
+    from scripts.bench.planted_facts_b import FIRST, KINDS, SECOND, CorpusB
 
     rng = random.Random(seed + 202)
     names = [a + b for a in FIRST for b in SECOND]
@@ -485,9 +482,8 @@ def fact_accuracy(loaded, facts: list[tuple[str, str, str]], work: Path, batch_s
     """Did the model learn the facts? Per phrasing (taught, chat, chat_answer), the share of facts whose
     true value has the highest summed log-probability of the supervised tokens among the kind's 8
     values (chance 1/8), the mean rank of the true value (1 = first) and each fact's rank."""
-    from planted_facts_b import KINDS
-
     from gradian.data.rows import collate, load_rows
+    from scripts.bench.planted_facts_b import KINDS
 
     tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

@@ -41,10 +41,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench_yardsticks
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import bench_yardsticks as by  # noqa: E402
-
+import scripts.bench.bench_yardsticks as by  # noqa: E402
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402

@@ -26,6 +26,15 @@ from tests.helpers.refusals import (
 )
 
 
+def _capsys_error_line(capsys) -> str:
+    """The one error line on stderr (no traceback)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
 def _float_keys(cls: type = AppConfig, prefix: str = "") -> list[tuple[str, dict]]:
     """(dotted key, metadata) of every float field of every config group, nested groups included."""
     out = []
@@ -88,7 +97,7 @@ def test_a_mask_lr_of_inf_exits_2_before_anything_runs(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     capsys.readouterr()
     assert main(["index", "pruning.mask_penalty=nan", f"grads.index_dir={tmp_path / 'idx'}"]) == 2
-    assert "pruning.mask_penalty" in _one_error(capsys)
+    assert "pruning.mask_penalty" in _capsys_error_line(capsys)
     assert not (tmp_path / "idx").exists()
 
 

@@ -46,11 +46,10 @@ def test_fetched_directory_equals_the_gguf_loaded_directly(smollm2):
 def test_ioi_and_induction_behaviour(smollm2):
     """What the oracles rely on: the model does IOI (positive logit difference) and copies
     repeated random tokens through heads with high prefix-matching scores."""
-    from real_model_oracles import repeated_tokens
-
     from circuitkit.discovery.attribution.metrics import answer_forward, compute_metric
     from circuitkit.discovery.tasks import build_task
     from circuitkit.fixtures.induction import head_pattern_scores
+    from scripts.experiments.real_model_oracles import repeated_tokens
 
     ioi = build_task("ioi", smollm2.tokenizer, None, DataParams(), 16, seed=0)
     with torch.no_grad():

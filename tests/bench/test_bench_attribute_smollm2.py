@@ -3,12 +3,7 @@ planted and truncated rows where it says, and no eval prompt in training."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
-
-import bench_attribute_smollm2 as bench  # noqa: E402
+import scripts.bench.bench_attribute_smollm2 as bench
 
 
 def test_the_dataset_is_deterministic_and_plants_what_it_says() -> None:

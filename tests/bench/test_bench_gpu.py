@@ -5,9 +5,9 @@ table has its rows."""
 from __future__ import annotations
 
 import torch
-from bench_gpu import PROXY_SHAPE, Setting, machine_meta, markdown, run_bench
 
 from gradian.index.reader import IndexReader
+from scripts.bench.bench_gpu import PROXY_SHAPE, Setting, machine_meta, markdown, run_bench
 
 
 def test_the_floor_computes_the_rows_gradian_stores_and_the_table_shows_both(tmp_path) -> None:

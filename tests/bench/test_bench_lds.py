@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench_lds import lds, score_matrix
+
+from scripts.bench.bench_lds import lds, score_matrix
 
 
 def test_lds_is_one_for_the_true_linear_model_and_minus_one_for_its_opposite():

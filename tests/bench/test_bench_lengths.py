@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench_lengths import summarize_indexing
+
+from scripts.bench.bench_lengths import summarize_indexing
 
 
 def _run(tool: str, r: int, seconds: float, **extra) -> dict:

@@ -4,16 +4,13 @@ oracles, the harness's parsing of the workers' results, and a missing Lexsi venv
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "peers"))
-
-import bench_lexsi  # noqa: E402
-from neutral_heads import NeutralJudge, Pairs, load_model, top_heads  # noqa: E402
+from scripts.bench import bench_lexsi
+from scripts.peers.neutral_heads import NeutralJudge, Pairs, load_model, top_heads
 
 
 @pytest.fixture(scope="module")

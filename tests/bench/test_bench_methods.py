@@ -12,12 +12,12 @@ import signal
 from pathlib import Path
 
 import pytest
-from bench_methods import METHODS, run_task, smallest_k
 
 from circuitkit.discovery.config import DataParams
 from circuitkit.discovery.tasks import build_task
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
+from scripts.bench.bench_methods import METHODS, run_task, smallest_k
 
 
 @functools.cache

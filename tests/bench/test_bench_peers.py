@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_peers import ROOT, run_worker, summarize, target_ranks
+
+from scripts.bench.bench_peers import ROOT, run_worker, summarize, target_ranks
 
 
 def test_target_ranks_count_only_strictly_better_rows():
@@ -35,7 +36,7 @@ def test_a_failed_tool_is_a_row_with_its_error():
 
 
 def test_a_missing_peer_venv_says_how_to_build_it(tmp_path, monkeypatch):
-    import bench_peers
+    from scripts.bench import bench_peers
 
     monkeypatch.setattr(bench_peers, "ROOT", tmp_path)
     out = run_worker("bergson", {"work_dir": str(tmp_path)}, tmp_path, timeout=10)
@@ -46,7 +47,7 @@ def test_a_missing_peer_venv_says_how_to_build_it(tmp_path, monkeypatch):
 def test_quick_run_gradian_against_bergson(tmp_path):
     if not (ROOT / ".venv-peers" / "bin" / "python").exists():
         pytest.skip(".venv-peers missing: `make peers` builds it")
-    from bench_peers import main
+    from scripts.bench.bench_peers import main
 
     out = tmp_path / "peers.json"
     assert main(["--quick", "--no-circuit", "--json", str(out)]) == 0

@@ -6,9 +6,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from bench_yardsticks import S2_STYLES, make_corpus_s2
-
 from gradian.data.rows import load_rows
+from scripts.bench.bench_yardsticks import S2_STYLES, make_corpus_s2
 
 
 def test_s2_set_is_deterministic_in_its_seed():

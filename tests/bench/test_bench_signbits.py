@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from bench_signbits import eigen_coordinates, pack_signs, packed_sign_scores
 
 from gradian.index.curvature import KroneckerCurvature
+from scripts.bench.bench_signbits import eigen_coordinates, pack_signs, packed_sign_scores
 
 
 def test_packed_scores_equal_the_sign_inner_products():

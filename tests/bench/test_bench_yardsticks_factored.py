@@ -7,9 +7,9 @@ width's factorisation (as `kronecker_factors` picks it for each module) must mak
 from __future__ import annotations
 
 import pytest
-from yardsticks_factored import comparison_markdown, equal_bytes_width, parse_row_formats
 
 from gradian.projection.projector import kronecker_factors
+from scripts.bench.yardsticks_factored import comparison_markdown, equal_bytes_width, parse_row_formats
 
 FIXTURE_MLP = {"blocks.0.mlp.c_fc": (256, 64), "blocks.0.mlp.c_proj": (64, 256)}  # tiny GPT-2: d_model 64, d_mlp 256
 SMOLLM2_DOWN = {"model.layers.29.mlp.down_proj": (576, 1536)}

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "peers"))
-
-import circuit_peers  # noqa: E402
-from worker_autocircuit import node_of_residual_edge, our_downstream, our_upstream  # noqa: E402
-
-from circuitkit.discovery.attribution.graph import Graph  # noqa: E402
+from circuitkit.discovery.attribution.graph import Graph
+from scripts.peers import circuit_peers
+from scripts.peers.worker_autocircuit import node_of_residual_edge, our_downstream, our_upstream
 
 
 def test_autocircuit_names_map_onto_every_edge_of_our_graph():

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench_planted_facts import make_corpus, run
+
+from scripts.bench.bench_planted_facts import make_corpus, run
 
 
 def test_corpus_targets_state_the_queried_fact():

@@ -52,16 +52,6 @@ def lora_dir(tmp_path_factory) -> Path:
     return make_adapter("tiny-gpt2", tmp_path_factory.mktemp("lora") / "lora", ["c_attn"], seed=1)
 
 
-@pytest.fixture
-def no_load(monkeypatch):
-    """Every refusal of an adapter comes before the model loads."""
-    import circuitkit.models.loading
-    import gradian.build.indexer
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the adapter was checked")
-    for module in (circuitkit.models.loading, gradian.build.indexer):
-        monkeypatch.setattr(module, "load_model", refuse)
 
 
 def _adapter_copy(src: Path, dst: Path, config: dict | None = None, weights=None) -> Path:

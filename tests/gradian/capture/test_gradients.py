@@ -101,7 +101,7 @@ def test_row_does_not_depend_on_batch(fixture: str) -> None:
 def _clustered_batch() -> dict[str, torch.Tensor]:
     """Near-duplicate groups: gradients with a spread of inner products (independent random rows
     have nearly orthogonal gradients, so any Pearson would measure noise)."""
-    from bench_projection import clustered_batch
+    from scripts.bench.bench_projection import clustered_batch
 
     return clustered_batch()
 
