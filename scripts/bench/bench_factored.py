@@ -108,6 +108,12 @@ class AllVariants:
                                                        else FactoredRows(c).combine(name, xp, dp))
         return torch.bmm(delta.float().transpose(1, 2), x.float()).flatten(1)
 
+    def combine_all(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                    spans: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """What the capture calls once per batch: `combine` of every module, name -> (x, δ); `spans` unused
+        (each variant's factors are taken per module here)."""
+        return {name: self.combine(name, x, delta) for name, (x, delta) in pairs.items()}
+
     def take(self, which: str) -> dict[str, torch.Tensor]:
         """variant -> (B, width) of the last batch, modules side by side."""
         return {v: torch.cat(list(by_module.values()), dim=1) for v, by_module in getattr(self, which).items()}
