@@ -166,7 +166,6 @@ def test_memory_estimate_covers_the_measured_peak(level):
     """The CPU tracker's peak of a whole ACDC run (tiny Llama, GQA, 3 batches) against the
     estimate (measured: 0.96-0.99 at node level, 1.07-1.13 at edge level)."""
     import transformers as tf
-    from check_memory_estimates import _tiny
 
     from circuitkit.core.device import measure_peak, module_bytes
     from circuitkit.discovery.attribution import run_attribution
@@ -174,6 +173,7 @@ def test_memory_estimate_covers_the_measured_peak(level):
     from circuitkit.discovery.tasks.base import random_pairs
     from circuitkit.models.adapters import get_adapter
     from circuitkit.preflight.memory import shape_from_config
+    from scripts.bench.check_memory_estimates import _tiny
 
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(_tiny("llama"), attn_implementation="sdpa").float().eval()

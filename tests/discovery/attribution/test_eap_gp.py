@@ -132,7 +132,6 @@ def test_peak_is_one_batch_and_the_estimate_covers_it(level):
     buffers are freed with their batch), and the estimate covers it (measured: 1.00 at node level,
     1.04 at edge level, as EAP-IG's)."""
     import transformers as tf
-    from check_memory_estimates import _tiny
 
     from circuitkit.core.device import measure_peak, module_bytes
     from circuitkit.discovery.attribution import run_attribution
@@ -140,6 +139,7 @@ def test_peak_is_one_batch_and_the_estimate_covers_it(level):
     from circuitkit.discovery.tasks.base import random_pairs
     from circuitkit.models.adapters import get_adapter
     from circuitkit.preflight.memory import shape_from_config
+    from scripts.bench.check_memory_estimates import _tiny
 
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(_tiny("llama"), attn_implementation="sdpa").float().eval()
