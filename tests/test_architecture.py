@@ -146,7 +146,9 @@ LAYERS: dict[str, str] = {
     # data: where rows come from, their tokens and supervised mask, the corpus
     "gradian.data": GRADIAN,
     "gradian.data.sources": GRADIAN,
-    "gradian.data.rows": GRADIAN,  # rows tokenized under the token policy, collated with their supervision
+    "gradian.data.encode": GRADIAN,  # one row's tokens and supervised mask (prompt/completion, chat), truncation
+    "gradian.data.rows": GRADIAN,  # rows read under the token policy, the data report
+    "gradian.data.batch": GRADIAN,  # rows collated with their supervision (host, collate time), sent to the device
     "gradian.data.corpus": GRADIAN,
     # projection: the random (and stored) projections of each module's gradient
     "gradian.projection": GRADIAN,

@@ -30,13 +30,8 @@ import torch
 
 from circuitkit.core.errors import UserError
 from gradian.capture.gradients import logit_chunk_rows, supervised_positions
-from gradian.data.rows import (
-    TokenPolicy,
-    bos_for_prompt_rows,
-    check_row,
-    encode_prompt_completion,
-    preview_text,
-)
+from gradian.data.encode import bos_for_prompt_rows, check_row, encode_prompt_completion
+from gradian.data.rows import TokenPolicy, preview_text
 from gradian.data.sources import DataError, Source, SourceSpec
 
 EVAL_BATCH = 16  # items per teacher-forced forward
@@ -145,7 +140,7 @@ def tokenize_items(rows: Sequence[tuple[int, str, str]], tokenizer, policy: Toke
 def teacher_forced_batch(prompts: Sequence[list[int]], answers: Sequence[list[int]],
                          pad: int) -> dict[str, torch.Tensor]:
     """Right-padded `input_ids`, `attention_mask` (B, T) long and `supervised` (B, T) bool, the
-    answer tokens supervised (the layout `gradian.data.rows.collate` gives, for `gradian.capture.gradients`)."""
+    answer tokens supervised (the layout `gradian.data.batch.collate` gives, for `gradian.capture.gradients`)."""
     lengths = [len(p) + len(a) for p, a in zip(prompts, answers, strict=True)]
     width = max(lengths)
     ids = torch.full((len(lengths), width), pad, dtype=torch.long)

@@ -49,7 +49,8 @@ from circuitkit.models.loading import load_model
 from circuitkit.models.lora import new_adapter
 from gradian.attribute.evaluate import final_logits, pad_id
 from gradian.capture.gradients import supervised_positions
-from gradian.data.rows import Row, collate, to_device
+from gradian.data.batch import collate, to_device
+from gradian.data.rows import Row
 
 BETAS = (0.9, 0.999)
 EPS = 1e-8

@@ -52,8 +52,9 @@ from gradian.curvature.consumers import FactorSumsConsumer
 from gradian.curvature.factors import CURVATURE_FILE, FactorSums, check_kfac, has_kfac, has_module
 from gradian.curvature.moments import check_block_width
 from gradian.curvature.whitening import WHITEN_DAMPING, factor_pass, whitened_projector
+from gradian.data.batch import collate, to_device
 from gradian.data.corpus import TokenizedCorpus
-from gradian.data.rows import TokenPolicy, collate, length_limit, to_device
+from gradian.data.rows import TokenPolicy, length_limit
 from gradian.data.sources import DataError, Source, SourceSpec, resolve_format
 from gradian.index.curvature import compute_curvature, current_record, shards_digest
 from gradian.index.formats import format_for, format_of

@@ -56,7 +56,7 @@ from circuitkit.models.placement import input_device
 from circuitkit.models.recompute import fused_activations, recomputed_activations
 from gradian.capture.consumers import DATA, SAMPLED, BatchFacts, Consumer, RowsConsumer
 from gradian.capture.hooks import PairHooks
-from gradian.data.rows import SUPERVISION, no_target_error
+from gradian.data.batch import SUPERVISION, no_target_error
 from gradian.projection.projector import Projector
 from gradian.settings.grads import GradsConfig
 
@@ -119,7 +119,7 @@ class _Targets:
 
 
 def _targets(batch: Mapping[str, torch.Tensor], device: torch.device) -> _Targets:
-    """The batch's `_Targets`: from the host-side `gradian.data.rows.Supervision` that `collate` computed
+    """The batch's `_Targets`: from the host-side `gradian.data.batch.Supervision` that `collate` computed
     (copied to the device without a wait), else, for a hand-made batch, from its masks on the device."""
     facts = batch.get(SUPERVISION)
     if facts is not None:

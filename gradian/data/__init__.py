@@ -1,4 +1,4 @@
-"""Where the rows come from and what is supervised: sources (JSONL, Parquet, Arrow, a hub dataset), rows
-tokenized under the token policy and collated with their supervision, the tokenized corpus. The
-sample sets shipped with the package are in `samples/`.
+"""Where the rows come from and what is supervised: sources (JSONL, Parquet, Arrow, a hub dataset), one
+row encoded (`encode`), rows read under the token policy (`rows`), batches collated with their
+supervision (`batch`), the tokenized corpus. The sample sets shipped with the package are in `samples/`.
 """

@@ -7,8 +7,8 @@ stopping at the first); a line that is not JSON stops the reading, as it does fo
 
 Token lengths follow `gradian.data.rows`'s encoding: a prompt/completion row is
 ``[BOS] + prompt + completion [+ EOS]`` with prompt and completion tokenized separately
-(`gradian.data.rows.encode_prompt_completion`, here in batches of `BATCH_ROWS` through the same tokenizer
-call); a chat row is rendered by the tokenizer's template (`gradian.data.rows.encode_messages`). A trainer
+(`gradian.data.encode.encode_prompt_completion`, here in batches of `BATCH_ROWS` through the same tokenizer
+call); a chat row is rendered by the tokenizer's template (`gradian.data.encode.encode_messages`). A trainer
 cuts the end of a row, so a row loses supervised tokens at ``max_seq_length`` when its last
 supervised token lies past it.
 """
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gradian.data.rows import bos_for_prompt_rows, check_row, encode_messages, encode_prompt_completion
+from gradian.data.encode import bos_for_prompt_rows, check_row, encode_messages, encode_prompt_completion
 from gradian.data.sources import DataError, Source, SourceSpec
 
 BATCH_ROWS = 4096

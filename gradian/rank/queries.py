@@ -12,7 +12,8 @@ from circuitkit.models.loading import context_length
 from gradian.build.indexer import check_input_file
 from gradian.capture.gradients import per_example_gradients
 from gradian.capture.sites import sites_from_names
-from gradian.data.rows import collate, load_rows, policy_of, to_device
+from gradian.data.batch import collate, to_device
+from gradian.data.rows import load_rows, policy_of
 from gradian.projection.projector import Projector
 from gradian.rank.scores import QUERY_BATCH_SIZE
 

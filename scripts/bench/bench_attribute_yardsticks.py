@@ -320,7 +320,8 @@ def fit_step(work: Path, planted_lines: list[int]) -> dict[str, Any]:
     from circuitkit.models.loading import load_model
     from gradian.attribute.evaluate import pad_id
     from gradian.attribute.retrain import batch_loss
-    from gradian.data.rows import TokenPolicy, collate, load_rows
+    from gradian.data.batch import collate
+    from gradian.data.rows import TokenPolicy, load_rows
     from gradian.index.reader import IndexReader
 
     cfg = ModelConfig(name=smollm2.MODEL, precision="float32", adapter=str(work / "adapter"))

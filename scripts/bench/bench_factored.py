@@ -43,7 +43,8 @@ from circuitkit.models.config import ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.capture.gradients import per_example_gradients
-from gradian.data.rows import collate, load_rows
+from gradian.data.batch import collate
+from gradian.data.rows import load_rows
 from gradian.index.formats.factored import FactoredRows, FactoredScorer, layout_of
 from gradian.index.reader import IndexReader
 from gradian.index.writer import IndexWriter

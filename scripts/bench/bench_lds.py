@@ -50,7 +50,8 @@ if __package__ in (None, ""):  # run as a script: the repository root, for the `
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
-from gradian.data.rows import collate, load_rows  # noqa: E402
+from gradian.data.batch import collate
+from gradian.data.rows import load_rows
 from gradian.rank.ranking import rank  # noqa: E402
 from gradian.settings.grads import GradsConfig  # noqa: E402
 from scripts.bench.bench_peers import TOOLS, prepare, run_worker  # noqa: E402

@@ -57,7 +57,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from circuitkit.models.config import ModelConfig  # noqa: E402
 from circuitkit.models.loading import LoadedModel, load_model  # noqa: E402
 from gradian.build.indexer import build_index  # noqa: E402
-from gradian.data.rows import TokenPolicy, collate, load_rows, to_device  # noqa: E402
+from gradian.data.batch import collate, to_device
+from gradian.data.rows import TokenPolicy, load_rows
 from gradian.rank.ranking import rank  # noqa: E402
 from gradian.settings.grads import GradsConfig  # noqa: E402
 

@@ -482,7 +482,8 @@ def fact_accuracy(loaded, facts: list[tuple[str, str, str]], work: Path, batch_s
     """Did the model learn the facts? Per phrasing (taught, chat, chat_answer), the share of facts whose
     true value has the highest summed log-probability of the supervised tokens among the kind's 8
     values (chance 1/8), the mean rank of the true value (1 = first) and each fact's rank."""
-    from gradian.data.rows import collate, load_rows
+    from gradian.data.batch import collate
+    from gradian.data.rows import load_rows
     from scripts.bench.planted_facts_b import KINDS
 
     tok = loaded.tokenizer

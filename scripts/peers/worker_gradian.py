@@ -51,7 +51,8 @@ def floor_passes(spec: dict) -> tuple[dict[str, object], dict[str, int]]:
     from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_model
     from gradian.capture.gradients import ACTIVATION_CONTEXTS, activation_mode, supervised_positions
-    from gradian.data.rows import collate, load_rows
+    from gradian.data.batch import collate
+    from gradian.data.rows import load_rows
 
     loaded = load_model(ModelConfig(name=spec["model_dir"], precision=spec.get("precision", "float32")))
     rows, _ = load_rows(spec["docs"], loaded.tokenizer, spec["max_length"])

@@ -64,7 +64,8 @@ def test_ioi_and_induction_behaviour(smollm2):
 def test_chat_rows_supervise_exactly_the_assistant_content(smollm2, tmp_path):
     """SmolLM2's template has no {% generation %} block: the supervised tokens are exactly the
     assistant message's content (append_eos=false), or the content plus <|im_end|> and newline."""
-    from gradian.data.rows import _has_generation_tags, load_rows
+    from gradian.data.encode import _has_generation_tags
+    from gradian.data.rows import load_rows
 
     tok = smollm2.tokenizer
     assert not _has_generation_tags(tok)  # no {% generation %} block: assistant spans found by rendering

@@ -153,7 +153,8 @@ def test_shards_hold_rows_in_row_order_whatever_the_batch_order(tmp_path) -> Non
     from circuitkit.models.linear_modules import module_shapes, select_modules
     from circuitkit.models.loading import load_model
     from gradian.capture.gradients import per_example_gradients
-    from gradian.data.rows import collate, load_rows
+    from gradian.data.batch import collate
+    from gradian.data.rows import load_rows
     from gradian.projection.projector import Projector
 
     cfg = _cfg(tmp_path, "grads.preconditioner=none", "grads.storage_dtype=float32")

@@ -17,8 +17,9 @@ from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import load_model
 from gradian.build.indexer import build_index
 from gradian.capture.gradients import per_example_gradients
+from gradian.data.batch import collate
 from gradian.data.corpus import TokenizedCorpus
-from gradian.data.rows import REPORT_LINES, collate, load_rows
+from gradian.data.rows import REPORT_LINES, load_rows
 from gradian.data.sources import DataError, Source, SourceSpec
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector

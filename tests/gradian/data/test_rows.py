@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from circuitkit.core.batching import plan_batches
-from gradian.data.rows import DataError, Row, TokenPolicy, collate, load_rows
+from gradian.data.batch import collate
+from gradian.data.rows import DataError, Row, TokenPolicy, load_rows
 
 # The tests below that spell out EOS / end-of-turn tokens run under grads.append_eos=true;
 # tests/gradian/data/test_token_policy.py covers both policies.
@@ -218,11 +219,11 @@ def test_collate_and_batches(tok: Any, tmp_path: Path) -> None:
 
 
 def test_prompt_left_keeps_bos() -> None:
-    from gradian.data.rows import _truncate
+    from gradian.data.encode import truncate
 
     # [BOS, p1, p2, p3, c1, c2, EOS] into 5 tokens: BOS stays, p1 and p2 go.
     ids, sup = [9, 1, 2, 3, 4, 5, 0], [False] * 4 + [True] * 3
-    assert _truncate(ids, sup, 5, "prompt_left", head=1) == ([9, 3, 4, 5, 0], [False, False, True, True, True], False)
+    assert truncate(ids, sup, 5, "prompt_left", head=1) == ([9, 3, 4, 5, 0], [False, False, True, True, True], False)
     # Budget below the completion: all prompt tokens go, BOS predicts c1, the end is cut.
-    assert _truncate(ids, sup, 3, "prompt_left", head=1) == ([9, 4, 5], [False, True, True], True)
-    assert _truncate(ids, sup, 5, "right", head=1) == ([9, 1, 2, 3, 4], [False] * 4 + [True], True)
+    assert truncate(ids, sup, 3, "prompt_left", head=1) == ([9, 4, 5], [False, True, True], True)
+    assert truncate(ids, sup, 5, "right", head=1) == ([9, 1, 2, 3, 4], [False] * 4 + [True], True)
