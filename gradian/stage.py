@@ -14,7 +14,8 @@ from circuitkit.core.circuit_file import grads_circuit_path
 from circuitkit.core.io import check_writable
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
 from circuitkit.models.loading import check_model, model_inputs
-from gradian.build.indexer import SAMPLE_DATA, build_index, check_grads_config
+from gradian.build.checks import check_grads_config
+from gradian.build.indexer import SAMPLE_DATA, build_index
 from gradian.build.memory import GRADS_MEMORY
 
 

@@ -180,7 +180,8 @@ LAYERS: dict[str, str] = {
     "gradian.index.formats.signs": GRADIAN,  # grads.row_format=signs: one bit per coordinate, Hamming scores
     # build: the index loop, its checks, its memory estimate, the width table
     "gradian.build": GRADIAN,
-    "gradian.build.indexer": GRADIAN,
+    "gradian.build.indexer": GRADIAN,  # the index loop: batches, consumers, shards, resume
+    "gradian.build.checks": GRADIAN,  # before the loop: the data source, the settings, one shard's host memory
     "gradian.build.shard_rows": GRADIAN,  # rows leave the device in their stored form; a writer thread owns the disk
     "gradian.build.device_batch": GRADIAN,  # batches sized to the accelerator's free memory (grads.device_batch)
     "gradian.build.memory": GRADIAN,

@@ -78,7 +78,7 @@ def _run_inputs(run_dir: Path, rank: Path | None, queries: Path | None) -> list[
 
 def _check_queries(queries: Path | None) -> None:
     if queries is not None:
-        from gradian.build.indexer import check_input_file
+        from gradian.build.checks import check_input_file
 
         check_input_file(Path(queries), "--queries")
 

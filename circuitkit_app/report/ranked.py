@@ -86,7 +86,7 @@ def collect_rank(rank_path: Path, index_dir: Path, queries_path: Path | None = N
 
     Without `queries_path` the queries are shown by id only.
     """
-    from gradian.build.indexer import check_input_file
+    from gradian.build.checks import check_input_file
     from gradian.data.rows import load_rows, policy_of
     from gradian.index.reader import IndexReader
     from gradian.rank.tokens import indexed_rows, load_index_tokenizer

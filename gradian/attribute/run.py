@@ -71,7 +71,7 @@ from gradian.attribute.regression import BOOTSTRAP_RESAMPLES, THIN_MARGIN, base_
 from gradian.attribute.result import AttributionResult, write_result
 from gradian.attribute.rows import BACKGROUND_ROWS, read_texts, row_lines, training_findings
 from gradian.attribute.verify import VerifyOptions, plan_verify, run_verify
-from gradian.build.indexer import check_input_file, tokenizer_hash
+from gradian.build.checks import check_input_file, tokenizer_hash
 from gradian.data.rows import policy_of
 from gradian.index.manifest import IndexMismatchError
 from gradian.index.reader import IndexReader

@@ -20,7 +20,7 @@ from circuitkit.core.errors import UserError
 from circuitkit.core.pipeline import RunContext, Stage, StageResult
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import check_model, model_inputs
-from gradian.build.indexer import check_input_file
+from gradian.build.checks import check_input_file
 from gradian.stage import grads_data_file, run_index_dir
 
 RESULT_FILE = "attribute.json"

@@ -60,7 +60,7 @@ from circuitkit.models.lora import lora_config, read_adapter
 from gradian.attribute import retrain
 from gradian.attribute.evaluate import EvalItem, ItemScores, greedy_continuations, score_items
 from gradian.attribute.rows import read_records
-from gradian.build.indexer import check_input_file
+from gradian.build.checks import check_input_file
 from gradian.data.rows import load_rows, policy_of
 from gradian.data.sources import DataError, Source, SourceSpec
 from gradian.rank.results import training_source

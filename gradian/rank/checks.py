@@ -9,7 +9,7 @@ from typing import Any
 from circuitkit.core.circuit_file import circuit_sha256
 from circuitkit.models.loading import weights_hash
 from circuitkit.models.lora import AdapterError, read_adapter
-from gradian.build.indexer import tokenizer_hash
+from gradian.build.checks import tokenizer_hash
 from gradian.capture.sites import site_shapes, sites_from_names
 from gradian.curvature.allocation import check_allocation
 from gradian.data.rows import policy_of

@@ -9,7 +9,7 @@ import torch
 
 from circuitkit.core.batching import batch_overhead_tokens, plan_batches
 from circuitkit.models.loading import context_length
-from gradian.build.indexer import check_input_file
+from gradian.build.checks import check_input_file
 from gradian.capture.gradients import per_example_gradients
 from gradian.capture.sites import sites_from_names
 from gradian.data.batch import collate, to_device

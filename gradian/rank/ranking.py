@@ -18,7 +18,7 @@ from circuitkit.core.io import atomic_write_bytes, check_writable
 from circuitkit.core.recorded import read_recorded
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
-from gradian.build.indexer import check_input_file
+from gradian.build.checks import check_input_file
 from gradian.curvature.allocation import check_allocation
 from gradian.curvature.factors import has_kfac
 from gradian.index.formats import format_of

@@ -25,7 +25,7 @@ def load_index_tokenizer(manifest: dict[str, Any]) -> Any:
     """The tokenizer of the model an index names, refused (UserError) if its hash differs."""
     from circuitkit.models.config import ModelConfig
     from circuitkit.models.loading import load_tokenizer
-    from gradian.build.indexer import tokenizer_hash
+    from gradian.build.checks import tokenizer_hash
 
     name = manifest.get("model")
     if not isinstance(name, str):

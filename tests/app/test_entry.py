@@ -102,7 +102,7 @@ def read_only_dir(tmp_path) -> Path:
 
 def test_gradian_index_and_the_pipeline_probe_the_index_dir_alike(read_only_dir, tmp_path):
     from circuitkit_app.stage_list import check_stages
-    from gradian.build.indexer import check_grads_config
+    from gradian.build.checks import check_grads_config
 
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "a", "completion": " b"}\n')

@@ -77,6 +77,7 @@ def test_index_of_another_config_is_refused(tmp_path):
 
 
 def test_a_shard_that_cannot_fit_in_host_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    import gradian.build.checks as checks
     import gradian.build.indexer as indexer
     from circuitkit.core.errors import UserError
     from circuitkit.models.config import ModelConfig
@@ -86,12 +87,12 @@ def test_a_shard_that_cannot_fit_in_host_memory_is_refused_before_anything_is_wr
     grads = GradsConfig(projection_dim=None, module_filter=["mlp.c_proj"], rows_per_shard=4096)
     width = 2 * 64 * 256
     # + the default kfac's float64 factor sums: (64 x 64 and 256 x 256) per module
-    monkeypatch.setattr(indexer, "free_memory_bytes", lambda device=None: 20 * width * 4)
+    monkeypatch.setattr(checks, "free_memory_bytes", lambda device=None: 20 * width * 4)
     sides = [(64, 256), (64, 256)]
-    assert indexer.check_shard_buffer(grads, 5, width, 2, sides) == 5 * width * 4 + 2 * (64**2 + 256**2) * 8
-    monkeypatch.setattr(indexer, "free_memory_bytes", lambda device=None: 10 * width * 4)
+    assert checks.check_shard_buffer(grads, 5, width, 2, sides) == 5 * width * 4 + 2 * (64**2 + 256**2) * 8
+    monkeypatch.setattr(checks, "free_memory_bytes", lambda device=None: 10 * width * 4)
     plain = GradsConfig(projection_dim=None, module_filter=["mlp.c_proj"], rows_per_shard=4096, preconditioner="none")
-    assert indexer.check_shard_buffer(plain, n_rows=5, row_width=width) == 5 * width * 4  # 5 rows fit
+    assert checks.check_shard_buffer(plain, n_rows=5, row_width=width) == 5 * width * 4  # 5 rows fit
     with pytest.raises(UserError, match=r"grads.rows_per_shard=4096: a shard holds 24 rows .* Lower"
                                         r" grads.rows_per_shard \(e.g. 5\)"):
         indexer.build_index(ModelConfig(name="builtin:tiny-gpt2", precision="float32"), grads, tmp_path / "idx")

@@ -112,7 +112,7 @@ def test_row_longer_than_the_context_is_cut_at_the_context(built, tmp_path, caps
 
 def test_check_grads_config_bounds_by_the_context_without_weights(tmp_path, monkeypatch):
     import circuitkit.models.loading
-    from gradian.build.indexer import check_grads_config
+    from gradian.build.checks import check_grads_config
 
     monkeypatch.setattr(circuitkit.models.loading, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
     assert check_grads_config(ModelConfig(), GradsConfig()) == 256

@@ -15,7 +15,8 @@ import torch
 from circuitkit.core.config import ConfigError
 from circuitkit.core.errors import UserError
 from circuitkit_app.config import compose
-from gradian.build.indexer import ResumeMismatchError, build_index, check_grads_config
+from gradian.build.checks import check_grads_config
+from gradian.build.indexer import ResumeMismatchError, build_index
 from gradian.build.memory import grads_estimate
 from gradian.capture.gradients import per_example_gradients
 from gradian.capture.sites import restricted_sites, site_shapes

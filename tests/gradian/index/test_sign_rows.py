@@ -13,7 +13,8 @@ import torch
 
 from circuitkit.core.errors import UserError
 from circuitkit_app.config import compose
-from gradian.build.indexer import build_index, check_grads_config, factor_row_ids
+from gradian.build.checks import check_grads_config
+from gradian.build.indexer import build_index, factor_row_ids
 from gradian.build.memory import grads_estimate
 from gradian.index.formats.signs import SignScorer, coordinates, pack, packed_width, unpack
 from gradian.index.header import describe_index

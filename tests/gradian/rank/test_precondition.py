@@ -270,7 +270,7 @@ def test_orthogonal_index_passes_verify_and_ranks(root: Path, tmp_path: Path) ->
 
 
 def test_shard_buffer_counts_the_second_moments() -> None:
-    from gradian.build.indexer import check_shard_buffer
+    from gradian.build.checks import check_shard_buffer
     from gradian.settings.grads import GradsConfig
 
     plain = GradsConfig(rows_per_shard=100, projection_dim=16, preconditioner="none")
