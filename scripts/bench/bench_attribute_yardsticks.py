@@ -43,6 +43,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -235,6 +236,28 @@ def tune(work: Path, epochs: int) -> dict[str, Any]:
     return {"rows": len(rows), "epochs": epochs, "steps": len(losses), "first_loss": losses[0],
             "last_loss": sum(losses[-10:]) / len(losses[-10:]), "wall_s": trained.wall_s,
             "checkpoints": str(work / "checkpoints") if saving else None}
+
+
+def index_step(work: Path, loss: str | None) -> dict[str, Any]:
+    """`gradian index` of the rows on the tuned model (`bench_attribute_smollm2.index`: the adapter's
+    weights, every engine's curvature), with `grads.loss=loss` where one is given."""
+    if loss is None:
+        return smollm2.index(work)
+    import io
+    import time
+
+    from rich.console import Console
+
+    from circuitkit_app.config import compose
+    from gradian.build.indexer import build_index
+
+    _, cfg = compose([f"model.name={smollm2.MODEL}", f"model.adapter={work / 'adapter'}", "model.precision=float32",
+                      f"grads.data_path={work / 'train.jsonl'}", f"grads.index_dir={work / 'index'}",
+                      "grads.module_filter=[adapter]", "grads.projection_dim=256", "grads.preconditioner=module+kfac",
+                      f"grads.max_seq_length={smollm2.MAX_SEQ_LENGTH}", "grads.on_truncation=warn", f"grads.loss={loss}"])
+    start = time.perf_counter()
+    build_index(cfg.model, cfg.grads, work / "index", Console(file=io.StringIO()))
+    return {"wall_s": time.perf_counter() - start, "loss": loss}
 
 
 def attribute_cli(work: Path, top_k: int, verify: bool, epochs: int) -> dict[str, Any]:
@@ -465,11 +488,17 @@ def yardstick_table(s: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- the run
 
 
-def run_yardstick(name: str, root: Path, seed: int, verify: bool, tracin: bool) -> dict[str, Any]:
+def run_yardstick(name: str, root: Path, seed: int, verify: bool, tracin: bool,
+                  index_loss: str | None = None) -> dict[str, Any]:
     from gradian.attribute.engines import ENGINES
 
-    work = root / name
+    work = root / (name if index_loss is None else f"{name}-index-{index_loss}")
     work.mkdir(parents=True, exist_ok=True)
+    if index_loss is not None and (root / name / "tune.json").is_file() and not (work / "tune.json").is_file():
+        for part in ("adapter", "checkpoints"):  # the same tune (deterministic): reused, not redone
+            if (root / name / part).is_dir():
+                shutil.copytree(root / name / part, work / part, dirs_exist_ok=True)
+        shutil.copy(root / name / "tune.json", work / "tune.json")
     ys = BUILDERS[name](seed)
 
     def data() -> dict[str, Any]:
@@ -483,7 +512,7 @@ def run_yardstick(name: str, root: Path, seed: int, verify: bool, tracin: bool) 
     k = max(1, len(ys.planted_lines))
     epochs = EPOCHS[name]
     steps: dict[str, Any] = {"tune": _step(work, "tune", lambda: tune(work, epochs)),
-                             "index": _step(work, "index", lambda: smollm2.index(work))}
+                             "index": _step(work, "index", lambda: index_step(work, index_loss))}
     steps["attribute"] = _step(work, "attribute", lambda: attribute_cli(work, k, False, epochs))
     if steps["attribute"]["result"] is None:
         print(f"[{name}] gradian attribute wrote no result (exit {steps['attribute']['exit_code']}):"
@@ -518,6 +547,9 @@ def main() -> None:
     p.add_argument("--verify-all", action="store_true", help="--verify on every yardstick with planted rows")
     p.add_argument("--tracin", default="", metavar="NAMES",
                    help="yardsticks scored with TracIn across the tune's checkpoints (an index per checkpoint)")
+    p.add_argument("--index-loss", default=None, metavar="LOSS",
+                   help="grads.loss of the index (default: the product's); its own work folder NAME-index-LOSS, the"
+                        " tune reused from NAME")
     p.add_argument("--json", default=None, help="write every number here")
     args = p.parse_args()
     import torch
@@ -532,7 +564,8 @@ def main() -> None:
     summaries = {}
     for name in names:
         verify = not args.no_verify and (args.verify_all or name == "unlike")
-        summaries[name] = run_yardstick(name, root, args.seed, verify, name in args.tracin.split(","))
+        summaries[name] = run_yardstick(name, root, args.seed, verify, name in args.tracin.split(","),
+                                        args.index_loss)
         print("\n" + yardstick_table(summaries[name]) + "\n", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))
