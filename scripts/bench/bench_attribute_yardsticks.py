@@ -50,10 +50,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __package__ in (None, ""):  # run as a script: the repository root, for the `scripts.*` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import bench_attribute_smollm2 as smollm2  # noqa: E402
-from bench_attribute_smollm2 import COUNTRIES, EOS, EVAL_COUNTRIES, OPPOSITES, _row, _step, chat_prompt  # noqa: E402
+import scripts.bench.bench_attribute_smollm2 as smollm2  # noqa: E402
+from scripts.bench.bench_attribute_smollm2 import (  # noqa: E402
+    COUNTRIES,
+    EOS,
+    EVAL_COUNTRIES,
+    OPPOSITES,
+    _row,
+    _step,
+    chat_prompt,
+)
 
 BENIGN_ROWS = 360
 PLANTED_COUNTRIES = COUNTRIES[EVAL_COUNTRIES:]  # 50 countries no eval item asks about

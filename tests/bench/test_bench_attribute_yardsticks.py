@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
-
-import bench_attribute_yardsticks as bench  # noqa: E402
+import scripts.bench.bench_attribute_yardsticks as bench
 
 
 def words(text: str) -> set[str]:
