@@ -131,7 +131,7 @@ LAYERS: dict[str, str] = {
     "circuitkit.discovery.circuit_graph": CIRCUIT,
     "circuitkit.discovery.plots": CIRCUIT,
     "circuitkit.discovery.export.interop": CIRCUIT,
-    "circuitkit.discovery.export.hf": CIRCUIT,  # the pruned Hugging Face checkpoint (issue 42)
+    "circuitkit.discovery.export.hf": CIRCUIT,  # the pruned Hugging Face checkpoint
     "circuitkit.discovery.export.hf_stage": CIRCUIT,  # the export stage
     "circuitkit.discovery.stages": CIRCUIT,
     "circuitkit.discovery.data_lengths": CIRCUIT,  # the stages' estimates at the tokenized prompts (the preflight)
@@ -426,7 +426,7 @@ def test_the_shims_only_hand_over_to_the_entry_package():
 
 
 def test_the_folder_checker_sees_a_stage_list_below_gradian():
-    # What issue 29 removed: circuitkit's list of stages importing gradian's stage.
+    # A list of stages in circuitkit/ that imports gradian's stage: caught.
     edges = {"circuitkit.stage_list": {"gradian.stage", "circuitkit.core.pipeline"}, "gradian.stage": {"circuitkit.core.pipeline"},
              "circuitkit.core.pipeline": set(), "gradian.cli": {"circuitkit_app.run"}, "circuitkit_app.run": {"gradian.stage"},
              "circuitkit.run": {"circuitkit_app.run"}}

@@ -1,4 +1,4 @@
-"""scripts/bench/bench_methods.py (issue 46): the smallest-k scan and the per-method rows.
+"""scripts/bench/bench_methods.py: the smallest-k scan and the per-method rows.
 
 Oracles: on a known faithfulness curve the scan returns its first k at 0.8; on the trained
 induction model every method's smallest set is the two known heads (previous-token, induction).

@@ -1,4 +1,4 @@
-"""scripts/bench/yardsticks_factored.py (issue 44): the equal-bytes pairing of factored and dense rows.
+"""scripts/bench/yardsticks_factored.py: the equal-bytes pairing of factored and dense rows.
 
 Oracle: a dense k_o x k_i block stores k_o k_i numbers, rank-c factors c (k_o' + k_i'); the paired
 width's factorisation (as `kronecker_factors` picks it for each module) must make them equal.

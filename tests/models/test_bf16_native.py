@@ -1,4 +1,4 @@
-"""bfloat16 only where the device computes it (issue 49): the detector, `model.precision=auto`
+"""bfloat16 only where the device computes it: the detector, `model.precision=auto`
 resolved both ways, the preflight line, the manifest record, an explicit bfloat16 kept, the
 estimates following the dtype used, and the per-machine cache of the timed check."""
 

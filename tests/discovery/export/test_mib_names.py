@@ -1,4 +1,4 @@
-"""Issue 48: MIB's folder names as MIB's own code builds and reads them, and what the MIB export writes.
+"""MIB's folder names as MIB's own code builds and reads them, and what the MIB export writes.
 
 The name lists below are copies of MIB's, with their source:
 

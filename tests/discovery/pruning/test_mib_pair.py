@@ -1,4 +1,4 @@
-"""Issue 48: MIB's (CPR, CMD) pair, ours against a recomputation that follows MIB's definition.
+"""MIB's (CPR, CMD) pair, ours against a recomputation that follows MIB's definition.
 
 MIB (mttk/MIB-circuit-track-autoeval: eval_submissions.py runs `for absolute in (True, False)`, and
 the aggregation files the abs-False run as CPR, the abs-True run as CMD; MIB_circuit_track/

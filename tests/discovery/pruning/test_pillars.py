@@ -1,4 +1,4 @@
-"""Issue 42, part 3: the verdict's pillars on the induction fixture, whose circuit (L0H2 -> L1H1) is known."""
+"""The verdict's pillars on the induction fixture, whose circuit (L0H2 -> L1H1) is known."""
 
 from __future__ import annotations
 

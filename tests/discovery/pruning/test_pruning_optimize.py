@@ -1,4 +1,4 @@
-"""Issue 28: edge pruning warm-started from attribution scores (`pruning.selection=edge_pruning`)."""
+"""Edge pruning warm-started from attribution scores (`pruning.selection=edge_pruning`)."""
 
 from __future__ import annotations
 

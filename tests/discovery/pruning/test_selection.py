@@ -1,4 +1,4 @@
-"""Issue 28: per-example scores, stability, bootstrapped selection, the greedy oracle, MIB's CPR/CMD,
+"""Per-example scores, stability, bootstrapped selection, the greedy oracle, MIB's CPR/CMD,
 and the edge-circuit evaluator against its straightforward form."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 37: selection by integer programming (`pruning.selection=ip`) and the signed rule (`positive`)."""
+"""Selection by integer programming (`pruning.selection=ip`) and the signed rule (`positive`)."""
 
 from __future__ import annotations
 

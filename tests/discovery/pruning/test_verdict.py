@@ -1,4 +1,4 @@
-"""Issue 42, part 3: the verdict, wired. The pruning stage measures the pillars on its circuit with its own
+"""The verdict, wired. The pruning stage measures the pillars on its circuit with its own
 evaluator and writes them to circuit.pt, the manifest, `circuitkit show` and the report.
 
 On the trained induction model, whose circuit (previous-token head L0H2 -> induction head L1H1) is

@@ -1,4 +1,4 @@
-"""Issue 46, part 3: corrupted prompts generated for a user's jsonl rows (discovery.data_params.corruption)."""
+"""Corrupted prompts generated for a user's jsonl rows (discovery.data_params.corruption)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 37, part 1: the repeated-span induction format and the learned head mask."""
+"""The repeated-span induction format and the learned head mask."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_pruning_selection_mask_at_head_scope_keeps_the_known_circuit(caplog):
 
 @pytest.mark.parametrize("seq_len", [8, 16, 24])
 def test_fresh_corruption_replaces_the_first_copy_and_keeps_the_clean_prompts(seq_len):
-    """Issue 46, part 4: `fresh` leaves nothing to copy; clean prompts and answers are those of `swap`."""
+    """`fresh` leaves nothing to copy; clean prompts and answers are those of `swap`."""
     lm, _ = setup()
     dp = DataParams(seq_len=seq_len, induction_format="repeat", induction_corruption="fresh")
     fresh = build_task("induction", lm.tokenizer, lm.path, dp, 30, 3)

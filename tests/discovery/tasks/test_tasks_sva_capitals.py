@@ -1,4 +1,4 @@
-"""Issue 46, part 2: the sva and capitals tasks (pairs, corruption, token lengths, refusals)."""
+"""The sva and capitals tasks (pairs, corruption, token lengths, refusals)."""
 
 from __future__ import annotations
 
