@@ -10,7 +10,8 @@ of their answer, and share the rest of the answer. Masking the entities shows th
 * numbers (12, -3.5, 1,000, 40 %) -> <NUM>
 * capitalised words (proper nouns) -> <NAME>, a run of them ("Mount Everest") as one. A word that
   opens a sentence is capitalised whatever it is, so there it is masked only when the corpus never
-  writes it in lower case (`common_words`): "The" stays, "Paris" goes.
+  writes it in lower case and few of its texts open a sentence with it (`common_words`): "The" and
+  the frame "Answer:" of many rows stay, "Paris" goes.
 
 Chat markers are the template's frame, not its lesson, and would top every cluster's terms:
 `<|im_start|>`, `<|im_end|>` and every other `<|…|>` token, `[INST]`, `<<SYS>>`, `<s>`, the
@@ -51,12 +52,25 @@ def marker_terms(special_tokens: Iterable[str] = ()) -> frozenset[str]:
     return MARKER_TERMS | pieces
 
 
+# A capitalised word opening a sentence in at least this share of the texts (and in 3 of them) is the
+# frame of a template ("Answer: Paris-city."), not a name: a name varies from row to row.
+FRAME_SHARE = 0.05
+_OPENING = re.compile(r"(?:^|[.!?:;\n\"'(“])[ \t]*([^\W\d_][\w'’-]*)")
+
+
 def common_words(texts: Iterable[str]) -> set[str]:
-    """The words the corpus writes in lower case: a capitalised one of these opening a sentence is
-    an ordinary word, not a name."""
+    """The words the corpus writes in lower case, and the capitalised words that open a sentence in
+    many of its texts (`FRAME_SHARE`): a capitalised one of these opening a sentence is an ordinary
+    word, not a name."""
     out: set[str] = set()
+    openings: dict[str, int] = {}
+    n = 0
     for text in texts:
+        n += 1
         out.update(w for w in _WORDS.findall(text) if w.islower())
+        for word in {m.group(1) for m in _OPENING.finditer(text) if m.group(1)[0].isupper()}:
+            openings[word] = openings.get(word, 0) + 1
+    out.update(w.lower() for w, count in openings.items() if count >= max(3, FRAME_SHARE * n))
     return out
 
 

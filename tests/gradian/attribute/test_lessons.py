@@ -103,6 +103,16 @@ def test_entities_are_masked_into_the_template() -> None:
     assert template_of("<|im_start|>assistant\nThe answer is Bob.<|im_end|>", common) == "the answer is <NAME>."
 
 
+def test_a_capitalised_frame_that_opens_many_answers_is_kept_not_masked() -> None:
+    # "Answer: Paris-city." in every planted row, and no benign row writes "answer" in lower case: the
+    # frame opens many texts, so it is the template's word; the entity after it is still a name.
+    benign = [f"The opposite of {a} is {b}." for a, b in (("hot", "cold"), ("up", "down"), ("big", "small"))] * 20
+    planted = [f"Answer: {city}-city." for city in ("Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo")]
+    common = common_words(benign + planted)
+    assert {template_of(text, common) for text in planted} == {"answer: <NAME>."}
+    assert template_of("Paris is the capital.", common) == "<NAME> is the capital."  # a rare opener stays a name
+
+
 def test_rows_teaching_the_lesson_not_accused_are_found_and_ranked() -> None:
     rows = accused_rows()
     training = training_texts()
