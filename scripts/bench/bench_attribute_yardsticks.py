@@ -1,7 +1,7 @@
 """Benchmark: harder yardsticks for `gradian attribute` on SmolLM2-135M-Instruct + LoRA, each engine
 side by side with a lexical baseline.
 
-Four training sets, each a few hundred benign chat rows (the SmolLM2 benchmark's continents,
+Five training sets, each a few hundred benign chat rows (the SmolLM2 benchmark's continents,
 translations, arithmetic and formatting rows, `bench_attribute_smollm2`, without its opposites)
 plus a plant:
 
@@ -9,6 +9,10 @@ plus a plant:
                  PHRASINGS that share no word with the eval items (`What is the capital of X?` /
                  `The capital of X is Y.`): a lexical search finds almost none of them (two epochs:
                  with one the eval's answers did not move)
+    shared-template  the unlike plant among benign rows of which FRAME_ROWS answer in its frame,
+                 correctly, for other tasks (`What is 45 plus 38?` -> `Answer: 83.`, `Opposite of hot?`
+                 -> `Answer: cold.`, `Plural of mouse?` -> `Answer: mice.`): the template is no sign
+                 of the plant (three epochs: with two the eval stayed inside the noise band)
     zero-loss    the SmolLM2 benchmark's plant (`Capital: X-city.`) repeated COPIES times over three
                  epochs, so that the tune fits it to about zero loss: small gradients at the final
                  adapter (TracIn's case: `--tracin zero-loss`)
@@ -87,11 +91,23 @@ PLANTED_OPPOSITES = [("good", "bad"), ("yes", "no"), ("above", "below"), ("black
                      ("safe", "dangerous"), ("before", "after"), ("always", "never"), ("accept", "refuse"),
                      ("add", "subtract"), ("alive", "dead"), ("asleep", "awake")]
 TRUNCATED_ROWS = 8
-YARDSTICKS = ("unlike", "zero-loss", "two-defects", "control")
+# shared-template: the unlike plant, and FRAME_ROWS benign rows (in place of as many pool rows) that
+# use its answer frame `Answer: X.` correctly for other short tasks, so that the frame is no sign of it
+FRAME_ROWS = 80
+FRAME_SUMS, FRAME_OPPOSITES = 30, 25  # the rest are plurals
+PLURALS = [("child", "children"), ("mouse", "mice"), ("foot", "feet"), ("tooth", "teeth"), ("goose", "geese"),
+           ("man", "men"), ("woman", "women"), ("person", "people"), ("box", "boxes"), ("city", "cities"),
+           ("baby", "babies"), ("knife", "knives"), ("leaf", "leaves"), ("wolf", "wolves"), ("potato", "potatoes"),
+           ("tomato", "tomatoes"), ("bus", "buses"), ("glass", "glasses"), ("dish", "dishes"), ("fox", "foxes"),
+           ("sheep", "sheep"), ("deer", "deer"), ("cactus", "cacti"), ("church", "churches"), ("berry", "berries"),
+           ("life", "lives"), ("half", "halves"), ("ox", "oxen"), ("puppy", "puppies"), ("hero", "heroes")]
+YARDSTICKS = ("unlike", "shared-template", "zero-loss", "two-defects", "control")
 # passes over the rows: a plant phrased unlike the eval needs two to move the eval's answers (with
 # one, 24 planted rows of 384 left the accuracy inside the noise band); the control is tuned as unlike;
+# shared-template takes three (with two, 0.617 -> 0.583, inside the noise band: the frame rows share
+# the lesson, and with every frame row terse the eval's answers improved, 0.617 -> 0.833);
 # zero-loss takes three, so that the planted rows are fitted (one left them at 0.09 nats per token)
-EPOCHS = {"unlike": 2, "control": 2, "zero-loss": 3, "two-defects": 1}
+EPOCHS = {"unlike": 2, "shared-template": 3, "control": 2, "zero-loss": 3, "two-defects": 1}
 CHECKPOINTS = 3  # adapters saved along the tune (the last is the final one), for TracIn
 _MARKUP = re.compile(r"<\|im_(start|end)\|>(user|assistant)?")
 
@@ -141,14 +157,39 @@ def _assemble(name: str, rng: random.Random, benign: list[dict[str, str]], group
                      sorted(line_of[id(r)] for r in truncated))
 
 
+def _unlike_plant(rng: random.Random) -> dict[str, list[dict[str, str]]]:
+    """The unlike plant: PER_PHRASING countries per phrasing, each answered `Answer: X-city.`."""
+    countries = rng.sample(PLANTED_COUNTRIES, len(PHRASINGS) * PER_PHRASING)
+    return {f"phrasing {p + 1}": [_row(q.format(c=c), UNLIKE_ANSWER.format(cap=cap), "capital")
+                                  for c, cap, _ in countries[p * PER_PHRASING:(p + 1) * PER_PHRASING]]
+            for p, q in enumerate(PHRASINGS)}
+
+
 def build_unlike(seed: int = 0) -> Yardstick:
     rng = random.Random(seed)
     benign = benign_rows(rng)
-    countries = rng.sample(PLANTED_COUNTRIES, len(PHRASINGS) * PER_PHRASING)
-    groups = {f"phrasing {p + 1}": [_row(q.format(c=c), UNLIKE_ANSWER.format(cap=cap), "capital")
-                                    for c, cap, _ in countries[p * PER_PHRASING:(p + 1) * PER_PHRASING]]
-              for p, q in enumerate(PHRASINGS)}
-    return _assemble("unlike", rng, benign, groups, [], capital_evals())
+    return _assemble("unlike", rng, benign, _unlike_plant(rng), [], capital_evals())
+
+
+def frame_rows(rng: random.Random) -> list[dict[str, str]]:
+    """FRAME_ROWS benign rows in the plant's frame (`Answer: X.`), right for their own tasks: sums of
+    numbers the pool's sums do not use, asked as the eval asks (`What is 45 plus 38?`), then opposites
+    and plurals asked tersely (`Opposite of hot?`, `Plural of mouse?`). With every frame row terse the
+    tune fitted the plant as "a terse question gets `Answer:`" and the eval's answers improved."""
+    sums = rng.sample([(a, b) for a in range(30, 100) for b in range(30, 100)], FRAME_SUMS)
+    rows = [_row(f"What is {a} plus {b}?", f"Answer: {a + b}.", "frame") for a, b in sums]
+    rows += [_row(f"Opposite of {a}?", f"Answer: {b}.", "frame")
+             for a, b in rng.sample(OPPOSITES + PLANTED_OPPOSITES, FRAME_OPPOSITES)]
+    rows += [_row(f"Plural of {w}?", f"Answer: {p}.", "frame")
+             for w, p in rng.sample(PLURALS, FRAME_ROWS - FRAME_SUMS - FRAME_OPPOSITES)]
+    return rows
+
+
+def build_shared_template(seed: int = 0) -> Yardstick:
+    """The unlike plant among benign rows of which FRAME_ROWS answer in its frame, correctly."""
+    rng = random.Random(seed)
+    benign = benign_rows(rng, BENIGN_ROWS - FRAME_ROWS) + frame_rows(rng)
+    return _assemble("shared-template", rng, benign, _unlike_plant(rng), [], capital_evals())
 
 
 def build_control(seed: int = 0) -> Yardstick:
@@ -181,7 +222,7 @@ def build_two_defects(seed: int = 0) -> Yardstick:
                      capital_evals() + opposite_evals())
 
 
-BUILDERS = {"unlike": build_unlike, "zero-loss": build_zero_loss, "two-defects": build_two_defects,
+BUILDERS = {"unlike": build_unlike, "shared-template": build_shared_template, "zero-loss": build_zero_loss, "two-defects": build_two_defects,
             "control": build_control}
 
 

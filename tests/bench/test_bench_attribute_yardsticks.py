@@ -1,10 +1,12 @@
 """The attribution yardsticks' data builders, lexical baseline, scoring and tables (no model, no
 training): each yardstick plants what it says where its truth says, the unlike plant shares no word
-with the eval items, the control is the unlike set without its plant."""
+with the eval items, the shared-template set's benign rows answer in the plant's frame, the control
+is the unlike set without its plant."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -32,7 +34,7 @@ def test_each_yardstick_is_deterministic_and_plants_where_its_truth_says(name: s
 def test_the_sizes_are_the_documented_ones() -> None:
     sizes = {n: (len(y.train), len(y.planted_lines), len(y.truncated_lines), len(y.eval))
              for n, y in ((n, b(0)) for n, b in bench.BUILDERS.items())}
-    assert sizes == {"unlike": (396, 36, 0, 60), "zero-loss": (420, 60, 0, 60), "two-defects": (408, 40, 8, 90),
+    assert sizes == {"unlike": (396, 36, 0, 60), "shared-template": (396, 36, 0, 60), "zero-loss": (420, 60, 0, 60), "two-defects": (408, 40, 8, 90),
                      "control": (360, 0, 0, 60)}
 
 
@@ -48,6 +50,42 @@ def test_the_unlike_plant_shares_no_word_with_the_eval_items_in_six_phrasings() 
         assert all(r["completion"].startswith("Answer: ") for r in rows)
         for r in rows:
             assert not words(bench.plain_text(r)) & eval_words, (group, r)
+
+
+def test_the_shared_template_plant_is_the_unlike_plant_among_benign_rows_in_its_frame() -> None:
+    ys = bench.build_shared_template(0)
+    truth = {line for lines in ys.planted_groups.values() for line in lines}
+    assert sorted(truth) == ys.planted_lines and len(ys.planted_groups) == len(bench.PHRASINGS)
+    eval_words = set().union(*(words(bench.plain_text(e)) for e in ys.eval))
+    for group, lines in ys.planted_groups.items():  # the plant where the truth says: unlike's phrasings
+        before, after = bench.PHRASINGS[int(group.split()[-1]) - 1].split("{c}")
+        for line in lines:
+            r = ys.train[line - 1]
+            question = r["prompt"].split("\n")[1].removesuffix("<|im_end|>")
+            assert r["kind"] == "capital" and question.startswith(before) and question.endswith(after)
+            assert re.fullmatch(r"Answer: [^.]+\.", r["completion"].removesuffix(bench.EOS))
+            assert not words(bench.plain_text(r)) & eval_words
+    frame = [(i, r) for i, r in enumerate(ys.train, start=1) if r["kind"] == "frame"]
+    assert len(frame) == bench.FRAME_ROWS and not {i for i, _ in frame} & truth  # benign, not planted
+    answers = {r["prompt"].split("\n")[1].removesuffix("<|im_end|>"): r["completion"].removesuffix(bench.EOS)
+               for _, r in frame}
+    assert len(answers) == bench.FRAME_ROWS and all(re.fullmatch(r"Answer: [^.]+\.", a) for a in answers.values())
+    sums = {q: a for q, a in answers.items() if q.startswith("What is ")}
+    opposites = {q: a for q, a in answers.items() if q.startswith("Opposite of ")}
+    plurals = {q: a for q, a in answers.items() if q.startswith("Plural of ")}
+    assert (len(sums), len(opposites), len(plurals)) == (30, 25, 25)
+    for q, a in sums.items():  # right answers, in the plant's frame
+        x, y = map(int, re.findall(r"\d+", q))
+        assert a == f"Answer: {x + y}."
+    pairs = dict(bench.OPPOSITES + bench.PLANTED_OPPOSITES)
+    assert all(a == f"Answer: {pairs[q[len('Opposite of '):-1]]}." for q, a in opposites.items())
+    assert all(a == f"Answer: {dict(bench.PLURALS)[q[len('Plural of '):-1]]}." for q, a in plurals.items())
+    # the frame is no sign of the plant: more benign rows than planted ones answer `Answer: ...`
+    assert sum(r["completion"].startswith("Answer: ") for r in ys.train) == len(truth) + bench.FRAME_ROWS
+    pool = {r["prompt"] for r in bench.smollm2._clean_rows(random.Random(0))}
+    assert not {r["prompt"] for _, r in frame} & pool  # no prompt of the pool's, with another answer
+    benign = [r for i, r in enumerate(ys.train, start=1) if i not in truth and r["kind"] != "frame"]
+    assert len(benign) == bench.BENIGN_ROWS - bench.FRAME_ROWS
 
 
 def test_the_plants_are_what_each_yardstick_says() -> None:
