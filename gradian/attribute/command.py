@@ -266,6 +266,12 @@ def print_result(result, console: Console | None = None) -> None:
                 out.print(_same_lesson_table(lesson))
             elif lesson["same_lesson"] is not None:
                 out.print(Text(f"lesson {lesson['lesson']}: no other training row teaches its template."))
+    if result.lesson_accused and any(r["by"] == "lesson" for r in result.lesson_accused):
+        brought = [r for r in result.lesson_accused if r["by"] == "lesson"]
+        out.print(Text(f"following the lesson, the top {len(result.lesson_accused)}: the accused rows that teach"
+                       f" it, then {len(brought)} row(s) teaching it that the engine ranked lower (lines"
+                       f" {', '.join(str(r['line']) for r in brought[:SHOWN_ROWS])}), then the other accused rows"
+                       " (result key lesson_accused)"))
     if result.clusters_note:
         err.print(Text(f"note: {result.clusters_note}"))
     out.print(Text(result.base_blame["summary"]))

@@ -116,6 +116,34 @@ def main_lessons(lessons: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d for d in lessons if d["share"] >= LESSON_SHARE]
 
 
+def following_lessons(accused: list[dict[str, Any]], lessons: list[dict[str, Any]], top_k: int) -> list[dict[str, Any]] | None:
+    """The accusation that follows the main lessons (`main_lessons`), at the same `top_k`: the accused
+    rows that teach a main lesson (in the engine's order), then the rows teaching it that were not
+    accused and score negative (`same_lesson`, most negative first), then the other accused rows;
+    the first `top_k`. Each entry: rank, row_id, line, score, and `by` ("engine" or "lesson"). None
+    without a main lesson (nothing to follow: the engine's accusation stands).
+
+    A plant phrased several ways teaches one template; the engine may rank some of its rows below
+    rows of other kinds, and the lesson brings them back (measured in docs/benchmarks/gradian-quality.md,
+    shared-template: 30 -> 33 of 36 planted rows at K = 36)."""
+    mains = main_lessons(lessons)
+    if not mains:
+        return None
+    taught = {line for d in mains for line in d["lines"]}
+    first = [a for a in accused if a["line"] in taught]
+    more = sorted((r for d in mains for r in (d.get("same_lesson") or {}).get("rows", []) if r["score"] < 0),
+                  key=lambda r: (r["score"], r["row_id"]))
+    rest = [a for a in accused if a["line"] not in taught]
+    out, seen = [], set()
+    for entry, by in [*((a, "engine") for a in first), *((r, "lesson") for r in more), *((a, "engine") for a in rest)]:
+        if entry["row_id"] in seen or len(out) == top_k:
+            continue
+        seen.add(entry["row_id"])
+        out.append({"rank": len(out) + 1, "row_id": entry["row_id"], "line": entry["line"], "score": entry["score"],
+                    "by": by})
+    return out
+
+
 def same_lesson_positions(lessons: list[dict[str, Any]], records: Iterable[tuple[int, Any]], accused: set[int],
                           common: set[str] | frozenset[str] = frozenset(),
                           special_tokens: tuple[str, ...] | list[str] = ()) -> dict[int, dict[int, str]]:

@@ -40,6 +40,9 @@ Keys, in order:
                     (`gradian.attribute.lessons.find_lessons`: lesson, template, templates, share, score,
                     n_rows, rows, lines, clusters, phrasings, said, same_lesson {n_rows, n_negative,
                     n_unindexed, rows [{row_id, line, score, text_preview}], said} or null), or null
+    lesson_accused  the accusation that follows the main lessons, at the same top_k
+                    (`gradian.attribute.lessons.following_lessons`: [{rank, row_id, line, score, by}],
+                    by "engine" or "lesson"), or null without a main lesson
     spans           the sentences of the long accused rows (`gradian.attribute.spans.drill_down`:
                     min_tokens, engine, rows [{row_id, line, score, score_recomputed, n_supervised,
                     top, sentences [{text, chars, token_span, n_tokens, score, share}]}], skipped,
@@ -57,7 +60,8 @@ Keys, in order:
     wall_s
 
 Version 2 added `spans` and `verify`, version 3 `engine_notes`, `precision`, `checkpoints`,
-`clusters_method` and `lessons`; an older file reads with the keys added since null.
+`clusters_method` and `lessons`, version 4 `lesson_accused`; an older file reads with the keys added
+since null.
 """
 
 from __future__ import annotations
@@ -70,9 +74,9 @@ from typing import Any
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_json
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ADDED_IN = {"spans": 2, "verify": 2, "engine_notes": 3, "precision": 3, "checkpoints": 3,
-            "clusters_method": 3, "lessons": 3}  # key -> the format version that added it
+            "clusters_method": 3, "lessons": 3, "lesson_accused": 4}  # key -> the format version that added it
 
 
 @dataclass
@@ -99,6 +103,7 @@ class AttributionResult:
     clusters_note: str | None = None
     clusters_method: str | None = None
     lessons: list[dict[str, Any]] | None = None
+    lesson_accused: list[dict[str, Any]] | None = None
     spans: dict[str, Any] | None = None
     verify: dict[str, Any] | None = None
     engine_notes: dict[str, str] | None = None

@@ -408,6 +408,7 @@ def _rank(result: AttributionResult, reader: IndexReader, tuned, projector, flip
     result.lessons = teaching.lessons_of(rows, result.clusters, source, reader.index_dir, manifest, scores[0],
                                          background, special)
     result.clusters_note = note
+    result.lesson_accused = teaching.following_lessons(result.accused, result.lessons, len(result.accused))
     cluster_of = {row: c["cluster"] for c in result.clusters for row in c["rows"]}
     for entry in result.accused:
         entry["cluster"] = cluster_of.get(entry["row_id"])

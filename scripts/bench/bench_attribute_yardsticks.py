@@ -452,6 +452,11 @@ def summarize(ys: Yardstick, steps: dict[str, Any]) -> dict[str, Any]:
         rows[name] = {**recall_precision(e["accused"], planted, k),
                       "planted_nonnegative": sum(scores[p] >= 0 for p in planted),
                       "by_group": {g: len(set(e["accused"][:k]) & v) for g, v in groups.items()}}
+    if result.get("lesson_accused"):  # the default's accusation as it follows the main lessons (same K)
+        followed = [a["row_id"] for a in result["lesson_accused"]]
+        rows[f"{result['engines'][0]}, following the lesson"] = {
+            **recall_precision(followed, planted, k), "planted_nonnegative": None,
+            "by_group": {g: len(set(followed[:k]) & v) for g, v in groups.items()}}
     texts = [plain_text(row) for row in ys.train]
     queries = [plain_text(ys.eval[i]) for i in r["flipped"]]
     lexical = top_rows(tfidf_scores(texts, queries), k)

@@ -178,3 +178,22 @@ def test_with_an_encoder_the_phrasings_cluster_by_embeddings_and_hdbscan(monkeyp
         [list(range(5 * p, 5 * p + 5)) for p in range(6)] + [list(range(30, 35)), list(range(35, 40))])
     lessons = find_lessons(rows, clusters, common_words(training_texts()))
     assert lessons[0]["said"] == "one lesson, 6 phrasings, 86 % of the blame"
+
+
+def test_the_accusation_follows_the_main_lesson_at_the_same_k() -> None:
+    from gradian.attribute.lessons import following_lessons
+
+    def row(row_id: int, score: float) -> dict:
+        return {"row_id": row_id, "line": row_id + 1, "score": score}
+
+    # accused: 3 rows of the lesson (lines 2, 3, 5), 2 of other kinds; the lesson's not-accused rows:
+    # two with negative scores (come in), one positive (never accused)
+    accused = [row(1, -9.0), row(9, -8.0), row(2, -7.0), row(8, -6.0), row(4, -5.0)]
+    lesson = {"lesson": 1, "share": 0.8, "lines": [2, 3, 5],
+              "same_lesson": {"rows": [row(6, -4.0), row(7, -1.0), row(10, 0.5)]}}
+    out = following_lessons(accused, [lesson], top_k=5)
+    assert [(r["row_id"], r["by"]) for r in out] == [(1, "engine"), (2, "engine"), (4, "engine"), (6, "lesson"),
+                                                      (7, "lesson")]
+    assert [r["rank"] for r in out] == [1, 2, 3, 4, 5]
+    # a lesson below the share that makes it main changes nothing
+    assert following_lessons(accused, [{**lesson, "share": 0.1}], top_k=5) is None

@@ -146,7 +146,7 @@ def test_the_result_reader_takes_format_1_and_checks_format_2(verified, work, tm
     from gradian.attribute.result import ADDED_IN, read_result
 
     data = json.loads((work["root"] / "verified.json").read_text())
-    assert data["format_version"] == 3
+    assert data["format_version"] == 4
     old = {k: v for k, v in data.items() if k not in ADDED_IN} | {"format_version": 1}
     (tmp_path / "v1.json").write_text(json.dumps(old))
     result = read_result(tmp_path / "v1.json")
