@@ -126,10 +126,8 @@ def _targets(batch: Mapping[str, torch.Tensor], device: torch.device) -> _Target
         example, position, target = send(torch.from_numpy(np.stack([facts.example, facts.position, facts.target])),
                                          device)
         counts = send(torch.from_numpy(facts.counts), device)
-        spans = np.zeros(len(facts.counts), dtype=np.int64)
-        np.maximum.at(spans, facts.example, facts.position + 1)
-        return _Targets(example, position, target, counts, facts.counts.tolist(), spans.tolist(), facts.real_tokens,
-                        facts.padded)
+        return _Targets(example, position, target, counts, facts.counts.tolist(), facts.spans.tolist(),
+                        facts.real_tokens, facts.padded)
     mask = batch.get("attention_mask")
     on_device = {"input_ids": batch["input_ids"].to(device), "supervised": batch["supervised"].to(device),
                  **({} if mask is None else {"attention_mask": mask.to(device)})}

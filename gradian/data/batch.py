@@ -21,7 +21,8 @@ class Supervision:
 
     `example` (N,), `position` (N,) (the hidden position t - 1 whose logits predict token t) and
     `target` (N,) (input_ids[example, t]) int64, in row-major order (grouped by example, in position
-    order); `counts` (B,) int64 targets per example; `real_tokens` the batch's non-padding tokens;
+    order); `counts` (B,) int64 targets per example; `spans` (B,) int64 each example's last supervised
+    token + 1's hidden position (what can carry a gradient); `real_tokens` the batch's non-padding tokens;
     `padded` whether any row is shorter than the batch. The capture reads these instead of asking
     the device (`gradian.capture.gradients`): no `nonzero`, `bincount` or scalar read per batch.
     """
@@ -30,6 +31,7 @@ class Supervision:
     position: np.ndarray
     target: np.ndarray
     counts: np.ndarray
+    spans: np.ndarray
     real_tokens: int
     padded: bool
 
@@ -46,7 +48,7 @@ def no_target_error(empty: list[int]) -> ValueError:
 def supervision_of(rows: Sequence[Row]) -> Supervision:
     """The `Supervision` of `rows` (as `collate` stacks them); ValueError for a row that supervises its
     first token (nothing predicts it) or none at all (its gradient would be zero)."""
-    examples, positions, targets, counts = [], [], [], []
+    examples, positions, targets, counts, spans = [], [], [], [], []
     for b, row in enumerate(rows):
         sup = np.asarray(row.supervised, dtype=bool)
         if len(sup) and sup[0]:
@@ -56,12 +58,14 @@ def supervision_of(rows: Sequence[Row]) -> Supervision:
         positions.append(t - 1)
         targets.append(np.asarray(row.input_ids, dtype=np.int64)[t])
         counts.append(len(t))
+        spans.append(int(t[-1]) if len(t) else 0)  # the last target's hidden position t - 1, plus one
     counts = np.asarray(counts, dtype=np.int64)
     if (counts == 0).any():
         raise no_target_error(np.flatnonzero(counts == 0).tolist())
     lengths = [len(r.input_ids) for r in rows]
     return Supervision(np.concatenate(examples), np.concatenate(positions).astype(np.int64),
-                       np.concatenate(targets), counts, int(sum(lengths)), min(lengths) != max(lengths))
+                       np.concatenate(targets), counts, np.asarray(spans, dtype=np.int64), int(sum(lengths)),
+                       min(lengths) != max(lengths))
 
 
 def collate(rows: Sequence[Row], pad_id: int) -> dict[str, Any]:
