@@ -13,6 +13,7 @@ on an AVX2 EPYC (docs/memory.md).
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -411,3 +412,10 @@ def model_dtype(model_cfg: Any, device: torch.device | str | None = None) -> tor
     """The dtype the model's weights load in: `resolve_precision(model_cfg.precision, device).dtype`.
     The loader and every memory estimate read it here, so an estimate follows the dtype used."""
     return resolve_precision(model_cfg.precision, device).dtype
+
+
+def release_memory() -> None:
+    """Hand back what a model just dropped held (its accelerator memory) before the next step allocates."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

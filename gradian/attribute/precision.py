@@ -20,13 +20,12 @@ below `NEAR_TIE` nats or the tuned margin above -`NEAR_TIE` (`regression.near_ti
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from circuitkit.core.device import Precision, bf16_support, resolve_precision
+from circuitkit.core.device import Precision, bf16_support, release_memory, resolve_precision
 from circuitkit.core.errors import UserError
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
@@ -68,11 +67,6 @@ def precision_line(evaluated: Precision, index_precision: str) -> str:
     return f"precision: evaluating in {evaluated.used} ({evaluated.note}); query gradients {queries}"
 
 
-def _release() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
 
 def near_tie_check(base_cfg: ModelConfig, tuned_cfg: ModelConfig, items: Sequence[EvalItem], flipped: list[int],
                    used: str, load: Callable[[ModelConfig], Any] | None = None,
@@ -93,7 +87,7 @@ def near_tie_check(base_cfg: ModelConfig, tuned_cfg: ModelConfig, items: Sequenc
             scores.append(score_items(loaded, part))
         finally:
             del loaded
-            _release()
+            release_memory()
     ties = near_ties(flipped, scores[0], scores[1], eps)
     return {"precision": other, "eps": eps, "checked": len(flipped), "items": ties,
             "margins": [{"item": i, "base": float(scores[0].margin[j]), "tuned": float(scores[1].margin[j])}

@@ -27,15 +27,14 @@ Everything that can be refused without a model (arguments, the eval set's rows, 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 
+from circuitkit.core.device import release_memory
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import check_not_an_input, check_writable, sha256_file
 from circuitkit.core.progress import Progress
@@ -174,12 +173,6 @@ def _tuned_model(manifest: dict[str, Any], adapter: str | None, precision: str |
     return load_model(cfg, keep_adapter=True)
 
 
-def _release_memory() -> None:
-    """Return what a model just dropped held (its device memory) before the next step allocates."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
 
 def _item_records(items: list[EvalItem], base: ItemScores, tuned: ItemScores, flipped: list[int],
                   said: dict[int, tuple[str, str]], near_ties: list[int] | None = None) -> list[dict[str, Any]]:
@@ -262,7 +255,7 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
                            f"--eval-dataset {eval_path}")
     if evaluated.used != index_precision:  # the eval's own dtype now; the gradients' model is loaded again
         del tuned
-        _release_memory()
+        release_memory()
         tuned = _tuned_model(manifest, adapter, evaluated.used)
     say(f"scoring {len(items)} eval items on the tuned model and on the base model ({base_cfg.name}) …",
         markup=False, highlight=False)
@@ -272,7 +265,7 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
     with Progress(console, "scoring the eval set on the base model", len(items), "items", announce=True) as bar:
         base_scores = score_items(base, items, bar=bar)
     del base  # the gradients below need the tuned model only
-    _release_memory()
+    release_memory()
     regression = measure_regression(base_scores, tuned_scores, seed, resamples)
     blame = base_blame(base_scores, tuned_scores, thin_margin)
     flipped = [items[i] for i in regression.flipped]
@@ -287,7 +280,7 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
                                              evaluated.used)
     if regression.significant and evaluated.used != index_precision:
         del tuned  # the query gradients need the index's weights
-        _release_memory()
+        release_memory()
         tuned = _tuned_model(manifest, adapter)
     eval_sha = sha256_file(Path(eval_path))
     models = {"tuned": {"name": manifest["model"], "revision": manifest.get("revision"),
@@ -310,7 +303,7 @@ def attribute(index_dir: str | Path, eval_path: str | Path, base_model: str | No
         if plan is not None and result.accused:
             tokenizer = tuned.tokenizer
             del tuned  # the retrains load their own models
-            _release_memory()
+            release_memory()
             result.verify = run_verify(plan, manifest, tokenizer, {a["row_id"]: a["line"] for a in result.accused},
                                        items, base_scores, tuned_scores, regression.flipped, said_ids, say)
     result.wall_s = time.perf_counter() - start

@@ -40,7 +40,6 @@ completion, or messages), the control as many random others.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import shutil
 import tempfile
@@ -49,9 +48,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from rich.console import Console
 
+from circuitkit.core.device import release_memory
 from circuitkit.core.errors import UserError
 from circuitkit.core.progress import Progress
 from circuitkit.models.config import ModelConfig
@@ -196,11 +195,6 @@ def _share(model: float, tuned: float, base: float) -> float | None:
     return (model - tuned) / (base - tuned) if base != tuned else None
 
 
-def _release() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
 
 def _scored(plan: VerifyPlan, directory: Path, items: list[EvalItem],
             flipped: list[int]) -> tuple[ItemScores, list[list[int]]]:
@@ -212,7 +206,7 @@ def _scored(plan: VerifyPlan, directory: Path, items: list[EvalItem],
         return score_items(loaded, items), greedy_continuations(loaded, [items[i] for i in flipped])
     finally:
         del loaded
-        _release()
+        release_memory()
 
 
 def says_as_tuned(answer: list[int], tuned: list[int], retrained: list[int]) -> bool:
@@ -267,7 +261,7 @@ def run_verify(plan: VerifyPlan, manifest: dict[str, Any], tokenizer, accused: d
             trained.save(out)
             losses, wall_s = trained.losses, trained.wall_s
             del trained
-            _release()
+            release_memory()
             scores, says = _scored(plan, out, items, flipped)
             same_mistake = sum(says_as_tuned(items[i].answer_ids, t, r)
                                for i, t, r in zip(flipped, tuned_says, says, strict=True))
