@@ -308,8 +308,9 @@ def checkpoint_index(manifest: dict[str, Any], index_dir: str | Path, checkpoint
     checked to store the same rows. `loaded`: the model with the checkpoint's adapter kept."""
     from rich.console import Console
 
+    from circuitkit.core.recorded import MANIFEST
     from gradian.build.indexer import build_index, check_resume_settings
-    from gradian.index.manifest import MANIFEST, read_manifest
+    from gradian.index.manifest import read_manifest
     from gradian.index.reader import IndexReader
 
     where = checkpoint_index_dir(index_dir, checkpoint)

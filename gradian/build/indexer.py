@@ -27,7 +27,7 @@ from circuitkit.core.io import (
     sha256_file,
 )
 from circuitkit.core.progress import Progress
-from circuitkit.core.recorded import read_recorded
+from circuitkit.core.recorded import MANIFEST, IndexIntegrityError, read_recorded
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.linear_modules import module_shapes, select_modules
 from circuitkit.models.loading import context_length, load_model, weights_hash
@@ -55,7 +55,7 @@ from gradian.data.sources import Source, SourceSpec
 from gradian.index.curvature import compute_curvature, current_record, shards_digest
 from gradian.index.formats import format_for, format_of
 from gradian.index.header import IndexHeader, header_json
-from gradian.index.manifest import MANIFEST, IndexIntegrityError, IndexMismatchError, read_manifest
+from gradian.index.manifest import IndexMismatchError, read_manifest
 from gradian.index.reader import IndexReader
 from gradian.index.writer import IndexWriter
 from gradian.projection.projector import STORED_KINDS, WHITENING_FILE, Projector, projection_fingerprint

@@ -27,8 +27,7 @@ import torch
 
 from circuitkit.core.device import DTYPES
 from circuitkit.core.io import RowGather
-from gradian.index.formats.base import RowFormat
-from gradian.index.manifest import StorageOverflowError
+from gradian.index.formats.base import RowFormat, StorageOverflowError
 from gradian.index.writer import IndexWriter
 
 

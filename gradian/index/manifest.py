@@ -30,19 +30,13 @@ from typing import Any
 
 from circuitkit.core.device import DTYPES
 from circuitkit.core.errors import UserError
-from circuitkit.core.recorded import (  # noqa: F401  (IndexIntegrityError, confined_path: read from here too)
+from circuitkit.core.recorded import (
     MANIFEST,
     REBUILD,
     IndexIntegrityError,
     confined_path,
 )
 from gradian.index.formats import row_format_problems
-from gradian.index.formats.base import (  # noqa: F401  (StorageOverflowError and its messages: read from here too)
-    RowFormat,
-    StorageOverflowError,
-    no_sign_error,
-    overflow_error,
-)
 from gradian.index.header import check_header
 
 # 2: the header records `projection_sha256`, a hash of the generated projection matrices.

@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from circuitkit.core.circuit_file import circuit_sha256
+from circuitkit.core.recorded import IndexIntegrityError
 from circuitkit.models.loading import weights_hash
 from circuitkit.models.lora import AdapterError, read_adapter
 from gradian.build.checks import tokenizer_hash
 from gradian.capture.sites import site_shapes, sites_from_names
 from gradian.curvature.allocation import check_allocation
 from gradian.data.rows import policy_of
-from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
+from gradian.index.manifest import IndexMismatchError
 from gradian.projection.projector import Projector, projection_fingerprint
 
 

@@ -15,14 +15,14 @@ from typing import Any
 
 from circuitkit.core.errors import UserError
 from circuitkit.core.io import atomic_write_bytes, check_writable
-from circuitkit.core.recorded import read_recorded
+from circuitkit.core.recorded import IndexIntegrityError, read_recorded
 from circuitkit.models.config import ModelConfig
 from circuitkit.models.loading import load_model
 from gradian.build.checks import check_input_file
 from gradian.curvature.allocation import check_allocation
 from gradian.curvature.factors import has_kfac
 from gradian.index.formats import format_of
-from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
+from gradian.index.manifest import IndexMismatchError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import STORED_KINDS, WHITENING_FILE
 from gradian.rank.checks import (

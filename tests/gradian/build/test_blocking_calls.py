@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import gradian.build.indexer as indexer
+from circuitkit.core.recorded import MANIFEST
 from circuitkit.core.syncs import BlockingCalls
 from circuitkit_app.config import compose
 from gradian.data.rows import policy_of
-from gradian.index.manifest import MANIFEST, StorageOverflowError
+from gradian.index.formats.base import StorageOverflowError
 from gradian.index.reader import IndexReader
 
 # At most this many blocking calls per index batch (the design allows one: the batch's rows copy).

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from circuitkit.core.errors import UserError
+from circuitkit.core.recorded import IndexIntegrityError
 from gradian.build.indexer import build_index
 from gradian.curvature.allocation import (
     ALLOCATION_FILE,
@@ -20,7 +21,7 @@ from gradian.curvature.allocation import (
     effective_dimension,
     width_ladder,
 )
-from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
+from gradian.index.manifest import IndexMismatchError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector, balanced_width
 from tests.gradian.curvature.test_kfac import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)

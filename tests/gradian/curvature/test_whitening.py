@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from circuitkit.core.recorded import IndexIntegrityError
 from circuitkit.models.loading import load_model
 from gradian.build.indexer import build_index
 from gradian.capture.gradients import token_losses
 from gradian.curvature.whitening import WHITEN_DAMPING
 from gradian.data.rows import load_rows, policy_of
-from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
+from gradian.index.manifest import IndexMismatchError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import WHITENING_FILE, Projector
 from tests.gradian.curvature.test_kfac import DIM, ROWS, _cfg  # noqa: F401  (the same 20 rows and config as the K-FAC tests)

@@ -14,6 +14,7 @@ import torch
 
 from circuitkit.core.config import ConfigError
 from circuitkit.core.errors import UserError
+from circuitkit.core.recorded import IndexIntegrityError
 from circuitkit_app.config import compose
 from gradian.build.checks import check_grads_config
 from gradian.build.indexer import ResumeMismatchError, build_index
@@ -23,7 +24,7 @@ from gradian.capture.sites import restricted_sites, site_shapes
 from gradian.index import manifest as index_module
 from gradian.index.formats.factored import FactoredRows, layout_of
 from gradian.index.header import describe_index
-from gradian.index.manifest import IndexIntegrityError, IndexMismatchError
+from gradian.index.manifest import IndexMismatchError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import Projector
 from gradian.rank.ranking import rank

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from circuitkit.core.io import file_lock
-from gradian.index.manifest import IndexMismatchError, StorageOverflowError, shard_name
+from gradian.index.formats.base import StorageOverflowError
+from gradian.index.manifest import IndexMismatchError, shard_name
 from gradian.index.reader import IndexReader
 from gradian.index.writer import IndexWriter
 

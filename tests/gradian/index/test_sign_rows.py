@@ -149,8 +149,8 @@ def test_the_index_says_what_it_holds_and_the_estimate_counts_bytes(built, tmp_p
 
 def test_rows_without_a_sign_are_refused_naming_them() -> None:
     from gradian.build.shard_rows import ShardJob, ShardRows, write_job
+    from gradian.index.formats.base import StorageOverflowError
     from gradian.index.formats.signs import SignsFormat
-    from gradian.index.manifest import StorageOverflowError
 
     buffer = ShardRows(2, SignsFormat(coordinates=2), torch.device("cpu"))
     buffer.add([1, 0], torch.tensor([[1.0, 2.0], [float("nan"), 1.0]]))  # the NaN row is row 6 + 0

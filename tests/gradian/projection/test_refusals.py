@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from circuitkit.core.recorded import IndexIntegrityError
 from circuitkit_app.gradian_cli import main
 from gradian.build.indexer import build_index
 from gradian.curvature.allocation import ALLOCATION_FILE
 from gradian.curvature.factors import CURVATURE_FILE
-from gradian.index.manifest import IndexIntegrityError
 from gradian.index.reader import IndexReader
 from gradian.projection.projector import WHITENING_FILE
 from tests.gradian.curvature.test_kfac import DIM, ROWS, _cfg  # noqa: F401  (the 20 rows and config of the K-FAC tests)
