@@ -69,7 +69,6 @@ class ConcurrentWriterError(UserError, RuntimeError):
 # Header keys every reader needs, with their JSON types.
 _REQUIRED = {"format_version": int, "n_rows": int, "rows_per_shard": int, "storage_dtype": str, "shards": dict,
              "complete": bool}
-_REBUILD = REBUILD
 
 
 def shard_name(k: int) -> str:
@@ -95,32 +94,32 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise IndexIntegrityError(f"{path} is not valid JSON ({err}); the index is damaged: {_REBUILD}.") from None
+        raise IndexIntegrityError(f"{path} is not valid JSON ({err}); the index is damaged: {REBUILD}.") from None
     if not isinstance(manifest, dict):
         raise IndexIntegrityError(f"{path} holds a JSON {type(manifest).__name__}, not an index manifest;"
-                                  f" {_REBUILD}.")
+                                  f" {REBUILD}.")
     missing = [k for k in _REQUIRED if k not in manifest]
     if missing:
         raise IndexIntegrityError(f"{path} lacks {', '.join(missing)}: it is not a complete index manifest;"
-                                  f" {_REBUILD}.")
+                                  f" {REBUILD}.")
     for key, kind in _REQUIRED.items():
         value = manifest[key]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise IndexIntegrityError(f"{path}: {key} is {value!r}, expected a JSON {kind.__name__};"
-                                      f" {_REBUILD}.")
+                                      f" {REBUILD}.")
     if manifest["format_version"] > FORMAT_VERSION:
         raise IndexIntegrityError(f"{path}: format_version {manifest['format_version']} is newer than this"
                                   f" Gradian reads ({FORMAT_VERSION}); upgrade circuitkit.")
     if manifest["storage_dtype"] not in DTYPES:
         raise IndexIntegrityError(f"{path}: storage_dtype {manifest['storage_dtype']!r} is not one of"
-                                  f" {', '.join(DTYPES)}; {_REBUILD}.")
+                                  f" {', '.join(DTYPES)}; {REBUILD}.")
     if manifest["n_rows"] < 0 or manifest["rows_per_shard"] < 1:
         raise IndexIntegrityError(f"{path}: n_rows={manifest['n_rows']}, rows_per_shard="
-                                  f"{manifest['rows_per_shard']} are not valid; {_REBUILD}.")
+                                  f"{manifest['rows_per_shard']} are not valid; {REBUILD}.")
     if "tokenizer_sha256" in manifest:  # an index the indexer wrote: its header, field by field
         problems = check_header(manifest, str(path))
         if problems:
-            raise IndexIntegrityError(f"{problems[0]}; {_REBUILD}.")
+            raise IndexIntegrityError(f"{problems[0]}; {REBUILD}.")
     problems = row_format_problems(manifest, str(path))
     if problems:  # each names its fix (an unknown format: upgrade; a damaged record: rebuild)
         raise IndexIntegrityError(f"{problems[0]}.")
@@ -133,7 +132,7 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
         if not ok:
             raise IndexIntegrityError(f"{path}: shard entry {name!r} is {json.dumps(entry)[:120]}; expected"
                                       ' {"index": k, "rows": [start, end], "sha256": hex, "bytes": n};'
-                                      f" {_REBUILD}.")
+                                      f" {REBUILD}.")
     return manifest
 
 

@@ -18,6 +18,7 @@ import torch
 from circuitkit.core.device import DTYPES
 from circuitkit.core.recorded import (
     MANIFEST,
+    REBUILD,
     IndexIntegrityError,
     confined_path,
 )
@@ -25,7 +26,7 @@ from gradian.index.formats import format_of
 from gradian.index.formats.base import (
     RowFormat,
 )
-from gradian.index.manifest import _REBUILD, OPTIONAL_TENSORS, IndexMismatchError, read_manifest, shard_name
+from gradian.index.manifest import OPTIONAL_TENSORS, IndexMismatchError, read_manifest, shard_name
 from gradian.projection.projector import WHITENING_FILE, Projector, projection_fingerprint
 
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64,
@@ -73,7 +74,7 @@ class IndexReader:
         self.manifest = read_manifest(self.index_dir)
         layout = self._layout_problems()
         if layout:  # overlapping or foreign ranges would rank some rows twice or not at all
-            raise IndexIntegrityError(f"{self.index_dir / MANIFEST}: {'; '.join(layout)}; {_REBUILD}.")
+            raise IndexIntegrityError(f"{self.index_dir / MANIFEST}: {'; '.join(layout)}; {REBUILD}.")
         # How the rows are stored (`gradian.index.formats`): their dtype, width, norms, scorer, refusals.
         self.row_format: RowFormat = format_of(self.manifest)
 
@@ -131,7 +132,7 @@ class IndexReader:
         entry = self.manifest["shards"][name]
         path = confined_path(self.index_dir, name)
         if not path.is_file():
-            raise IndexIntegrityError(f"{path}: shard listed in the manifest is missing; {_REBUILD}.")
+            raise IndexIntegrityError(f"{path}: shard listed in the manifest is missing; {REBUILD}.")
         try:
             if verify:
                 with open(path, "rb") as fh:
@@ -143,7 +144,7 @@ class IndexReader:
                 if digest != entry["sha256"]:
                     raise IndexIntegrityError(
                         f"{path}: sha256 {digest[:12]}… differs from the manifest's {str(entry['sha256'])[:12]}…:"
-                        f" the shard changed after it was written (or the manifest was edited); {_REBUILD}.")
+                        f" the shard changed after it was written (or the manifest was edited); {REBUILD}.")
                 return _tensors_from_buffer(buf)
             with safe_open(str(path), framework="pt") as fh:
                 return {key: fh.get_tensor(key) for key in fh.keys()}  # noqa: SIM118 - safe_open has no iter
@@ -151,7 +152,7 @@ class IndexReader:
             raise
         except (SafetensorError, ValueError, KeyError, TypeError) as err:
             raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); it is truncated or"
-                                      f" damaged; {_REBUILD}.") from None
+                                      f" damaged; {REBUILD}.") from None
 
     def _check_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> list[str]:
         """What in a loaded shard disagrees with its manifest entry."""
@@ -215,10 +216,10 @@ class IndexReader:
             with safe_open(str(path), framework="pt") as fh:
                 absent = [k for k in keys if k not in fh.keys()]  # noqa: SIM118 - safe_open has no iter
                 if absent:
-                    raise IndexIntegrityError(f"{path} holds no {absent[0]}; {_REBUILD} with {fix}.")
+                    raise IndexIntegrityError(f"{path} holds no {absent[0]}; {REBUILD} with {fix}.")
                 return {k: fh.get_tensor(k) for k in keys}
         except (SafetensorError, OSError) as err:
-            raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {_REBUILD}.") from None
+            raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {REBUILD}.") from None
 
     def second_moment_sums(self) -> list[torch.Tensor]:
         """Every listed shard's ``second_moment`` (M, k, k) float32, read without the rows (the
@@ -231,11 +232,11 @@ class IndexReader:
             try:
                 with safe_open(str(path), framework="pt") as fh:
                     if "second_moment" not in fh.keys():  # noqa: SIM118 - safe_open has no iter
-                        raise IndexIntegrityError(f"{path} holds no second_moment; {_REBUILD}"
+                        raise IndexIntegrityError(f"{path} holds no second_moment; {REBUILD}"
                                                   " with grads.preconditioner=module.")
                     out.append(fh.get_tensor("second_moment"))
             except (SafetensorError, OSError) as err:
-                raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {_REBUILD}.") from None
+                raise IndexIntegrityError(f"{path}: not a readable safetensors file ({err}); {REBUILD}.") from None
         return out
 
     def shards(self, verify: bool = True, factored: bool = False, signs: bool = False,
@@ -258,7 +259,7 @@ class IndexReader:
             tensors = self._load(name, verify)
             problems = self._check_tensors(name, tensors)
             if problems:
-                raise IndexIntegrityError(f"{self.index_dir}: {'; '.join(problems)}; {_REBUILD}.")
+                raise IndexIntegrityError(f"{self.index_dir}: {'; '.join(problems)}; {REBUILD}.")
             # Copies, so no tensor handed out keeps the shard's file mapped.
             yield (tensors["rows"].clone(), tensors["grads"].to(fmt.read_dtype, copy=verify),
                    tensors["norms"].clone())
@@ -334,7 +335,7 @@ class IndexReader:
             shapes = {n: tuple(e["shape"]) for n, e in proj["modules"].items()}
             projector = Projector.from_description(shapes, proj, self.index_dir)
         except IndexIntegrityError as err:  # the whitened projection's file, named as a shard would be
-            return [*problems, str(err).split(f"; {_REBUILD}")[0]]
+            return [*problems, str(err).split(f"; {REBUILD}")[0]]
         except (KeyError, TypeError, ValueError) as err:
             return [*problems, f"projection {proj.get('kind')!r} (dim {proj.get('projection_dim')}) is not valid: {err}"]
         width, how = self.row_format.projection_width(projector)

@@ -40,9 +40,9 @@ from gradian.rank.scores import (
     KRONECKER_SCORES,
     PRECONDITIONED_SCORES,
     SCORES,
-    _check_choice,
-    _kronecker_check,
-    _preconditioner,
+    check_choice,
+    check_kronecker,
+    preconditioner_of,
     stream_topk,
 )
 
@@ -95,8 +95,8 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     its record. Anything but the index's adapter (another file, none, or its file changed since) is
     refused before the model loads (IndexMismatchError naming the difference, `compare_adapter`).
     """
-    _check_choice("score", score, ("auto", *SCORES))
-    _check_choice("aggregate", aggregate, AGGREGATES)
+    check_choice("score", score, ("auto", *SCORES))
+    check_choice("aggregate", aggregate, AGGREGATES)
     if top_k < 1:
         raise UserError(f"--top-k {top_k}: it must be >= 1.", exit_code=2)
     check_input_file(Path(queries_path), "--queries")
@@ -125,9 +125,9 @@ def rank(index_dir: str | Path, queries_path: str | Path, top_k: int = 10, score
     if score not in row_format.scores:
         raise UserError(row_format.score_refusal(index_dir, score), exit_code=2)
     if score in PRECONDITIONED_SCORES and IndexReader(index_dir).second_moment_blocks is None:
-        _preconditioner(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads
+        preconditioner_of(IndexReader(index_dir), damping)  # raises, naming the fix, before the model loads
     if score in KRONECKER_SCORES:
-        _kronecker_check(IndexReader(index_dir))
+        check_kronecker(IndexReader(index_dir))
     proj = manifest.get("projection")
     if isinstance(proj, dict):  # the stored projection files, before the model loads (IndexIntegrityError)
         check_allocation(index_dir, proj)

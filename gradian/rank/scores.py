@@ -68,7 +68,7 @@ class _TopK:
         self.values, self.rows = values.gather(1, order), ids.gather(1, order)
 
 
-def _check_choice(name: str, value: str, valid: Sequence[str]) -> None:
+def check_choice(name: str, value: str, valid: Sequence[str]) -> None:
     if value not in valid:
         raise ValueError(f"{name}={value!r}; use one of {', '.join(valid)}.")
 
@@ -89,10 +89,10 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     whitened, 0.01 for kfac / ekfac); refused with
     cosine and dot, which use none.
     """
-    _check_choice("score", score, SCORES)
+    check_choice("score", score, SCORES)
     if damping is not None and score not in CURVATURE_SCORES:
         raise ValueError(f"damping={damping} with score {score!r}: only {', '.join(CURVATURE_SCORES)} use a damping.")
-    _check_choice("aggregate", aggregate, AGGREGATES)
+    check_choice("aggregate", aggregate, AGGREGATES)
     if top_k < 1:
         raise ValueError(f"top_k={top_k}; it must be >= 1.")
     reader = IndexReader(index_dir)
@@ -109,9 +109,9 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
     if not reader.complete:
         log.warning("%s is incomplete (%s): ranking only the rows stored so far.", reader.index_dir,
                     "; ".join(reader.missing()) or "the manifest says so")
-    precond = _preconditioner(reader, damping) if score in PRECONDITIONED_SCORES else None
+    precond = preconditioner_of(reader, damping) if score in PRECONDITIONED_SCORES else None
     if score in KRONECKER_SCORES:
-        _kronecker_check(reader)
+        check_kronecker(reader)
         q = KroneckerCurvature.from_index(reader, score, CURVATURE_DAMPING if damping is None else damping).precondition(q)
     elif score == "influence":
         q = precond.precondition(q)  # (A q)ᵀ g = qᵀ A g: the rows need nothing more
@@ -136,7 +136,7 @@ def stream_topk(index_dir: str | Path, query_grads: torch.Tensor, top_k: int = 1
             "aggregate_scores": combined.values[0], "aggregate_rows": combined.rows[0]}
 
 
-def _kronecker_check(reader: IndexReader) -> None:
+def check_kronecker(reader: IndexReader) -> None:
     if not has_kfac(reader.manifest.get("preconditioner")):
         raise IndexMismatchError(f"{reader.index_dir} was built with grads.preconditioner="
                                  f"{reader.manifest.get('preconditioner', 'none')}: it holds no K-FAC factors for"
@@ -144,7 +144,7 @@ def _kronecker_check(reader: IndexReader) -> None:
                                  " grads.preconditioner=kfac (or module+kfac).")
 
 
-def _preconditioner(reader: IndexReader, damping: float | None):
+def preconditioner_of(reader: IndexReader, damping: float | None):
     if "influence" not in reader.row_format.scores:  # factored or sign rows hold no module second moments
         raise IndexMismatchError(reader.row_format.score_refusal(reader.index_dir, "influence"))
     if reader.second_moment_blocks is None:
