@@ -59,6 +59,8 @@ def _grads(ctx: RunContext) -> StageResult:
                                "row_width": summary["row_width"], "index_bytes": summary["bytes"],
                                "complete": summary["complete"], "padding_share": summary.get("padding_share"),
                                "batch": summary.get("batch"),
+                               # the estimate at the batches formed (estimated_peak_bytes: the plan's bound)
+                               "estimated_batch_peak_bytes": summary.get("estimated_batch_peak_bytes"),
                                "circuit_sha256": restricted["sha256"] if restricted else None},
                        estimated_peak_bytes=summary["estimated_peak_bytes"])
 

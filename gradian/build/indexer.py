@@ -269,11 +269,13 @@ class _Throughput:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.rows = self.real_tokens = self.computed_tokens = 0
+        self.shapes: set[tuple[int, int, int]] = set()  # (rows, padded length, most targets of a row) formed
 
-    def add(self, rows: int, real_tokens: int, computed_tokens: int) -> None:
+    def add(self, rows: int, real_tokens: int, computed_tokens: int, most_targets: int = 0) -> None:
         self.rows += rows
         self.real_tokens += real_tokens
         self.computed_tokens += computed_tokens
+        self.shapes.add((rows, computed_tokens // max(rows, 1), most_targets))
 
     @property
     def padding_share(self) -> float:
@@ -415,12 +417,12 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     lengths = corpus.lengths
     longest, shortest = int(lengths.max()), int(lengths.min())
 
-    def estimate_at(rows: int, length: int):
+    def estimate_at(rows: int, length: int, targets: int | None = None):
         return estimate_grads(
-            adapter.shape(), model_dtype.itemsize, rows, length, length,
+            adapter.shape(), model_dtype.itemsize, rows, length, length if targets is None else targets,
             projector, row_format.value_bytes(grads), corpus.n_rows,
             activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
-            fisher=fisher, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
+            fisher=fisher, loss=grads.loss, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
 
     def beyond_weights(rows: int, length: int) -> int:  # the loaded weights are not in the free memory
         estimate = estimate_at(rows, length)
@@ -455,7 +457,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             factors = FactorSums(projector.names) if has_kfac(grads.preconditioner) else None
             for plan in plan_batches(row_lengths, batch_size, budget, grads.group_by_length, overhead):
                 computed = index_batch(capture, [rows[i] for i in plan], plan, start, factors, buffer)
-                stats.add(len(plan), sum(row_lengths[i] for i in plan), computed)
+                stats.add(len(plan), sum(row_lengths[i] for i in plan), computed,
+                          max(sum(rows[i].supervised) for i in plan))
                 bar.advance(len(plan), rates=stats.text())
             shards.submit(ShardJob(k, start, buffer, torch.from_numpy(corpus.positions[start:end].copy()),
                                    {} if factors is None else factors.tensors(),
@@ -466,7 +469,13 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     if stats.rows:
         console.print(f"indexed {stats.rows} rows: {stats.text()} ({stats.real_tokens} tokens,"
                       f" {stats.computed_tokens} computed)")
-    # The estimate is for the longest row in the largest batch the budget allows: an upper bound.
+    # `estimated_peak_bytes` is for the longest row in the largest batch the budget allows (an upper
+    # bound, what the device batch and the preflight plan with); `estimated_batch_peak_bytes` for the
+    # batches this run formed, each at its padded length and its rows' most targets (the figure a
+    # measured peak is held against).
+    formed = max((estimate_at(rows, length, targets).total_bytes for rows, length, targets in stats.shapes),
+                 default=None)
     return {**IndexReader(index_dir).summary(), "estimated_peak_bytes": estimate.total_bytes,
+            "estimated_batch_peak_bytes": formed,
             "padding_share": round(stats.padding_share, 4), "real_tokens": stats.real_tokens, "batch": sizing.record(),
             "computed_tokens": stats.computed_tokens}

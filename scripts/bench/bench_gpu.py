@@ -304,7 +304,7 @@ def run_gradian(loaded, model_cfg, grads, index_dir: Path, busy: GpuBusy) -> tup
            "computed_tokens": summary["computed_tokens"], "loop_s": loop - first, "cpu_s": loop_cpu - first_cpu,
            "index_over_loop": (clock.written - first) / (loop - first), "curvature_s": clock.curvature_s,
            "build_s": end - t0, "busy": busy.share(first, loop), "estimate_bytes": summary["estimated_peak_bytes"],
-           "batch": summary.get("batch")}
+           "batch_estimate_bytes": summary["estimated_batch_peak_bytes"], "batch": summary.get("batch")}
     if device.type == "cuda":
         out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
     return out, clock
@@ -332,7 +332,8 @@ def count_gradian(loaded, model_cfg, grads, index_dir: Path) -> dict[str, Any]:
     out = {"blocking": counts, "blocking_names": dict(names), "sync_warnings": len(warned),
            "sync_sites": dict(collections.Counter(warned).most_common(5))}
     if device.type == "cpu":
-        out.update(peak_bytes=peak.peak_bytes, estimate_bytes=summary["estimated_peak_bytes"])
+        out.update(peak_bytes=peak.peak_bytes, estimate_bytes=summary["estimated_peak_bytes"],
+                   batch_estimate_bytes=summary["estimated_batch_peak_bytes"])
     return out
 
 
@@ -565,9 +566,12 @@ def markdown(report: dict[str, Any], meta: dict[str, Any]) -> str:
         for label, rs, extra in ((f"floor ({name} batches)", floors, None), (f"gradian, {name}", runs, counts)):
             loop = _median(rs, "loop_s")
             peak = _median(rs, "peak_bytes") or (extra or {}).get("peak_bytes")
-            estimate = _median(rs, "estimate_bytes") or (extra or {}).get("estimate_bytes")
-            peak_text = "n/a" if not (peak and estimate) else \
-                f"{peak / 2**20:.0f} / {estimate / 2**20:.0f} MiB ({estimate / peak:.2f})"
+            # on the CPU the peak comes from the counting run: its estimates with it
+            source = rs if _median(rs, "peak_bytes") else [extra or {}]
+            bound, formed = _median(source, "estimate_bytes"), _median(source, "batch_estimate_bytes")
+            peak_text = "n/a" if not (peak and formed) else \
+                (f"{peak / 2**20:.0f} / {formed / 2**20:.0f} MiB ({formed / peak:.2f});"
+                 f" bound {bound / 2**20:.0f} MiB ({bound / peak:.2f})")
             blocking = (f"{max(fb)} ({statistics.mean(fb):.1f})" if extra is None
                         else f"{max(extra['blocking'])} ({statistics.mean(extra['blocking']):.1f})")
             warned = "n/a" if meta["device"].startswith("cpu") else (
@@ -596,7 +600,10 @@ def markdown(report: dict[str, Any], meta: dict[str, Any]) -> str:
     lines += ["", "x floor: median over rounds of the paired ratio gradian loop / floor loop on the same batches"
               " (rounds: " + str(s["rounds"]) + "). index / loop: (first batch to the last shard written) / (first"
               " batch to the device done). blocking / batch: max (mean) over the counting run's batches"
-              f" ({s['count_rows']} rows). Goals: CPU x floor <= 1.2 (depth proxy), index / loop <= 1.05; GPU:"
+              f" ({s['count_rows']} rows). peak / estimate: the measured peak (CUDA: max_memory_allocated;"
+              " CPU: the tracker, in the counting run) against the estimate at the batches formed (ratio"
+              " estimate / peak), and against the bound the device batch plans with (the longest row in the"
+              " largest batch). Goals: CPU x floor <= 1.2 (depth proxy), index / loop <= 1.05; GPU:"
               " x floor <= 2 (>= 0.5x its tok/s), busy >= 70 % device-sized, estimate / peak in [0.95, 1.10]."]
     if report.get("eap"):
         e = report["eap"]
