@@ -16,12 +16,15 @@ import numpy as np
 # with a batch (kernel launches, hook calls, the per-batch projections and copies). The length
 # planner weighs it against padding: it splits the length-sorted rows where that saves more
 # than this many padded tokens. A constant per device type, so that the plan depends on the
-# lengths (and where it runs) alone. On an accelerator a token is cheap and a launch is not, so
-# another batch costs many tokens' worth (256, not measured). On a CPU a token of a real model
-# costs milliseconds and another batch almost nothing: fitting per-batch time = a + b x tokens
-# on SmolLM2-135M (float32, one thread, 1-16 rows x 64-256 tokens) gave a within noise of 0
-# (docs/benchmarks.md), so 256 there made the plan compute padding that cost more than the
-# batches it saved (13.4% padding on the 48-row benchmark against 3.1% at 32).
+# lengths (and where it runs) alone. `scripts/bench/calibrate_device.py` measures it on the device
+# it runs on (one index batch timed over rows x lengths, fitted as a + b x tokens: a / b tokens).
+# On an accelerator a token is cheap and a launch is not, so another batch costs many tokens'
+# worth (256: not yet measured on one; the GPU benchmark runs the calibration). On a CPU a token
+# of a real model costs milliseconds and another batch almost nothing: the fit on SmolLM2-135M's
+# shape (float32, one thread, 1-8 rows x 64-256 tokens, hooks registered once per run) gives 7
+# tokens at its 30 layers and 36 at 2 (an earlier fit: a within noise of 0), so 256 there made
+# the plan compute padding that cost more than the batches it saved (13.4% padding on the 48-row
+# benchmark against 3.1% at 32).
 BATCH_OVERHEAD_TOKENS = 256
 CPU_BATCH_OVERHEAD_TOKENS = 32
 

@@ -170,7 +170,7 @@ def score_items(loaded, items: Sequence[EvalItem], batch_size: int = EVAL_BATCH,
     """Teacher-forced scores of every item on one model (`circuitkit.models.loading.LoadedModel`);
     `bar` (`circuitkit.core.progress.Progress`, optional) advances by each batch's items.
 
-    Only the answer positions go through the unembedding, `logit_chunk_rows(V)` at a time, so the
+    Only the answer positions go through the unembedding, `logit_chunk_rows(V, device)` at a time, so the
     float32 logits never exceed one chunk whatever the prompt length."""
     n = len(items)
     logprob = torch.zeros(n, dtype=torch.float64)
@@ -178,7 +178,7 @@ def score_items(loaded, items: Sequence[EvalItem], batch_size: int = EVAL_BATCH,
     first = torch.zeros(n, dtype=torch.bool)
     misses = torch.zeros(n, dtype=torch.long)  # answer tokens that are not the argmax
     adapter, device = loaded.adapter, loaded.device
-    chunk = logit_chunk_rows(int(adapter.config.vocab_size))
+    chunk = logit_chunk_rows(int(adapter.config.vocab_size), device)
     for start in range(0, n, batch_size):
         part = items[start:start + batch_size]
         batch = {k: v.to(device) for k, v in teacher_forced_batch(

@@ -37,6 +37,7 @@ from gradian.build.memory import curvature_sides, estimate_grads
 from gradian.build.shard_rows import ShardJob, ShardPipeline, ShardRows
 from gradian.capture.consumers import RowsConsumer, SampledFisherConsumer
 from gradian.capture.gradients import (
+    Capture,
     LossSettings,
     SampledLabels,
     activation_mode,
@@ -228,6 +229,7 @@ class _BatchCapture:
     fisher: str
     factored: Any
     pad_id: int
+    session: Capture  # open for the loop: its hooks and checks once per run
 
 
 def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: int, factors: FactorSums | None,
@@ -251,9 +253,7 @@ def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: 
         if capture.fisher == "sampled":
             sampled = SampledFisherConsumer(capture.projector, names, capture.factored)
             consumers.append(sampled)
-    capture_batch(capture.loaded.model, capture.loaded.adapter, capture.modules, capture.projector, batch, consumers,
-                  LossSettings(grads.loss_reduction, grads.loss, capture.activations),
-                  SampledLabels([first_row + i for i in plan], grads.projection_seed))
+    capture.session.batch(batch, consumers, SampledLabels([first_row + i for i in plan], grads.projection_seed))
     buffer.add(plan, stored.row(), None if sampled is None else sampled.row())
     return batch["input_ids"].numel()
 
@@ -422,7 +422,8 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
             adapter.shape(), model_dtype.itemsize, rows, length, length if targets is None else targets,
             projector, row_format.value_bytes(grads), corpus.n_rows,
             activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
-            fisher=fisher, loss=grads.loss, factor_pass=grads.width_allocation != "uniform", stored_width=row_width)
+            fisher=fisher, loss=grads.loss, factor_pass=grads.width_allocation != "uniform", stored_width=row_width,
+            device=loaded.device)
 
     def beyond_weights(rows: int, length: int) -> int:  # the loaded weights are not in the free memory
         estimate = estimate_at(rows, length)
@@ -439,14 +440,16 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     n_pending_rows = sum(end - start for start, end in map(writer.row_range, pending))
-    capture = _BatchCapture(loaded, modules, projector, grads, activations, fisher, factored, pad_id)
+    session = Capture(loaded.model, loaded.adapter, modules, projector,
+                      LossSettings(grads.loss_reduction, grads.loss, activations))
+    capture = _BatchCapture(loaded, modules, projector, grads, activations, fisher, factored, pad_id, session)
     form = format_of(header)  # the stored form of this index's rows (gradian.index.formats)
     stats = _Throughput()
     what = row_format.computed_text(grads)
     console.print(f"building a gradient index of {n_pending_rows:,} rows of {source.name} in {index_dir}: each row the"
                   f" projected gradient of {len(shapes)} modules ({buffer_width:,} {what}), preconditioner"
                   f" {grads.preconditioner}; {sizing.note}", highlight=False)
-    with Progress(console, "indexing", n_pending_rows, "rows") as bar, \
+    with Progress(console, "indexing", n_pending_rows, "rows") as bar, session, \
             ShardPipeline(writer, min(grads.rows_per_shard, corpus.n_rows), form, loaded.device,
                           buffer_width if fisher == "sampled" else None) as shards:
         for k in pending:

@@ -14,9 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from circuitkit.core.batching import rows_within_budget
 from circuitkit.core.circuit_file import grads_circuit_path, kept_components, load_circuit
-from circuitkit.core.device import model_dtype
+from circuitkit.core.device import get_device, model_dtype
 from circuitkit.core.pipeline import StageMemory
 from circuitkit.models.adapters import family
 from circuitkit.models.linear_modules import block_role, circuit_module_shapes, linear_module_shapes
@@ -59,7 +61,7 @@ from gradian.projection.projector import (
 #   gradients: measured 5.2-5.6·N·f·p above the saved activations on the tiny and small GPT-2
 #   shapes (B 1-8, 32-256 tokens), RECOMPUTE_TMP_F = 5.5, in place of GRADS_FWD_TMP_F. A fused
 #   activation has no intermediates; GRADS_FWD_TMP_F is kept for it (an upper bound).
-# * Supervised positions reach the unembedding `logit_chunk_rows(V)` at a time, so the (N_s, V)
+# * Supervised positions reach the unembedding `logit_chunk_rows(V, device)` at a time, so the (N_s, V)
 #   terms are (min(N_s, chunk rows), V).
 LOGIT_F32_COPIES = 3
 LOGIT_F32_COPIES_BY_LOSS = {"ce": LOGIT_F32_COPIES, "margin": 2}
@@ -121,7 +123,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                    supervised_per_row: int, projector: Projector, storage_dtype_bytes: int = 2,
                    n_rows: int = 0, activations: str = "model", preconditioner: str = "none",
                    rows_per_shard: int | None = None, fisher: str = "empirical",
-                   loss: str = "ce", factor_pass: bool = False, stored_width: int | None = None) -> MemoryEstimate:
+                   loss: str = "ce", factor_pass: bool = False, stored_width: int | None = None,
+                   device: torch.device | str | None = None) -> MemoryEstimate:
     """Peak device bytes of one gradient-indexing batch (`gradian.capture.gradients.per_example_gradients`).
 
     seq_len is the padded row length (prompt + answer), supervised_per_row the targets per row;
@@ -155,7 +158,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                         activation), which peak when the vocabulary-sized
                                         tensors are not alive, so only their excess counts
 
-    Here N_s is one unembedding chunk: min(B·supervised_per_row, `logit_chunk_rows(V)`). Only
+    Here N_s is one unembedding chunk: min(B·supervised_per_row, `logit_chunk_rows(V, device)`: its
+    size depends on the device type the batch runs on, None the CPU's). Only
     the supervised hidden states reach the unembedding, a chunk at a time, so no term but the
     activations grows with prompt length, and the logit terms stop growing at one chunk.
         K-FAC factor scratch            with a kfac `preconditioner`, the largest module's float64
@@ -186,7 +190,7 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
     p = dtype_bytes
     d, f, V = s["d_model"], s["d_mlp"], s["vocab_size"]
     B, N = batch_size, batch_size * seq_len
-    Ns = min(batch_size * supervised_per_row, logit_chunk_rows(V))  # rows of one unembedding chunk
+    Ns = min(batch_size * supervised_per_row, logit_chunk_rows(V, device))  # rows of one unembedding chunk
     recomputed_c_f = family(s["family"]).recomputed_c_f
     lean = activations in ("recompute", "fused") and recomputed_c_f is not None
     recomputed = lean and activations == "recompute"
@@ -299,7 +303,8 @@ def grads_estimate(cfg: Any, batch_size: int | None = None, seq_len: int | None 
     return estimate_grads(shape, dtype.itemsize, rows, seq, supervised or seq, projector,
                           format_for(g).value_bytes(g), n_rows, activation_mode(g.activations, dtype),
                           g.preconditioner, g.rows_per_shard, g.fisher, g.loss,
-                          factor_pass=g.width_allocation != "uniform", stored_width=format_for(g).stored_width(g, projector))
+                          factor_pass=g.width_allocation != "uniform", stored_width=format_for(g).stored_width(g, projector),
+                          device=get_device())
 
 
 def _circuit_shapes(cfg: Any, shape) -> dict[str, tuple[int, int]]:

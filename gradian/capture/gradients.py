@@ -187,15 +187,31 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor, loss: str = "ce") 
     raise ValueError(f"grads.loss={loss!r}; valid: {', '.join(LOSSES)}.")
 
 
-# Rows of supervised positions unembedded at once: their float32 (rows, V) logits and the two
-# (rows, V) buffers of the cross-entropy backward stay near 16 MiB each (GPT-2: 83 rows; Gemma 3's
-# 262k vocabulary: 16), instead of three (N_s, V) tensors that grow with the batch.
-LOGIT_CHUNK_ELEMENTS = 2**22
+# Rows of supervised positions unembedded at once, as (rows x V) elements per device type: the
+# float32 (rows, V) logits and the two (rows, V) buffers of the loss's backward stay bounded
+# instead of three (N_s, V) tensors that grow with the batch. A chunk costs about a dozen kernels
+# whatever its size, so it is a trade of memory against launches:
+# * CPU: 2^22 (16 MiB per buffer; GPT-2: 83 rows, Gemma 3's 262k vocabulary: 16). Measured
+#   (scripts/bench/calibrate_device.py, SmolLM2's shape with its 49k vocabulary, float32, one
+#   thread, 2-core AMD EPYC, load ~1): 2^20 takes 1.40-1.47x the time of 2^22, 2^24 0.86-0.97x,
+#   2^26 0.83-1.06x over three runs. Larger chunks save a few percent of the loss step, itself a
+#   small share of a batch, for 4-16x the buffers; 2^22 stays, and with it the CPU's rows and
+#   estimates.
+# * An accelerator: 2^24 (64 MiB per buffer, 192 MiB with the loss's three; Gemma 3: 64 rows). A
+#   GPU runs a 2^22 chunk in tens of microseconds at SmolLM2's width, about what its dozen launches
+#   cost, so a batch of 1,000 supervised positions would be launch-bound (12 chunks at 49k);
+#   2^24 keeps the chunk's work above its launches at d >= 576 for a fourth of the launches, at a
+#   size a 16 GB card affords. Not yet measured on a GPU: scripts/bench/calibrate_device.py (run by
+#   bench_gpu.py) times 2^20-2^26 on the device it runs on.
+LOGIT_CHUNK_ELEMENTS = {"cpu": 2**22}
+ACCELERATOR_LOGIT_CHUNK_ELEMENTS = 2**24
 
 
-def logit_chunk_rows(vocab_size: int) -> int:
-    """How many supervised positions go through the unembedding together (>= 1)."""
-    return max(1, LOGIT_CHUNK_ELEMENTS // vocab_size)
+def logit_chunk_rows(vocab_size: int, device: torch.device | str | None = None) -> int:
+    """How many supervised positions go through the unembedding together on `device` (a
+    torch.device or its type; None: the CPU's), >= 1."""
+    kind = getattr(device, "type", device) or "cpu"
+    return max(1, LOGIT_CHUNK_ELEMENTS.get(kind, ACCELERATOR_LOGIT_CHUNK_ELEMENTS) // vocab_size)
 
 
 def supervised_loss_grad(adapter, h: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
@@ -203,11 +219,11 @@ def supervised_loss_grad(adapter, h: torch.Tensor, targets: torch.Tensor, weight
     """Token losses (N,) float32 and d(Σ_t weights_t · loss_t)/dh (N, d) in h's dtype.
 
     h (N, d): final hidden states of the supervised positions (a leaf, no graph); targets (N,).
-    The unembedding, softcap and loss run `logit_chunk_rows(V)` rows at a time, each row's
+    The unembedding, softcap and loss run `logit_chunk_rows(V, device)` rows at a time, each row's
     gradient from its own logits only, so the result is the one-pass gradient, without ever
     holding more than one chunk's logits.
     """
-    rows = logit_chunk_rows(int(adapter.config.vocab_size))
+    rows = logit_chunk_rows(int(adapter.config.vocab_size), h.device)
     token_loss = torch.empty(len(h), dtype=torch.float32, device=h.device)
     grad_h = torch.empty_like(h)
     for start in range(0, len(h), rows):
@@ -249,7 +265,7 @@ def sampled_loss_grad(adapter, h: torch.Tensor, uniforms: torch.Tensor) -> tuple
     """The true Fisher's output gradient: sampled labels (N,) and d(Σ_t CE(z_t, y_t))/dh (N, d),
     y_t ~ softmax(z_t) drawn with `uniforms` (`sample_labels`), z_t = softcap(U h_t) as
     `supervised_loss_grad` computes it (the same chunks; the draw itself carries no gradient)."""
-    rows = logit_chunk_rows(int(adapter.config.vocab_size))
+    rows = logit_chunk_rows(int(adapter.config.vocab_size), h.device)
     labels = torch.empty(len(h), dtype=torch.long, device=h.device)
     grad_h = torch.empty_like(h)
     for start in range(0, len(h), rows):
@@ -326,16 +342,105 @@ class BatchLosses:
     n_supervised: torch.Tensor
 
 
+class Capture:
+    """One run's capture, set up once: the checks, the sites and one forward hook per module stay
+    registered while the session is open (`with Capture(...) as capture:`), and each `batch` runs
+    one forward and the backwards its consumers need (`capture_batch`'s docstring). Outside a
+    batch the hooks pass the forward through untouched.
+
+    modules: (name, module) pairs, or (name, module, input columns) sites (`gradian.capture.sites`:
+    a head's d_head columns of the attention output projection), in row order. Parameters must be
+    frozen (requires_grad False): the backward computes activation gradients only; the check reads
+    the parameters here, once, not per batch."""
+
+    def __init__(self, model: nn.Module, adapter, modules: Sequence[tuple], projector: Projector,
+                 settings: LossSettings = LossSettings()) -> None:
+        settings.check()
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        if trainable:
+            raise ValueError(f"parameters must be frozen (requires_grad_(False)); trainable: {trainable[:3]}.")
+        self.sites = [tuple(m) if len(m) == 3 else (m[0], m[1], None) for m in modules]
+        self.names = [name for name, _, _ in self.sites]
+        missing = [n for n in self.names if n not in projector.shapes]
+        if missing:
+            raise ValueError(f"the projector has no shape for modules {missing[:3]}.")
+        self.model, self.adapter, self.projector, self.settings = model, adapter, projector, settings
+        self.dtype = next(model.parameters()).dtype
+        self.mode = activation_mode(settings.activations, self.dtype)
+        self.device = input_device(model)
+        self.hooks = PairHooks(projector)
+        self._handles: list = []
+
+    def __enter__(self) -> Capture:
+        self._handles = self.hooks.attach(self.sites)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def batch(self, batch: Mapping[str, torch.Tensor], consumers: Sequence[Consumer],
+              sampled: SampledLabels | None = None) -> BatchLosses:
+        """One batch (`capture_batch`'s docstring), with this session's hooks and settings."""
+        if not self._handles:
+            raise RuntimeError("Capture.batch outside its `with` block: the hooks are not registered.")
+        data = [c for c in consumers if c.labels == DATA]
+        drawn = [c for c in consumers if c.labels == SAMPLED]
+        if len(data) + len(drawn) != len(consumers):
+            raise ValueError(f"a consumer reads labels {sorted({c.labels for c in consumers} - {DATA, SAMPLED})};"
+                             f" valid: {DATA}, {SAMPLED}.")
+        if drawn and (sampled is None or len(sampled.row_ids) != batch["input_ids"].shape[0]):
+            raise ValueError("fisher='sampled' needs row_ids, one per example: each row's labels come from its own seed.")
+        device, settings, adapter, hooks, names = self.device, self.settings, self.adapter, self.hooks, self.names
+        facts = _targets(batch, device)
+        input_ids = batch["input_ids"].to(device, non_blocking=True)
+        # Rows are right-padded and attention is causal: a real position never reads a later (padding)
+        # one, so the model runs without the mask (its mask checks read the device, twice per forward)
+        # and only the padding positions' own values differ; they are zeroed after each projection.
+        attention_mask = batch.get("attention_mask") if facts.padded else None
+        pad = None if attention_mask is None else attention_mask.to(device, non_blocking=True)[..., None] == 0  # (B, T, 1)
+        hooks.begin(pad, input_ids.shape, facts.host())
+        try:
+            with torch.enable_grad(), ACTIVATION_CONTEXTS[self.mode](self.model, self.dtype):
+                # The embeddings are looked up here: given ids and no mask, GPT-2 reads the ids back for a padding check.
+                hidden = adapter.base(inputs_embeds=adapter.embed(input_ids)).last_hidden_state
+                hooks.flush()
+                # Gather before the unembedding: only supervised positions reach the vocabulary.
+                h_sup = hidden[facts.example, facts.position]  # (N, d)
+                del hidden
+                # Mean reduction: d L_b / d loss_t = 1 / n_b for each target t of example b.
+                token_loss, grad_h = supervised_loss_grad(adapter, h_sup.detach(), facts.target,
+                                                          facts.weights(settings.reduction), settings.loss)
+                if data:  # the sampled labels' backward still needs the x_p: kept for it
+                    hooks.run_backward(h_sup, grad_h, data, bool(drawn), names,
+                                       "no gradient reached modules {}: they do not feed the supervised logits.")
+                if drawn:
+                    del grad_h
+                    uniforms = fisher_uniforms(sampled.row_ids, facts.host_counts, sampled.seed).to(device, non_blocking=True)
+                    _labels, grad_h = sampled_loss_grad(adapter, h_sup.detach(), uniforms)
+                    hooks.run_backward(h_sup, grad_h, drawn, False, names,
+                                       "the sampled-label backward reached no modules {}.")
+        finally:
+            batch_facts = hooks.end()
+        for consumer in consumers:
+            consumer.finish(batch_facts)
+        losses = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=device).index_add(0, facts.example, token_loss)
+        if settings.reduction == "mean":
+            losses = losses / facts.counts.float()
+        return BatchLosses(losses, facts.counts)
+
+
 def capture_batch(model: nn.Module, adapter, modules: Sequence[tuple], projector: Projector,
                   batch: Mapping[str, torch.Tensor], consumers: Sequence[Consumer],
                   settings: LossSettings = LossSettings(), sampled: SampledLabels | None = None) -> BatchLosses:
     """One forward and one backward per kind of labels the `consumers` read: each module's projected
-    pair (x_p, d_p) handed to them (`gradian.capture.consumers`), then their `finish`.
+    pair (x_p, d_p) handed to them (`gradian.capture.consumers`), then their `finish`. A loop over
+    many batches opens one `Capture` instead (its hooks and checks once per run).
 
     batch: ``input_ids`` (B, T) long, right-padded; ``attention_mask`` (B, T); ``supervised``
     (B, T) bool (target t predicted from position t - 1). Every example needs >= 1 target.
-    modules: (name, module) pairs, or (name, module, input columns) sites (`gradian.capture.sites`:
-    a head's d_head columns of the attention output projection), in row order.
+    modules: as `Capture` takes them.
     DATA consumers read the backward of the loss `settings` describe, on the data's labels;
     SAMPLED consumers (the true Fisher) a second backward of the same forward with the loss
     Σ_t CE(z_t, y_t), y_t ~ softmax(z_t) sampled at each supervised position (`sampled_loss_grad`;
@@ -345,65 +450,8 @@ def capture_batch(model: nn.Module, adapter, modules: Sequence[tuple], projector
     gradients only. An example's pairs do not depend on the rest of its batch: padding
     positions are masked out of x, and nothing downstream of a padding position feeds a loss.
     """
-    settings.check()
-    data = [c for c in consumers if c.labels == DATA]
-    drawn = [c for c in consumers if c.labels == SAMPLED]
-    if len(data) + len(drawn) != len(consumers):
-        raise ValueError(f"a consumer reads labels {sorted({c.labels for c in consumers} - {DATA, SAMPLED})};"
-                         f" valid: {DATA}, {SAMPLED}.")
-    if drawn and (sampled is None or len(sampled.row_ids) != batch["input_ids"].shape[0]):
-        raise ValueError("fisher='sampled' needs row_ids, one per example: each row's labels come from its own seed.")
-    dtype = next(model.parameters()).dtype
-    mode = activation_mode(settings.activations, dtype)
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    if trainable:
-        raise ValueError(f"parameters must be frozen (requires_grad_(False)); trainable: {trainable[:3]}.")
-    sites = [tuple(m) if len(m) == 3 else (m[0], m[1], None) for m in modules]
-    names = [name for name, _, _ in sites]
-    missing = [n for n in names if n not in projector.shapes]
-    if missing:
-        raise ValueError(f"the projector has no shape for modules {missing[:3]}.")
-
-    device = input_device(model)
-    facts = _targets(batch, device)
-    input_ids = batch["input_ids"].to(device, non_blocking=True)
-    # Rows are right-padded and attention is causal: a real position never reads a later (padding)
-    # one, so the model runs without the mask (its mask checks read the device, twice per forward)
-    # and only the padding positions' own values differ; they are zeroed after each projection.
-    attention_mask = batch.get("attention_mask") if facts.padded else None
-    pad = None if attention_mask is None else attention_mask.to(device, non_blocking=True)[..., None] == 0  # (B, T, 1)
-    hooks = PairHooks(projector, pad, input_ids.shape, facts.host())
-    handles = hooks.attach(sites)
-    try:
-        with torch.enable_grad(), ACTIVATION_CONTEXTS[mode](model, dtype):
-            # The embeddings are looked up here: given ids and no mask, GPT-2 reads the ids back for a padding check.
-            hidden = adapter.base(inputs_embeds=adapter.embed(input_ids)).last_hidden_state
-            hooks.flush()
-            # Gather before the unembedding: only supervised positions reach the vocabulary.
-            h_sup = hidden[facts.example, facts.position]  # (N, d)
-            del hidden
-            # Mean reduction: d L_b / d loss_t = 1 / n_b for each target t of example b.
-            token_loss, grad_h = supervised_loss_grad(adapter, h_sup.detach(), facts.target,
-                                                      facts.weights(settings.reduction), settings.loss)
-            if data:  # the sampled labels' backward still needs the x_p: kept for it
-                hooks.run_backward(h_sup, grad_h, data, bool(drawn), names,
-                                   "no gradient reached modules {}: they do not feed the supervised logits.")
-            if drawn:
-                del grad_h
-                uniforms = fisher_uniforms(sampled.row_ids, facts.host_counts, sampled.seed).to(device, non_blocking=True)
-                _labels, grad_h = sampled_loss_grad(adapter, h_sup.detach(), uniforms)
-                hooks.run_backward(h_sup, grad_h, drawn, False, names,
-                                   "the sampled-label backward reached no modules {}.")
-    finally:
-        for h in handles:
-            h.remove()
-        hooks.release()
-    for consumer in consumers:
-        consumer.finish(hooks.batch)
-    losses = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=device).index_add(0, facts.example, token_loss)
-    if settings.reduction == "mean":
-        losses = losses / facts.counts.float()
-    return BatchLosses(losses, facts.counts)
+    with Capture(model, adapter, modules, projector, settings) as capture:
+        return capture.batch(batch, consumers, sampled)
 
 
 def per_example_gradients(model: nn.Module, adapter, modules: Sequence[tuple],

@@ -23,15 +23,32 @@ class PairHooks:
     A site is (name, module, input columns or None) (`gradian.capture.sites`: the kept heads of one
     o_proj); one hook per module serves every site on it. Modules that read one input one after
     another (q, k, v; gate, up) are projected together, in one matmul, when the next hook sees
-    another input or the forward ends (`flush`). `run_backward` runs one backward for its consumers."""
+    another input or the forward ends (`flush`). `run_backward` runs one backward for its consumers.
+    The hooks are registered once (`attach`) and serve every batch between `begin` and `end`."""
 
-    def __init__(self, projector: Projector, pad: torch.Tensor | None, shape: torch.Size, batch: BatchFacts) -> None:
-        self.projector, self.pad, self.shape, self.batch = projector, pad, shape, batch
+    def __init__(self, projector: Projector) -> None:
+        self.projector = projector
+        self.active = False  # inside a batch (`begin` .. `end`): outside, the forward hooks do nothing
+        self.pad: torch.Tensor | None = None
+        self.shape: torch.Size | None = None
+        self.batch: BatchFacts | None = None
         self.x_proj: dict[str, torch.Tensor] = {}
         self.shared: list = []  # [x, [names]] while modules reading one input wait for their projection
         self.consumers: list[Consumer] = []  # the running backward's
         self.keep_inputs = False  # a later backward reads the x_p again
         self.reached: set[str] = set()  # the sites whose gradient the running backward brought
+
+    def begin(self, pad: torch.Tensor | None, shape: torch.Size, batch: BatchFacts) -> None:
+        """A batch starts: its padding mask (B, T, 1) or None, its (B, T) and its host facts."""
+        self.pad, self.shape, self.batch, self.active = pad, shape, batch, True
+
+    def end(self) -> BatchFacts:
+        """The batch is over (or failed): drop what it left; returns its facts."""
+        batch = self.batch
+        self.release()
+        self.pad = self.shape = self.batch = None
+        self.active, self.reached, self.consumers = False, set(), []
+        return batch
 
     def attach(self, sites: list[tuple[str, nn.Module, slice | None]]) -> list:
         """Register one forward hook per module; returns the handles."""
@@ -56,7 +73,9 @@ class PairHooks:
 
     def forward(self, group: list[tuple[str, slice | None]], module: nn.Module, args: tuple, output):
         """The forward hook of `group`'s module: its input projected (now, or with the next `flush`),
-        its output hooked for δ."""
+        its output hooked for δ; outside a batch, nothing."""
+        if not self.active:
+            return None
         for name, _ in group:
             if name in self.x_proj or name in self.reached or (self.shared and name in self.shared[1]):
                 raise RuntimeError(f"module {name} ran twice in one forward; cannot attribute its gradient.")

@@ -15,7 +15,9 @@ Measured side by side, in this process:
 * **bergson** at the same model, rows, precision, modules and width, if a Python here imports it
   (this interpreter, .venv-peers or .venv-bergson; scripts/peers/worker_bergson.py, its timed build
   includes the model load), else "not installed"; off in --smoke and --depth-proxy unless --bergson;
-* **EAP-IG** node and edge against its floor (scripts/bench/bench_attribution.py's `floor_pass`).
+* **EAP-IG** node and edge against its floor (scripts/bench/bench_attribution.py's `floor_pass`);
+* **the per-device constants** (scripts/bench/calibrate_device.py): the length planner's per-batch
+  overhead in tokens and the fastest logit chunk, measured on this device, beside the values in use.
 
 Figures: rows/s and real (unpadded) tokens/s of each loop; the loop's CPU seconds; the index's wall
 time (loop + the writes still pending at its end) over the loop alone; GPU busy share (NVML
@@ -30,7 +32,7 @@ the floor's, GPU busy >= 70 % at device-sized batches, EAP-IG <= 1.3x (node) / 2
 the estimate within [0.95, 1.10] of the measured CUDA peak.
 
     python scripts/bench/bench_gpu.py [--rows 2000] [--model smollm2|llama1b] [--device-tokens 32768] [--rounds 1]
-                                      [--grads grads.KEY=VALUE] [--[no-]bergson] [--no-eap] [--out R.md] [--json R.json]
+                                      [--grads grads.KEY=VALUE] [--[no-]bergson] [--no-eap] [--no-calibrate] [--out R.md] [--json R.json]
     OMP_NUM_THREADS=1 python scripts/bench/bench_gpu.py --smoke          # SmolLM2 widths, 2 layers, 16 rows (CPU)
     OMP_NUM_THREADS=1 python scripts/bench/bench_gpu.py --depth-proxy    # 30 layers, 210 modules, tiny widths
     bash scripts/bench/gpu_run.sh                                        # on a lent GPU (scripts/README.md)
@@ -81,6 +83,8 @@ from circuitkit_app.config import compose  # noqa: E402
 from gradian.build.shard_rows import ShardPipeline  # noqa: E402
 from gradian.capture.gradients import token_losses  # noqa: E402
 from gradian.projection.projector import Projector  # noqa: E402
+from scripts.bench.calibrate_device import calibrate  # noqa: E402
+from scripts.bench.calibrate_device import markdown as calibration_markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # bergson renders prompt/completion rows with the chat template: one that concatenates, so all see the same tokens
@@ -102,6 +106,7 @@ class Setting:
     eap: tuple[int, int, int] | None = (8, 64, 5)  # pairs, tokens, IG steps; None: skipped
     bergson: bool = True
     overrides: tuple[str, ...] = field(default_factory=tuple)
+    calibrate: bool = True  # the per-device constants (scripts/bench/calibrate_device.py)
 
 
 def conf_shape(name: str) -> dict[str, int]:
@@ -131,6 +136,7 @@ def setting_from(args: argparse.Namespace, on_gpu: bool) -> Setting:
         if getattr(args, key) is not None:
             s = replace(s, **{key: getattr(args, key)})
     return replace(s, eap=None if args.no_eap else s.eap, bergson=s.bergson if args.bergson is None else args.bergson,
+                   calibrate=not args.no_calibrate,
                    overrides=(*s.overrides, *args.grads))
 
 
@@ -507,7 +513,7 @@ def run_bench(s: Setting, work: Path, device: torch.device | None = None, keep_f
                                                  f"grads.batch_size={max(1, s.device_tokens // s.lengths[0])}")}
     report: dict[str, Any] = {"setting": {**s.__dict__, "lengths": list(s.lengths)}, "precision": precision,
                               "model_dir": str(path), "load_s": load_s, "index": {}, "floor": {}, "counts": {},
-                              "floor_blocking": None, "bergson": None, "eap": None}
+                              "floor_blocking": None, "bergson": None, "eap": None, "calibration": None}
     for name, extra in variants.items():
         _, vgrads = configs(path, data, precision, s, *extra)
         _, counted = configs(path, data, precision, s, *extra, f"grads.data_row_range=[0,{s.count_rows}]")
@@ -529,6 +535,9 @@ def run_bench(s: Setting, work: Path, device: torch.device | None = None, keep_f
     if s.bergson:
         modules = [n for n, _ in select_modules(loaded.model, loaded.adapter, grads.module_filter)]
         report["bergson"] = run_bergson(path, data, modules, grads, precision, s.device_tokens, work / "bergson", 600)
+    if s.calibrate:
+        report["calibration"] = calibrate(loaded, grads, small=device.type == "cpu" and s.rows < 64)
+        log(calibration_markdown(report["calibration"]))
     if s.eap is not None:
         report["eap"] = {"pairs": s.eap[0], "tokens": s.eap[1], "steps": s.eap[2],
                          "seconds": run_eap(loaded, *s.eap)}
@@ -614,6 +623,8 @@ def markdown(report: dict[str, Any], meta: dict[str, Any]) -> str:
             lines.append(f"| {name} | {value:.3f} | {value / sec['floor (full logits)']:.2f}"
                          f" | {value / sec['floor (answer logits)']:.2f} |")
         lines.append("Goals: node <= 1.3x, edge <= 2x the floor.")
+    if report.get("calibration"):
+        lines += ["", calibration_markdown(report["calibration"]).rstrip()]
     return "\n".join(lines) + "\n"
 
 
@@ -639,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grads", action="append", default=[], metavar="grads.KEY=VALUE",
                    help="an override for every Gradian run (and the floor), e.g. grads.preconditioner=none")
     p.add_argument("--no-eap", action="store_true")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the per-device constants' table")
     p.add_argument("--bergson", action=argparse.BooleanOptionalAction, default=None,
                    help="run bergson if installed (default: yes, except with --smoke and --depth-proxy)")
     p.add_argument("--work", default=None, help="working directory (default: a temporary one, removed)")

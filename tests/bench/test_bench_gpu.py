@@ -12,7 +12,7 @@ from scripts.bench.bench_gpu import PROXY_SHAPE, Setting, machine_meta, markdown
 
 def test_the_floor_computes_the_rows_gradian_stores_and_the_table_shows_both(tmp_path) -> None:
     setting = Setting("tiny", {**PROXY_SHAPE, "n_layers": 2}, rows=6, device_tokens=512, rows_per_shard=2,
-                      count_rows=6, lengths=(20, 60), eap=None, bergson=False)
+                      count_rows=6, lengths=(20, 60), eap=None, bergson=False, calibrate=False)
     cpu = torch.device("cpu")
     report = run_bench(setting, tmp_path / "work", cpu, keep_floor_rows=True, cache=tmp_path / "models",
                        log=lambda _: None)

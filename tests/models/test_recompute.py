@@ -66,12 +66,12 @@ def test_recompute_and_chunked_loss_give_the_one_pass_rows(monkeypatch, dtype, r
     batch = _batch(512)
     rows, losses = _rows(model, batch, loss_reduction=reduction, activations="recompute")
     # The plain computation: no recompute, every supervised position unembedded in one chunk.
-    monkeypatch.setattr(capture, "LOGIT_CHUNK_ELEMENTS", 10**12)
+    monkeypatch.setitem(capture.LOGIT_CHUNK_ELEMENTS, "cpu", 10**12)
     plain_rows, plain_losses = _rows(model, batch, loss_reduction=reduction, activations="model")
     assert torch.equal(rows, plain_rows)
     assert torch.equal(losses, plain_losses)
     # One position per chunk: each row's gradient comes from its own logits only.
-    monkeypatch.setattr(capture, "LOGIT_CHUNK_ELEMENTS", 1)
+    monkeypatch.setitem(capture.LOGIT_CHUNK_ELEMENTS, "cpu", 1)
     chunked_rows, chunked_losses = _rows(model, batch, loss_reduction=reduction, activations="model")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(chunked_rows, plain_rows, rtol=tol, atol=tol * plain_rows.abs().max().item())
@@ -92,7 +92,7 @@ def test_recompute_fusing_and_chunks_lower_the_peak(monkeypatch):
     recomputed, fused = peak("recompute"), peak("fused")
     as_written = peak("model")
     assert peak("auto") == as_written  # auto: float32 runs the model's own ops
-    monkeypatch.setattr(capture, "LOGIT_CHUNK_ELEMENTS", 10**12)
+    monkeypatch.setitem(capture.LOGIT_CHUNK_ELEMENTS, "cpu", 10**12)
     plain = peak("model")
     n_tokens, f = 4 * 120, 4 * 128
     for lean in (recomputed, fused):  # three (N, f) float32 tensors per layer, 2 layers

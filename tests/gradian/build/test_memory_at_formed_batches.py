@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from circuitkit.models.loading import load_model
-from scripts.bench.bench_gpu import Setting, configs, conf_shape, count_gradian, model_dir, write_rows
+from scripts.bench.bench_gpu import Setting, conf_shape, configs, count_gradian, model_dir, write_rows
 
 CASES = {
     "one layer, SmolLM2's vocabulary": ({"n_layers": 1}, ()),
