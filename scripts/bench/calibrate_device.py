@@ -4,6 +4,8 @@
   index batch (Gradian's capture: collate, copy, forward, backward, rows and K-FAC sums; a device sync
   after each) timed over a grid of rows x lengths, fitted as seconds = a + b x padded tokens by least
   squares; a / b is what one more batch costs in tokens, the planner's constant.
+* **A 16-bit input's projection** (CUDA only): today's float32 copy of x against `mm(..., out_dtype=float32)`
+  and a 16-bit matmul, time and error (the data for dropping the copy).
 * **The logit chunk** (`gradian.capture.gradients.logit_chunk_rows`): the supervised positions'
   unembedding, loss and backward (`supervised_loss_grad`) over N positions at chunks of 2^20-2^26
   elements, each timed with a sync; the fastest, and each size's time over the one in use.
@@ -115,12 +117,41 @@ def logit_chunk(loaded, n_positions: int = 1024, repeats: int = 3, loss: str = "
             "in_use_elements": in_use, "over_in_use": {e: s / seconds[closest] for e, s in seconds.items()}}
 
 
+def input_projection(loaded, grads, tokens: int = 32768, repeats: int = 10) -> dict[str, Any] | None:
+    """A 16-bit model's module input projected three ways, on CUDA (None elsewhere: the CPU has no
+    `mm` with `out_dtype`): today's float32 copy of x then a float32 matmul; `mm(x, P_in,
+    out_dtype=float32)` with P_in rounded to x's dtype (no copy of x, float32 accumulation and
+    output); and a 16-bit matmul cast after. Seconds per call and the relative error of each
+    against float64, for the first module's shape at `tokens` positions."""
+    device, dtype = loaded.device, next(loaded.model.parameters()).dtype
+    if device.type != "cuda" or torch.finfo(dtype).bits != 16:
+        return None
+    modules = select_modules(loaded.model, loaded.adapter, grads.module_filter)
+    name = modules[0][0]
+    projector = Projector(module_shapes(modules), grads.projection, grads.projection_dim, grads.projection_seed)
+    p_in = projector.kronecker_matrices(name, device)[1]  # (k_i, d_in) float32
+    x = torch.randn(tokens, p_in.shape[1], device=device).to(dtype)
+    exact = x.double() @ p_in.double().T
+    ways = {"float32 copy": lambda: x.float() @ p_in.T,
+            "mm out_dtype": lambda: torch.mm(x, p_in.T.to(dtype), out_dtype=torch.float32),
+            "16-bit, cast after": lambda: (x @ p_in.T.to(dtype)).float()}
+    out: dict[str, Any] = {"module": name, "tokens": tokens, "shape": list(p_in.shape)}
+    for label, run in ways.items():
+        try:
+            error = float((run().double() - exact).norm() / exact.norm())
+            out[label] = {"seconds": _timed(device, run, repeats), "relative_error": error}
+        except Exception as exc:  # an op this build lacks: said in the table, the rest still runs
+            out[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return out
+
+
 def calibrate(loaded, grads, small: bool = False) -> dict[str, Any]:
-    """Both constants; `small`: a grid and a position count for a CPU smoke run."""
+    """Both constants (and, on CUDA with a 16-bit model, `input_projection`); `small`: a grid and a
+    position count for a CPU smoke run."""
     grid = dict(grid_rows=(1, 2, 4), grid_lengths=(32, 96)) if small else {}
     positions = 256 if small else (4096 if loaded.device.type != "cpu" else 1024)
     return {"device": str(loaded.device), "overhead": batch_overhead(loaded, grads, **grid),
-            "chunk": logit_chunk(loaded, positions, loss=grads.loss)}
+            "chunk": logit_chunk(loaded, positions, loss=grads.loss), "projection": input_projection(loaded, grads)}
 
 
 def markdown(cal: dict[str, Any]) -> str:
@@ -133,6 +164,14 @@ def markdown(cal: dict[str, Any]) -> str:
              f"| logit chunk (elements; {c['positions']} positions, V {c['vocab']:,}) | 2^{c['best_exponent']}"
              f" ({'; '.join(f'2^{e}: {r:.2f}x' for e, r in c['over_in_use'].items())} the time in use)"
              f" | {c['in_use_elements']:,} |"]
+    proj = cal.get("projection")
+    if proj:
+        lines += ["", f"A 16-bit input projected ({proj['module']}, {proj['tokens']} positions, P_in {proj['shape']}):", "",
+                  "| way | s / call | relative error vs float64 |", "|---|---|---|"]
+        for label, r in proj.items():
+            if isinstance(r, dict):
+                lines.append(f"| {label} | {r['error']} | - |" if "error" in r else
+                             f"| {label} | {r['seconds'] * 1e6:.1f} us | {r['relative_error']:.2e} |")
     return "\n".join(lines) + "\n"
 
 
