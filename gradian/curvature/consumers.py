@@ -19,18 +19,37 @@ from gradian.curvature.factors import FactorSums
 FISHERS = {"empirical": DATA, "sampled": SAMPLED}  # grads.fisher -> the backward its factors are summed from
 
 
+# Modules whose pairs are summed in one stacked product (`FactorSums.add_group`): a layer's worth.
+# Their x_p and d_p live that much longer (GROUP x N x (k_i + k_o) floats, a few MiB).
+GROUP = 8
+
+
 class FactorSumsConsumer:
     """Feeds `sums` with the pairs of the backward `fisher` names: "empirical" (DATA labels) or
-    "sampled" (SAMPLED labels)."""
+    "sampled" (SAMPLED labels). Consecutive modules with pairs of one shape are summed together,
+    up to GROUP at a time (the backward meets a layer's modules one after another): a few stacked
+    kernels per layer instead of a few per module."""
 
     def __init__(self, sums: FactorSums, fisher: str = "empirical") -> None:
         if fisher not in FISHERS:
             raise ValueError(f"grads.fisher={fisher!r}; valid: {', '.join(FISHERS)}.")
         self.sums = sums
         self.labels = FISHERS[fisher]
+        self.waiting: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
     def take(self, name: str, xp: torch.Tensor, dp: torch.Tensor, batch: BatchFacts) -> None:
-        self.sums.add(name, xp, dp)
+        if self.waiting and (len(self.waiting) == GROUP or self.waiting[0][1].shape != xp.shape
+                             or self.waiting[0][2].shape != dp.shape):
+            self.flush()
+        self.waiting.append((name, xp, dp))
+
+    def flush(self) -> None:
+        """Sum the waiting modules' pairs."""
+        if self.waiting:
+            names, xps, dps = zip(*self.waiting, strict=True)
+            self.waiting = []
+            self.sums.add_group(names, xps, dps)
 
     def finish(self, batch: BatchFacts) -> None:
+        self.flush()
         self.sums.add_tokens(batch.real_tokens)

@@ -33,6 +33,7 @@ module second moments (width 4096 = 64 x 64: 32 KiB against 64 MiB per module an
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -105,6 +106,7 @@ class FactorSums:
         self.tokens = 0
         self.batch_dtype = batch_dtype
         self.projected = True  # sums of projected activations (the index's); the raw factor pass sets False
+        self._stacks: dict[tuple[str, ...], list] = {}  # `add_group`'s (M, k, k) totals per side, by module names
 
     def add(self, name: str, xp: torch.Tensor, dp: torch.Tensor) -> None:
         """xp (B, T, k_i), dp (B, T, k_o): the projected inputs and output gradients of one batch,
@@ -128,6 +130,30 @@ class FactorSums:
             else:
                 total += (flat.T @ flat).to(total.device, torch.float64)
 
+    def add_group(self, names: Sequence[str], xps: Sequence[torch.Tensor], dps: Sequence[torch.Tensor]) -> None:
+        """`add` for several modules of one batch whose x_p share a shape and whose d_p share a shape
+        (consecutive modules of a backward): on the device, in float64, each side is one stacked
+        product-and-add (`baddbmm_`) into the group's stacked totals, of which each module's total is
+        a view, instead of a product per module (the same values: each module's slice of a batched
+        product is its own product). Anything else (another dtype or device, a module already summed
+        in another group) goes through `add` one module at a time."""
+        kind = xps[0].device.type
+        dtype = self.batch_dtype if kind == "cpu" else torch.float32 if kind == "mps" else torch.float64
+        key = tuple(names)
+        fresh = all(name not in self.a for name in names)
+        if len(names) < 2 or not self.projected or dtype != torch.float64 or not (fresh or key in self._stacks):
+            for name, xp, dp in zip(names, xps, dps, strict=True):
+                self.add(name, xp, dp)
+            return
+        for side, (sums, values) in enumerate(((self.a, xps), (self.s, dps))):
+            flat = torch.stack(values).reshape(len(values), -1, values[0].shape[-1]).to(dtype)  # (M, positions, k)
+            if fresh:
+                stack = torch.zeros(len(values), flat.shape[2], flat.shape[2], dtype=torch.float64, device=flat.device)
+                self._stacks.setdefault(key, [None, None])[side] = stack
+                for m, name in enumerate(names):
+                    sums[name] = stack[m]
+            self._stacks[key][side].baddbmm_(flat.transpose(1, 2), flat)
+
     def add_tokens(self, n: int) -> None:
         """Count `n` more positions (a host integer: the batch's non-padding tokens, known at collate time)."""
         self.tokens += int(n)
@@ -138,6 +164,7 @@ class FactorSums:
         for sums in (self.a, self.s):
             for name, total in sums.items():
                 sums[name] = (total + total.T) / 2
+        self._stacks.clear()  # the totals are new tensors now: a later add goes module by module
 
     def check_finite(self, what: str) -> None:
         """UserError (exit 1) naming the first module whose factor sums hold NaN or infinity, before
