@@ -134,8 +134,8 @@ class FactorSums:
         """`add` for several modules of one batch whose x_p share a shape and whose d_p share a shape
         (consecutive modules of a backward): on the device, in float64, each side is one stacked
         product-and-add (`baddbmm_`) into the group's stacked totals, of which each module's total is
-        a view, instead of a product per module (the same values: each module's slice of a batched
-        product is its own product). Anything else (another dtype or device, a module already summed
+        a view, instead of a product per module (the same sums to float64 rounding: a batched product
+        may block its sums otherwise). Anything else (another dtype or device, a module already summed
         in another group) goes through `add` one module at a time."""
         kind = xps[0].device.type
         dtype = self.batch_dtype if kind == "cpu" else torch.float32 if kind == "mps" else torch.float64
