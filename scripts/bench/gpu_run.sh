@@ -3,8 +3,9 @@
 # Run from the repository root there; see scripts/README.md ("bench_gpu on a lent GPU") for the call.
 # Results land in $OUT: bench_gpu.md, bench_gpu.json, bench_gpu.log, nvidia-smi.txt (and llama1b_* with
 # GPU_RUN_LLAMA1B=1, only while enough of the budget is left).
-# Wheels the machine's image lacks (hydra-core, omegaconf, antlr4-python3-runtime; transformers if the
-# image's is older than the project's) travel in .whl/ (named in the run tool's `carry`).
+# Wheels the machine's image lacks (hydra-core, omegaconf, antlr4-python3-runtime; not transformers: the
+# image's runs the project, .venv's needs a newer huggingface_hub) travel in .whl/ (named in the run tool's
+# `carry`); bergson and its missing needs in .whl/bergson/ (scripts/README.md lists them).
 set -uo pipefail
 OUT=${OUT:-/tmp/bench_gpu_out}
 mkdir -p "$OUT"
@@ -14,6 +15,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "gpu_run.sh: installing .whl/*.whl failed" >&2; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The peer, optional: bergson and what the image lacks of its needs (scripts/README.md), in .whl/bergson/.
+# If they do not install, bergson's row says "not installed" and the rest runs.
+if compgen -G ".whl/bergson/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-bergson \
+    .whl/bergson/*.whl && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site-bergson \
+    || echo "gpu_run.sh: installing .whl/bergson/*.whl failed; bergson's row will say so" >&2
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project itself, not installed there
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 CIRCUITKIT_CACHE=/tmp/circuitkit-cache
