@@ -219,17 +219,14 @@ def check_resume_settings(manifest: dict[str, Any], grads: GradsConfig, index_di
 
 @dataclass(frozen=True)
 class _BatchCapture:
-    """What every batch of an index run is computed with (`index_batch`)."""
+    """What every batch of an index run is computed with (`index_batch`): the run's open capture
+    (its model, sites and projector; hooks and checks once per run) and the settings of the rows."""
 
-    loaded: Any
-    modules: list
-    projector: Projector
+    session: Capture
     grads: GradsConfig
-    activations: str
     fisher: str
     factored: Any
     pad_id: int
-    session: Capture  # open for the loop: its hooks and checks once per run
 
 
 def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: int, factors: FactorSums | None,
@@ -242,18 +239,18 @@ def index_batch(capture: _BatchCapture, rows: list, plan: list[int], first_row: 
     batch's bookkeeping is collated on the host, the rows leave the device in their stored form
     without a wait (`gradian.build.shard_rows`), the factor sums stay on the device. Returns the batch's
     computed (padded) tokens."""
-    grads = capture.grads
-    batch = to_device(collate(rows, capture.pad_id), capture.loaded.device)
-    names = [site[0] for site in capture.modules]
-    stored = RowsConsumer(capture.projector, names, capture.factored)
+    grads, session = capture.grads, capture.session
+    batch = to_device(collate(rows, capture.pad_id), session.device)
+    names, projector = session.names, session.projector
+    stored = RowsConsumer(projector, names, capture.factored)
     consumers = [stored]
     sampled = None
     if factors is not None:
         consumers.append(FactorSumsConsumer(factors, capture.fisher))
         if capture.fisher == "sampled":
-            sampled = SampledFisherConsumer(capture.projector, names, capture.factored)
+            sampled = SampledFisherConsumer(projector, names, capture.factored)
             consumers.append(sampled)
-    capture.session.batch(batch, consumers, SampledLabels([first_row + i for i in plan], grads.projection_seed))
+    session.batch(batch, consumers, SampledLabels([first_row + i for i in plan], grads.projection_seed))
     buffer.add(plan, stored.row(), None if sampled is None else sampled.row())
     return batch["input_ids"].numel()
 
@@ -417,13 +414,21 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     lengths = corpus.lengths
     longest, shortest = int(lengths.max()), int(lengths.min())
 
+    # The shard pipeline's two host buffers (refused here if they cannot fit): on a CPU they are the
+    # device's memory too, so its estimates count them.
+    host_bytes = check_shard_buffer(grads, corpus.n_rows, row_width, len(shapes),
+                                    list(curvature_sides(projector).values()), value_bytes=row_format.value_bytes(grads))
+
     def estimate_at(rows: int, length: int, targets: int | None = None):
-        return estimate_grads(
+        estimate = estimate_grads(
             adapter.shape(), model_dtype.itemsize, rows, length, length if targets is None else targets,
             projector, row_format.value_bytes(grads), corpus.n_rows,
             activations=activations, preconditioner=grads.preconditioner, rows_per_shard=grads.rows_per_shard,
             fisher=fisher, loss=grads.loss, factor_pass=grads.width_allocation != "uniform", stored_width=row_width,
             device=loaded.device)
+        if loaded.device.type == "cpu":
+            estimate.terms["shard buffers (host memory: the CPU's own)"] = host_bytes
+        return estimate
 
     def beyond_weights(rows: int, length: int) -> int:  # the loaded weights are not in the free memory
         estimate = estimate_at(rows, length)
@@ -435,14 +440,12 @@ def _index_corpus(model_cfg: ModelConfig, grads: GradsConfig, index_dir: Path, c
     budget = grads.batch_tokens if sizing.source == "configured" else sizing.batch_tokens
     # The largest batch the plan can form: the token budget bounds rows x longest row.
     estimate = estimate_at(min(rows_within_budget(batch_size, budget, longest), corpus.n_rows), longest)
-    check_shard_buffer(grads, corpus.n_rows, row_width, len(shapes),
-                       list(curvature_sides(projector).values()), value_bytes=row_format.value_bytes(grads))
     writer = IndexWriter(index_dir, header, corpus.n_rows, grads.rows_per_shard, grads.num_shards, grads.shard_index)
     pending = writer.pending()
     n_pending_rows = sum(end - start for start, end in map(writer.row_range, pending))
     session = Capture(loaded.model, loaded.adapter, modules, projector,
                       LossSettings(grads.loss_reduction, grads.loss, activations))
-    capture = _BatchCapture(loaded, modules, projector, grads, activations, fisher, factored, pad_id, session)
+    capture = _BatchCapture(session, grads, fisher, factored, pad_id)
     form = format_of(header)  # the stored form of this index's rows (gradian.index.formats)
     stats = _Throughput()
     what = row_format.computed_text(grads)

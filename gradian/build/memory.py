@@ -180,9 +180,8 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
                                         buffers, N_s·V·4 (measured: +12.3 MiB at N_s = 64, V = 50257,
                                         the whole difference), and its (B, Σ width) float32 rows
 
-        shard buffers                   on a CPU only (elsewhere they are host memory): the shard
-                                        pipeline's two buffers, 2·min(rows_per_shard, n_rows)·(stored
-                                        width·s + 4 + 2), twice the rows with `fisher` "sampled"
+    The shard pipeline's buffers are host memory (`gradian.build.checks.check_shard_buffer`); on a
+    CPU, where that is the device's, the index adds them to its estimates.
 
     `index_bytes` (attribute, not in the total: it is disk) is
     `grads_index_bytes(n_rows, Σ width, storage_dtype_bytes)` plus `preconditioner_index_bytes`
@@ -239,14 +238,6 @@ def estimate_grads(shape: dict[str, Any], dtype_bytes: int, batch_size: int, seq
         terms["whitening factor pass"] = whitening_pass_bytes(projector, N)
     elif factor_pass:  # grads.width_allocation=spectrum: the same pass, before the widths are known
         terms["factor pass (width allocation)"] = whitening_pass_bytes(projector, N)
-    if (getattr(device, "type", device) or "cpu") == "cpu" and n_rows:
-        # On a CPU the shard pipeline's two host buffers (`gradian.build.shard_rows`: rows in their
-        # stored form, a float32 norm and two finiteness flags each) are the device's memory too.
-        capacity = min(rows_per_shard, n_rows) if rows_per_shard else n_rows
-        per_row = (stored_width or width) * storage_dtype_bytes + FP32 + 2
-        if has_kfac(preconditioner) and fisher == "sampled":
-            per_row += (stored_width or width) * storage_dtype_bytes + 1
-        terms["shard buffers (host: the CPU's own)"] = 2 * capacity * per_row
     est = MemoryEstimate(terms, phase=f"{loss} loss backward" if terms["block temporaries"] == 0
                          else "backward of a recomputed activation" if recomputed else "forward of the last block")
     n_shards = max(1, -(-n_rows // rows_per_shard)) if rows_per_shard else 1

@@ -400,7 +400,8 @@ class Capture:
         # and only the padding positions' own values differ; they are zeroed after each projection.
         attention_mask = batch.get("attention_mask") if facts.padded else None
         pad = None if attention_mask is None else attention_mask.to(device, non_blocking=True)[..., None] == 0  # (B, T, 1)
-        hooks.begin(pad, input_ids.shape, facts.host())
+        host = facts.host()
+        hooks.begin(pad, input_ids.shape, host)
         try:
             with torch.enable_grad(), ACTIVATION_CONTEXTS[self.mode](self.model, self.dtype):
                 # The embeddings are looked up here: given ids and no mask, GPT-2 reads the ids back for a padding check.
@@ -422,9 +423,9 @@ class Capture:
                     hooks.run_backward(h_sup, grad_h, drawn, False, names,
                                        "the sampled-label backward reached no modules {}.")
         finally:
-            batch_facts = hooks.end()
+            hooks.end()
         for consumer in consumers:
-            consumer.finish(batch_facts)
+            consumer.finish(host)
         losses = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=device).index_add(0, facts.example, token_loss)
         if settings.reduction == "mean":
             losses = losses / facts.counts.float()

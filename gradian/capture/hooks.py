@@ -42,13 +42,12 @@ class PairHooks:
         """A batch starts: its padding mask (B, T, 1) or None, its (B, T) and its host facts."""
         self.pad, self.shape, self.batch, self.active = pad, shape, batch, True
 
-    def end(self) -> BatchFacts:
-        """The batch is over (or failed): drop what it left; returns its facts."""
-        batch = self.batch
-        self.release()
+    def end(self) -> None:
+        """The batch is over (or failed): drop what it left (a failed pass's projected inputs too)."""
+        self.x_proj.clear()
+        self.shared = []
         self.pad = self.shape = self.batch = None
         self.active, self.reached, self.consumers = False, set(), []
-        return batch
 
     def attach(self, sites: list[tuple[str, nn.Module, slice | None]]) -> list:
         """Register one forward hook per module; returns the handles."""
@@ -120,11 +119,6 @@ class PairHooks:
         absent = [n for n in names if n not in self.reached]
         if absent:
             raise RuntimeError(absent_error.format(absent[:3]))
-
-    def release(self) -> None:
-        """Drop the projected inputs a failed pass left."""
-        self.x_proj.clear()
-        self.shared = []
 
 
 def _output_tensor(output):

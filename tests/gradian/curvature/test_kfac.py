@@ -376,6 +376,6 @@ def test_default_index_holds_kfac_and_the_disk_estimate_counts_it(root: Path, in
     est = estimate_grads(shape_for(cfg.model), 4, 2, 32, 16, projector, 4, 20, preconditioner="kfac", rows_per_shard=7)
     assert est.index_bytes == grads_index_bytes(20, projector.total_width, 4) + kfac
     assert est.terms["K-FAC factor scratch"] > 0
-    plain = estimate_grads(shape_for(cfg.model), 4, 2, 32, 16, projector, 4, 20, rows_per_shard=7)
+    plain = estimate_grads(shape_for(cfg.model), 4, 2, 32, 16, projector, 4, 20)
     assert "K-FAC factor scratch" not in plain.terms
     assert est.total_bytes - plain.total_bytes == est.terms["K-FAC factor scratch"]
